@@ -1,0 +1,177 @@
+"""Config parsing: precedence, every error the issue names, and --help."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import ConfigError, ConfigManager, resolve_gradient_accumulation, to_toml
+from torchtitan.config.manager import tomllib
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str):
+    return ConfigManager().parse_args(list(argv))
+
+
+def problems(*argv: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse(*argv)
+    return info.value.problems
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_file():
+    cfg = parse()
+    assert cfg.parallelism.data_parallel_shard_degree == -1
+    assert cfg.training.seed is None
+    assert cfg.training.seed_sharded_dims == ["pp", "dp_shard", "cp", "tp"]
+
+
+def test_precedence_cli_over_toml_over_default(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nbatch_size = 3\n[optimizer]\nlr = 0.5\n")
+    cfg = parse("--job.config_file", path, "--training.steps=20")
+    assert cfg.training.steps == 20  # CLI beats TOML
+    assert cfg.training.batch_size == 3  # TOML beats default
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.training.seq_len == 2048  # default kept
+
+
+def test_both_cli_spellings_booleans_and_lists():
+    cfg = parse(
+        "--training.steps", "5", "--training.seq_len=32", "--training.compile",
+        "--job.print_args=false", "--training.seed_sharded_dims", "tp,pp", "--optimizer.betas=0.8,0.9",
+        "--training.deterministic", "true",
+    )
+    assert (cfg.training.steps, cfg.training.seq_len) == (5, 32)
+    assert cfg.training.compile is True and cfg.job.print_args is False and cfg.training.deterministic is True
+    assert cfg.training.seed_sharded_dims == ["tp", "pp"]
+    assert cfg.optimizer.betas == [0.8, 0.9]
+    assert parse("--training.seed_sharded_dims=").training.seed_sharded_dims == []
+    assert parse("--training.seed=5", "--training.seed=none").training.seed is None
+
+
+def test_unknown_cli_key_suggests_closest():
+    (msg,) = problems("--training.stpes=3")
+    assert "unknown option --training.stpes" in msg and "training.steps" in msg
+
+
+def test_unknown_toml_section_and_key(tmp_path):
+    path = write(tmp_path, "[trainig]\nsteps = 3\n[optimizer]\nlearning_rate = 1.0\n")
+    msgs = problems("--job.config_file", path)
+    assert any("unknown section [trainig]" in m and "'training'" in m for m in msgs)
+    assert any("unknown key 'learning_rate' in [optimizer]" in m for m in msgs)
+    assert all(path in m for m in msgs)
+
+
+def test_wrong_types_toml_and_cli(tmp_path):
+    path = write(tmp_path, '[training]\nsteps = "ten"\ncompile = 1\n')
+    msgs = problems("--job.config_file", path, "--training.batch_size=big")
+    assert any("[training] steps" in m and "expected int" in m for m in msgs)
+    assert any("[training] compile" in m for m in msgs)
+    assert any("--training.batch_size: 'big' is not an integer" in m for m in msgs)
+
+
+def test_malformed_toml_names_line(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 3\nseq_len = = 4\n")
+    (msg,) = problems("--job.config_file", path)
+    assert "malformed TOML" in msg and "line 3" in msg
+
+
+def test_missing_config_file(tmp_path):
+    (msg,) = problems("--job.config_file", str(tmp_path / "nope.toml"))
+    assert "not found" in msg and "nope.toml" in msg
+
+
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        ("--training.steps=0", "below the minimum"),
+        ("--training.batch_size=-2", "below the minimum"),
+        ("--parallelism.data_parallel_shard_degree=0", "-1 (the ranks left over)"),
+        ("--parallelism.data_parallel_shard_degree=-3", "-1 (the ranks left over)"),
+        ("--parallelism.tensor_parallel_degree=0", "below the minimum"),
+        ("--optimizer.name=SGD", "choose one of AdamW, Adam"),
+        ("--activation_checkpoint.mode=some", "choose one of none, full, selective"),
+        ("--lr_scheduler.lr_min=2", "fraction of the peak lr"),
+        ("--optimizer.betas=0.9", "two values"),
+        ("--training.seed_sharded_dims=pp,xx", "unknown dim(s) xx"),
+        ("--training.seed_sharded_dims=tp,tp", "listed twice"),
+        ("--model.flavor=9B", "choose one of"),
+        ("--training.global_batch_size=0", "positive size"),
+    ],
+)
+def test_out_of_range_values(arg, needle):
+    msgs = problems(arg)
+    assert len(msgs) == 1 and needle in msgs[0], msgs
+
+
+def test_all_problems_reported_together():
+    msgs = problems("--training.steps=x", "--model.flavor=9B", "--bogus.key=1")
+    assert len(msgs) == 3
+
+
+def test_value_missing_and_stray_argument():
+    assert any("needs a value" in m for m in problems("--training.steps"))
+    assert any("unexpected argument 'oops'" in m for m in problems("oops"))
+
+
+def test_gradient_accumulation_from_global_batch():
+    cfg = parse("--training.batch_size=2", "--training.global_batch_size=16")
+    assert resolve_gradient_accumulation(cfg, dp_degree=4) == 2
+    assert resolve_gradient_accumulation(parse("--training.gradient_accumulation_steps=3"), dp_degree=4) == 3
+    with pytest.raises(ConfigError, match="not a multiple"):
+        resolve_gradient_accumulation(cfg, dp_degree=3)
+    bad = parse("--training.batch_size=2", "--training.global_batch_size=16", "--training.gradient_accumulation_steps=4")
+    with pytest.raises(ConfigError, match="contradicts"):
+        resolve_gradient_accumulation(bad, dp_degree=4)
+
+
+def test_effective_config_round_trips_through_toml(tmp_path):
+    cfg = parse("--training.steps=9", "--training.seed=3", "--training.seed_sharded_dims=tp")
+    path = tmp_path / "effective.toml"
+    path.write_text(to_toml(cfg))
+    tomllib.loads(path.read_text())  # valid TOML
+    again = parse("--job.config_file", str(path))
+    assert again.to_dict() == {**cfg.to_dict(), "job": {**cfg.to_dict()["job"], "config_file": None}}
+
+
+@pytest.mark.parametrize("name", ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"])
+def test_shipped_configs_parse(name):
+    cfg = parse("--job.config_file", str(REPO / "train_configs" / f"{name}.toml"))
+    assert cfg.model.name == "llama3"
+
+
+def _run_train(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_help_lists_every_option():
+    out = _run_train("--help")
+    assert out.returncode == 0
+    manager = ConfigManager()
+    for section, keys in manager.fields.items():
+        for key, (f, _) in keys.items():
+            assert f"--{section}.{key}" in out.stdout
+            assert f.metadata["help"] in out.stdout
+
+
+def test_config_error_is_one_line_per_problem_and_nonzero_exit():
+    out = _run_train("--training.stpes=3", "--model.flavor=9B")
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2, out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,73 @@
+"""Run a function on N real processes joined by a gloo process group.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each of which
+initializes ``torch.distributed`` with gloo, calls ``fn(rank, world_size, *args)``
+and sends back its (picklable) return value. Any rank's exception fails the
+call with that rank's traceback; a rank that hangs fails it after ``timeout``.
+``fn`` must be a module-level function so the spawned processes can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, args, results, collective_timeout):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout))
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, collective_timeout: int = 60) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, collective_timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s; ranks that answered: {sorted(out)}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,190 @@
+import math
+
+import pytest
+import torch
+
+from torchtitan.optim import build_lr_scheduler, build_optimizer, lr_factor
+from torchtitan.optim.lr_scheduler import resolve_decay_steps
+
+PEAK_LR = 1e-3
+
+
+def _optimizer(name: str = "AdamW", lr: float = PEAK_LR) -> torch.optim.Optimizer:
+    params = [torch.nn.Parameter(torch.ones(4))]
+    return build_optimizer(
+        params,
+        name=name,
+        lr=lr,
+        eps=1e-8,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        device_type="cpu",
+    )
+
+
+def _lrs(total_steps: int, **schedule) -> list[float]:
+    """The lr used at training steps 1..total_steps, as the trainer sees it."""
+    optimizer = _optimizer()
+    scheduler = build_lr_scheduler(optimizer, total_steps=total_steps, **schedule)
+    lrs = []
+    for _ in range(total_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+# --- schedule -------------------------------------------------------------
+
+
+def test_warmup_starts_above_zero_and_reaches_peak():
+    lrs = _lrs(20, warmup_steps=4, decay_ratio=0.5, decay_type="linear", lr_min=0.0)
+    assert lrs[0] == pytest.approx(PEAK_LR / 5)
+    assert lrs[0] > 0
+    assert lrs[:5] == sorted(lrs[:5])
+    assert lrs[4] == pytest.approx(PEAK_LR)
+
+
+def test_zero_warmup_starts_at_peak():
+    lrs = _lrs(10, warmup_steps=0, decay_ratio=0.5, decay_type="linear", lr_min=0.0)
+    assert lrs[0] == pytest.approx(PEAK_LR)
+
+
+def test_stable_phase_holds_peak():
+    # warmup 1..2, stable 3..6, decay 7..10
+    lrs = _lrs(10, warmup_steps=2, decay_ratio=0.4, decay_type="cosine", lr_min=0.1)
+    assert lrs[2:6] == pytest.approx([PEAK_LR] * 4)
+    assert lrs[6] < PEAK_LR
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "cosine", "sqrt"])
+@pytest.mark.parametrize("decay_ratio", [0.3, None])
+def test_decay_is_monotone_and_ends_at_lr_min(decay_type, decay_ratio):
+    total, warmup, lr_min = 50, 5, 0.1
+    lrs = _lrs(
+        total, warmup_steps=warmup, decay_ratio=decay_ratio, decay_type=decay_type, lr_min=lr_min
+    )
+    after_warmup = lrs[warmup:]
+    assert all(a >= b for a, b in zip(after_warmup, after_warmup[1:]))
+    assert lrs[-2] > PEAK_LR * lr_min
+    assert lrs[-1] == pytest.approx(PEAK_LR * lr_min, rel=1e-12)
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "cosine", "sqrt"])
+def test_factor_is_exactly_lr_min_at_last_step(decay_type):
+    kwargs = dict(warmup_steps=3, decay_steps=7, total_steps=20, decay_type=decay_type)
+    assert lr_factor(20, lr_min=0.25, **kwargs) == 0.25
+    assert lr_factor(20, lr_min=0.0, **kwargs) == 0.0
+    # Past the end the lr stays at the floor.
+    assert lr_factor(25, lr_min=0.25, **kwargs) == 0.25
+
+
+def test_decay_curve_midpoints():
+    kwargs = dict(warmup_steps=0, decay_steps=4, total_steps=4, lr_min=0.0)
+    assert lr_factor(2, decay_type="linear", **kwargs) == pytest.approx(0.5)
+    assert lr_factor(2, decay_type="cosine", **kwargs) == pytest.approx(0.5)
+    assert lr_factor(2, decay_type="sqrt", **kwargs) == pytest.approx(1 - math.sqrt(0.5))
+    assert lr_factor(1, decay_type="sqrt", **kwargs) == pytest.approx(0.5)
+
+
+def test_zero_decay_ratio_keeps_peak_to_the_end():
+    lrs = _lrs(8, warmup_steps=2, decay_ratio=0.0, decay_type="linear", lr_min=0.0)
+    assert lrs[2:] == pytest.approx([PEAK_LR] * 6)
+
+
+def test_decay_steps_rounding():
+    assert resolve_decay_steps(total_steps=100, warmup_steps=0, decay_ratio=0.29) == 29
+    assert resolve_decay_steps(total_steps=100, warmup_steps=10, decay_ratio=None) == 90
+
+
+def test_scheduler_state_dict_holds_no_schedule():
+    # On resume the schedule must come from the config, not the checkpoint.
+    optimizer = _optimizer()
+    scheduler = build_lr_scheduler(
+        optimizer, warmup_steps=2, decay_ratio=None, decay_type="linear", lr_min=0.0, total_steps=10
+    )
+    optimizer.step()
+    scheduler.step()
+    state = scheduler.state_dict()
+    assert state["last_epoch"] == 1
+    assert state["lr_lambdas"] == [{}]
+
+
+# --- validation -----------------------------------------------------------
+
+
+def _build(**overrides):
+    schedule = dict(
+        warmup_steps=2, decay_ratio=0.5, decay_type="linear", lr_min=0.0, total_steps=10
+    )
+    schedule.update(overrides)
+    return build_lr_scheduler(_optimizer(), **schedule)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(decay_type="exp"), "decay_type"),
+        (dict(lr_min=-0.1), "lr_min"),
+        (dict(lr_min=1.5), "lr_min"),
+        (dict(decay_ratio=-0.1), "decay_ratio"),
+        (dict(decay_ratio=1.1), "decay_ratio"),
+        (dict(total_steps=0), "total_steps"),
+    ],
+)
+def test_invalid_schedule_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        _build(**overrides)
+
+
+def test_warmup_plus_decay_too_long_reports_numbers():
+    with pytest.raises(ValueError) as excinfo:
+        _build(warmup_steps=6, decay_ratio=0.5, total_steps=10)
+    message = str(excinfo.value)
+    for part in ("warmup_steps (6)", "(5", "total_steps (10)"):
+        assert part in message
+
+
+def test_warmup_longer_than_training_is_rejected():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        _build(warmup_steps=11, decay_ratio=None, total_steps=10)
+
+
+# --- optimizer ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("Adam", torch.optim.Adam)])
+def test_optimizer_choice(name, cls):
+    optimizer = _optimizer(name)
+    assert type(optimizer) is cls
+    group = optimizer.param_groups[0]
+    assert group["lr"] == PEAK_LR
+    assert group["betas"] == (0.9, 0.95)
+    assert group["weight_decay"] == 0.1
+    assert group["foreach"] is True
+    assert not group["fused"]
+
+
+@pytest.mark.parametrize("name", ["adamw", "SGD", ""])
+def test_unknown_optimizer_lists_choices(name):
+    with pytest.raises(ValueError, match=r"Adam, AdamW"):
+        _optimizer(name)
+
+
+def test_one_step_changes_params():
+    model = torch.nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = build_optimizer(
+        model.parameters(),
+        name="AdamW",
+        lr=1e-2,
+        eps=1e-8,
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        device_type="cpu",
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    for old, new in zip(before, model.parameters()):
+        assert not torch.equal(old, new.detach())

@@ -1,0 +1,165 @@
+"""The job configuration: one dataclass per TOML section.
+
+Every field has a default and a one-line help text (``metadata["help"]``), which
+``--help`` prints. Optional checks live in the metadata too: ``choices`` for
+enumerations and ``min`` for lower bounds; the config manager enforces them.
+Sections that later features own are declared here already so that names stay
+stable for users' TOML files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# The mesh dimension names, in the order the world mesh lays them out.
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None) -> Any:
+    """A dataclass field with a default, a help line and optional checks."""
+    meta = {"help": help, "choices": choices, "min": min}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str | None = opt(None, "TOML file to read; CLI flags override its values")
+    dump_folder: str = opt("./outputs", "Folder for logs, the effective config, checkpoints and traces")
+    description: str = opt("default job", "Free-text description of the job, printed at start")
+    print_args: bool = opt(True, "Print the effective config on rank 0 at start")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "Model family", choices=("llama3",))
+    flavor: str = opt("debugmodel", "Model size within the family (debugmodel, 1B, 8B, 70B, 405B)")
+    tokenizer_path: str = opt(
+        "torchtitan/datasets/assets/tokenizer.model",
+        "SentencePiece tokenizer.model; relative paths also resolve against the repository root",
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    lr: float = opt(8e-4, "Peak learning rate", min=0.0)
+    eps: float = opt(1e-8, "Adam epsilon", min=0.0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
+    betas: list[float] = opt([0.9, 0.95], "Adam beta1,beta2")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Steps of linear warmup from ~0 to the peak lr", min=0)
+    decay_ratio: float | None = opt(
+        None, "Fraction of steps spent decaying at the end (unset: decay right after warmup)", min=0.0
+    )
+    decay_type: str = opt("linear", "Shape of the decay", choices=("linear", "cosine", "sqrt"))
+    lr_min: float = opt(0.0, "Final lr as a fraction of the peak lr (0..1)", min=0.0)
+
+
+@dataclass
+class Training:
+    dataset: str = opt("embedded", "Dataset name from the registry (embedded, c4, ...)")
+    dataset_path: str | None = opt(None, "Local json/jsonl/parquet/text file or folder; overrides the registry's source")
+    batch_size: int = opt(8, "Local batch size: sequences per data-parallel rank per micro-step", min=1)
+    seq_len: int = opt(2048, "Tokens per sequence", min=1)
+    max_norm: float = opt(1.0, "Gradient clipping: max global L2 norm (0 disables clipping)", min=0.0)
+    steps: int = opt(10000, "Optimizer steps to train", min=1)
+    gradient_accumulation_steps: int = opt(1, "Micro-steps per optimizer step", min=1)
+    global_batch_size: int = opt(
+        -1, "Sequences per optimizer step over all ranks; -1 = batch_size * dp degree * accumulation steps"
+    )
+    mixed_precision_param: str = opt(
+        "auto", "FSDP parameter dtype for compute; auto = bfloat16 on GPU, float32 on CPU",
+        choices=("auto", "bfloat16", "float32"),
+    )
+    mixed_precision_reduce: str = opt("float32", "Gradient reduction dtype", choices=("float32", "bfloat16"))
+    compile: bool = opt(False, "torch.compile each transformer block")
+    seed: int | None = opt(None, "Base random seed; unset means no seeding (stated in the log)")
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
+    seed_sharded_dims: list[str] = opt(
+        ["pp", "dp_shard", "cp", "tp"],
+        "Mesh dims whose ranks get distinct seeds, first most significant; unlisted dims share seeds",
+    )
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(1, "Replicas (DDP, or the replicate dim of HSDP)", min=1)
+    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = the ranks left over by the other degrees")
+    tensor_parallel_degree: int = opt(1, "Tensor parallel degree", min=1)
+    enable_sequence_parallel: bool = opt(True, "Shard norms/activations along the sequence under TP")
+    disable_loss_parallel: bool = opt(False, "Gather logits before the loss instead of vocab-parallel cross entropy")
+    context_parallel_degree: int = opt(1, "Context parallel degree (sequence sharding)", min=1)
+    pipeline_parallel_degree: int = opt(1, "Pipeline parallel degree", min=1)
+    pipeline_parallel_schedule: str = opt("1F1B", "Pipeline schedule name")
+    pipeline_parallel_microbatches: int | None = opt(None, "Pipeline microbatches (unset = number of stages)", min=1)
+    fsdp_reshard_after_forward: str = opt(
+        "default", "Free gathered params after forward: default (yes, except under PP), always, never",
+        choices=("default", "always", "never"),
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = opt(False, "Save and load checkpoints")
+    folder: str = opt("checkpoint", "Checkpoint folder, under the dump folder")
+    interval: int = opt(500, "Save every this many steps", min=1)
+    keep_latest_k: int = opt(0, "Keep only the newest k checkpoints (0 keeps all)", min=0)
+    async_mode: str = opt("disabled", "Checkpoint save mode", choices=("disabled", "async"))
+    model_weights_only: bool = opt(False, "Final save holds model weights only")
+    export_dtype: str = opt("float32", "Dtype of a weights-only export", choices=("float32", "bfloat16"))
+    load_step: int = opt(-1, "Step to load; -1 = latest complete checkpoint")
+    exclude_from_loading: list[str] = opt([], "State keys not to load (e.g. optimizer,dataloader)")
+    create_seed_checkpoint: bool = opt(False, "Write an initialized step-0 checkpoint and exit")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "Recompute activations in backward", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt("2", "Selective AC: 'op' (save matmuls only) or N (every N-th block)")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every this many steps", min=1)
+    enable_tensorboard: bool = opt(False, "Write TensorBoard event files")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, under the dump folder")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Record torch.profiler traces")
+    save_traces_folder: str = opt("profile_traces", "Trace folder, under the dump folder")
+    profile_freq: int = opt(10, "Profile every this many steps", min=1)
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout for process-group set-up and the first step", min=1)
+    train_timeout_seconds: int = opt(100, "Collective timeout after the first step", min=1)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            s.name: {f.name: getattr(getattr(self, s.name), f.name) for f in fields(getattr(self, s.name))}
+            for s in fields(self)
+        }

@@ -1,0 +1,15 @@
+"""Data pipeline: embedded default corpus, SentencePiece tokenizer, packing dataloader."""
+
+from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
+from torchtitan.datasets.hf_datasets import DATASETS, DatasetSpec, PackedTextDataset, build_dataloader
+from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = [
+    "DATASETS",
+    "DatasetSpec",
+    "PackedTextDataset",
+    "Tokenizer",
+    "build_dataloader",
+    "build_tokenizer",
+    "ensure_embedded_corpus",
+]

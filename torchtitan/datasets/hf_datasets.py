@@ -1,0 +1,406 @@
+"""Text datasets, packing into fixed-length samples, and the stateful dataloader.
+
+Data flow
+---------
+1. A *document source* yields records (dicts) in a fixed order: a registered
+   dataset (``DATASETS``) or a local file/directory given as ``dataset_path``.
+2. Every document is encoded with BOS and EOS and appended to one token
+   stream.  The stream is cut into consecutive, non-overlapping windows of
+   ``seq_len + 1`` tokens; window ``i`` is global sample ``i`` with
+   ``inputs = window[:-1]`` and ``labels = window[1:]``.  Tokens left over at
+   the end of the data (less than one window) are dropped.
+3. Samples are dealt out to data-parallel ranks in blocks.  With local batch
+   ``B`` and DP degree ``D`` the global batch ``s`` is windows
+   ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` receives the contiguous block
+   ``[s*B*D + r*B, s*B*D + (r+1)*B)``.  The stream itself never depends on
+   ``D``, so a run with ``D=1`` and batch ``B*D`` sees exactly the same global
+   batches, and so does a run that accumulates gradients over several
+   consecutive local batches.
+
+Every rank tokenizes the whole stream itself and keeps only its own windows.
+That wastes ``D - 1`` of the tokenizer work, but it needs no communication,
+is trivially deterministic, and costs well under a second per epoch for the
+embedded corpus.  For large hub datasets (C4) it would be better to shard
+documents across ranks and exchange token counts; that is a known TODO.
+
+End of data
+-----------
+A global batch is handed out only once all of its ``B*D`` windows exist, so
+the last, incomplete global batch of a pass is dropped on every rank alike
+and no rank ever waits for a batch that its peers do not produce.  (The
+number of complete global batches depends only on ``B*D``; a run that
+accumulates gradients with a smaller ``B*D`` may therefore keep a few more
+windows at the end of an epoch than a run without accumulation.)  With
+``infinite=True`` the data is then re-read from the beginning (epoch + 1);
+otherwise iteration stops.
+
+Checkpointing
+-------------
+``PackedTextDataset.state_dict()`` stores a position that does not depend on
+the DP degree: the epoch and the index of the first window of the next global
+batch.  Loading it into a dataset with another DP degree (or local batch
+size) continues the same global sample stream from that window.  Resuming
+re-reads and re-tokenizes the documents before that window and skips them,
+which is cheap for the embedded corpus but linear in the position.
+
+Concurrency
+-----------
+All local files, including the embedded corpus, are opened with
+``datasets.load_dataset(..., streaming=True)``.  Streaming reads the files
+directly and writes no Arrow cache, so eight ranks opening the same file at
+the same moment cannot corrupt or race on a shared cache (``datasets`` only
+touches a small lock file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+
+from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
+from torchtitan.datasets.tokenizer import Tokenizer
+
+__all__ = [
+    "DATASETS",
+    "DatasetSpec",
+    "PackedTextDataset",
+    "build_dataloader",
+    "load_local_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """How to open a named dataset.
+
+    ``load`` returns an iterable of records (re-iterable: every ``iter()``
+    starts again from the first record); ``text_field`` names the record key
+    holding the document text.
+    """
+
+    load: Callable[[], Iterable[dict[str, Any]]]
+    text_field: str = "text"
+    description: str = ""
+
+
+# `datasets` is imported inside the loaders: it takes about a second to
+# import, and code that only needs the tokenizer should not pay for it.
+
+
+def _load_embedded() -> Iterable[dict[str, Any]]:
+    # Treated like any local JSON-lines file; see the module docstring for
+    # why it is streamed.
+    import datasets
+
+    return datasets.load_dataset("json", data_files=ensure_embedded_corpus(), split="train", streaming=True)
+
+
+def _load_c4() -> Iterable[dict[str, Any]]:
+    # Needs network access to the Hugging Face hub (or a populated HF cache).
+    import datasets
+
+    return datasets.load_dataset("allenai/c4", name="en", split="train", streaming=True)
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "embedded": DatasetSpec(
+        load=_load_embedded,
+        description="CPython documentation shipped with Python (offline default, ~1.4 MB)",
+    ),
+    "c4": DatasetSpec(
+        load=_load_c4,
+        description="allenai/c4 'en' train split, streamed from the Hugging Face hub",
+    ),
+}
+
+# Local file suffix -> `datasets` packaged builder.
+_BUILDER_BY_SUFFIX: dict[str, str] = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
+
+
+def _builder_for(path: Path) -> str | None:
+    return _BUILDER_BY_SUFFIX.get(path.suffix.lower())
+
+
+def load_local_dataset(path: str) -> Iterable[dict[str, Any]]:
+    """Stream a local ``.json``/``.jsonl``/``.parquet``/``.txt`` file, or a directory of them.
+
+    Records must have a "text" field (JSON and Parquet); plain-text files are
+    split into documents at blank lines (``sample_by="paragraph"``).  Files in
+    a directory are read in sorted path order, and all of them must share one
+    format.
+    """
+    import datasets
+
+    root = Path(os.path.expanduser(path))
+    if not root.exists():
+        raise FileNotFoundError(f"dataset_path {path!r} does not exist")
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and _builder_for(p) is not None)
+        if not files:
+            known = ", ".join(sorted(_BUILDER_BY_SUFFIX))
+            raise ValueError(f"dataset_path {path!r} is a directory without any {known} files")
+        builders = {_builder_for(p) for p in files}
+        if len(builders) > 1:
+            raise ValueError(
+                f"dataset_path {path!r} mixes file formats ({', '.join(sorted(builders))}); "
+                "put each format in its own directory"
+            )
+        builder = builders.pop()
+    else:
+        builder = _builder_for(root)
+        if builder is None:
+            known = ", ".join(sorted(_BUILDER_BY_SUFFIX))
+            raise ValueError(f"dataset_path {path!r} has an unsupported suffix; expected one of {known}")
+        files = [root]
+
+    data_files = [str(p) for p in files]
+    extra: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True, **extra)
+
+
+def _open_source(dataset_name: str, dataset_path: str | None) -> tuple[Iterable[dict[str, Any]], str]:
+    """Return (records, text_field) for the configured dataset."""
+    if dataset_path:
+        # An explicit path wins; the name then only labels the data in logs.
+        return load_local_dataset(dataset_path), "text"
+    spec = DATASETS.get(dataset_name)
+    if spec is None:
+        known = ", ".join(sorted(DATASETS))
+        raise ValueError(
+            f"Unknown dataset {dataset_name!r}. Known datasets: {known}; "
+            "or set dataset_path to a local .json/.jsonl/.parquet/.txt file or directory."
+        )
+    return spec.load(), spec.text_field
+
+
+class PackedTextDataset(IterableDataset, Stateful):
+    """Packs documents into ``seq_len + 1`` windows and yields this DP rank's share.
+
+    Yields ``(inputs, labels)`` pairs of int64 tensors of shape ``[seq_len]``,
+    in blocks of ``local_batch_size`` consecutive windows (see the module
+    docstring for the layout).  Each ``iter()`` continues from the current
+    position, which ``state_dict``/``load_state_dict`` save and restore.
+    """
+
+    def __init__(
+        self,
+        *,
+        source: Iterable[dict[str, Any]],
+        text_field: str,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        infinite: bool = True,
+        name: str = "dataset",
+    ) -> None:
+        _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
+        self.source = source
+        self.text_field = text_field
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.infinite = infinite
+        self.name = name
+
+        # Position, independent of the DP layout except for the mid-block
+        # counter (which is 0 whenever a whole local batch has been taken).
+        self._epoch = 0
+        # Index (within the epoch) of the first window of the next global
+        # batch this rank has not finished handing out.
+        self._next_window = 0
+        # Samples of this rank's block in that global batch already yielded.
+        self._taken_in_block = 0
+
+    # ------------------------------------------------------------------ data
+
+    def _documents(self) -> Iterator[str]:
+        for record in self.source:
+            try:
+                text = record[self.text_field]
+            except KeyError:
+                raise ValueError(
+                    f"{self.name}: record has no {self.text_field!r} field (fields: {sorted(record)})"
+                ) from None
+            # Empty documents would only contribute a BOS/EOS pair.
+            if text:
+                yield text
+
+    def _windows(self) -> Iterator[list[int]]:
+        """The epoch's token stream cut into consecutive ``seq_len + 1`` windows."""
+        window_len = self.seq_len + 1
+        buffer: list[int] = []
+        for text in self._documents():
+            buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
+            # Walk with an offset and trim once per document: repeatedly
+            # slicing the front off a long buffer would be quadratic.
+            start = 0
+            while len(buffer) - start >= window_len:
+                yield buffer[start : start + window_len]
+                start += window_len
+            del buffer[:start]
+
+    def _sample(self, window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.tensor(window, dtype=torch.long)
+        return tokens[:-1], tokens[1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        local_batch = self.local_batch_size
+        global_batch = local_batch * self.dp_degree
+        my_offset = self.dp_rank * local_batch
+        while True:
+            # A pass starts at the saved position; the global batches of this
+            # pass are counted from there.  (With an unchanged B*D the
+            # position is always a multiple of B*D, so this is the same as
+            # counting from the start of the epoch.)
+            base = self._next_window
+            skip = self._taken_in_block
+            complete_batches = 0
+            pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for index, window in enumerate(self._windows()):
+                if index < base:
+                    continue  # consumed before the checkpoint we resumed from
+                batch_index, offset = divmod(index - base, global_batch)
+                if my_offset <= offset < my_offset + local_batch:
+                    pending.append(self._sample(window))
+                if offset != global_batch - 1:
+                    continue
+                # Global batch complete: hand out this rank's block.
+                complete_batches += 1
+                first = skip if batch_index == 0 else 0
+                for position in range(first, local_batch):
+                    # Update the position *before* yielding: the consumer may
+                    # checkpoint while this generator is suspended here.
+                    if position + 1 == local_batch:
+                        self._next_window = base + (batch_index + 1) * global_batch
+                        self._taken_in_block = 0
+                    else:
+                        self._taken_in_block = position + 1
+                    yield pending[position]
+                pending.clear()
+
+            if complete_batches == 0 and base == 0:
+                raise ValueError(
+                    f"{self.name}: the data holds fewer than one global batch "
+                    f"({global_batch} windows of {self.seq_len + 1} tokens); use a larger dataset "
+                    "or a smaller seq_len/batch size"
+                )
+            self._epoch += 1
+            self._next_window = 0
+            self._taken_in_block = 0
+            if not self.infinite:
+                logger.info("%s: end of data after epoch %d", self.name, self._epoch - 1)
+                return
+            logger.info("%s: end of data, starting epoch %d from the beginning", self.name, self._epoch)
+
+    # ------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self._epoch,
+            "next_window": self._next_window,
+            "taken_in_block": self._taken_in_block,
+            # Not part of the position; recorded to reject checkpoints that
+            # cannot be mapped onto this dataset.
+            "seq_len": self.seq_len,
+            "local_batch_size": self.local_batch_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"{self.name}: checkpoint was taken with seq_len={state_dict['seq_len']}, "
+                f"but this run uses seq_len={self.seq_len}; window positions cannot be mapped"
+            )
+        taken = int(state_dict["taken_in_block"])
+        if taken and state_dict["local_batch_size"] != self.local_batch_size:
+            raise ValueError(
+                f"{self.name}: checkpoint was taken in the middle of a local batch of "
+                f"{state_dict['local_batch_size']}; it can only be resumed with the same local batch size"
+            )
+        self._epoch = int(state_dict["epoch"])
+        self._next_window = int(state_dict["next_window"])
+        self._taken_in_block = taken
+
+
+def _check_layout(*, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if local_batch_size <= 0:
+        raise ValueError(f"local_batch_size must be positive, got {local_batch_size}")
+    if dp_degree <= 0:
+        raise ValueError(f"dp_degree must be positive, got {dp_degree}")
+    if not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}")
+
+
+def _collate_pairs(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    # The default collate would return a list; a tuple reads better at the
+    # call site (`inputs, labels = batch`) and is what the trainer expects.
+    inputs = torch.stack([sample[0] for sample in samples])
+    labels = torch.stack([sample[1] for sample in samples])
+    return inputs, labels
+
+
+def build_dataloader(
+    *,
+    dataset_name: str,
+    dataset_path: str | None,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    infinite: bool = True,
+) -> StatefulDataLoader:
+    """Build this DP rank's loader of ``(inputs, labels)`` batches, each ``[local_batch_size, seq_len]``.
+
+    ``dataset_path``, when set, overrides ``dataset_name`` (see
+    ``load_local_dataset``); otherwise ``dataset_name`` must be a key of
+    ``DATASETS``.  The loader's ``state_dict()`` contains the dataset position
+    and can be loaded with a different ``dp_degree``.
+    """
+    _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
+    source, text_field = _open_source(dataset_name, dataset_path)
+    dataset = PackedTextDataset(
+        source=source,
+        text_field=text_field,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        infinite=infinite,
+        name=dataset_path or dataset_name,
+    )
+    # num_workers=0: tokenization is cheap next to a training step, and the
+    # in-process iterator lets StatefulDataLoader checkpoint the dataset
+    # position directly (no per-worker snapshots).  The dataset yields whole
+    # local batches (blocks), so a batch never straddles two blocks; only a
+    # dataset checkpoint taken by hand in the middle of a block could shift
+    # that, and the loader never takes one there.
+    return StatefulDataLoader(
+        dataset,
+        batch_size=local_batch_size,
+        collate_fn=_collate_pairs,
+        num_workers=0,
+        drop_last=True,
+    )

@@ -1,0 +1,100 @@
+"""Process-group set-up and the few collectives the trainer needs."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def device_type() -> str:
+    """The accelerator when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]:
+    """Join (or, for a plain ``python train.py``, create) the default process group.
+
+    Returns (rank, world_size, device). CUDA gets NCCL for its tensors plus gloo
+    for the occasional CPU tensor; a machine without GPUs gets gloo alone.
+    """
+    if "RANK" not in os.environ:
+        # A single process without torchrun: make a one-rank group so the code path is the same.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type() == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=init_timeout_seconds))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:
+    """Shorten the collective timeout once the slow first step is done, so a dead rank ends the job."""
+    timeout = timedelta(seconds=seconds)
+    groups = [None] + (mesh.get_all_groups() if mesh is not None else [])
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def reduce_scalar(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
+    """Sum, max or mean a scalar over a 1-D mesh (identity when ``mesh`` is None)."""
+    tensor = torch.as_tensor(value, dtype=torch.float64)
+    if mesh is None or mesh.size() == 1:
+        return float(tensor)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    tensor = tensor.to(device)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}[op]
+    dist.all_reduce(tensor, op=reduce_op, group=mesh.get_group())
+    if op == "mean":
+        tensor = tensor / mesh.size()
+    return float(tensor)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Clip gradients to ``max_norm`` by their true global norm; return that norm.
+
+    A DTensor gradient's norm is partial over the mesh it is sharded on
+    (FSDP, HSDP, TP); ``full_tensor()`` finishes that reduction. Pipeline stages
+    hold disjoint parameters, so their squared norms are summed across ``pp`` too.
+    ``max_norm <= 0`` only measures.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+            total = total ** (1.0 / norm_type)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,115 @@
+"""Metric sinks: TensorBoard scalars and the one-line console summary."""
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Writes scalar metrics to TensorBoard from a single rank.
+
+    Every rank may construct and call it; only ``rank == log_rank`` writes, so
+    the trainer needs no rank checks around logging calls. The SummaryWriter
+    is created on the first ``log`` so that ranks and runs that never log
+    leave no empty event files behind.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None,
+        enable_tensorboard: bool,
+        rank: int,
+        log_rank: int = 0,
+    ) -> None:
+        self.log_dir = log_dir
+        self.rank = rank
+        self.log_rank = log_rank
+        self.enabled = enable_tensorboard and rank == log_rank
+        if self.enabled and log_dir is None:
+            logger.warning("TensorBoard is enabled but no log_dir was given; not writing")
+            self.enabled = False
+        self._writer: Any = None  # torch.utils.tensorboard.SummaryWriter
+
+    def _get_writer(self) -> Any:
+        if self._writer is None:
+            # Imported here: tensorboard is only needed when it is enabled.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.log_dir)
+        return self._writer
+
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        """Write each metric as a scalar at ``step``; None values are skipped."""
+        if not self.enabled:
+            return
+        writer = self._get_writer()
+        for name, value in metrics.items():
+            if value is None:
+                continue
+            writer.add_scalar(name, float(value), global_step=step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss, with hours allowed past 24 (long runs)."""
+    if not math.isfinite(seconds):
+        return "?"
+    total = max(int(round(seconds)), 0)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _memory_field(metrics: Mapping[str, float | None]) -> str | None:
+    # Key names follow torchtitan.metrics.device_info.device_memory.
+    reserved = metrics.get("max_reserved_gib")
+    if reserved is not None:
+        pct = metrics.get("max_reserved_pct")
+        suffix = f" ({pct:.1f}%)" if pct is not None else ""
+        return f"memory: {reserved:.2f}GiB{suffix}"
+    peak_rss = metrics.get("peak_rss_gib")
+    if peak_rss is not None:
+        return f"memory: {peak_rss:.2f}GiB rss"
+    return None
+
+
+def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
+    """One console line for a log step; fields missing from ``metrics`` are left out.
+
+    Read keys: loss, grad_norm, lr, tps, tflops, mfu_pct, max_reserved_gib /
+    max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s.
+    """
+    fields = [f"step: {step}"]
+
+    def add(key: str, template: str) -> None:
+        value = metrics.get(key)
+        if value is not None:
+            fields.append(template.format(value))
+
+    add("loss", "loss: {:.5g}")
+    add("grad_norm", "grad_norm: {:.4f}")
+    add("lr", "lr: {:.1e}")
+    add("tps", "tps: {:,.0f}")
+    add("tflops", "tflops: {:.2f}")
+    add("mfu_pct", "mfu: {:.2f}%")
+    memory = _memory_field(metrics)
+    if memory is not None:
+        fields.append(memory)
+    add("data_pct", "data: {:.1f}%")
+    eta = metrics.get("eta_s")
+    if eta is not None:
+        fields.append(f"eta: {format_duration(eta)}")
+    return "  ".join(fields)

@@ -1,0 +1,105 @@
+"""Hyper-parameters of the Llama 3 family and the named model sizes ("flavors")."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    # None means plain multi-head attention (one K/V head per query head).
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    # The SwiGLU hidden size is rounded up to a multiple of this (kernel-friendly shapes).
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 long-context frequency scaling (factor 8, low/high freq factors 1/4,
+    # original context 8192). Needed to reproduce the published 3.1+ checkpoints.
+    rope_scaling: bool = False
+    max_seq_len: int = 2048
+    # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)).
+    # False: every layer uses 0.02 / sqrt(2 * n_layers).
+    depth_init: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ValueError("head_dim must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+llama3_flavors: dict[str, ModelArgs] = {
+    # Tiny model for tests and smoke runs; n_kv_heads < n_heads so GQA is exercised.
+    "debugmodel": ModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=2048,
+    ),
+    # Llama 3.2 1B. The release ties the output projection to the embedding; we keep
+    # them separate, so num_params() reports the untied count (1,498,482,688 rather
+    # than the released 1,235,814,400).
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.2,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+}

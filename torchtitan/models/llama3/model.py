@@ -1,0 +1,301 @@
+"""The Llama 3 transformer: pre-norm blocks of grouped-query attention and SwiGLU.
+
+Written to be easy to parallelise:
+- attention derives its (local) head count from tensor shapes, so it keeps working
+  when tensor parallelism shards wq/wk/wv by columns;
+- `layers` is a ModuleDict keyed by the original layer index, and the embedding,
+  final norm and output projection may be None, so pipeline stages can prune the
+  model and still keep the original parameter names;
+- initialisation is described by `param_init_specs()` (one spec per parameter), the
+  single source of truth for both plain and sharded initialisation.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.llama3.args import ModelArgs
+
+
+# ---------------------------------------------------------------- initialisation
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """How to fill one parameter. For "trunc_normal", `a`/`b` are absolute bounds."""
+
+    kind: Literal["normal", "trunc_normal", "ones", "zeros"]
+    std: float = 1.0
+    a: float | None = None
+    b: float | None = None
+    mean: float = 0.0
+
+
+def trunc_normal_spec(std: float, n_std: float) -> InitSpec:
+    return InitSpec("trunc_normal", std=std, a=-n_std * std, b=n_std * std)
+
+
+@torch.no_grad()
+def apply_init_spec(tensor: torch.Tensor, spec: InitSpec, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill `tensor` in place according to `spec` and return it."""
+    if spec.kind == "normal":
+        return nn.init.normal_(tensor, mean=spec.mean, std=spec.std, generator=generator)
+    if spec.kind == "trunc_normal":
+        a = -2.0 * spec.std if spec.a is None else spec.a
+        b = 2.0 * spec.std if spec.b is None else spec.b
+        return nn.init.trunc_normal_(tensor, mean=spec.mean, std=spec.std, a=a, b=b, generator=generator)
+    if spec.kind == "ones":
+        return nn.init.ones_(tensor)
+    if spec.kind == "zeros":
+        return nn.init.zeros_(tensor)
+    raise ValueError(f"unknown init kind {spec.kind!r}")
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(F, "rms_norm"):
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Fallback for old torch: normalise in float32 so bf16 inputs keep precision.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: bool) -> torch.Tensor:
+    """Per-pair rotation frequencies theta_i = theta^(-2i/head_dim), float64.
+
+    With `scaling`, apply the Llama 3.1 rule: low frequencies (wavelength above
+    8192 / low_freq_factor) are slowed down 8x, high frequencies (wavelength below
+    8192 / high_freq_factor) are kept, and the band in between is blended linearly.
+    """
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if not scaling:
+        return freqs
+    factor, low_freq_factor, high_freq_factor, old_context = 8.0, 1.0, 4.0, 8192.0
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelen > old_context / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelen < old_context / high_freq_factor, freqs, out)
+
+
+def precompute_rope_cache(
+    head_dim: int, max_seq_len: int, theta: float, scaling: bool, device: torch.device | None = None
+) -> torch.Tensor:
+    """Real-valued rotary cache of shape [max_seq_len, head_dim], float32.
+
+    Row p is cat(cos(p * theta_i), sin(p * theta_i)) for i in 0..head_dim/2-1, i.e. the
+    first half holds cosines and the second half sines. Angles are computed in float64
+    because p * theta_i loses several bits in float32 at long context.
+    """
+    freqs = rope_frequencies(head_dim, theta, scaling).to(device)
+    pos = torch.arange(max_seq_len, dtype=torch.float64, device=device)
+    angles = torch.outer(pos, freqs)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query/key heads. x*: [B, L, H, head_dim]; rope_cache: [L, head_dim] or [B, L, head_dim].
+
+    Uses the Meta reference convention: adjacent pairs (x[2i], x[2i+1]) rotate by
+    angle p * theta_i, so published checkpoints load without permuting wq/wk.
+    """
+    cos, sin = rope_cache.unsqueeze(-2).chunk(2, dim=-1)  # [..., L, 1, head_dim/2], broadcasts over heads
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().unflatten(-1, (-1, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+        return out.flatten(-2).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, L, H_kv, D] -> [B, L, H_kv * n_rep, D], each KV head repeated for its query group.
+
+    Done explicitly (rather than SDPA's enable_gqa) because not every attention
+    backend, nor the context-parallel ring attention, supports enable_gqa.
+    """
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv, head_dim = x.shape
+    return x[:, :, :, None, :].expand(bs, seqlen, n_kv, n_rep, head_dim).reshape(bs, seqlen, n_kv * n_rep, head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        n_kv_heads = args.n_kv_heads or args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention on [B, H, L, D] tensors; context parallelism swaps this out."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism these are the local heads.
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, rope_cache)
+        n_rep = xq.shape[2] // xk.shape[2]
+        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+        out = self.sdpa(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def ffn_hidden_dim(args: ModelArgs) -> int:
+    """SwiGLU width: 2/3 of 4*dim (keeps params equal to a 4x GELU MLP), optionally
+    scaled, then rounded up to a multiple of `multiple_of`."""
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down projection
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id  # kept so depth-scaled init survives pipeline pruning
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ---------------------------------------------------------------- the model
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Non-persistent: it is derived from args, so it stays out of checkpoints.
+        self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
+
+    def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
+        a = self.args
+        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)
+
+    def param_init_specs(self) -> dict[str, InitSpec]:
+        """FQN -> InitSpec for every parameter of this (possibly pruned) model.
+
+        Scheme: embeddings normal(0, 1); norm weights ones; wq/wk/wv/w1/w3
+        trunc_normal(std 0.02, cut at +-2 std); wo/w2 trunc_normal(cut at +-2 std) with
+        std 0.02 / sqrt(2 * (layer_id + 1)) if depth_init else 0.02 / sqrt(2 * n_layers);
+        output trunc_normal(std dim**-0.5, cut at +-3 std).
+        Specs are attached by parameter identity and then named through
+        named_parameters(), so wrappers (FSDP, activation checkpointing) keep working.
+        """
+        args = self.args
+        by_param: dict[int, InitSpec] = {}
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                by_param[id(module.weight)] = InitSpec("ones")
+            elif isinstance(module, TransformerBlock):
+                depth = module.layer_id + 1 if args.depth_init else args.n_layers
+                out_spec = trunc_normal_spec(0.02 / math.sqrt(2 * depth), 2.0)
+                in_spec = trunc_normal_spec(0.02, 2.0)
+                attn, ffn = module.attention, module.feed_forward
+                for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+                    by_param[id(lin.weight)] = in_spec
+                for lin in (attn.wo, ffn.w2):
+                    by_param[id(lin.weight)] = out_spec
+        if self.tok_embeddings is not None:
+            by_param[id(self.tok_embeddings.weight)] = InitSpec("normal", std=1.0)
+        if self.output is not None:
+            by_param[id(self.output.weight)] = trunc_normal_spec(args.dim**-0.5, 3.0)
+
+        specs: dict[str, InitSpec] = {}
+        for fqn, param in self.named_parameters():
+            if id(param) not in by_param:
+                raise RuntimeError(f"no init spec for parameter {fqn}")
+            specs[fqn] = by_param[id(param)]
+        return specs
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Recompute the rope cache, then fill every parameter from param_init_specs()."""
+        device = buffer_device if buffer_device is not None else self.rope_cache.device
+        self.rope_cache = self._rope_cache(device)
+        specs = self.param_init_specs()
+        for fqn, param in self.named_parameters():
+            apply_init_spec(param, specs[fqn])
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: ids [B, L] (or hidden states [B, L, dim] on a stage without embeddings).
+
+        positions: [L] or [B, L] indices into the rope cache; None means 0..L-1.
+        Returns logits [B, L, vocab] (hidden states on a stage without output).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        rope = self.rope_cache[:seqlen] if positions is None else self.rope_cache[positions]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N + 12 * n_layers * dim * seq_len.
+
+    N counts non-embedding parameters (the lookup does no matmul; the output
+    projection does and is included). 6N covers forward (2N) and backward (4N) of
+    the matmuls; the second term is QK^T and AV over the full sequence, forward and
+    backward, without halving for the causal mask (the common convention).
+    """
+    hd, n_kv = args.head_dim, args.n_kv_heads or args.n_heads
+    attn = args.dim * hd * (2 * args.n_heads + 2 * n_kv)
+    ffn = 3 * args.dim * ffn_hidden_dim(args)
+    per_layer = attn + ffn + 2 * args.dim
+    n = args.n_layers * per_layer + args.dim + args.dim * args.vocab_size
+    return 6.0 * n + 12.0 * args.n_layers * args.dim * seq_len
