@@ -10,6 +10,7 @@ call with that rank's traceback; a rank that hangs fails it after ``timeout``.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -34,7 +35,8 @@ def _child(fn, rank, world_size, port, args, results, collective_timeout):
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout))
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Pickle by value: tensors sent as-is would live in shared memory that dies with this process.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -58,7 +60,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, c
         for _ in range(world_size):
             rank, ok, value = results.get(timeout=timeout)
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
     except queue.Empty:

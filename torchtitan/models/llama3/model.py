@@ -253,10 +253,14 @@ class Transformer(nn.Module):
         return specs
 
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Recompute the rope cache, then fill every parameter from param_init_specs()."""
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        """Recompute the (non-persistent) rope cache, e.g. after ``to_empty``."""
         device = buffer_device if buffer_device is not None else self.rope_cache.device
         self.rope_cache = self._rope_cache(device)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Recompute the rope cache, then fill every parameter from param_init_specs()."""
+        self.init_buffers(buffer_device)
         specs = self.param_init_specs()
         for fqn, param in self.named_parameters():
             apply_init_spec(param, specs[fqn])

@@ -1,0 +1,234 @@
+"""The training loop: build mesh -> seed -> model on meta -> parallelize -> init -> optimizer -> train.
+
+Everything that can be checked without communication (degrees, flavor, tokenizer,
+dataset, batch arithmetic) is checked in ``preflight`` *before* the process group
+exists, so a bad config fails identically on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan.config import ConfigError, JobConfig, resolve_gradient_accumulation, to_toml
+from torchtitan.datasets import DATASETS, build_dataloader, build_tokenizer
+from torchtitan.distributed import (
+    ParallelDims, clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
+)
+from torchtitan.distributed.layout_init import init_params_layout_invariant
+from torchtitan.distributed.utils import set_collective_timeout
+from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
+from torchtitan.models import model_flavors
+from torchtitan.models.llama3 import Transformer, flops_per_token
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger(__name__)
+# torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class Plan:
+    """What preflight worked out from the config alone."""
+
+    dims: ParallelDims
+    grad_accum: int
+    model_args: object
+    tokenizer: object
+
+
+def preflight(cfg: JobConfig, world_size: int) -> Plan:
+    """Validate the whole job without touching the network; raises ConfigError."""
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    problems = []
+    for flag, degree in [("tensor_parallel_degree", dims.tp), ("context_parallel_degree", dims.cp),
+                         ("pipeline_parallel_degree", dims.pp)]:
+        if degree > 1:
+            problems.append(f"--parallelism.{flag}={degree}: not implemented yet in this version; use 1 "
+                            "(data parallel degrees: data_parallel_replicate_degree / data_parallel_shard_degree)")
+    if cfg.training.dataset_path is None and cfg.training.dataset not in DATASETS:
+        problems.append(f"--training.dataset={cfg.training.dataset}: unknown; choose one of {', '.join(DATASETS)} "
+                        "or give --training.dataset_path")
+    if cfg.training.dataset_path is not None and not os.path.exists(cfg.training.dataset_path):
+        problems.append(f"--training.dataset_path={cfg.training.dataset_path}: no such file or folder")
+    try:
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    except (FileNotFoundError, ValueError) as e:
+        problems.append(f"--model.tokenizer_path: {e}")
+        tokenizer = None
+    if problems:
+        raise ConfigError(problems)
+    grad_accum = resolve_gradient_accumulation(cfg, dims.degree("dp"))
+    args = dataclasses.replace(
+        model_flavors(cfg.model.name)[cfg.model.flavor],
+        vocab_size=tokenizer.n_words,
+        max_seq_len=cfg.training.seq_len,
+    )
+    return Plan(dims, grad_accum, args, tokenizer)
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        self.dims, self.grad_accum, self.model_args = plan.dims, plan.grad_accum, plan.model_args
+
+        self.rank, _, self.device = init_distributed(cfg.comm.init_timeout_seconds)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.loss_mesh = self.dims.get_mesh("dp_cp")  # the ranks that see different tokens
+        logger.info("World mesh %s", dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)))
+        self._write_config()
+        self._seed()
+        set_determinism(cfg.training.deterministic)
+
+        dp_rank, dp_degree = self.dims.rank_and_size("dp")
+        self.dataloader = build_dataloader(
+            dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
+            seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
+            dp_rank=dp_rank, dp_degree=dp_degree,
+        )
+        self.model = self._build_model()
+        t, o = cfg.training, cfg.optimizer
+        self.optimizer = build_optimizer(
+            self.model.parameters(), name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay,
+            betas=tuple(o.betas), device_type=self.device.type,
+        )
+        s = cfg.lr_scheduler
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
+            lr_min=s.lr_min, total_steps=t.steps,
+        )
+        self.step = 0
+        self._setup_metrics()
+
+    # ---- set-up -------------------------------------------------------------
+    def _write_config(self) -> None:
+        if self.rank != 0:
+            return
+        text = to_toml(self.cfg)
+        folder = Path(self.cfg.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.toml").write_text(text)
+        if self.cfg.job.print_args:
+            logger.info("Effective config (%s):\n%s", self.cfg.job.description, text)
+
+    def _seed(self) -> None:
+        t = self.cfg.training
+        if t.seed is None:
+            logger.info("training.seed is unset: no seeding, so runs are not reproducible")
+            return
+        rank_seed = manual_seed(t.seed, mesh=self.mesh, sharded_dims=t.seed_sharded_dims)
+        logger.debug("Rank %d seed %d (sharded dims %s)", self.rank, rank_seed, t.seed_sharded_dims)
+        if self.rank == 0:
+            logger.info("Seeded: rank 0 seed %d, sharded dims %s", rank_seed, t.seed_sharded_dims)
+
+    def _build_model(self) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        n_params = model.num_params()
+        self.flops_per_token = flops_per_token(self.model_args, self.cfg.training.seq_len)
+        logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", self.cfg.model.flavor, f"{n_params:,}",
+                    self.flops_per_token)
+        parallelize_llama(model, self.dims, self.cfg, self.device.type)
+        model.to_empty(device=self.device)
+        if self.cfg.training.seed is None:
+            model.init_weights(buffer_device=self.device)
+        else:
+            # Same full weights for a given seed whatever the layout; see layout_init.py.
+            model.init_buffers(buffer_device=self.device)
+            init_params_layout_invariant(model, self.cfg.training.seed)
+        model.train()
+        return model
+
+    def _setup_metrics(self) -> None:
+        cfg = self.cfg
+        peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        if peak is None and self.rank == 0:
+            logger.info("MFU not reported: no peak FLOP/s known for device %s", self.device)
+        self.throughput = Throughput(total_steps=cfg.training.steps, flops_per_token=self.flops_per_token,
+                                     peak_flops=peak)
+        tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+        self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank)
+
+    # ---- training -------------------------------------------------------------
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Accumulate gradients over ``batches`` (the micro-batches); return (loss sum, global tokens).
+
+        The loss is the sum of token losses over every rank and micro-batch divided by
+        the global token count, so the gradient is the same whatever the DP degree and
+        the accumulation. FSDP averages gradients over the dp_cp ranks; multiplying by
+        that degree turns its average back into this sum.
+        """
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        global_tokens = reduce_scalar(local_tokens, "sum", self.loss_mesh)
+        scale = (1 if self.loss_mesh is None else self.loss_mesh.size()) / global_tokens
+        local_loss_sum = torch.zeros((), dtype=torch.float64)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            logits = self.model(inputs)
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                                       ignore_index=IGNORE_INDEX)
+            (loss_sum * scale).backward()
+            local_loss_sum += loss_sum.detach().double().cpu()
+        return float(local_loss_sum), global_tokens
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over ``batches``; returns (global loss, global grad norm)."""
+        local_loss_sum, global_tokens = self.forward_backward(batches)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = reduce_scalar(local_loss_sum, "sum", self.loss_mesh) / global_tokens
+        if not math.isfinite(loss):
+            # Every rank holds the same reduced loss, so every rank stops here together.
+            raise FloatingPointError(
+                f"loss is {loss} at step {self.step}: training diverged; lower --optimizer.lr, raise "
+                f"--lr_scheduler.warmup_steps or check the data"
+            )
+        return loss, float(grad_norm)
+
+    def train(self) -> list[float]:
+        cfg, losses = self.cfg, []
+        data_iter = iter(self.dataloader)
+        logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
+                    cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,
+                    self.dims.degree("dp"))
+        while self.step < cfg.training.steps:
+            self.step += 1
+            self.throughput.step_begin()
+            batches = [next(data_iter) for _ in range(self.grad_accum)]
+            self.throughput.data_loaded()
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(batches)
+            self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches))
+            losses.append(loss)
+            if self.step == 1:
+                # The first step pays for compilation and lazy set-up; later ones should be quick.
+                set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
+            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                self._log(loss, grad_norm, lr)
+        self.metrics_logger.close()
+        logger.info("Training done: %d steps, final loss %.5f", self.step, losses[-1])
+        return losses
+
+    def _log(self, loss: float, grad_norm: float, lr: float) -> None:
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.throughput.metrics(),
+                   **device_memory(self.device)}
+        self.throughput.reset_window()
+        if self.rank == 0:
+            logger.info(format_step_line(self.step, metrics))
+        self.metrics_logger.log(self.step, metrics)
