@@ -49,13 +49,10 @@ class Plan:
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """Validate the whole job without touching the network; raises ConfigError."""
-    try:
-        dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    except ValueError as e:
-        raise ConfigError([str(e)]) from None
-    problems = []
-    for flag, degree in [("tensor_parallel_degree", dims.tp), ("context_parallel_degree", dims.cp),
-                         ("pipeline_parallel_degree", dims.pp)]:
+    p, problems = cfg.parallelism, []
+    for flag, degree in [("tensor_parallel_degree", p.tensor_parallel_degree),
+                         ("context_parallel_degree", p.context_parallel_degree),
+                         ("pipeline_parallel_degree", p.pipeline_parallel_degree)]:
         if degree > 1:
             problems.append(f"--parallelism.{flag}={degree}: not implemented yet in this version; use 1 "
                             "(data parallel degrees: data_parallel_replicate_degree / data_parallel_shard_degree)")
@@ -69,6 +66,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     except (FileNotFoundError, ValueError) as e:
         problems.append(f"--model.tokenizer_path: {e}")
         tokenizer = None
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise ConfigError(problems)
     grad_accum = resolve_gradient_accumulation(cfg, dims.degree("dp"))

@@ -143,7 +143,7 @@ def test_effective_config_round_trips_through_toml(tmp_path):
     path.write_text(to_toml(cfg))
     tomllib.loads(path.read_text())  # valid TOML
     again = parse("--job.config_file", str(path))
-    assert again.to_dict() == {**cfg.to_dict(), "job": {**cfg.to_dict()["job"], "config_file": None}}
+    assert again.to_dict() == {**cfg.to_dict(), "job": {**cfg.to_dict()["job"], "config_file": str(path)}}
 
 
 @pytest.mark.parametrize("name", ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"])

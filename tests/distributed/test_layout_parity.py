@@ -1,0 +1,134 @@
+"""Every layout trains the same model: init parity, replica/shard invariants, loss parity, reproducibility.
+
+All runs use float32 on CPU/gloo, the debug model, ``training.deterministic`` and
+the same global batch (8 sequences): local batch 1 on 8 ranks, 8 on one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from dist_harness import run_ranks
+from torchtitan.config import ConfigManager
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+STEPS = 30
+
+# name -> (ranks, overrides); local batch is 8 / dp degree so the global batch is always 8.
+LAYOUTS = {
+    "FSDP 8": (8, ["--parallelism.data_parallel_shard_degree=8", "--training.batch_size=1"]),
+    "HSDP 2x4": (8, ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=4",
+                     "--training.batch_size=1"]),
+    "DDP 8": (8, ["--parallelism.data_parallel_replicate_degree=8", "--parallelism.data_parallel_shard_degree=1",
+                  "--training.batch_size=1"]),
+}
+CONTROL = (1, ["--training.batch_size=8"])
+
+
+def make_trainer(dump: str, *overrides: str):
+    from torchtitan.trainer import Trainer
+
+    cfg = ConfigManager().parse_args(
+        ["--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
+         "--metrics.enable_tensorboard=false", "--metrics.log_freq=1000", "--training.deterministic",
+         f"--training.steps={STEPS}", *overrides]
+    )
+    return Trainer(cfg)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str], train: bool) -> dict:
+    from torchtitan.distributed.layout_init import gather_full_state_dict
+
+    trainer = make_trainer(dump, *overrides)
+    full = gather_full_state_dict(trainer.model)
+    local = {}
+    for fqn, param in trainer.model.named_parameters():
+        shard = param.to_local() if isinstance(param, DTensor) else param
+        local[fqn] = _digest(shard)
+    specs = {fqn: spec.kind for fqn, spec in trainer.model.param_init_specs().items()}
+    out = {"local": local, "kinds": specs}
+    if rank == 0:
+        out["full"] = {fqn: _digest(t) for fqn, t in full.items()}
+    if train:
+        out["losses"] = trainer.train()
+    return out
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory) -> dict:
+    ranks, overrides = CONTROL
+    (result,) = run_ranks(_init_and_train, ranks, str(tmp_path_factory.mktemp("control")), overrides, True)
+    return result
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict:
+    results = {}
+    for name, (ranks, overrides) in LAYOUTS.items():
+        dump = str(tmp_path_factory.mktemp(name.replace(" ", "_")))
+        results[name] = run_ranks(_init_and_train, ranks, dump, overrides, True, timeout=400)
+    return results
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_init_is_bitwise_the_single_process_init(name, layouts, control):
+    assert layouts[name][0]["full"] == control["full"]
+
+
+def test_uneven_shards_init_bitwise(tmp_path, control):
+    # 3 ranks: dims of 256 or 2048 rows do not split evenly.
+    results = run_ranks(_init_and_train, 3, str(tmp_path), ["--parallelism.data_parallel_shard_degree=3"], False)
+    assert results[0]["full"] == control["full"]
+
+
+def test_replicas_identical_shards_distinct(layouts):
+    random_params = [fqn for fqn, kind in layouts["FSDP 8"][0]["kinds"].items() if kind not in ("ones", "zeros")]
+    hsdp = layouts["HSDP 2x4"]
+    for fqn in random_params:
+        for shard in range(4):  # rank = replica * 4 + shard
+            assert hsdp[shard]["local"][fqn] == hsdp[4 + shard]["local"][fqn], fqn
+        assert len({hsdp[s]["local"][fqn] for s in range(4)}) == 4, fqn
+        fsdp = layouts["FSDP 8"]
+        assert len({fsdp[r]["local"][fqn] for r in range(8)}) == 8, fqn
+        ddp = layouts["DDP 8"]
+        assert len({ddp[r]["local"][fqn] for r in range(8)}) == 1, fqn
+    # Different layers get different values by construction (the FQN is part of the seed).
+    assert layouts["FSDP 8"][0]["full"]["layers.0.attention.wq.weight"] != \
+        layouts["FSDP 8"][0]["full"]["layers.1.attention.wq.weight"]
+
+
+def test_loss_parity_across_layouts(layouts, control):
+    reference = control["losses"]
+    print(f"\n{'layout':<10} {'step-1 loss':>12} {'step-1 rel':>11} {f'max rel ({STEPS} steps)':>20}")
+    print(f"{'control':<10} {reference[0]:>12.7f} {0:>11.2e} {0:>20.2e}")
+    for name, results in layouts.items():
+        losses = results[0]["losses"]
+        rel = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+        print(f"{name:<10} {losses[0]:>12.7f} {rel[0]:>11.2e} {max(rel):>20.2e}")
+        assert all(r["losses"] == losses for r in results)  # the logged loss is global: same on all ranks
+        assert rel[0] <= 1e-6, name
+        assert max(rel) <= 1e-4, (name, max(rel))
+    assert reference[-1] < reference[0] - 1.0  # and the model does learn
+
+
+def _losses(rank: int, world_size: int, dump: str, overrides: list[str]) -> list[float]:
+    return make_trainer(dump, "--training.steps=8", *overrides).train()
+
+
+def test_same_seed_same_layout_is_bitwise_reproducible(tmp_path):
+    fsdp2 = ["--parallelism.data_parallel_shard_degree=2"]
+    first = run_ranks(_losses, 2, str(tmp_path / "a"), fsdp2)[0]
+    second = run_ranks(_losses, 2, str(tmp_path / "b"), fsdp2)[0]
+    other_seed = run_ranks(_losses, 2, str(tmp_path / "c"), [*fsdp2, "--training.seed=7"])[0]
+    assert first == second  # bitwise: exact float equality at every step
+    assert first[0] != other_seed[0]
