@@ -95,3 +95,41 @@ def test_unsupported_parallelism_is_a_config_error(tmp_path):
     )
     assert out.returncode == 2
     assert "tensor_parallel_degree=2" in out.stderr and "Traceback" not in out.stderr
+
+
+def _losses_with(rank: int, world_size: int, dump: str, overrides: list[str]) -> list[float]:
+    return make_trainer(dump, "--training.steps=3", "--training.deterministic", *overrides).train()
+
+
+def test_activation_checkpointing_modes_recompute_exactly(tmp_path):
+    modes = {
+        "none": ["--activation_checkpoint.mode=none"],
+        "full": ["--activation_checkpoint.mode=full"],
+        "selective_op": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"],
+        "selective_2": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
+    }
+    fsdp2 = ["--parallelism.data_parallel_shard_degree=2"]
+    losses = {name: run_ranks(_losses_with, 2, str(tmp_path / name), [*fsdp2, *o])[0] for name, o in modes.items()}
+    for name, curve in losses.items():
+        # Recomputation replays the same float32 ops, so the curve is the same to the last bits.
+        assert curve == pytest.approx(losses["none"], rel=1e-6), name
+
+
+def test_config_error_under_torchrun_exits_on_every_rank(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+         "--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=3", f"--job.dump_folder={tmp_path}"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert out.returncode != 0
+    # One line from each rank, naming the degrees and the world size; nobody waits on a collective.
+    assert out.stderr.count("config error: ParallelDims") == 2, out.stderr[-2000:]
+
+
+def test_compiled_blocks_match_eager(tmp_path):
+    fsdp2 = ["--parallelism.data_parallel_shard_degree=2"]
+    eager = run_ranks(_losses_with, 2, str(tmp_path / "eager"), fsdp2)[0]
+    compiled = run_ranks(_losses_with, 2, str(tmp_path / "compiled"), [*fsdp2, "--training.compile"], timeout=400)[0]
+    # Inductor may fuse and reorder float32 ops, so equal to rounding, not bitwise.
+    assert compiled == pytest.approx(eager, rel=1e-4)

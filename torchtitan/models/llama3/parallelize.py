@@ -67,7 +67,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_
     if mode == "full":
         chosen, context_fn = blocks, None
     elif selective_option == "op":
-        chosen, context_fn = blocks, partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
+        # Op-level AC records every op in its region, so the region must not contain FSDP's
+        # unshard/reshard hooks (they sit on the block): wrap the block's two halves instead.
+        chosen = [half for block in blocks for half in (block.attention, block.feed_forward)]
+        context_fn = partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
     else:
         try:
             every = int(selective_option)
@@ -83,7 +86,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_
             composable_checkpoint(block)
         else:
             composable_checkpoint(block, context_fn=context_fn)
-    logger.info("Activation checkpointing (%s) on %d of %d blocks", mode, len(chosen), len(blocks))
+    logger.info("Activation checkpointing (%s, option %s) on %d modules", mode, selective_option, len(chosen))
 
 
 # ---- compile -----------------------------------------------------------------
