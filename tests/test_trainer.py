@@ -90,11 +90,12 @@ def test_unsupported_parallelism_is_a_config_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2",
-         f"--job.dump_folder={tmp_path}"],
+         "--checkpoint.enable_checkpoint", f"--job.dump_folder={tmp_path}"],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert out.returncode == 2
     assert "tensor_parallel_degree=2" in out.stderr and "Traceback" not in out.stderr
+    assert "checkpointing is not implemented" in out.stderr  # not silently ignored
 
 
 def _losses_with(rank: int, world_size: int, dump: str, overrides: list[str]) -> list[float]:
@@ -133,3 +134,30 @@ def test_compiled_blocks_match_eager(tmp_path):
     compiled = run_ranks(_losses_with, 2, str(tmp_path / "compiled"), [*fsdp2, "--training.compile"], timeout=400)[0]
     # Inductor may fuse and reorder float32 ops, so equal to rounding, not bitwise.
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_profiling_writes_a_trace_per_rank(tmp_path):
+    run_ranks(_losses_with, 2, str(tmp_path), ["--parallelism.data_parallel_shard_degree=2",
+                                               "--profiling.enable_profiling", "--profiling.profile_freq=2"])
+    traces = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "profile_traces").glob("*/*.json"))
+    # Steps 1-2 form one cycle (warm-up, record); the profiler also flushes the partial cycle at exit.
+    assert {"profile_traces/iteration_2/rank0_trace.json", "profile_traces/iteration_2/rank1_trace.json"} <= set(traces)
+    assert all(t.endswith(("rank0_trace.json", "rank1_trace.json")) for t in traces)
+    assert '"traceEvents"' in (tmp_path / traces[0]).read_text()[:10000]
+
+
+def _train_with_nan_weight(rank: int, world_size: int, dump: str) -> str:
+    trainer = make_trainer(dump, "--training.steps=3", "--parallelism.data_parallel_shard_degree=2")
+    weight = trainer.model.output.weight
+    with torch.no_grad():
+        (weight.to_local() if isinstance(weight, DTensor) else weight).fill_(float("nan"))
+    try:
+        trainer.train()
+    except FloatingPointError as e:
+        return str(e)
+    return "kept training"
+
+
+def test_non_finite_loss_stops_every_rank_with_a_clear_message(tmp_path):
+    messages = run_ranks(_train_with_nan_weight, 2, str(tmp_path))
+    assert all(m.startswith("loss is nan at step 1") and "--optimizer.lr" in m for m in messages), messages

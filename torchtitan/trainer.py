@@ -25,6 +25,7 @@ from torchtitan.distributed import (
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.utils import set_collective_timeout
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
+from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models import model_flavors
 from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -56,6 +57,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         if degree > 1:
             problems.append(f"--parallelism.{flag}={degree}: not implemented yet in this version; use 1 "
                             "(data parallel degrees: data_parallel_replicate_degree / data_parallel_shard_degree)")
+    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.create_seed_checkpoint:
+        problems.append("--checkpoint.enable_checkpoint / create_seed_checkpoint: checkpointing is not implemented "
+                        "yet in this version; leave both false")
     if cfg.training.dataset_path is None and cfg.training.dataset not in DATASETS:
         problems.append(f"--training.dataset={cfg.training.dataset}: unknown; choose one of {', '.join(DATASETS)} "
                         "or give --training.dataset_path")
@@ -208,23 +212,32 @@ class Trainer:
         logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
                     cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,
                     self.dims.degree("dp"))
-        while self.step < cfg.training.steps:
-            self.step += 1
-            self.throughput.step_begin()
-            batches = [next(data_iter) for _ in range(self.grad_accum)]
-            self.throughput.data_loaded()
-            lr = self.lr_scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(batches)
-            self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches))
-            losses.append(loss)
-            if self.step == 1:
-                # The first step pays for compilation and lazy set-up; later ones should be quick.
-                set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
-            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                self._log(loss, grad_norm, lr)
+        trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
+        with maybe_profile(cfg.profiling.enable_profiling, trace_dir, cfg.profiling.profile_freq, self.rank) as prof:
+            while self.step < cfg.training.steps:
+                self._run_step(data_iter, losses)
+                if prof is not None:
+                    prof.step()
         self.metrics_logger.close()
         logger.info("Training done: %d steps, final loss %.5f", self.step, losses[-1])
         return losses
+
+    def _run_step(self, data_iter, losses: list[float]) -> None:
+        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps."""
+        cfg = self.cfg
+        self.step += 1
+        self.throughput.step_begin()
+        batches = [next(data_iter) for _ in range(self.grad_accum)]
+        self.throughput.data_loaded()
+        lr = self.lr_scheduler.get_last_lr()[0]
+        loss, grad_norm = self.train_step(batches)
+        self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches))
+        losses.append(loss)
+        if self.step == 1:
+            # The first step pays for compilation and lazy set-up; later ones should be quick.
+            set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
+        if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+            self._log(loss, grad_norm, lr)
 
     def _log(self, loss: float, grad_norm: float, lr: float) -> None:
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.throughput.metrics(),
