@@ -161,3 +161,28 @@ def _train_with_nan_weight(rank: int, world_size: int, dump: str) -> str:
 def test_non_finite_loss_stops_every_rank_with_a_clear_message(tmp_path):
     messages = run_ranks(_train_with_nan_weight, 2, str(tmp_path))
     assert all(m.startswith("loss is nan at step 1") and "--optimizer.lr" in m for m in messages), messages
+
+
+def _one_rank_goes_silent(rank: int, world_size: int, dump: str) -> tuple[str, float]:
+    import time
+
+    trainer = make_trainer(dump, "--training.steps=4", "--parallelism.data_parallel_shard_degree=2",
+                           "--comm.train_timeout_seconds=5")
+    if rank == 1:
+        trainer.cfg.training.steps = 1  # take step 1 (which applies the training timeout), then stop answering
+        trainer.train()
+        time.sleep(45)
+        return "silent", 0.0
+    start = time.monotonic()
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the type depends on the backend; raising at all is the point
+        return type(e).__name__, time.monotonic() - start
+    return "finished", time.monotonic() - start
+
+
+def test_a_silent_rank_makes_the_others_fail_after_the_train_timeout(tmp_path):
+    # The harness sets up the group with a 60 s timeout; only the 5 s training timeout explains a quick failure.
+    (outcome, seconds), _ = run_ranks(_one_rank_goes_silent, 2, str(tmp_path), collective_timeout=60)
+    assert outcome not in ("finished", "silent"), outcome
+    assert seconds < 30, seconds

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.config import ConfigError, JobConfig, resolve_gradient_accumulation, to_toml
-from torchtitan.datasets import DATASETS, build_dataloader, build_tokenizer
+from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tokenizer
 from torchtitan.distributed import (
     ParallelDims, clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
 )
@@ -27,7 +27,7 @@ from torchtitan.distributed.utils import set_collective_timeout
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models import model_flavors
-from torchtitan.models.llama3 import Transformer, flops_per_token
+from torchtitan.models.llama3 import ModelArgs, Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 
@@ -44,8 +44,8 @@ class Plan:
 
     dims: ParallelDims
     grad_accum: int
-    model_args: object
-    tokenizer: object
+    model_args: ModelArgs
+    tokenizer: Tokenizer
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:

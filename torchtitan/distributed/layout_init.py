@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from torchtitan.models.init_spec import InitSpec, apply_init_spec
 
 CHUNK_NUMEL = 1 << 22  # values per generator chunk: part of the definition, do not change lightly
 
@@ -43,17 +44,17 @@ def rows_per_chunk(shape: torch.Size) -> int:
     return max(1, CHUNK_NUMEL // max(row_numel, 1))
 
 
-def init_rows(seed: int, fqn: str, shape: torch.Size, spec, apply_spec: Callable, start: int, stop: int) -> torch.Tensor:
+def init_rows(seed: int, fqn: str, shape: torch.Size, spec: InitSpec, start: int, stop: int) -> torch.Tensor:
     """Rows ``[start, stop)`` of the parameter's full float32 value (CPU)."""
     if len(shape) == 0:
         value = torch.empty((), dtype=torch.float32)
-        return apply_spec(value, spec, generator=torch.Generator().manual_seed(param_seed(seed, fqn, 0)))
+        return apply_init_spec(value, spec, generator=torch.Generator().manual_seed(param_seed(seed, fqn, 0)))
     rpc = rows_per_chunk(shape)
     pieces = []
     for chunk in range(start // rpc, (stop - 1) // rpc + 1 if stop > start else start // rpc):
         lo, hi = chunk * rpc, min((chunk + 1) * rpc, shape[0])
         generator = torch.Generator().manual_seed(param_seed(seed, fqn, chunk))
-        values = apply_spec(torch.empty((hi - lo, *shape[1:]), dtype=torch.float32), spec, generator=generator)
+        values = apply_init_spec(torch.empty((hi - lo, *shape[1:]), dtype=torch.float32), spec, generator=generator)
         pieces.append(values[max(start, lo) - lo : min(stop, hi) - lo])
     if not pieces:
         return torch.empty((0, *shape[1:]), dtype=torch.float32)
@@ -67,24 +68,22 @@ def _rows_only(param: DTensor) -> bool:
 @torch.no_grad()
 def init_params_layout_invariant(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter of ``model`` (sharded or not) from its layout-free full value."""
-    from torchtitan.models.llama3.model import apply_init_spec
-
     specs = model.param_init_specs()
     for fqn, param in model.named_parameters():
         spec, shape = specs[fqn], param.shape
         if not isinstance(param, DTensor):
-            param.copy_(init_rows(seed, fqn, shape, spec, apply_init_spec, 0, shape[0] if shape else 1))
+            param.copy_(init_rows(seed, fqn, shape, spec, 0, shape[0] if shape else 1))
             continue
         local = param.to_local()
         if _rows_only(param):
             local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
             if local.numel():
                 start = offset[0] if shape else 0
-                local.copy_(init_rows(seed, fqn, shape, spec, apply_init_spec, start, start + local_shape[0]))
+                local.copy_(init_rows(seed, fqn, shape, spec, start, start + local_shape[0]))
             continue
         # General placements: build the full value, then take this rank's part locally
         # (Replicate -> any placement is a slice on each rank; nothing is sent).
-        full = init_rows(seed, fqn, shape, spec, apply_init_spec, 0, shape[0]).to(local.device)
+        full = init_rows(seed, fqn, shape, spec, 0, shape[0]).to(local.device)
         mesh = param.device_mesh
         replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
         local.copy_(replicated.redistribute(mesh, param.placements).to_local())

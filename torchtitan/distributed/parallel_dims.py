@@ -41,6 +41,8 @@ class ParallelDims:
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _ddp: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _loss_parallel: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -166,7 +168,10 @@ class ParallelDims:
                 warnings.simplefilter("ignore", UserWarning)
                 return mesh["dp_replicate", shard_name]
         if self.dp_replicate_enabled:
-            return self._ddp_mesh(mesh)
+            # Built once: every DeviceMesh construction creates process groups.
+            if self._ddp is None:
+                self._ddp = self._ddp_mesh(mesh)
+            return self._ddp
         return self.get_mesh("dp_shard_cp")
 
     def _ddp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -217,8 +222,6 @@ class ParallelDims:
     def loss_parallel_enabled(self) -> bool:
         # Set from the config by ``from_config``; without TP there is nothing to parallelize.
         return self.tp_enabled and self._loss_parallel
-
-    _loss_parallel: bool = field(default=True, init=False, repr=False)
 
     @property
     def non_data_parallel_size(self) -> int:
