@@ -38,12 +38,12 @@ def _grads_after_one_backward(rank: int, world_size: int, dump: str, overrides: 
     batches = [next(data) for _ in range(n_micro)]
     trainer.forward_backward(batches)
     grads = {}
-    for name, param in trainer.model.named_parameters():
+    for name, param in trainer.model_parts[0].named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         grads[name] = grad.clone()
     from torchtitan.distributed import clip_grad_norm_
 
-    norm = float(clip_grad_norm_(trainer.model.parameters(), max_norm=0.0))
+    norm = float(clip_grad_norm_(trainer.model_parts[0].parameters(), max_norm=0.0))
     return {"grads": grads, "norm": norm} if rank == 0 else {"norm": norm}
 
 
@@ -148,7 +148,7 @@ def test_profiling_writes_a_trace_per_rank(tmp_path):
 
 def _train_with_nan_weight(rank: int, world_size: int, dump: str) -> str:
     trainer = make_trainer(dump, "--training.steps=3", "--parallelism.data_parallel_shard_degree=2")
-    weight = trainer.model.output.weight
+    weight = trainer.model_parts[0].output.weight
     with torch.no_grad():
         (weight.to_local() if isinstance(weight, DTensor) else weight).fill_(float("nan"))
     try:

@@ -105,11 +105,12 @@ class Trainer:
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
             dp_rank=dp_rank, dp_degree=dp_degree,
         )
-        self.model = self._build_model()
+        # One module per pipeline stage held by this rank; a single part without PP.
+        self.model_parts: list[torch.nn.Module] = [self._build_model()]
         t, o = cfg.training, cfg.optimizer
         self.optimizer = build_optimizer(
-            self.model.parameters(), name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay,
-            betas=tuple(o.betas), device_type=self.device.type,
+            [p for part in self.model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
+            weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=self.device.type,
         )
         s = cfg.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(
@@ -183,7 +184,7 @@ class Trainer:
         local_loss_sum = torch.zeros((), dtype=torch.float64)
         for inputs, labels in batches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            logits = self.model(inputs)
+            logits = self.model_parts[0](inputs)
             loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                                        ignore_index=IGNORE_INDEX)
             (loss_sum * scale).backward()
@@ -193,7 +194,8 @@ class Trainer:
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over ``batches``; returns (global loss, global grad norm)."""
         local_loss_sum, global_tokens = self.forward_backward(batches)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -50,12 +50,12 @@ def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str],
     from torchtitan.distributed.layout_init import gather_full_state_dict
 
     trainer = make_trainer(dump, *overrides)
-    full = gather_full_state_dict(trainer.model)
+    full = gather_full_state_dict(trainer.model_parts[0])
     local = {}
-    for fqn, param in trainer.model.named_parameters():
+    for fqn, param in trainer.model_parts[0].named_parameters():
         shard = param.to_local() if isinstance(param, DTensor) else param
         local[fqn] = _digest(shard)
-    specs = {fqn: spec.kind for fqn, spec in trainer.model.param_init_specs().items()}
+    specs = {fqn: spec.kind for fqn, spec in trainer.model_parts[0].param_init_specs().items()}
     out = {"local": local, "kinds": specs}
     if rank == 0:
         out["full"] = {fqn: _digest(t) for fqn, t in full.items()}
