@@ -7,6 +7,7 @@ exists, so a bad config fails identically on every rank instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -170,6 +171,15 @@ class Trainer:
         self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank)
 
     # ---- training -------------------------------------------------------------
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum (not mean) of the token cross-entropies of one micro-batch, in float32."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
+    def train_context(self) -> contextlib.AbstractContextManager:
+        """Context that forward *and* backward of a micro-batch run under."""
+        return contextlib.nullcontext()
+
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Accumulate gradients over ``batches`` (the micro-batches); return (loss sum, global tokens).
 
@@ -184,10 +194,9 @@ class Trainer:
         local_loss_sum = torch.zeros((), dtype=torch.float64)
         for inputs, labels in batches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            logits = self.model_parts[0](inputs)
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                       ignore_index=IGNORE_INDEX)
-            (loss_sum * scale).backward()
+            with self.train_context():
+                loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
+                (loss_sum * scale).backward()
             local_loss_sum += loss_sum.detach().double().cpu()
         return float(local_loss_sum), global_tokens
 
