@@ -96,8 +96,24 @@ class Parallelism:
     disable_loss_parallel: bool = opt(False, "Gather logits before the loss instead of vocab-parallel cross entropy")
     context_parallel_degree: int = opt(1, "Context parallel degree (sequence sharding)", min=1)
     pipeline_parallel_degree: int = opt(1, "Pipeline parallel degree", min=1)
-    pipeline_parallel_schedule: str = opt("1F1B", "Pipeline schedule name")
-    pipeline_parallel_microbatches: int | None = opt(None, "Pipeline microbatches (unset = number of stages)", min=1)
+    pipeline_parallel_schedule: str = opt(
+        "1F1B", "Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble"
+    )
+    pipeline_parallel_microbatches: int | None = opt(
+        None, "Pipeline microbatches per local batch (unset = number of stages)", min=1
+    )
+    pipeline_parallel_stages_per_rank: int | None = opt(
+        None, "Stages per rank for multi-stage schedules (unset: 2, or implied by the split points)", min=1
+    )
+    pipeline_parallel_split_points: list[str] = opt(
+        [], "Layer FQNs where stages begin, e.g. layers.2,layers.4 (empty = split the layers evenly)"
+    )
+    pipeline_parallel_embedding_weight: int = opt(
+        0, "Even split: count the token embedding (first stage) as this many layers", min=0
+    )
+    pipeline_parallel_output_weight: int = opt(
+        0, "Even split: count the final norm + output projection (last stage) as this many layers", min=0
+    )
     fsdp_reshard_after_forward: str = opt(
         "default", "Free gathered params after forward: default (yes, except under PP), always, never",
         choices=("default", "always", "never"),
