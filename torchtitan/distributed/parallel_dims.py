@@ -168,25 +168,37 @@ class ParallelDims:
                 warnings.simplefilter("ignore", UserWarning)
                 return mesh["dp_replicate", shard_name]
         if self.dp_replicate_enabled:
-            # Built once: every DeviceMesh construction creates process groups.
-            if self._ddp is None:
-                self._ddp = self._ddp_mesh(mesh)
-            return self._ddp
+            return self._ddp_root()["dp_replicate", "dp_shard"]
         return self.get_mesh("dp_shard_cp")
 
-    def _ddp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """A (dp_replicate, dp_shard=1) mesh so FSDP2 replicates instead of sharding.
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The ``tp`` mesh that ``parallelize_module`` takes.
 
-        The world mesh has no size-1 dims, so this builds a second mesh over the same
-        ranks with a unit ``dp_shard`` dim inserted after ``dp_replicate``. Every rank
-        builds it with the same global layout, so the process groups line up.
+        FSDP2 composes with TP only when both meshes come from the same root mesh,
+        so under DDP (whose FSDP mesh lives on a second root, see ``_ddp_root``)
+        TP takes its ``tp`` dim from that root too.
         """
-        names = list(mesh.mesh_dim_names)
-        at = names.index("dp_replicate") + 1
-        layout = mesh.mesh.unsqueeze(at)
-        names.insert(at, "dp_shard")
-        ddp = DeviceMesh(mesh.device_type, layout, mesh_dim_names=tuple(names))
-        return ddp["dp_replicate", "dp_shard"]
+        if not self.tp_enabled:
+            return None
+        if self.dp_replicate_enabled and not self.fsdp_enabled:
+            return self._ddp_root()["tp"]
+        return self.world_mesh["tp"]
+
+    def _ddp_root(self) -> DeviceMesh:
+        """A copy of the world mesh with a unit ``dp_shard`` dim after ``dp_replicate``.
+
+        FSDP2 on (dp_replicate, dp_shard=1) keeps whole parameters and all-reduces
+        gradients: DDP. The world mesh has no size-1 dims, so this builds a second
+        mesh over the same ranks. Every rank builds it with the same global layout,
+        so the process groups line up. Built once: each construction creates groups.
+        """
+        if self._ddp is None:
+            mesh = self.world_mesh
+            names = list(mesh.mesh_dim_names)
+            at = names.index("dp_replicate") + 1
+            names.insert(at, "dp_shard")
+            self._ddp = DeviceMesh(mesh.device_type, mesh.mesh.unsqueeze(at), mesh_dim_names=tuple(names))
+        return self._ddp
 
     # ---- what is enabled --------------------------------------------------
     @property

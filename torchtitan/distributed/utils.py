@@ -84,10 +84,17 @@ def clip_grad_norm_(
     ``max_norm <= 0`` only measures.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # DTensor ops need one mesh: under TP without sequence parallelism the norm weights
+    # live on the FSDP mesh alone and the linear weights on (FSDP, TP). Take each mesh's
+    # norm, finish its reduction, then combine the per-mesh norms.
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.nn.utils.get_total_norm(norms, norm_type=norm_type) if norms else torch.zeros(())
     if pp_mesh is not None and pp_mesh.size() > 1:
         if norm_type == float("inf"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
@@ -96,5 +103,6 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

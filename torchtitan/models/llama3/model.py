@@ -91,15 +91,15 @@ def apply_rotary_emb(
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, L, H_kv, D] -> [B, L, H_kv * n_rep, D], each KV head repeated for its query group.
+    """[B, H_kv, L, D] -> [B, H_kv * n_rep, L, D], each KV head repeated for its query group.
 
     Done explicitly (rather than SDPA's enable_gqa) because not every attention
-    backend, nor the context-parallel ring attention, supports enable_gqa.
+    backend supports enable_gqa.
     """
     if n_rep == 1:
         return x
-    bs, seqlen, n_kv, head_dim = x.shape
-    return x[:, :, :, None, :].expand(bs, seqlen, n_kv, n_rep, head_dim).reshape(bs, seqlen, n_kv * n_rep, head_dim)
+    bs, n_kv, seqlen, head_dim = x.shape
+    return x[:, :, None].expand(bs, n_kv, n_rep, seqlen, head_dim).reshape(bs, n_kv * n_rep, seqlen, head_dim)
 
 
 class Attention(nn.Module):
@@ -113,8 +113,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention on [B, H, L, D] tensors; context parallelism swaps this out."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        """Causal attention: q [B, H, L, D]; k, v [B, H_kv, L, D] (grouped-query heads).
+
+        Context parallelism swaps this method out (it gathers k and v before repeating them).
+        """
+        n_rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         bs, seqlen, _ = x.shape
@@ -122,9 +126,7 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, rope_cache)
-        n_rep = xq.shape[2] // xk.shape[2]
-        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+        xq, xk = apply_rotary_emb(xq, xk, rope_cache[..., :seqlen, :])
         out = self.sdpa(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
@@ -237,8 +239,9 @@ class Transformer(nn.Module):
         Returns logits [B, L, vocab] (hidden states on a stage without output).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
-        rope = self.rope_cache[:seqlen] if positions is None else self.rope_cache[positions]
+        # Attention slices the cache to its own length: under sequence parallelism h holds only
+        # part of the sequence here, while attention sees all of it.
+        rope = self.rope_cache if positions is None else self.rope_cache[positions]
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:

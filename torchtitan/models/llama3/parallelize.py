@@ -1,6 +1,6 @@
 """Apply the parallelisms to a Llama 3 model, in a fixed readable order:
 
-    tensor parallel -> activation checkpointing -> torch.compile -> FSDP2
+    tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> FSDP2
 
 Order matters: TP rewrites the linear layers into DTensor shards first, AC and
 compile then wrap each transformer block's (already parallel) forward, and FSDP
@@ -18,11 +18,19 @@ from functools import partial
 
 import torch
 from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.context_parallel import cp_attention, local_positions
+from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.llama3.model import ffn_hidden_dim
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +38,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> torch.nn.Module:
-    if dims.tp_enabled or dims.cp_enabled or dims.pp_enabled:
-        # The trainer rejects these degrees before any collective; this guards direct callers.
-        raise NotImplementedError("tensor, context and pipeline parallelism are not implemented yet")
+    """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
+    if dims.tp_enabled:
+        apply_tp(
+            model, dims.tp_mesh(),
+            sequence_parallel=cfg.parallelism.enable_sequence_parallel,
+            loss_parallel=dims.loss_parallel_enabled,
+        )
+    if dims.cp_enabled:
+        apply_cp(model, dims.get_mesh("cp"), cfg.training.seq_len)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.training.compile:
@@ -40,6 +54,108 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     if dims.dp_enabled or dims.fsdp_enabled:
         apply_fsdp(model, dims, cfg, device_type)
     return model
+
+
+def validate_parallelism(args: ModelArgs, dims: ParallelDims, seq_len: int, sequence_parallel: bool) -> list[str]:
+    """Config problems that would only show up as shape errors deep inside a collective."""
+    problems: list[str] = []
+    tp, cp = dims.tp, dims.cp
+    if tp > 1:
+        n_kv = args.n_kv_heads or args.n_heads
+        for what, value in [("n_heads", args.n_heads), ("n_kv_heads", n_kv), ("dim", args.dim),
+                            ("FFN hidden size", ffn_hidden_dim(args))]:
+            if value % tp:
+                problems.append(f"--parallelism.tensor_parallel_degree={tp}: the model's {what} ({value}) is not "
+                                f"divisible by it; pick a degree that divides {what}")
+        if args.vocab_size % tp:
+            # Padding the vocabulary would change the parameter shapes (and checkpoints) with the layout.
+            problems.append(f"--parallelism.tensor_parallel_degree={tp}: vocab size {args.vocab_size} is not divisible "
+                            f"by it (the vocabulary is not padded); pick a degree that divides {args.vocab_size}")
+    seq_shards = (2 * cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)
+    if seq_shards > 1 and seq_len % seq_shards:
+        parts = []
+        if cp > 1:
+            parts.append(f"2 * context_parallel_degree ({2 * cp}, load-balanced chunks)")
+        if tp > 1 and sequence_parallel:
+            parts.append(f"tensor_parallel_degree ({tp}, sequence parallel)")
+        fix = "change seq_len" + (" or set --parallelism.enable_sequence_parallel=false" if tp > 1 and sequence_parallel
+                                  else "")
+        problems.append(f"--training.seq_len={seq_len} must be divisible by {' x '.join(parts)} = {seq_shards}; {fix}")
+    return problems
+
+
+# ---- tensor parallel ---------------------------------------------------------
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Megatron-style TP: column-parallel in-projections, row-parallel out-projections.
+
+    With sequence parallelism the activations between the TP regions (norms and
+    residual stream) stay sharded along the sequence; the all-reduce of each
+    row-parallel output becomes a reduce-scatter and each region's input an
+    all-gather. Without it they stay replicated. Every region's input layout is
+    stated, so nothing is replicated by accident.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm_style = SequenceParallel() if sequence_parallel else None
+    top: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and norm_style is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Loss parallel keeps the logits sharded over the vocabulary; cross entropy then
+        # never gathers a [tokens, vocab] tensor.
+        top["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+
+    for block in model.layers.values():
+        plan: dict[str, ParallelStyle] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                # Gather the sequence once per region, before the three projections.
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                desired_input_layouts=(Replicate(), None), use_local_output=True),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                   use_local_output=True),
+            })
+        parallelize_module(block, tp_mesh, plan)
+    logger.info("Applied tensor parallel on %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
+                sequence_parallel, loss_parallel)
+
+
+# ---- context parallel --------------------------------------------------------
+def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Swap every block's attention for the all-gather CP attention and feed the model
+    the rotary positions of this rank's load-balanced sequence chunks."""
+    for block in model.layers.values():
+        block.attention.sdpa = partial(cp_attention, mesh=cp_mesh)
+    cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
+    cached: dict[torch.device, torch.Tensor] = {}
+
+    def add_positions(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("positions") is None and len(args) < 2:
+            device = module.rope_cache.device
+            if device not in cached:
+                cached[device] = local_positions(seq_len, cp_rank, cp_size, device)
+            kwargs = {**kwargs, "positions": cached[device]}
+        return args, kwargs
+
+    model.register_forward_pre_hook(add_positions, with_kwargs=True)
+    logger.info("Applied context parallel on %d ranks (all-gather K/V, load-balanced chunks)", cp_size)
 
 
 # ---- activation checkpointing ------------------------------------------------
