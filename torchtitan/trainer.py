@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from torchtitan.checkpoint import CheckpointManager, check_checkpoint_config
 from torchtitan.config import ConfigError, JobConfig, resolve_gradient_accumulation, to_toml
 from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tokenizer
 from torchtitan.distributed import (
@@ -58,9 +59,6 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         if degree > 1:
             problems.append(f"--parallelism.{flag}={degree}: not implemented yet in this version; use 1 "
                             "(data parallel degrees: data_parallel_replicate_degree / data_parallel_shard_degree)")
-    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.create_seed_checkpoint:
-        problems.append("--checkpoint.enable_checkpoint / create_seed_checkpoint: checkpointing is not implemented "
-                        "yet in this version; leave both false")
     if cfg.training.dataset_path is None and cfg.training.dataset not in DATASETS:
         problems.append(f"--training.dataset={cfg.training.dataset}: unknown; choose one of {', '.join(DATASETS)} "
                         "or give --training.dataset_path")
@@ -83,6 +81,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         vocab_size=tokenizer.n_words,
         max_seq_len=cfg.training.seq_len,
     )
+    problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args))
+    if problems:
+        raise ConfigError(problems)
     return Plan(dims, grad_accum, args, tokenizer)
 
 
@@ -120,6 +121,10 @@ class Trainer:
         )
         self.step = 0
         self._setup_metrics()
+        self.checkpointer = CheckpointManager(
+            cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, dims=self.dims, rank=self.rank,
+        )
 
     # ---- set-up -------------------------------------------------------------
     def _write_config(self) -> None:
@@ -219,6 +224,10 @@ class Trainer:
 
     def train(self) -> list[float]:
         cfg, losses = self.cfg, []
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            return losses
+        self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
         data_iter = iter(self.dataloader)
         logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
                     cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,
@@ -229,8 +238,11 @@ class Trainer:
                 self._run_step(data_iter, losses)
                 if prof is not None:
                     prof.step()
+                if self.checkpointer.maybe_save(self.step):
+                    break  # preempted: the checkpoint of this step is saved
+        self.checkpointer.close()
         self.metrics_logger.close()
-        logger.info("Training done: %d steps, final loss %.5f", self.step, losses[-1])
+        logger.info("Training done: %d steps, final loss %s", self.step, f"{losses[-1]:.5f}" if losses else "n/a")
         return losses
 
     def _run_step(self, data_iter, losses: list[float]) -> None:
@@ -244,8 +256,9 @@ class Trainer:
         loss, grad_norm = self.train_step(batches)
         self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches))
         losses.append(loss)
-        if self.step == 1:
-            # The first step pays for compilation and lazy set-up; later ones should be quick.
+        if len(losses) == 1:
+            # The first step of this run (also after a resume) pays for compilation and lazy set-up;
+            # later ones should be quick.
             set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
         if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
             self._log(loss, grad_norm, lr)

@@ -1,0 +1,89 @@
+"""Shared pieces of the checkpoint tests: building trainers in rank processes and reading checkpoints back."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config import ConfigManager
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+
+FSDP2 = ["--parallelism.data_parallel_shard_degree=2", "--training.batch_size=2"]
+DDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1",
+        "--training.batch_size=2"]
+HSDP4 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2",
+         "--training.batch_size=1"]
+
+
+def make_trainer(dump: str, *overrides: str):
+    from torchtitan.trainer import Trainer
+
+    cfg = ConfigManager().parse_args(
+        ["--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
+         "--metrics.enable_tensorboard=false", "--metrics.log_freq=100", "--training.deterministic",
+         "--checkpoint.enable_checkpoint", "--lr_scheduler.warmup_steps=2", *overrides]
+    )
+    return Trainer(cfg)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def full_model_digests(trainer) -> dict[str, str]:
+    """sha256 of every parameter's full value (a collective: every rank calls it)."""
+    out = {}
+    for part in trainer.model_parts:
+        for fqn, param in part.named_parameters():
+            value = param.detach()
+            out[fqn] = digest(value.full_tensor() if isinstance(value, DTensor) else value)
+    return out
+
+
+def full_optimizer_digests(trainer) -> dict[str, str]:
+    """sha256 of every optimizer state tensor's full value, keyed 'fqn/name' (a collective)."""
+    from torchtitan.checkpoint import model_view
+
+    view = model_view(trainer.model_parts)
+    names = {id(p): fqn for fqn, p in view.named_parameters()}
+    out = {}
+    for param, state in trainer.optimizer.state.items():
+        for key, value in sorted(state.items()):
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            out[f"{names[id(param)]}/{key}"] = digest(value)
+    return out
+
+
+def checkpoint_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` in a checkpoint, read in full on this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from torchtitan.checkpoint.store import read_dcp_metadata
+
+    md = read_dcp_metadata(path)
+    template = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                for k, m in md.state_dict_metadata.items()
+                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    return template
+
+
+def copy_checkpoint(src_dump: Path, step: int, dst_dump: Path) -> Path:
+    """Copy one committed checkpoint into a fresh dump folder, as a stopped run would have left it."""
+    dst = dst_dump / "checkpoint" / f"step-{step}"
+    shutil.copytree(src_dump / "checkpoint" / f"step-{step}", dst)
+    return dst
+
+
+def train(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
+    trainer = make_trainer(dump, *overrides)
+    losses = trainer.train()
+    return {"losses": losses, "step": trainer.step, "weights": full_model_digests(trainer)}

@@ -1,0 +1,409 @@
+"""Save and load training state with ``torch.distributed.checkpoint`` (DCP).
+
+What a full checkpoint holds (top-level keys of the DCP state dict):
+
+- ``model``: every parameter under its original FQN, as this layout holds it (DTensor
+  shards under FSDP/HSDP/DDP/TP, plain tensors on one process). DCP records global
+  shapes, so any other layout can load it: that is the resharding resume.
+- ``optimizer``: ``get_optimizer_state_dict``'s FQN-keyed form, sharded like the model.
+- ``lr_scheduler``: the scheduler's state, pickled (a few numbers; identical on all ranks).
+- ``dataloader``: the *global* position of the sample stream (epoch, next window),
+  which is the same on every rank and independent of the DP degree; see
+  ``torchtitan/datasets/hf_datasets.py``. A run with another DP degree continues the
+  same global stream from there.
+- ``train_state``: the step.
+- ``rng``: each rank's Python/NumPy/torch generator states, under ``rank<r>``. They are
+  restored only when the layout is unchanged; with another layout ranks do not
+  correspond, and every rank keeps the seed that ``training.seed`` gave it.
+
+A ``weights_only`` checkpoint (the final save with ``model_weights_only``) holds
+``model`` alone, cast to ``export_dtype``; a ``seed`` checkpoint holds the initialized
+``model`` at step 0. How folders are committed and validated: ``store.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+
+from torchtitan.checkpoint.preflight import checkpoint_folder, choose_checkpoint
+from torchtitan.checkpoint.store import commit, purge, scan, tmp_dir
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_view(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module whose ``named_parameters`` are the union of ``parts``, under their original FQNs.
+
+    Pipeline stages are pruned copies of one model (a stage keeps some of ``layers``
+    and sets the modules it lacks to None), so their FQNs never collide. The view
+    shares the parts' submodules, never copies them, which lets ``get_model_state_dict``
+    and ``get_optimizer_state_dict`` work on one module while the trainer keeps a
+    single optimizer over all stages. A single part is its own view.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    root = torch.nn.Module()
+    for part in parts:
+        _merge(root, part, "")
+    return root
+
+
+def _merge(dst: torch.nn.Module, src: torch.nn.Module, path: str) -> None:
+    if any(True for _ in src.named_parameters(recurse=False)):
+        raise ValueError(f"pipeline stages hold parameters directly on '{path or '<root>'}'; the checkpoint view "
+                         "can only merge stages whose parameters live in submodules")
+    for name, child in src.named_children():
+        mine = dst._modules.get(name)
+        if mine is None:
+            dst.add_module(name, child)
+        elif mine is not child:
+            if not getattr(mine, "_checkpoint_merged", False):
+                # Never add modules into a stage's own container: merge into a fresh one.
+                merged = torch.nn.Module()
+                merged._checkpoint_merged = True
+                _merge(merged, mine, f"{path}{name}.")
+                dst._modules[name] = merged
+                mine = merged
+            _merge(mine, child, f"{path}{name}.")
+
+
+def _rng_state() -> bytes:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return pickle.dumps(state)
+
+
+def _set_rng_state(blob: bytes) -> None:
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    kind: str
+    future: Future
+    started: float
+
+
+class CheckpointManager:
+    """Loads at start, saves every ``interval`` steps and at the end, and on SIGTERM.
+
+    The trainer calls ``load()`` before its first step (returns the step to resume
+    after), ``maybe_save(step)`` after every step (returns True when the run was
+    preempted and must stop now), ``save_seed()`` for a seed checkpoint, and
+    ``close()`` before exit (waits for an async save). Every method is called on
+    every rank.
+    """
+
+    def __init__(self, cfg, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int) -> None:
+        ck = cfg.checkpoint
+        self.cfg, self.ck = cfg, ck
+        self.enabled = ck.enable_checkpoint
+        self.active = ck.enable_checkpoint or ck.create_seed_checkpoint
+        self.folder = checkpoint_folder(cfg)
+        self.total_steps = cfg.training.steps
+        self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
+        self.dataset = dataloader.dataset  # the position lives in the dataset; see the module docstring
+        self.rank = rank
+        self.layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+                       "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
+        self.loaded_step: int | None = None
+        self._pending: _PendingSave | None = None
+        self._preempted = False
+        self._previous_handler: Any = None
+        self._closed = False
+        self.pg: dist.ProcessGroup | None = None
+        if not self.active:
+            return
+        self._view = model_view(model_parts)
+        if dist.is_initialized():
+            # A gloo group of its own: an async save runs its collectives in a background
+            # thread, which must never interleave with the training thread's collectives on
+            # a shared group; gloo also carries DCP's CPU-side coordination under NCCL.
+            timeout = timedelta(seconds=max(cfg.comm.init_timeout_seconds, 1800))
+            self.pg = dist.new_group(backend="gloo", timeout=timeout)
+        if self.enabled:
+            self._install_sigterm_handler()
+
+    # ---- preemption ------------------------------------------------------------
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("Checkpoint: not on the main thread, so SIGTERM will not trigger a save")
+            return
+
+        def on_sigterm(signum, frame) -> None:
+            # Only note it: the save happens at the end of the current step, when every
+            # rank has agreed (see ``_preemption_agreed``).
+            self._preempted = True
+            logger.warning("SIGTERM received: saving a checkpoint at the end of this step, then exiting")
+
+        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _preemption_agreed(self) -> bool:
+        """True on every rank if any rank got SIGTERM: one tiny all-reduce per step.
+
+        A scheduler may signal only some ranks, or signal them a step apart. Taking the
+        max over all ranks after each step makes every rank take the same decision at
+        the same step, so they all enter the save together and none waits forever.
+        """
+        flag = torch.tensor([1 if self._preempted else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # The default group, from the training thread: the checkpoint group may be busy
+            # with an async save in its background thread.
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ---- the state -------------------------------------------------------------
+    def _model_state(self) -> dict[str, Any]:
+        return get_model_state_dict(self._view)
+
+    def _full_state(self, step: int) -> dict[str, Any]:
+        return {
+            "model": self._model_state(),
+            "optimizer": get_optimizer_state_dict(self._view, self.optimizer),
+            # Pickled into one value: DCP would otherwise flatten its nested lists and dicts.
+            "lr_scheduler": pickle.dumps(self.lr_scheduler.state_dict()),
+            "dataloader": self.dataset.state_dict(),
+            "train_state": {"step": step},
+            "rng": {f"rank{self.rank}": _rng_state()},
+        }
+
+    def _weights_state(self) -> dict[str, Any]:
+        dtype = _DTYPES[self.ck.export_dtype]
+        model = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in self._model_state().items()}
+        return {"model": model}
+
+    # ---- saving ----------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    def _write(self, step: int, kind: str, state: dict[str, Any], sync: bool) -> None:
+        self._finish_pending()
+        tmp = tmp_dir(self.folder, step)
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                # An earlier attempt at this step was interrupted; it was never visible.
+                shutil.rmtree(tmp)
+        self._barrier()  # nobody creates files in tmp before rank 0 has cleared it
+        writer = dcp.FileSystemWriter(str(tmp))
+        started = time.monotonic()
+        if sync:
+            dcp.save(state, storage_writer=writer, process_group=self.pg)
+            self._commit(step, kind, started)
+        else:
+            response = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+            # torch returns a Future, or with custom staging a response holding one.
+            future = getattr(response, "upload_completion", response)
+            self._pending = _PendingSave(step, kind, future, started)
+            if self.rank == 0:
+                logger.info("Checkpoint step %d: async save started (staged in %.2fs)", step,
+                            time.monotonic() - started)
+
+    def _commit(self, step: int, kind: str, started: float) -> None:
+        # DCP's save returns on rank 0 only after every rank reported its writes and the
+        # global metadata is written, so rank 0 alone can make the checkpoint visible.
+        if self.rank != 0:
+            return
+        manifest = {"kind": kind, "states": self._states_of(kind), "layout": self.layout,
+                    "dtype": self.ck.export_dtype if kind == "weights_only" else "as trained",
+                    "torch_version": torch.__version__}
+        path = commit(self.folder, step, manifest)
+        logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
+        protected = {self.loaded_step} if self.loaded_step is not None else set()
+        for gone in purge(self.folder, self.ck.keep_latest_k, protected):
+            logger.info("Checkpoint: deleted %s (keep_latest_k=%d)", gone, self.ck.keep_latest_k)
+
+    @staticmethod
+    def _states_of(kind: str) -> list[str]:
+        return ["model"] if kind in ("weights_only", "seed") else \
+            ["dataloader", "lr_scheduler", "model", "optimizer", "rng", "train_state"]
+
+    def _finish_pending(self, block: bool = True) -> None:
+        pending = self._pending
+        if pending is None or (not block and not pending.future.done()):
+            return
+        self._pending = None
+        pending.future.result()  # re-raises a failed save on this rank
+        self._commit(pending.step, pending.kind, pending.started)
+
+    def save(self, step: int, *, kind: str = "full", sync: bool = True) -> None:
+        """Write a checkpoint of the current state (a collective: every rank calls it)."""
+        state = self._weights_state() if kind == "weights_only" else self._full_state(step)
+        self._write(step, kind, state, sync)
+
+    def save_seed(self) -> None:
+        """Write the freshly initialized model as step 0, for any layout to start from."""
+        self._write(0, "seed", {"model": self._model_state()}, sync=True)
+
+    def maybe_save(self, step: int) -> bool:
+        """After each step: save when due; True when the job was preempted and has to stop now."""
+        if not self.enabled:
+            return False
+        self._finish_pending(block=False)  # make a finished async save visible early
+        preempted = self._preemption_agreed()
+        if step >= self.total_steps:
+            kind = "weights_only" if self.ck.model_weights_only else "full"
+            self.save(step, kind=kind, sync=True)
+        elif preempted:
+            self.save(step, kind="full", sync=True)
+            if self.rank == 0:
+                logger.warning("Preempted: checkpoint of step %d saved; stopping", step)
+            return True
+        elif step % self.ck.interval == 0:
+            self.save(step, kind="full", sync=self.ck.async_mode != "async")
+        return False
+
+    def close(self) -> None:
+        """Wait for an async save and commit it; then every rank knows the last checkpoint is visible."""
+        if self._closed or not self.active:
+            return
+        self._closed = True
+        self._finish_pending()
+        self._barrier()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+
+    # ---- loading ---------------------------------------------------------------
+    def load(self) -> int:
+        """Load the chosen checkpoint (if any); return the step to continue after (0: from scratch)."""
+        if not self.enabled or self.ck.create_seed_checkpoint:
+            return 0
+        listing = scan(self.folder)
+        path, manifest, problems = choose_checkpoint(self.cfg, None)
+        if problems:  # preflight checked this; the folder changed since
+            raise RuntimeError("; ".join(problems))
+        self._agree_on(path)
+        if path is None:
+            if self.rank == 0:
+                logger.info("Checkpoint: no checkpoint in %s; training from scratch", self.folder)
+            return 0
+        step = int(manifest["step"])
+        if self.rank == 0:
+            for leftover_step, leftovers in sorted(listing.partial.items()):
+                for leftover in leftovers:
+                    logger.warning("Checkpoint: skipping %s: an incomplete save (interrupted or still being "
+                                   "written)", leftover)
+        wanted = [k for k in manifest["states"] if k not in self.ck.exclude_from_loading]
+        same_layout = manifest.get("layout") == self.layout
+        if "rng" in wanted and not same_layout:
+            wanted.remove("rng")
+            if self.rank == 0:
+                logger.info("Checkpoint: layout changed (%s -> %s); RNG states are per rank and not restored",
+                            manifest.get("layout"), self.layout)
+        state = self._load_template(wanted)
+        started = time.monotonic()
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
+        except Exception as e:  # DCP raises the same error on every rank
+            raise RuntimeError(f"checkpoint {path} could not be loaded (nothing was deleted): {e}") from e
+        self._apply(state)
+        self.loaded_step = step
+        resumed = step if "train_state" in wanted else 0
+        if self.rank == 0:
+            logger.info("Checkpoint: loaded %s (%s: %s) in %.2fs; continuing after step %d", path,
+                        manifest["kind"], ", ".join(wanted), time.monotonic() - started, resumed)
+        return resumed
+
+    def _agree_on(self, path: Path | None) -> None:
+        """Every rank must have picked the same checkpoint (a shared folder seen alike)."""
+        if self.pg is None or dist.get_world_size(self.pg) == 1:
+            return
+        choices: list[Any] = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(choices, None if path is None else path.name, group=self.pg)
+        if len(set(choices)) != 1:
+            raise RuntimeError(f"ranks see different checkpoints in {self.folder}: {choices}; the checkpoint "
+                               "folder must be one shared file system path")
+
+    def _load_template(self, wanted: list[str]) -> dict[str, Any]:
+        """What to load, shaped like this layout's state; DCP fills it in place."""
+        state: dict[str, Any] = {}
+        if "model" in wanted:
+            state["model"] = self._model_state()
+        if "optimizer" in wanted:
+            # Only when it is loaded: getting it initializes the optimizer's state.
+            state["optimizer"] = get_optimizer_state_dict(self._view, self.optimizer)
+        if "lr_scheduler" in wanted:
+            state["lr_scheduler"] = b""
+        if "dataloader" in wanted:
+            state["dataloader"] = self.dataset.state_dict()
+        if "train_state" in wanted:
+            state["train_state"] = {"step": 0}
+        if "rng" in wanted:
+            state["rng"] = {f"rank{self.rank}": b""}
+        return state
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        if "model" in state:
+            set_model_state_dict(self._view, state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self._view, self.optimizer, state["optimizer"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
+        if "dataloader" in state:
+            self.dataset.load_state_dict(state["dataloader"])
+        if "rng" in state:
+            _set_rng_state(state["rng"][f"rank{self.rank}"])
+
+
+def export_model_weights(checkpoint_dir: str | Path, output_file: str | Path) -> dict[str, torch.Tensor]:
+    """Read the model of any checkpoint (any layout) on one process and ``torch.save`` it.
+
+    The output is a plain ``{fqn: tensor}`` state dict with full tensors, which
+    ``Transformer(args).load_state_dict(torch.load(output_file))`` accepts.
+    Needs no process group: DCP reads every shard itself.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from torchtitan.checkpoint.store import read_dcp_metadata
+
+    path = Path(checkpoint_dir)
+    metadata = read_dcp_metadata(path)
+    template = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    if not template:
+        raise ValueError(f"checkpoint {path} holds no model weights")
+    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    weights = {key[len("model."):]: value for key, value in template.items()}
+    torch.save(weights, output_file)
+    return weights

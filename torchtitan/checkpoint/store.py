@@ -1,0 +1,204 @@
+"""The checkpoint folder on disk: naming, discovery, validation and the atomic commit.
+
+Nothing here communicates, so ``preflight`` can run it on every rank before any
+process group exists, and a bad checkpoint fails the same way everywhere.
+
+Layout of ``<dump_folder>/<checkpoint.folder>``::
+
+    step-10/                 a committed checkpoint: DCP files + .metadata + checkpoint.json
+    step-20/
+    step-30.tmp/             a save in progress, or one that a crash interrupted
+
+A save writes into ``step-N.tmp``; only when every rank has written its files and
+DCP has written ``.metadata`` does rank 0 add ``checkpoint.json`` (the manifest: the
+step, what the checkpoint holds, the layout and every file's size) and rename the
+folder to ``step-N``. A rename within one folder is atomic on POSIX file systems, so
+a checkpoint is either visible and complete or not visible at all. Anything named
+``step-N.<suffix>`` is an incomplete leftover and is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "checkpoint.json"
+DCP_METADATA = ".metadata"
+FORMAT_VERSION = 1
+# What a full checkpoint holds; ``exclude_from_loading`` names a subset of these.
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+# full: resumable; weights_only: the final export; seed: an initialized model at step 0.
+KINDS = ("full", "weights_only", "seed")
+
+_COMMITTED = re.compile(r"^step-(\d+)$")
+_PARTIAL = re.compile(r"^step-(\d+)\..+$")
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What the checkpoint folder holds: committed checkpoints and incomplete leftovers, by step."""
+
+    committed: dict[int, Path]
+    partial: dict[int, list[Path]]
+
+    def latest(self) -> int | None:
+        return max(self.committed) if self.committed else None
+
+
+def step_dir(folder: Path, step: int) -> Path:
+    return folder / f"step-{step}"
+
+
+def tmp_dir(folder: Path, step: int) -> Path:
+    return folder / f"step-{step}.tmp"
+
+
+def scan(folder: Path) -> Listing:
+    committed: dict[int, Path] = {}
+    partial: dict[int, list[Path]] = {}
+    if folder.is_dir():
+        for entry in sorted(folder.iterdir()):
+            if not entry.is_dir():
+                continue
+            if match := _COMMITTED.match(entry.name):
+                committed[int(match.group(1))] = entry
+            elif match := _PARTIAL.match(entry.name):
+                partial.setdefault(int(match.group(1)), []).append(entry)
+    return Listing(committed, partial)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a committed checkpoint; ValueError naming the folder when unreadable."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} is corrupt: it has no {MANIFEST}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {path} is corrupt: {MANIFEST} is unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has an unknown {MANIFEST} format (expected format {FORMAT_VERSION})")
+    return manifest
+
+
+def read_dcp_metadata(path: Path):
+    """DCP's global metadata (tensor names, global shapes, dtypes); ValueError when unreadable."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - pickle, OS and truncation errors all mean the same here
+        raise ValueError(f"checkpoint {path} is corrupt: {DCP_METADATA} is unreadable ({type(e).__name__}: {e})") \
+            from None
+
+
+def verify(path: Path, expected_shapes: dict[str, tuple[int, ...]] | None) -> tuple[list[str], dict[str, Any]]:
+    """Check a committed checkpoint without loading it: (problems, manifest).
+
+    Detects a missing or unreadable manifest or DCP metadata, missing or truncated
+    data files (against the sizes the manifest recorded at commit time), and model
+    parameters whose names or global shapes differ from ``expected_shapes``.
+    """
+    try:
+        manifest = read_manifest(path)
+        metadata = read_dcp_metadata(path)
+    except ValueError as e:
+        return [str(e)], {}
+    problems: list[str] = []
+    for name, size in sorted(manifest.get("files", {}).items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"checkpoint {path} is corrupt: data file {name} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"checkpoint {path} is corrupt: data file {name} has {file.stat().st_size} bytes, "
+                            f"{size} were written")
+    if expected_shapes is not None and "model" in manifest.get("states", []):
+        saved = {
+            key[len("model."):]: tuple(md.size)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(md, "size")
+        }
+        problems += shape_problems(path, saved, expected_shapes)
+    return problems, manifest
+
+
+def shape_problems(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """One line per parameter that is missing, unexpected or of another shape (at most 5 of each, then a count)."""
+    def listed(kind: str, lines: list[str]) -> list[str]:
+        shown = lines[:5] + ([f"... and {len(lines) - 5} more"] if len(lines) > 5 else [])
+        return [f"checkpoint {path} does not match the model config: {kind}: {'; '.join(shown)}"] if lines else []
+
+    differ = [f"{fqn} is {list(saved[fqn])} in the checkpoint, {list(shape)} in this config"
+              for fqn, shape in sorted(expected.items()) if fqn in saved and saved[fqn] != shape]
+    missing = sorted(set(expected) - set(saved))
+    extra = sorted(set(saved) - set(expected))
+    return (listed("shape differs", differ) + listed("parameters the checkpoint lacks", missing)
+            + listed("parameters this model lacks", extra))
+
+
+def file_sizes(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes a rename durable; some file systems do not support it, which only weakens durability.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit(folder: Path, step: int, manifest: dict[str, Any]) -> Path:
+    """Rank 0, after every rank's files and DCP's metadata are written: manifest, then rename.
+
+    A committed ``step-N`` that already exists (a run resumed from an older step saves
+    step N again) is moved aside first and deleted only after the new one is in place.
+    """
+    tmp, final = tmp_dir(folder, step), step_dir(folder, step)
+    manifest = {**manifest, "format": FORMAT_VERSION, "step": step, "files": file_sizes(tmp),
+                "committed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    replaced = None
+    if final.exists():
+        replaced = folder / f"step-{step}.replaced"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    _fsync_dir(folder)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    return final
+
+
+def purge(folder: Path, keep_latest_k: int, protected: set[int]) -> list[Path]:
+    """Delete all but the newest ``keep_latest_k`` committed checkpoints, and leftovers older than the newest.
+
+    Never deletes a step in ``protected`` (the checkpoint this run loaded) nor the
+    newest committed checkpoint, so a complete checkpoint always remains.
+    """
+    listing = scan(folder)
+    newest = listing.latest()
+    if keep_latest_k <= 0 or newest is None:
+        return []
+    keep = set(sorted(listing.committed)[-keep_latest_k:]) | protected | {newest}
+    doomed = [path for step, path in listing.committed.items() if step not in keep]
+    # Leftovers of interrupted saves that a newer committed checkpoint supersedes; a
+    # newer leftover may be an async save still being written, so it stays.
+    doomed += [path for step, paths in listing.partial.items() if step < newest for path in paths]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
