@@ -248,7 +248,12 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
         # The last block's parameters are needed again at once by backward: keep them gathered.
         last = i == len(blocks) - 1 and cfg.parallelism.fsdp_reshard_after_forward == "default"
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not last)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root (embeddings, final norm, output) runs last in forward and first in backward, so
+    # resharding it only re-gathers it at once. FSDP2 skips that only when the root's value is
+    # left unset, and torch 2.13 honours an explicit True: it cost one extra all-gather of the
+    # root per step, 11% more all-gather bytes on the debug model (benchmarks/footprint.py).
+    root_reshard = reshard and cfg.parallelism.fsdp_reshard_after_forward != "default"
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     kind = "DDP" if not dims.fsdp_enabled else ("HSDP" if dims.dp_replicate_enabled else "FSDP")
     logger.info("Applied %s on mesh %s (param %s, reduce %s)", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
                 mp.param_dtype, mp.reduce_dtype)

@@ -1,0 +1,255 @@
+"""Helpers shared by the CPU benchmarks: launching ranks, building a trainer, counting bytes.
+
+Each benchmark script runs in two roles. Called by a user it is the *driver*: it starts
+one ``torchrun`` per layout that re-runs the same script with ``--worker``, collects the
+JSON that rank 0 writes, and prints a table. The *worker* role builds the project's
+``Trainer`` exactly as ``train.py`` does (same config parsing, same debug config), so the
+figures describe the code users run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A data-parallel layout of the debug model: name, process count and config overrides."""
+
+    name: str
+    world: int
+    replicate: int
+    shard: int
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"--parallelism.data_parallel_replicate_degree={self.replicate}",
+                f"--parallelism.data_parallel_shard_degree={self.shard}"]
+
+
+LAYOUTS: dict[str, Layout] = {
+    "fsdp2": Layout("FSDP 2", 2, 1, 2),
+    "fsdp8": Layout("FSDP 8", 8, 1, 8),
+    "hsdp2x4": Layout("HSDP 2x4", 8, 2, 4),
+    "ddp8": Layout("DDP 8", 8, 8, 1),
+}
+
+
+def machine_description() -> str:
+    """One line naming the CPU, the core count and the torch version (for the reports)."""
+    import platform
+
+    import torch
+
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def run_workers(script: str, layout: Layout, worker_args: list[str], overrides: Iterable[str] = (),
+                timeout: float = 1800, attempts: int = 2) -> dict[str, Any]:
+    """Run ``script --worker`` under torchrun with ``layout.world`` CPU ranks; return rank 0's JSON.
+
+    A failed launch is retried once: on a heavily oversubscribed machine a rank now and then
+    dies in gloo's set-up ("terminate called without an active exception"), which says
+    nothing about the code being measured. The retry is reported on stderr.
+    """
+    for attempt in range(1, attempts + 1):
+        with tempfile.TemporaryDirectory(prefix="tt_bench_") as tmp:
+            result = os.path.join(tmp, "result.json")
+            env = dict(os.environ)
+            # One OpenMP thread per rank, as run_llama_train.sh does: 8 ranks on a small machine.
+            env.setdefault("OMP_NUM_THREADS", "1")
+            env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world}",
+                   "--local-ranks-filter", "0", script, "--worker", "--result", result, "--dump", tmp,
+                   *worker_args, "--", *layout.overrides, *overrides]
+            proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+            if proc.returncode == 0 and os.path.exists(result):
+                with open(result) as f:
+                    return json.load(f)
+            tail = (proc.stdout[-4000:] + proc.stderr[-4000:])
+            if attempt == attempts:
+                sys.stderr.write(tail)
+                raise RuntimeError(f"{layout.name}: workers failed (exit {proc.returncode})")
+            sys.stderr.write(f"{layout.name}: workers failed (exit {proc.returncode}); retrying once\n")
+    raise AssertionError("unreachable")
+
+
+def build_trainer(dump: str, overrides: Iterable[str]):
+    """The project's Trainer for the debug config plus ``overrides`` (what train.py builds)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.logging_setup import init_logger
+    from torchtitan.trainer import Trainer
+
+    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG_CONFIG, f"--job.dump_folder={dump}",
+                                      "--job.print_args=false", *overrides])
+    init_logger()
+    return Trainer(cfg)
+
+
+# ---- bytes held per rank ------------------------------------------------------------
+def _storage_bytes(t) -> int:
+    """Bytes of the storage behind ``t`` (padding included: that is what the rank holds)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.untyped_storage().nbytes()
+
+
+def state_bytes(model_parts, optimizer) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes this rank holds, counting each storage once."""
+    import torch
+
+    seen: set[int] = set()
+
+    def count(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or not isinstance(t, torch.Tensor):
+                continue
+            from torch.distributed.tensor import DTensor
+
+            local = t.to_local() if isinstance(t, DTensor) else t
+            key = local.untyped_storage().data_ptr()
+            if key in seen and local.untyped_storage().nbytes() > 0:
+                continue
+            seen.add(key)
+            total += _storage_bytes(local)
+        return total
+
+    params = [p for part in model_parts for p in part.parameters()]
+    out = {"params": count(params), "grads": count(p.grad for p in params)}
+    out["optimizer"] = count(v for state in optimizer.state.values() for v in state.values())
+    return out
+
+
+def full_param_numel(model_parts) -> int:
+    return sum(p.numel() for part in model_parts for p in part.parameters())
+
+
+def peak_rss_bytes() -> int | None:
+    """High-water mark of this process's resident memory (VmHWM), Linux only."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# ---- communication counting ------------------------------------------------------------
+# Collective kind by the c10d / functional-collective op that carries it. The byte size
+# recorded per call is the size of the *full* buffer: the gathered output of an all-gather,
+# the input of a reduce-scatter, the tensor of an all-reduce (the "algorithm bytes" that
+# nccl-tests report). A ring moves (n - 1) / n of that over each rank's link.
+_KIND = {
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce", "all_reduce_": "all_reduce",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "barrier": "barrier", "gather_": "gather", "scatter_": "scatter", "reduce_": "reduce",
+}
+# All-reduces up to this size are latency-bound scalars (token count, loss, grad norm), not
+# gradient traffic; they are counted apart so that the byte ratios compare like with like.
+SMALL_BYTES = 4096
+# Which argument holds the full buffer for each kind (index into the op's positional args).
+_FULL_ARG = {"_allgather_base_": 0, "allgather_": 0, "allgather_into_tensor_coalesced_": 0,
+             "_reduce_scatter_base_": 1, "reduce_scatter_": 1, "reduce_scatter_tensor_coalesced_": 1}
+
+
+def _tensor_bytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def make_comm_counter():
+    """A TorchDispatchMode that records every collective this rank issues: kind -> [calls, bytes]."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CommCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = defaultdict(int)
+            self.bytes: dict[str, int] = defaultdict(int)
+            self.sizes: dict[str, list[int]] = defaultdict(list)  # bytes of each call, in order
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            # Let DTensor desugar its ops first, so that the collectives it issues (e.g. the
+            # grad-norm all-reduce) come back through this mode as plain c10d ops.
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+                name = func._opname
+                kind = _KIND.get(name)
+                if kind is not None:
+                    if name in _FULL_ARG:
+                        size = _tensor_bytes(args[_FULL_ARG[name]])
+                    elif kind == "all_gather":  # functional: the output is full, the input a shard
+                        size = _tensor_bytes(args[0]) * int(args[1] if len(args) > 1 else 1)
+                    elif kind == "reduce_scatter":  # functional: the input is full
+                        size = _tensor_bytes(args[0])
+                    else:
+                        size = _tensor_bytes(args[0])
+                    if kind == "all_reduce" and size <= SMALL_BYTES:
+                        kind = "all_reduce_small"
+                    self.calls[kind] += 1
+                    self.bytes[kind] += size
+                    self.sizes[kind].append(size)
+            return func(*args, **kwargs)
+
+        def summary(self) -> dict[str, dict[str, int]]:
+            return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "sizes": self.sizes[k]} for k in sorted(self.calls)}
+
+    return CommCounter()
+
+
+def wall_clock() -> float:
+    return time.perf_counter()
