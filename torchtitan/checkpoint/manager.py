@@ -247,7 +247,8 @@ class CheckpointManager:
                     "torch_version": torch.__version__}
         path = commit(self.folder, step, manifest)
         logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
-        protected = {self.loaded_step} if self.loaded_step is not None else set()
+        # Never the checkpoint this run loaded, nor the one just written (an older run may have left higher steps).
+        protected = {step} | ({self.loaded_step} if self.loaded_step is not None else set())
         for gone in purge(self.folder, self.ck.keep_latest_k, protected):
             logger.info("Checkpoint: deleted %s (keep_latest_k=%d)", gone, self.ck.keep_latest_k)
 
@@ -321,6 +322,9 @@ class CheckpointManager:
                 for leftover in leftovers:
                     logger.warning("Checkpoint: skipping %s: an incomplete save (interrupted or still being "
                                    "written)", leftover)
+        if manifest["kind"] != "full" and self.rank == 0:
+            logger.warning("Checkpoint %s is a %s checkpoint: it holds the model only, so the optimizer, LR "
+                           "schedule and data start fresh at step 0", path, manifest["kind"].replace("_", "-"))
         wanted = [k for k in manifest["states"] if k not in self.ck.exclude_from_loading]
         same_layout = manifest.get("layout") == self.layout
         if "rng" in wanted and not same_layout:

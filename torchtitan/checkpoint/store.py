@@ -187,14 +187,22 @@ def commit(folder: Path, step: int, manifest: dict[str, Any]) -> Path:
 def purge(folder: Path, keep_latest_k: int, protected: set[int]) -> list[Path]:
     """Delete all but the newest ``keep_latest_k`` committed checkpoints, and leftovers older than the newest.
 
-    Never deletes a step in ``protected`` (the checkpoint this run loaded) nor the
-    newest committed checkpoint, so a complete checkpoint always remains.
+    Never deletes a step in ``protected`` (the checkpoint this run loaded, the one just
+    written), the newest committed checkpoint, nor the newest *full* one: a final
+    weights-only export does not make the last resumable checkpoint disposable.
     """
     listing = scan(folder)
     newest = listing.latest()
     if keep_latest_k <= 0 or newest is None:
         return []
     keep = set(sorted(listing.committed)[-keep_latest_k:]) | protected | {newest}
+    for step in sorted(listing.committed, reverse=True):
+        try:
+            if read_manifest(listing.committed[step]).get("kind") == "full":
+                keep.add(step)
+                break
+        except ValueError:
+            continue  # a damaged checkpoint is no reason to keep an extra one, nor to fail a save
     doomed = [path for step, path in listing.committed.items() if step not in keep]
     # Leftovers of interrupted saves that a newer committed checkpoint supersedes; a
     # newer leftover may be an async save still being written, so it stays.
