@@ -10,7 +10,9 @@ Run the jobs (through run_llama_train.sh, one after the other):
                 --training.batch_size 2" \\
         --plot compare.png
 
-or read runs made earlier (their dump folders; the first is the control):
+A finished control can be reused for new tests with ``--control-from DUMP`` (it must
+have been trained with the same --steps and config). Or read runs made earlier (their
+dump folders; the first is the control):
 
     python scripts/loss_compare.py --from-logs outputs/control outputs/hsdp [...] --plot compare.png
 
@@ -54,7 +56,9 @@ BATCH_LINE = re.compile(r"Training \d+ steps: local batch (\d+) x seq (\d+), (\d
 # Settings that make two curves differ legitimately or by accident: reported, not refused.
 WARN_KEYS = [("training", "seed"), ("training", "dataset"), ("training", "dataset_path"), ("model", "flavor"),
              ("model", "tokenizer_path"), ("optimizer", "lr"), ("lr_scheduler", "warmup_steps"),
-             ("training", "mixed_precision_param")]
+             ("training", "mixed_precision_param"),
+             # The lr schedule decays over training.steps: another step count is another schedule.
+             ("training", "steps")]
 
 
 class CompareError(Exception):
@@ -302,6 +306,8 @@ def plot(control: RunData, tests: list[RunData], verdicts: list[Verdict], tolera
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--control", help="config overrides of the control run, one quoted string")
+    p.add_argument("--control-from", type=Path, metavar="DUMP",
+                   help="reuse a finished control run (its dump folder) instead of training one again")
     p.add_argument("--test", action="append", default=[], help="config overrides of a test run (repeatable)")
     p.add_argument("--from-logs", nargs="+", type=Path, metavar="DUMP",
                    help="compare existing dump folders instead of running (the first is the control)")
@@ -320,12 +326,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--print-every", type=int, help="table row every N steps (default: about 25 rows)")
     args = p.parse_args(argv)
     if args.from_logs:
-        if args.control or args.test:
-            p.error("--from-logs reads finished runs; it does not take --control/--test")
+        if args.control or args.test or args.control_from:
+            p.error("--from-logs reads finished runs; it does not take --control/--control-from/--test")
         if len(args.from_logs) < 2:
             p.error("--from-logs needs the control's dump folder and at least one test's")
-    elif args.control is None or not args.test:
-        p.error("give --control and at least one --test (or --from-logs DIR DIR ...)")
+    elif (args.control is None) == (args.control_from is None) or not args.test:
+        p.error("give --control or --control-from, and at least one --test (or --from-logs DIR DIR ...)")
     n_runs = len(args.from_logs) if args.from_logs else 1 + len(args.test)
     if args.ngpu is None:
         # Runs default to 8 ranks; finished runs are read as they are.
@@ -346,6 +352,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--names: {len(args.labels)} label(s) for {n_runs} runs")
     elif args.from_logs:
         args.labels = [d.resolve().name for d in args.from_logs]
+    elif args.control_from:
+        args.labels = [args.control_from.resolve().name, *(f"test{i + 1}" for i in range(len(args.test)))]
     else:
         args.labels = ["control", *(f"test{i + 1}" for i in range(len(args.test)))]
     if len(set(args.labels)) != len(args.labels):
@@ -371,7 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = (args.output_dir or REPO / "outputs" / "loss_compare" / time.strftime("%Y%m%d-%H%M%S")).resolve()
             dumps = [out / label for label in args.labels]
-            for label, overrides, ranks, dump in zip(args.labels, [args.control, *args.test], args.ranks, dumps):
+            jobs = list(zip(args.labels, [args.control, *args.test], args.ranks, dumps))
+            if args.control_from:
+                dumps[0] = args.control_from.resolve()
+                jobs = jobs[1:]
+            for label, overrides, ranks, dump in jobs:
                 launch(label, shlex.split(overrides), ranks, args, dump)
         runs = [load_run(label, dump, w) for label, dump, w in zip(args.labels, dumps, args.ranks)]
         control, tests = runs[0], runs[1:]
