@@ -1,0 +1,91 @@
+"""TP-sharded Llama modules equal the unsharded ones, forward and backward (real gloo ranks).
+
+Every rank builds the same full model (same seed), keeps one copy as the
+reference and parallelizes another with ``apply_tp``; the logits, the loss and
+every parameter gradient (gathered from its shards) must match the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+from dist_harness import run_ranks
+from torchtitan.models.llama3 import ModelArgs, Transformer
+from torchtitan.models.llama3.parallelize import apply_tp
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, multiple_of=32, max_seq_len=16)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare(rank: int, world_size: int, sequence_parallel: bool, use_loss_parallel: bool) -> dict:
+    torch.manual_seed(0)
+    reference = Transformer(ARGS)
+    reference.init_weights()
+    sharded = copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    apply_tp(sharded, mesh, sequence_parallel=sequence_parallel, loss_parallel=use_loss_parallel)
+
+    tokens = torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len))
+    labels = torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len))
+    ref_logits = reference(tokens)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    ref_loss.backward()
+
+    logits = sharded(tokens)
+    placements = logits.placements if isinstance(logits, DTensor) else None
+    if use_loss_parallel:
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            loss.backward()
+    else:
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        loss.backward()
+
+    ref_grads = dict(reference.named_parameters())
+    grad_err = {fqn: float((_full(p.grad) - ref_grads[fqn].grad).abs().max()) for fqn, p in sharded.named_parameters()}
+    sharded_params = {fqn: p.placements for fqn, p in sharded.named_parameters() if isinstance(p, DTensor)}
+    return {
+        "logits_err": float((_full(logits.detach()) - ref_logits.detach()).abs().max()),
+        "loss_err": float(abs(float(_full(loss.detach())) - float(ref_loss))),
+        "loss": float(ref_loss),
+        "grad_err": grad_err,
+        "logit_placements": placements,
+        "placements": sharded_params,
+    }
+
+
+@pytest.mark.parametrize(
+    "world_size,sequence_parallel,use_loss_parallel",
+    [(2, True, True), (2, False, False), (2, True, False), (4, True, True)],
+)
+def test_tp_model_matches_unsharded(world_size, sequence_parallel, use_loss_parallel):
+    results = run_ranks(_compare, world_size, sequence_parallel, use_loss_parallel)
+    for r in results:
+        assert r["logits_err"] < 1e-5
+        assert r["loss_err"] < 1e-4 * r["loss"]
+        assert max(r["grad_err"].values()) < 1e-5, r["grad_err"]
+        assert len(r["grad_err"]) == len(list(Transformer(ARGS).parameters()))
+    p = results[0]["placements"]
+    # Megatron layout: column-parallel in-projections, row-parallel out-projections, vocab-sharded embeddings.
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        assert p[f"layers.0.{name}.weight"] == (Shard(0),), name
+    for name in ("attention.wo", "feed_forward.w2"):
+        assert p[f"layers.0.{name}.weight"] == (Shard(1),), name
+    assert p["tok_embeddings.weight"] == (Shard(0),)
+    assert p["output.weight"] == (Shard(0),)
+    # Norm weights become (replicated) DTensors only under sequence parallelism.
+    assert ("layers.0.attention_norm.weight" in p) == sequence_parallel
+    if sequence_parallel:
+        assert p["norm.weight"] == (Replicate(),)
+    # Loss parallel leaves the logits sharded over the vocabulary; otherwise they are plain tensors.
+    assert results[0]["logit_placements"] == ((Shard(2),) if use_loss_parallel else None)
