@@ -33,16 +33,17 @@ def make_trainer(dump: str, *overrides: str):
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def full_model_digests(trainer) -> dict[str, str]:
-    """sha256 of every parameter's full value (a collective: every rank calls it)."""
+def full_model_digests(trainer, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """sha256 of every parameter's full value, optionally cast to ``dtype`` (a collective: every rank calls it)."""
     out = {}
     for part in trainer.model_parts:
         for fqn, param in part.named_parameters():
             value = param.detach()
-            out[fqn] = digest(value.full_tensor() if isinstance(value, DTensor) else value)
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            out[fqn] = digest(value if dtype is None else value.to(dtype))
     return out
 
 
@@ -86,4 +87,29 @@ def copy_checkpoint(src_dump: Path, step: int, dst_dump: Path) -> Path:
 def train(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
     trainer = make_trainer(dump, *overrides)
     losses = trainer.train()
+    return {"losses": losses, "step": trainer.step, "weights": full_model_digests(trainer),
+            "weights_bf16": full_model_digests(trainer, torch.bfloat16)}
+
+
+def resume_and_inspect(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
+    """Load the checkpoint in ``dump``, record what was loaded, then train on from it."""
+    trainer = make_trainer(dump, *overrides)
+    step = trainer.checkpointer.load()
+    loaded = {"step": step, "model": full_model_digests(trainer), "optimizer": full_optimizer_digests(trainer),
+              "data": trainer.dataloader.dataset.state_dict()}
+    return {**train_loaded(trainer), "loaded": loaded}
+
+
+def train_loaded(trainer) -> dict:
+    losses = trainer.train()  # loads the same checkpoint again, then trains
     return {"losses": losses, "step": trainer.step, "weights": full_model_digests(trainer)}
+
+
+def checkpoint_digests(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(model, optimizer) digests of a checkpoint's tensors, keyed like the helpers above."""
+    model = {k[len("model."):]: digest(v) for k, v in checkpoint_tensors(path, "model.").items()}
+    optim = {}
+    for key, value in checkpoint_tensors(path, "optimizer.state.").items():
+        fqn, _, name = key[len("optimizer.state."):].rpartition(".")
+        optim[f"{fqn}/{name}"] = digest(value)
+    return model, optim

@@ -5,7 +5,8 @@ What a full checkpoint holds (top-level keys of the DCP state dict):
 - ``model``: every parameter under its original FQN, as this layout holds it (DTensor
   shards under FSDP/HSDP/DDP/TP, plain tensors on one process). DCP records global
   shapes, so any other layout can load it: that is the resharding resume.
-- ``optimizer``: ``get_optimizer_state_dict``'s FQN-keyed form, sharded like the model.
+- ``optimizer``: ``get_optimizer_state_dict``'s flattened form (one key per parameter
+  and state), sharded like the model.
 - ``lr_scheduler``: the scheduler's state, pickled (a few numbers; identical on all ranks).
 - ``dataloader``: the *global* position of the sample stream (epoch, next window),
   which is the same on every rank and independent of the DP degree; see
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
 from torchtitan.checkpoint.preflight import checkpoint_folder, choose_checkpoint
@@ -49,6 +50,10 @@ from torchtitan.checkpoint.store import commit, purge, scan, tmp_dir
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Optimizer state keyed per parameter ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"). The
+# nested form keeps each param group as one list of FQNs, which differs between pipeline
+# ranks under one key; DCP would keep only one rank's list and the others could not load.
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def model_view(parts: list[torch.nn.Module]) -> torch.nn.Module:
@@ -196,7 +201,7 @@ class CheckpointManager:
     def _full_state(self, step: int) -> dict[str, Any]:
         return {
             "model": self._model_state(),
-            "optimizer": get_optimizer_state_dict(self._view, self.optimizer),
+            "optimizer": get_optimizer_state_dict(self._view, self.optimizer, options=_OPTIM_OPTIONS),
             # Pickled into one value: DCP would otherwise flatten its nested lists and dicts.
             "lr_scheduler": pickle.dumps(self.lr_scheduler.state_dict()),
             "dataloader": self.dataset.state_dict(),
@@ -363,7 +368,7 @@ class CheckpointManager:
             state["model"] = self._model_state()
         if "optimizer" in wanted:
             # Only when it is loaded: getting it initializes the optimizer's state.
-            state["optimizer"] = get_optimizer_state_dict(self._view, self.optimizer)
+            state["optimizer"] = get_optimizer_state_dict(self._view, self.optimizer, options=_OPTIM_OPTIONS)
         if "lr_scheduler" in wanted:
             state["lr_scheduler"] = b""
         if "dataloader" in wanted:
@@ -378,7 +383,7 @@ class CheckpointManager:
         if "model" in state:
             set_model_state_dict(self._view, state["model"])
         if "optimizer" in state:
-            set_optimizer_state_dict(self._view, self.optimizer, state["optimizer"])
+            set_optimizer_state_dict(self._view, self.optimizer, state["optimizer"], options=_OPTIM_OPTIONS)
         if "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
         if "dataloader" in state:

@@ -37,7 +37,8 @@ def choose_checkpoint(
     if ck.load_step >= 0:
         if ck.load_step not in listing.committed:
             leftovers = listing.partial.get(ck.load_step)
-            why = f"only an incomplete save ({leftovers[0].name}) exists" if leftovers else "there is no such checkpoint"
+            why = (f"only an incomplete save ({leftovers[0].name}) exists" if leftovers
+                   else "there is no such checkpoint")
             return None, {}, [f"--checkpoint.load_step={ck.load_step}: {why} in {folder} (complete steps: {complete}); "
                               "use -1 for the latest complete one"]
         step = ck.load_step
