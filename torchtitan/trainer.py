@@ -25,7 +25,7 @@ from torchtitan.distributed import (
     ParallelDims, clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
 )
 from torchtitan.distributed.layout_init import init_params_layout_invariant
-from torchtitan.distributed.utils import set_collective_timeout
+from torchtitan.distributed.utils import set_collective_timeout, start_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models import model_flavors
@@ -185,35 +185,45 @@ class Trainer:
         """Context that forward *and* backward of a micro-batch run under."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    def forward_backward(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor | float, float]:
         """Accumulate gradients over ``batches`` (the micro-batches); return (loss sum, global tokens).
 
         The loss is the sum of token losses over every rank and micro-batch divided by
         the global token count, so the gradient is the same whatever the DP degree and
         the accumulation. FSDP averages gradients over the dp_cp ranks; multiplying by
         that degree turns its average back into this sum.
+
+        The global token count is summed while the first forward runs (only backward needs
+        it), and the loss sum stays on the device (no host sync per micro-batch).
         """
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = reduce_scalar(local_tokens, "sum", self.loss_mesh)
-        scale = (1 if self.loss_mesh is None else self.loss_mesh.size()) / global_tokens
-        local_loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens_sum = start_sum(float(local_tokens), self.loss_mesh)
+        global_tokens = scale = None
+        local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self.train_context():
                 loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
+                if scale is None:
+                    global_tokens = tokens_sum()
+                    scale = (1 if self.loss_mesh is None else self.loss_mesh.size()) / global_tokens
                 (loss_sum * scale).backward()
-            local_loss_sum += loss_sum.detach().double().cpu()
-        return float(local_loss_sum), global_tokens
+            local_loss_sum += loss_sum.detach().double()
+        return local_loss_sum, global_tokens
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over ``batches``; returns (global loss, global grad norm)."""
         local_loss_sum, global_tokens = self.forward_backward(batches)
+        # Summed while clipping and the optimizer step run: nothing before the check needs it.
+        loss_sum = start_sum(local_loss_sum, self.loss_mesh)
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = reduce_scalar(local_loss_sum, "sum", self.loss_mesh) / global_tokens
+        loss = loss_sum() / global_tokens
         if not math.isfinite(loss):
             # Every rank holds the same reduced loss, so every rank stops here together.
             raise FloatingPointError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,27 @@ def reduce_scalar(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None)
     if op == "mean":
         tensor = tensor / mesh.size()
     return float(tensor)
+
+
+def start_sum(value: torch.Tensor | float, mesh: DeviceMesh | None) -> Callable[[], float]:
+    """Start summing a scalar over a 1-D mesh; the returned function waits and gives the sum.
+
+    The trainer starts the token-count and loss sums ahead of work that does not need them
+    (the forward; clipping and the optimizer step), so that no rank stops at a blocking
+    collective for one number (benchmarks/overhead.py measures this). A CPU value is summed
+    on the CPU (gloo), so it never waits for the accelerator; a device value stays there.
+    """
+    tensor = torch.as_tensor(value, dtype=torch.float64)
+    if mesh is None or mesh.size() == 1:
+        return lambda: float(tensor)
+    tensor = tensor.detach().clone()  # summed in place: never into the caller's tensor
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.get_group(), async_op=True)
+
+    def finish() -> float:
+        work.wait()
+        return float(tensor)
+
+    return finish
 
 
 @torch.no_grad()
