@@ -133,3 +133,13 @@ def test_a_not_implemented_refusal_gates_instead_of_failing(tmp_path):
     assert "not implemented yet" in it._gate_from_output(refused)
     crashed = _run(tmp_path, "RuntimeError: not implemented yet\n", {}, rc=1)  # no config error: a failure
     assert it._gate_from_output(crashed) is None
+
+
+def test_a_known_bug_is_reported_while_it_fails_and_flagged_once_it_passes():
+    flavor = it.Flavor("x", "", (it.Phase(("--x",), 2),), known_bug="bug 1")
+    failing = it.Result(flavor, status="FAIL", problems=["exit status 1"])
+    it.settle_known_bug(failing)
+    assert (failing.status, failing.reason) == ("KNOWN BUG", "bug 1")
+    fixed = it.Result(flavor, status="PASS")
+    it.settle_known_bug(fixed)
+    assert fixed.status == "FAIL" and "remove known_bug" in fixed.problems[0]
