@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -90,6 +92,21 @@ def start_sum(value: torch.Tensor | float, mesh: DeviceMesh | None) -> Callable[
     return finish
 
 
+# DTensor warns on every step that reducing a norm partial over (dp_shard, tp) takes two
+# all-reduces instead of one; for one scalar per mesh that costs nothing worth a warning.
+_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+@contextlib.contextmanager
+def _quiet(log: logging.Logger):
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter],
@@ -114,7 +131,10 @@ def clip_grad_norm_(
     norms = []
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if isinstance(norm, DTensor):
+            with _quiet(_REDISTRIBUTE_LOG):
+                norm = norm.full_tensor()
+        norms.append(norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type=norm_type) if norms else torch.zeros(())
     if pp_mesh is not None and pp_mesh.size() > 1:
         if norm_type == float("inf"):

@@ -7,24 +7,24 @@ compile then wrap each transformer block's (already parallel) forward, and FSDP
 comes last so that it shards what the other steps produced and its all-gathers
 sit outside the compiled and recomputed regions.
 
-Every step keeps the parameter FQNs unchanged (composable AC, in-place
+Every step keeps the parameter FQNs unchanged (AC replaces forward in place, in-place
 ``Module.compile``, FSDP2), which checkpoints and the layout-invariant init rely on.
 """
 
 from __future__ import annotations
 
 import logging
-from functools import partial
+from functools import partial, wraps
+from typing import Callable
 
 import torch
-from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
@@ -177,15 +177,32 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _checkpoint_forward(module: torch.nn.Module, context_fn: Callable | None) -> None:
+    """Make ``module.forward`` recompute itself in backward, in place.
+
+    Replacing the bound ``forward`` (instead of wrapping the module) keeps the
+    parameter FQNs, and keeps the region to the forward body: FSDP's unshard and
+    reshard run in the module's hooks, outside it. ``torch.compile`` traces
+    non-reentrant ``checkpoint`` (with or without a selective policy), so a
+    compiled block keeps its AC.
+    """
+    inner = module.forward
+    kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+
+    @wraps(inner)
+    def forward(*args, **kw):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs, **kw)
+
+    module.forward = forward
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_option: str) -> None:
     """full: recompute every block; selective 'op': keep matmul outputs; selective N: every N-th block."""
     blocks = list(model.layers.values())
     if mode == "full":
         chosen, context_fn = blocks, None
     elif selective_option == "op":
-        # Op-level AC records every op in its region, so the region must not contain FSDP's
-        # unshard/reshard hooks (they sit on the block): wrap the block's two halves instead.
-        chosen = [half for block in blocks for half in (block.attention, block.feed_forward)]
+        chosen = blocks
         context_fn = partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
     else:
         try:
@@ -198,10 +215,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_
             )
         chosen, context_fn = blocks[every - 1 :: every], None
     for block in chosen:
-        if context_fn is None:
-            composable_checkpoint(block)
-        else:
-            composable_checkpoint(block, context_fn=context_fn)
+        _checkpoint_forward(block, context_fn)
     logger.info("Activation checkpointing (%s, option %s) on %d modules", mode, selective_option, len(chosen))
 
 
