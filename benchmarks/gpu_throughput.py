@@ -1,0 +1,268 @@
+"""Single-GPU throughput of Llama 3 8B shapes (fewer layers): the project's model vs plain PyTorch.
+
+    python benchmarks/gpu_throughput.py                       # all variants, layers chosen to fit
+    python benchmarks/gpu_throughput.py --variants project-compile-sac --layers 4
+    python benchmarks/gpu_throughput.py --smoke               # CPU, tiny shapes: checks the logic only
+
+Each variant runs in its own process (a fresh allocator and compile cache) and reports
+tokens/s, TFLOP/s, MFU and peak memory on one device:
+
+- project-*:   the project's Transformer, its activation checkpointing and compile helpers
+               (parallelize.py) and bf16 through FSDP2's MixedPrecisionPolicy on a 1-GPU mesh,
+               the project's fused AdamW;
+- reference-*: a Llama 3 block written here with plain PyTorch (nn.Linear, F.rms_norm,
+               complex RoPE, SDPA), bf16 autocast over float32 weights, fused AdamW.
+
+Both use seq 8192 (``--seq``), batch 1, the 8B dims (dim 4096, 32 heads, 8 KV heads,
+FFN 14336, vocab 128256) and the same FLOP count (torchtitan.models.llama3.flops_per_token),
+so their MFU figures compare directly. ``--layers`` defaults to 4 on devices with under
+100 GiB (H100 80 GB) and 8 above (H200 141 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+VARIANTS = ["reference-eager", "project-eager", "reference-compile", "project-compile",
+            "project-compile-sac", "project-eager-sac"]
+
+
+# ---- a plain-PyTorch Llama 3 (the reference) ------------------------------------------
+def build_reference(args, device):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from torchtitan.models.llama3.model import ffn_hidden_dim, rope_frequencies
+
+    hd, n_kv = args.head_dim, args.n_kv_heads
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n1, self.n2 = nn.RMSNorm(args.dim, eps=args.norm_eps), nn.RMSNorm(args.dim, eps=args.norm_eps)
+            self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * n_kv) * hd, bias=False)
+            self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+            hidden = ffn_hidden_dim(args)
+            self.w13 = nn.Linear(args.dim, 2 * hidden, bias=False)
+            self.w2 = nn.Linear(hidden, args.dim, bias=False)
+
+        def forward(self, x, freqs):
+            b, s, _ = x.shape
+            q, k, v = self.wqkv(self.n1(x)).split([args.n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+            q, k, v = q.view(b, s, -1, hd), k.view(b, s, -1, hd), v.view(b, s, -1, hd)
+
+            def rope(t):
+                tc = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+                return torch.view_as_real(tc * freqs[:, None, :]).flatten(-2).type_as(t)
+
+            q, k = rope(q), rope(k)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+            h = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+            a, g = self.w13(self.n2(h)).chunk(2, dim=-1)
+            return h + self.w2(F.silu(a) * g)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(args.vocab_size, args.dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(args.n_layers))
+            self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+            self.out = nn.Linear(args.dim, args.vocab_size, bias=False)
+            freqs = rope_frequencies(hd, args.rope_theta, args.rope_scaling)
+            angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+            self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles).to(torch.complex64),
+                                 persistent=False)
+
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            freqs = self.freqs[: tokens.shape[1]]
+            for block in self.blocks:
+                h = block(h, freqs)
+            return self.out(self.norm(h))
+
+    with torch.device(device):
+        model = Model()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else None
+    return model
+
+
+# ---- the project's model -------------------------------------------------------------------
+def build_project(args, device, compile_: bool, sac: bool):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.llama3.parallelize import apply_activation_checkpointing, apply_compile
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    if sac:
+        apply_activation_checkpointing(model, "selective", "op")
+    if compile_:
+        apply_compile(model)
+    # On one device the trainer applies no FSDP and hence no mixed precision; wrapping a
+    # 1-rank mesh gives the bf16 compute / fp32 master weights that multi-GPU runs get.
+    mesh = init_device_mesh(device.type, (1,))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)
+    return model
+
+
+def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, smoke: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from torchtitan.metrics import peak_flops
+    from torchtitan.models.llama3 import flops_per_token, llama3_flavors
+    from torchtitan.optim import build_optimizer
+
+    device = torch.device("cuda", 0) if not smoke else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if smoke:
+        args = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=layers, max_seq_len=seq)
+    else:
+        args = dataclasses.replace(llama3_flavors["8B"], n_layers=layers, max_seq_len=seq)
+    kind, *flags = variant.split("-")
+    compile_, sac = "compile" in flags, "sac" in flags
+    torch.manual_seed(0)
+    if kind == "project":
+        model = build_project(args, device, compile_, sac)
+        autocast = None
+    else:
+        if sac:
+            raise ValueError("the reference has no selective AC variant")
+        model = build_reference(args, device)
+        if compile_:
+            for block in model.blocks:
+                block.compile(fullgraph=True)
+        autocast = torch.bfloat16 if device.type == "cuda" else None
+    opt = build_optimizer(model.parameters(), name="AdamW", lr=3e-4, eps=1e-8, weight_decay=0.1,
+                          betas=(0.9, 0.95), device_type=device.type)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    gen = torch.Generator().manual_seed(0)
+    times, losses = [], []
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, args.vocab_size, (1, seq + 1), generator=gen).to(device)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    step_time = statistics.median(times)
+    tps = seq / step_time
+    flops = flops_per_token(args, seq) * tps
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    result = {
+        "variant": variant, "layers": layers, "seq": seq, "step_s": step_time, "tokens_per_s": tps,
+        "tflops": flops / 1e12, "mfu_pct": 100 * flops / peak if peak else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "loss_first_last": [losses[0], losses[-1]],
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    dist.destroy_process_group()
+    return result
+
+
+def default_layers() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 2
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    # fp32 weights + grads + AdamW = 16 B/param: 4 layers (1.9 B params, ~31 GiB) leave an
+    # 80 GB H100 room for 8K-token activations and the 128K-vocab logits; a 141 GB H200 fits 8.
+    return 8 if total > 100 else 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="CPU, debug-model dims: tests the script, not a GPU")
+    parser.add_argument("--json", help="write all results here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke and args.seq == 8192:
+        args.seq = 128
+    layers = args.layers or (2 if args.smoke else default_layers())
+    if args.one:
+        print("RESULT " + json.dumps(run_variant(args.one, layers, args.seq, args.steps, args.warmup, args.smoke)))
+        return
+    results = []
+    for variant in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--one", variant, "--layers", str(layers), "--seq", str(args.seq),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            print(f"{variant}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)
+            results.append({"variant": variant, "error": tail[-500:]})
+            continue
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    ref = {r["variant"].split("-", 1)[1]: r for r in results if r["variant"].startswith("reference") and "error" not in r}
+    print(f"{'variant':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU %':>6s} {'mem GiB':>8s} {'vs ref':>7s}  loss first->last")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:22s} failed")
+            continue
+        base = ref.get(r["variant"].split("-")[1])
+        vs = f"{r['tokens_per_s'] / base['tokens_per_s']:7.3f}" if base else "      -"
+        mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
+        mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "       -"
+        print(f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {mfu} {mem} {vs}  "
+              f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}")
+    if results and "device" in results[0]:
+        print(f"device: {results[0]['device']}, torch {results[0]['torch']}, {layers} layers, seq {args.seq}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
