@@ -40,14 +40,16 @@ def one_run(nproc: int, extra: list[str]) -> dict[str, float]:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen: dict[str, float] = {}
         assert proc.stdout is not None
+        tail: list[str] = []
         for line in proc.stdout:
+            tail = (tail + [line])[-20:]
             for name, marker in MILESTONES:
                 if name not in seen and marker in line:
                     seen[name] = time.perf_counter() - start
         proc.wait()
         seen["exit"] = time.perf_counter() - start
         if proc.returncode != 0:
-            raise RuntimeError(f"train.py exited with {proc.returncode}")
+            raise RuntimeError(f"train.py exited with {proc.returncode}; its last lines:\n{''.join(tail)}")
     return seen
 
 

@@ -101,7 +101,7 @@ def test_state_is_divided_by_the_sharding_degree(tmp_path, world, overrides, deg
 
 def test_pipeline_estimate_takes_the_heaviest_stage(tmp_path):
     est = _estimate(str(tmp_path), 2, "--parallelism.data_parallel_shard_degree=1",
-                    "--parallelism.pipeline_parallel_degree=2")
+                    "--parallelism.pipeline_parallel_degree=2", "--training.batch_size=2")
     # Two stages of three blocks each; one adds the embeddings, the other the norm and output.
     assert 0.5 * est.param_numel_total < est.local_param_numel < 0.6 * est.param_numel_total
 
