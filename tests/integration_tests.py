@@ -268,9 +268,7 @@ def build_flavors() -> list[Flavor]:
           (_phase(4, 2, {"dp_shard": 2, "tp": 2}, *_dp(1, 2), *_tp(2)),), requires=("tp",)),
         f("tp2_no_sp", "TP 2 without sequence parallel", (_phase(
             2, 1, {"tp": 2}, *_dp(1, 1), *_tp(2), "--parallelism.enable_sequence_parallel=false"),),
-          requires=("tp",),
-          known_bug="TP without SP and without FSDP leaves the norm weights plain tensors beside DTensors; "
-                    "AdamW's foreach step then fails ('mixed torch.Tensor and DTensor')"),
+          requires=("tp",)),
         f("tp2_no_loss_parallel", "TP 2 with logits gathered before the loss", (_phase(
             2, 1, {"tp": 2}, *_dp(1, 1), *_tp(2), "--parallelism.disable_loss_parallel"),), requires=("tp",)),
         f("hsdp_tp", "HSDP 2x2 x TP 2",

@@ -86,16 +86,17 @@ def test_single_process_cli_run_writes_config_and_tensorboard(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_unsupported_parallelism_is_a_config_error(tmp_path):
+def test_bad_tp_config_fails_on_every_rank_before_any_collective(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2",
-         "--checkpoint.enable_checkpoint", f"--job.dump_folder={tmp_path}"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+         "--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2", "--training.seq_len=63",
+         f"--job.dump_folder={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env=env,
     )
-    assert out.returncode == 2
-    assert "tensor_parallel_degree=2" in out.stderr and "Traceback" not in out.stderr
-    assert "checkpoint" not in out.stderr  # checkpointing is implemented: enabling it is no error
+    assert out.returncode != 0
+    assert out.stderr.count("config error: --training.seq_len=63 must be divisible by") == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
 
 
 def _losses_with(rank: int, world_size: int, dump: str, overrides: list[str]) -> list[float]:
@@ -134,6 +135,11 @@ def test_compiled_blocks_match_eager(tmp_path):
     compiled = run_ranks(_losses_with, 2, str(tmp_path / "compiled"), [*fsdp2, "--training.compile"], timeout=400)[0]
     # Inductor may fuse and reorder float32 ops, so equal to rounding, not bitwise.
     assert compiled == pytest.approx(eager, rel=1e-4)
+    # AC inside a compiled block (selective op policy, the usual GPU set-up) traces too.
+    sac = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
+    compiled_sac = run_ranks(_losses_with, 2, str(tmp_path / "sac"), [*fsdp2, "--training.compile", *sac],
+                             timeout=400)[0]
+    assert compiled_sac == pytest.approx(eager, rel=1e-4)
 
 
 def test_profiling_writes_a_trace_per_rank(tmp_path):
@@ -186,3 +192,20 @@ def test_a_silent_rank_makes_the_others_fail_after_the_train_timeout(tmp_path):
     (outcome, seconds), _ = run_ranks(_one_rank_goes_silent, 2, str(tmp_path), collective_timeout=60)
     assert outcome not in ("finished", "silent"), outcome
     assert seconds < 30, seconds
+
+
+def _bf16_single_device(rank: int, world_size: int, dump: str) -> dict:
+    trainer = make_trainer(dump, "--training.steps=2", "--training.mixed_precision_param=bfloat16")
+    model = trainer.model_parts[0]
+    logits = model(torch.zeros(1, 8, dtype=torch.long))
+    losses = trainer.train()
+    return {"dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+            "param_dtype": {p.dtype for p in model.parameters()}, "logits_dtype": logits.dtype, "losses": losses}
+
+
+def test_one_device_still_gets_the_mixed_precision_policy(tmp_path):
+    # A single GPU has nothing to shard; FSDP2 on a one-rank mesh is what gives it bf16 compute.
+    (out,) = run_ranks(_bf16_single_device, 1, str(tmp_path))
+    assert out["dtensor"] and out["param_dtype"] == {torch.float32}  # float32 master weights
+    assert out["logits_dtype"] == torch.bfloat16
+    assert all(torch.isfinite(torch.tensor(out["losses"])))

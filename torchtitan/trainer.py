@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.checkpoint import CheckpointManager, check_checkpoint_config
 from torchtitan.config import ConfigError, JobConfig, resolve_gradient_accumulation, to_toml
@@ -24,13 +26,15 @@ from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tok
 from torchtitan.distributed import (
     ParallelDims, clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
 )
+from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
+from torchtitan.distributed.pipeline_parallel import PipelinePlan, PipelineRunner, build_pipeline, plan_pipeline
 from torchtitan.distributed.utils import set_collective_timeout, start_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models import model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer, flops_per_token
-from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -48,17 +52,12 @@ class Plan:
     grad_accum: int
     model_args: ModelArgs
     tokenizer: Tokenizer
+    pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """Validate the whole job without touching the network; raises ConfigError."""
     p, problems = cfg.parallelism, []
-    for flag, degree in [("tensor_parallel_degree", p.tensor_parallel_degree),
-                         ("context_parallel_degree", p.context_parallel_degree),
-                         ("pipeline_parallel_degree", p.pipeline_parallel_degree)]:
-        if degree > 1:
-            problems.append(f"--parallelism.{flag}={degree}: not implemented yet in this version; use 1 "
-                            "(data parallel degrees: data_parallel_replicate_degree / data_parallel_shard_degree)")
     if cfg.training.dataset_path is None and cfg.training.dataset not in DATASETS:
         problems.append(f"--training.dataset={cfg.training.dataset}: unknown; choose one of {', '.join(DATASETS)} "
                         "or give --training.dataset_path")
@@ -81,10 +80,14 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         vocab_size=tokenizer.n_words,
         max_seq_len=cfg.training.seq_len,
     )
+    problems = validate_parallelism(args, dims, cfg)
+    if problems:
+        raise ConfigError(problems)
     problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args))
     if problems:
         raise ConfigError(problems)
-    return Plan(dims, grad_accum, args, tokenizer)
+    pipeline = plan_pipeline(cfg, args.n_layers) if dims.pp_enabled else None
+    return Plan(dims, grad_accum, args, tokenizer, pipeline)
 
 
 class Trainer:
@@ -92,6 +95,7 @@ class Trainer:
         self.cfg = cfg
         plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.dims, self.grad_accum, self.model_args = plan.dims, plan.grad_accum, plan.model_args
+        self.pipeline = plan.pipeline
 
         self.rank, _, self.device = init_distributed(cfg.comm.init_timeout_seconds)
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -108,7 +112,8 @@ class Trainer:
             dp_rank=dp_rank, dp_degree=dp_degree,
         )
         # One module per pipeline stage held by this rank; a single part without PP.
-        self.model_parts: list[torch.nn.Module] = [self._build_model()]
+        self.pp_runner: PipelineRunner | None = None
+        self.model_parts: list[torch.nn.Module] = self._build_model()
         t, o = cfg.training, cfg.optimizer
         self.optimizer = build_optimizer(
             [p for part in self.model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
@@ -147,13 +152,24 @@ class Trainer:
         if self.rank == 0:
             logger.info("Seeded: rank 0 seed %d, sharded dims %s", rank_seed, t.seed_sharded_dims)
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self) -> list[torch.nn.Module]:
+        """The model parts this rank holds: the whole model, or its pipeline stages."""
         with torch.device("meta"):
             model = Transformer(self.model_args)
         n_params = model.num_params()
         self.flops_per_token = flops_per_token(self.model_args, self.cfg.training.seq_len)
         logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", self.cfg.model.flavor, f"{n_params:,}",
                     self.flops_per_token)
+        if self.pipeline is None:
+            return [self._materialize(model)]
+        logger.info("Pipeline %s, %d microbatches: %s", self.pipeline.schedule, self.pipeline.microbatches,
+                    self.pipeline.describe())
+        self.pp_runner, parts = build_pipeline(model, self.pipeline, self.dims.get_mesh("pp"), self.device,
+                                               self._materialize, self.loss_fn)
+        return parts
+
+    def _materialize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Parallelize a meta model (or pipeline stage), allocate it on the device and initialize it."""
         parallelize_llama(model, self.dims, self.cfg, self.device.type)
         model.to_empty(device=self.device)
         if self.cfg.training.seed is None:
@@ -177,13 +193,24 @@ class Trainer:
 
     # ---- training -------------------------------------------------------------
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum (not mean) of the token cross-entropies of one micro-batch, in float32."""
+        """Sum (not mean) of the token cross-entropies of one micro-batch, in float32.
+
+        Under loss parallel the logits are a DTensor sharded over the vocabulary and
+        the result a replicated DTensor; ``train_context`` must be active.
+        """
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                                ignore_index=IGNORE_INDEX)
 
     def train_context(self) -> contextlib.AbstractContextManager:
         """Context that forward *and* backward of a micro-batch run under."""
-        return contextlib.nullcontext()
+        return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
+
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move a micro-batch to the device; under CP keep this rank's load-balanced sequence chunks."""
+        if self.dims.cp_enabled:
+            cp_rank, cp_size = self.dims.rank_and_size("cp")
+            inputs, labels = shard_sequence(inputs, cp_rank, cp_size), shard_sequence(labels, cp_rank, cp_size)
+        return inputs.to(self.device), labels.to(self.device)
 
     def forward_backward(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -198,28 +225,48 @@ class Trainer:
         The global token count is summed while the first forward runs (only backward needs
         it), and the loss sum stays on the device (no host sync per micro-batch).
         """
+        batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         tokens_sum = start_sum(float(local_tokens), self.loss_mesh)
         global_tokens = scale = None
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self.train_context():
                 loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
                 if scale is None:
                     global_tokens = tokens_sum()
                     scale = (1 if self.loss_mesh is None else self.loss_mesh.size()) / global_tokens
                 (loss_sum * scale).backward()
+            if isinstance(loss_sum, DTensor):  # loss parallel: every TP rank holds the full value
+                loss_sum = loss_sum.to_local()
             local_loss_sum += loss_sum.detach().double()
         return local_loss_sum, global_tokens
 
+    def _pp_forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """``forward_backward`` through the pipeline schedule, with the same normalisation.
+
+        Each local batch is one schedule step (cut into ``pipeline_parallel_microbatches``);
+        the last stage back-propagates ``loss_fn * scale``. The loss sum lives on the last
+        stage, so it is summed over ``pp`` (other stages add 0) and every rank logs the true loss.
+        """
+        batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        global_tokens = reduce_scalar(local_tokens, "sum", self.loss_mesh)
+        scale = (1 if self.loss_mesh is None else self.loss_mesh.size()) / global_tokens
+        local_loss_sum = 0.0
+        for inputs, labels in batches:
+            with self.train_context():  # around forward and backward: the schedule interleaves them
+                local_loss_sum += self.pp_runner.step(inputs, labels, scale)
+        return reduce_scalar(local_loss_sum, "sum", self.dims.get_mesh("pp")), global_tokens
+
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over ``batches``; returns (global loss, global grad norm)."""
-        local_loss_sum, global_tokens = self.forward_backward(batches)
+        step_fn = self.forward_backward if self.pp_runner is None else self._pp_forward_backward
+        local_loss_sum, global_tokens = step_fn(batches)
         # Summed while clipping and the optimizer step run: nothing before the check needs it.
         loss_sum = start_sum(local_loss_sum, self.loss_mesh)
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.get_mesh("pp"))
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -53,3 +53,9 @@ def test_valid_tp_cp_layouts_pass():
         cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=-1",
                                           *overrides])
         assert preflight(cfg, 8).dims.world_size == 8
+
+
+def test_tp_with_compile_and_ac_is_rejected_with_the_way_out():
+    problems = _problems(2, "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                         "--training.compile", "--activation_checkpoint.mode=full")
+    assert len(problems) == 1 and "drop one of the three" in problems[0]

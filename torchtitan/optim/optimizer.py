@@ -4,6 +4,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 # Names are matched case-sensitively so that they read exactly like the
 # torch.optim class names a user would write in the config file.
@@ -48,6 +49,14 @@ def build_optimizer(
     if optimizer_cls is None:
         choices = ", ".join(sorted(_OPTIMIZER_CLASSES))
         raise ValueError(f"optimizer.name must be one of [{choices}], got {name!r}")
+    params = list(params)
+    if all(isinstance(p, torch.Tensor) for p in params):
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        if dtensors and len(dtensors) < len(params):
+            # TP without sequence parallelism or FSDP leaves the norm weights plain tensors
+            # next to DTensor linears; the foreach kernels take one kind per call, and the
+            # optimizer calls them once per group.
+            params = [{"params": dtensors}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
     return optimizer_cls(
         params,
         lr=lr,

@@ -53,13 +53,25 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
         apply_compile(model)
     if dims.dp_enabled or dims.fsdp_enabled:
         apply_fsdp(model, dims, cfg, device_type)
+    elif dims.world_size == 1 and mixed_precision(cfg, device_type).param_dtype != torch.float32:
+        # One device has nothing to shard, but FSDP2 is what applies the mixed-precision
+        # policy (bf16 compute over float32 weights), so wrap on the one-rank mesh.
+        apply_fsdp(model, dims, cfg, device_type, mesh=dims.world_mesh)
     return model
 
 
-def validate_parallelism(args: ModelArgs, dims: ParallelDims, seq_len: int, sequence_parallel: bool) -> list[str]:
+def validate_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> list[str]:
     """Config problems that would only show up as shape errors deep inside a collective."""
     problems: list[str] = []
     tp, cp = dims.tp, dims.cp
+    seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
+    if tp > 1 and cfg.training.compile and cfg.activation_checkpoint.mode != "none":
+        # torch.compile fails on checkpointed TP blocks ("expected all tensors_saved_with_vc_check
+        # to be Tensors": the DTensor's DeviceMesh ends up among the saved values).
+        problems.append("--training.compile with --activation_checkpoint.mode="
+                        f"{cfg.activation_checkpoint.mode} and tensor_parallel_degree={tp}: torch.compile cannot "
+                        "trace activation checkpointing around tensor-parallel blocks in this PyTorch; drop one of "
+                        "the three (compile with AC works without TP, and AC with TP works eagerly)")
     if tp > 1:
         n_kv = args.n_kv_heads or args.n_heads
         for what, value in [("n_heads", args.n_heads), ("n_kv_heads", n_kv), ("dim", args.dim),
@@ -245,7 +257,8 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     return not pp_enabled
 
 
-def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> None:
+def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str,
+               mesh: DeviceMesh | None = None) -> None:
     """Shard each block, then the root (embeddings, final norm, output).
 
     The mesh is 1-D ``dp_shard_cp`` for FSDP, 2-D ``(dp_replicate, dp_shard_cp)``
@@ -254,7 +267,7 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     and all-reduces gradients, which is DDP with the same code path, parameter
     type (DTensor), mixed precision and checkpoint format as FSDP and HSDP.
     """
-    mesh = dims.fsdp_mesh()
+    mesh = mesh if mesh is not None else dims.fsdp_mesh()
     mp = mixed_precision(cfg, device_type)
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
     blocks = list(model.layers.values())
