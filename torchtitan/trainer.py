@@ -36,6 +36,7 @@ from torchtitan.models import model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.optim.lr_scheduler import validate_schedule
 
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
@@ -58,6 +59,14 @@ class Plan:
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """Validate the whole job without touching the network; raises ConfigError."""
     p, problems = cfg.parallelism, []
+    s = cfg.lr_scheduler
+    try:
+        validate_schedule(warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
+                          lr_min=s.lr_min, total_steps=cfg.training.steps)
+    except ValueError as e:
+        problems.append(f"learning-rate schedule: {e} (--lr_scheduler.warmup_steps={s.warmup_steps}, "
+                        f"--lr_scheduler.decay_ratio={s.decay_ratio}, --training.steps={cfg.training.steps}); "
+                        "shorten the warmup/decay or train longer")
     if cfg.training.dataset_path is None and cfg.training.dataset not in DATASETS:
         problems.append(f"--training.dataset={cfg.training.dataset}: unknown; choose one of {', '.join(DATASETS)} "
                         "or give --training.dataset_path")

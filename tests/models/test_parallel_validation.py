@@ -55,7 +55,12 @@ def test_valid_tp_cp_layouts_pass():
         assert preflight(cfg, 8).dims.world_size == 8
 
 
-def test_tp_with_compile_and_ac_is_rejected_with_the_way_out():
+def test_tp_with_compile_is_rejected_with_the_way_out():
     problems = _problems(2, "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
-                         "--training.compile", "--activation_checkpoint.mode=full")
-    assert len(problems) == 1 and "drop one of the three" in problems[0]
+                         "--training.compile")
+    assert len(problems) == 1 and "turn off compile for TP layouts" in problems[0]
+
+
+def test_warmup_longer_than_the_run_is_a_config_error():
+    problems = _problems(1, "--training.steps=3", "--lr_scheduler.warmup_steps=5")
+    assert any("--lr_scheduler.warmup_steps=5" in p and "training.steps=3" in p for p in problems), problems

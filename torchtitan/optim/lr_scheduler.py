@@ -73,7 +73,7 @@ def _factor_for_epoch(epoch: int, **schedule: float | int | str) -> float:
     return lr_factor(epoch + 1, **schedule)  # type: ignore[arg-type]
 
 
-def _validate(
+def validate_schedule(
     *,
     warmup_steps: int,
     decay_ratio: float | None,
@@ -115,7 +115,7 @@ def build_lr_scheduler(
     total_steps: int,
 ) -> LambdaLR:
     """Wrap ``optimizer`` in a WSD schedule; call ``.step()`` after each optimizer step."""
-    _validate(
+    validate_schedule(
         warmup_steps=warmup_steps,
         decay_ratio=decay_ratio,
         decay_type=decay_type,
