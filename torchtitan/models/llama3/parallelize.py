@@ -71,7 +71,7 @@ def validate_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) ->
         # already in forward. Refused up front rather than after minutes of set-up.
         problems.append(f"--training.compile with tensor_parallel_degree={tp}: torch.compile of tensor-parallel "
                         "blocks fails in this PyTorch (DTensor backward); turn off compile for TP layouts "
-                        "(compile works with FSDP, HSDP, DDP, CP and PP)")
+                        "(compile was checked with FSDP, HSDP, DDP and CP)")
     if tp > 1:
         n_kv = args.n_kv_heads or args.n_heads
         for what, value in [("n_heads", args.n_heads), ("n_kv_heads", n_kv), ("dim", args.dim),
