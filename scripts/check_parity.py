@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the same model under several layouts and print how far each loss curve is from the control.
 
-    python scripts/check_parity.py --steps 30 [--ngpu 8] [--layouts fsdp,hsdp,ddp] [--tolerance 1e-4]
+    python scripts/check_parity.py --steps 30 [--ngpu 8] [--layouts fsdp,hsdp,ddp,pp,pp_fsdp] [--tolerance 1e-4]
 
 The control is one process with the whole global batch; each layout runs on
 ``--ngpu`` ranks with the same global batch, seed and data. Per-step losses are read
@@ -27,7 +27,19 @@ LAYOUTS = {
                        "--parallelism.data_parallel_shard_degree", str(n // 2)],
     "ddp": lambda n: ["--parallelism.data_parallel_replicate_degree", str(n),
                       "--parallelism.data_parallel_shard_degree", "1"],
+    # Pipeline layouts (not in the default list): PP 2 with the remaining ranks as FSDP,
+    # and PP 2 x HSDP with two stages per rank.
+    "pp_fsdp": lambda n: ["--parallelism.pipeline_parallel_degree", "2",
+                          "--parallelism.data_parallel_shard_degree", str(n // 2)],
+    "pp_hsdp_interleaved": lambda n: ["--parallelism.pipeline_parallel_degree", "2",
+                                      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                      "--parallelism.pipeline_parallel_microbatches", "2",
+                                      "--parallelism.data_parallel_replicate_degree", "2",
+                                      "--parallelism.data_parallel_shard_degree", str(n // 4)],
 }
+DEFAULT_LAYOUTS = ("fsdp", "hsdp", "ddp")
+# Ranks per layout that share one data-parallel rank (they see the same samples).
+NON_DP_RANKS = {"pp_fsdp": 2, "pp_hsdp_interleaved": 2}
 
 
 def read_losses(dump: Path) -> list[float]:
@@ -61,7 +73,8 @@ def main() -> int:
     parser.add_argument("--ngpu", type=int, default=8, help="ranks per layout")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, all ranks together")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                        help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max relative loss deviation per step")
     parser.add_argument("--config", default=str(REPO / "train_configs" / "debug_model.toml"))
     args = parser.parse_args()
@@ -75,8 +88,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         control = run("control", 1, [f"--training.batch_size={args.global_batch}"], args, root)
-        local_batch = [f"--training.batch_size={args.global_batch // args.ngpu}"]
-        curves = {n: run(n, args.ngpu, LAYOUTS[n](args.ngpu) + local_batch, args, root) for n in names}
+        curves = {}
+        for n in names:
+            dp = args.ngpu // NON_DP_RANKS.get(n, 1)
+            if args.global_batch % dp:
+                raise SystemExit(f"--global-batch {args.global_batch} must be a multiple of {n}'s dp degree {dp}")
+            local_batch = [f"--training.batch_size={args.global_batch // dp}"]
+            curves[n] = run(n, args.ngpu, LAYOUTS[n](args.ngpu) + local_batch, args, root)
 
     print(f"{'layout':<10} {'ranks':>5} {'step-1 loss':>12} {'step-1 rel':>11} {'max rel':>9} {'final loss':>11}")
     print(f"{'control':<10} {1:>5} {control[0]:>12.7f} {0:>11.1e} {0:>9.1e} {control[-1]:>11.5f}")

@@ -1,0 +1,318 @@
+"""Pipeline parallelism: stage planning, every schedule, PP composed with FSDP/HSDP/TP/CP, and bad configs.
+
+Training runs use real gloo processes, the debug model (6 layers), float32,
+``training.deterministic`` and the same global batch of 8 sequences as a single
+non-pipelined process (the control). One process group per world size trains
+all of its layouts one after another, so CI pays for spawning each size once.
+
+For every layout the tests check that:
+- the stages together hold bitwise the control's initial weights, each weight on
+  exactly one stage (the layout-invariant init sees the original FQNs);
+- the loss every rank reports (rank 0 holds no output layer) is the control's,
+  within the parity tolerance of tests/distributed/test_layout_parity.py;
+- so is the global gradient norm (it spans the stages, so ``pp`` must be reduced).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from dist_harness import run_ranks
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.distributed.pipeline_parallel import (
+    SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan, plan_pipeline, prune_to_stage,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+STEPS = 4
+RUN = [f"--training.steps={STEPS}", "--training.seq_len=32"]
+STEP1_RTOL, CURVE_RTOL = 1e-6, 1e-4  # as in test_layout_parity.py
+# Sharded float32 grad norms differ from one process's by summation order, a few 1e-5 (see
+# test_trainer.py); leaving out a stage's share (no reduction over pp) would be off by tens of percent.
+NORM_RTOL = 2e-4
+
+MULTI_STAGE = [s for s in SCHEDULES if s not in SINGLE_STAGE_SCHEDULES]
+# 4 ranks x 2 stages = 8 stages for 6 layers: the embedding and the output each count as a layer.
+WEIGHTS = ["--parallelism.pipeline_parallel_embedding_weight=1", "--parallelism.pipeline_parallel_output_weight=1"]
+
+
+def _pp(schedule: str, degree: int = 2) -> list[str]:
+    return [f"--parallelism.pipeline_parallel_degree={degree}", f"--parallelism.pipeline_parallel_schedule={schedule}"]
+
+
+# world size -> {layout name: overrides}; the local batch is 8 / dp degree.
+LAYOUTS: dict[int, dict[str, list[str]]] = {
+    2: {
+        **{f"PP 2 {s}": [*_pp(s), "--training.batch_size=8"] for s in SCHEDULES if s not in ("GPipe", "LoopedBFS")},
+        # Two local batches per step: gradients accumulate over two schedule steps.
+        "PP 2 GPipe, 2 accumulation steps": [*_pp("GPipe"), "--training.batch_size=4",
+                                             "--training.gradient_accumulation_steps=2"],
+        # Explicit, uneven split points: 4 stages of 1, 2, 1 and 2 layers.
+        "PP 2 LoopedBFS, split at layers.1,3,4": [
+            *_pp("LoopedBFS"), "--training.batch_size=8",
+            "--parallelism.pipeline_parallel_split_points=layers.1,layers.3,layers.4"],
+    },
+    4: {f"PP 4 {s}": [*_pp(s, 4), *WEIGHTS, "--training.batch_size=8"] for s in MULTI_STAGE},
+    8: {
+        "PP 2 x FSDP 4": [*_pp("1F1B"), "--parallelism.data_parallel_shard_degree=4", "--training.batch_size=2"],
+        "PP 2 x HSDP 2x2": [*_pp("Interleaved1F1B"), "--parallelism.data_parallel_replicate_degree=2",
+                            "--parallelism.data_parallel_shard_degree=2", "--training.batch_size=2",
+                            "--parallelism.pipeline_parallel_microbatches=2"],
+        "PP 2 x TP 2 x FSDP 2": [*_pp("1F1B"), "--parallelism.tensor_parallel_degree=2",
+                                 "--parallelism.data_parallel_shard_degree=2", "--training.batch_size=4"],
+        "PP 2 x TP 2 x CP 2": [*_pp("GPipe"), "--parallelism.tensor_parallel_degree=2",
+                               "--parallelism.context_parallel_degree=2", "--training.batch_size=8"],
+    },
+}
+
+
+def _cfg(dump: str, *overrides: str):
+    return ConfigManager().parse_args(
+        ["--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
+         "--metrics.enable_tensorboard=false", "--training.deterministic", *RUN, *overrides]
+    )
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _train(dump: str, overrides: list[str]) -> dict:
+    """Build a trainer, record its initial full weights, train; the (loss, grad norm) curve is what rank 0 logs."""
+    from torchtitan.distributed.layout_init import gather_full_state_dict
+    from torchtitan.trainer import Trainer
+
+    trainer = Trainer(_cfg(dump, *overrides))
+    full = {}
+    for part in trainer.model_parts:
+        full.update({fqn: _digest(t) for fqn, t in gather_full_state_dict(part).items()})
+    data = iter(trainer.dataloader)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss, norm = trainer.train_step([next(data) for _ in range(trainer.grad_accum)])
+        losses.append(loss)
+        norms.append(norm)
+    return {"full": full, "losses": losses, "norms": norms, "n_parts": len(trainer.model_parts)}
+
+
+def _train_all(rank: int, world_size: int, dump: str, layouts: dict[str, list[str]]) -> dict:
+    out: dict = {"errors": {}}
+    if world_size == 2:
+        # Bad pipeline configs fail on every rank before any collective; a hang would time the harness out.
+        for name, bad in BAD_CONFIGS.items():
+            try:
+                _train(dump, bad)
+                out["errors"][name] = "no error"
+            except ConfigError as e:
+                out["errors"][name] = str(e)
+    for name, overrides in layouts.items():
+        start = time.monotonic()
+        out[name] = _train(f"{dump}/{len(out)}", overrides)
+        if rank == 0:  # shown with the failure if a later layout hangs and the harness times out
+            print(f"[{world_size} ranks] {name}: {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
+    return out
+
+
+BAD_CONFIGS = {
+    "unknown schedule": _pp("OneFOneB"),
+    "too few layers": [*_pp("Interleaved1F1B"), "--parallelism.pipeline_parallel_stages_per_rank=4"],
+    "batch not divisible": [*_pp("GPipe"), "--training.batch_size=8", "--parallelism.pipeline_parallel_microbatches=3"],
+}
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory) -> dict:
+    (result,) = run_ranks(_train_control, 1, str(tmp_path_factory.mktemp("control")))
+    return result
+
+
+def _train_control(rank: int, world_size: int, dump: str) -> dict:
+    return _train(dump, ["--training.batch_size=8"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Layout name -> every rank's result (one process group per world size)."""
+    results: dict[str, list[dict]] = {}
+    for world_size, layouts in LAYOUTS.items():
+        dump = str(tmp_path_factory.mktemp(f"world{world_size}"))
+        per_rank = run_ranks(_train_all, world_size, dump, layouts, timeout=1500, collective_timeout=300)
+        for name in [*layouts, "errors"]:
+            results[name if name != "errors" else f"errors {world_size}"] = [r[name] for r in per_rank]
+    return results
+
+
+ALL_LAYOUTS = [name for layouts in LAYOUTS.values() for name in layouts]
+
+
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_pipeline_layout_matches_control(name, runs, control):
+    results = runs[name]
+    # Init: the stages together hold exactly the control's weights, bitwise.
+    merged: dict[str, str] = {}
+    for r in results:
+        for fqn, digest in r["full"].items():
+            assert merged.setdefault(fqn, digest) == digest, fqn  # replicas and TP/FSDP peers agree
+    assert merged == control["full"]
+
+    # Loss and grad norm: every rank reports the global values, equal to the control's.
+    losses, reference = results[0]["losses"], control["losses"]
+    assert all(r["losses"] == losses and r["norms"] == results[0]["norms"] for r in results)
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    norm_rel = [abs(a - b) / b for a, b in zip(results[0]["norms"], control["norms"])]
+    print(f"\n{name}: step-1 rel {rel[0]:.1e}, max rel over {STEPS} steps {max(rel):.1e}, "
+          f"grad norm max rel {max(norm_rel):.1e}")
+    assert len(losses) == STEPS
+    assert rel[0] <= STEP1_RTOL
+    assert max(rel) <= CURVE_RTOL
+    assert max(norm_rel) <= NORM_RTOL
+
+
+def test_pipeline_ranks_hold_disjoint_stages(runs):
+    # PP 2: ranks 0 and 1 split the model between them; PP 4 with two stages per rank likewise.
+    for name, stages_per_rank in {"PP 2 1F1B": 1, "PP 4 Interleaved1F1B": 2}.items():
+        results = runs[name]
+        owned = [set(r["full"]) for r in results]
+        for i in range(len(owned)):
+            for j in range(i + 1, len(owned)):
+                assert not owned[i] & owned[j], (name, i, j)
+        assert all(r["n_parts"] == stages_per_rank for r in results)
+    pp2 = runs["PP 2 1F1B"]
+    assert "tok_embeddings.weight" in pp2[0]["full"] and "output.weight" in pp2[1]["full"]
+    assert "layers.2.attention.wq.weight" in pp2[0]["full"] and "layers.3.attention.wq.weight" in pp2[1]["full"]
+
+
+def test_control_learns(control):
+    assert control["losses"][-1] < control["losses"][0] - 0.1
+
+
+def test_bad_configs_fail_on_every_rank_without_a_collective(runs):
+    errors = runs["errors 2"]
+    assert errors[0] == errors[1]
+    assert "OneFOneB: unknown; choose one of" in errors[0]["unknown schedule"]
+    assert all(s in errors[0]["unknown schedule"] for s in SCHEDULES)
+    assert "8 stages (2 ranks x 4 per rank) but the model has only 6 layers" in errors[0]["too few layers"]
+    assert "batch_size=8 is not divisible by 3 microbatches" in errors[0]["batch not divisible"]
+
+
+# ---- planning (no processes) ---------------------------------------------------------------
+
+
+def _plan(*overrides: str, n_layers: int = 6) -> PipelinePlan:
+    return plan_pipeline(ConfigManager().parse_args(list(overrides)), n_layers)
+
+
+def _plan_error(*overrides: str, n_layers: int = 6) -> str:
+    with pytest.raises(ConfigError) as info:
+        _plan(*overrides, n_layers=n_layers)
+    return str(info.value)
+
+
+def test_even_split_and_looped_placement():
+    plan = _plan(*_pp("1F1B"))
+    assert plan.layer_starts == (0, 3, 6) and plan.microbatches == 2
+    assert [plan.stage_ids(r) for r in range(2)] == [[0], [1]]
+    plan = _plan(*_pp("interleaved1f1b", 4), n_layers=32)  # names are case-insensitive
+    assert plan.schedule == "Interleaved1F1B" and plan.num_stages == 8 and plan.microbatches == 8
+    assert plan.layer_starts == tuple(range(0, 33, 4))
+    assert [plan.stage_ids(r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_embedding_and_output_weights_shift_layers_off_the_end_stages():
+    # 32 layers + 1 + 1 over 3 stages: 11, 12 and 11 units.
+    plan = _plan(*_pp("1F1B", 3), *WEIGHTS, "--training.batch_size=3", n_layers=32)
+    assert plan.layer_starts == (0, 10, 22, 32)
+    # A heavy output: 6 layers + 1 + 3 over 2 stages: the last stage keeps 2 layers.
+    plan = _plan(*_pp("GPipe"), "--parallelism.pipeline_parallel_embedding_weight=1",
+                 "--parallelism.pipeline_parallel_output_weight=3")
+    assert plan.layer_starts == (0, 4, 6)
+    plan = _plan(*_pp("LoopedBFS", 4), *WEIGHTS)
+    assert plan.layer_starts == (0, 0, 1, 2, 3, 4, 5, 6, 6)
+    assert "stage 0: embedding; stage 1: layer 0;" in plan.describe()
+    assert plan.describe().endswith("stage 7: norm+output")
+
+
+@pytest.mark.skipif(not V_SHAPED_SCHEDULES[0] in SCHEDULES, reason="this torch has no ZBVZeroBubble")
+def test_v_schedule_places_stages_in_a_v():
+    plan = _plan(*_pp("ZBVZeroBubble", 4), *WEIGHTS)
+    assert [plan.stage_ids(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_split_points():
+    plan = _plan(*_pp("LoopedBFS"), "--parallelism.pipeline_parallel_split_points=layers.1,layers.3,layers.4")
+    assert plan.layer_starts == (0, 1, 3, 4, 6) and plan.stages_per_rank == 2
+    assert "not a layer FQN" in _plan_error(*_pp("1F1B"), "--parallelism.pipeline_parallel_split_points=norm")
+    assert "not a layer FQN" in _plan_error(*_pp("1F1B"), "--parallelism.pipeline_parallel_split_points=layers.6")
+    assert "increasing order" in _plan_error(*_pp("LoopedBFS"),
+                                             "--parallelism.pipeline_parallel_split_points=layers.3,layers.3,layers.4")
+    assert "do not divide evenly" in _plan_error(*_pp("1F1B"),
+                                                 "--parallelism.pipeline_parallel_split_points=layers.2,layers.4")
+    assert "contradicts the split points" in _plan_error(
+        *_pp("LoopedBFS"), "--parallelism.pipeline_parallel_split_points=layers.3",
+        "--parallelism.pipeline_parallel_stages_per_rank=2")
+
+
+def test_schedule_constraints_are_config_errors():
+    assert "runs one stage per rank" in _plan_error(*_pp("GPipe"), "--parallelism.pipeline_parallel_stages_per_rank=2")
+    assert "needs >= 2 stages per rank" in _plan_error(*_pp("LoopedBFS"),
+                                                       "--parallelism.pipeline_parallel_stages_per_rank=1")
+    assert "at least as many microbatches as stages" in _plan_error(
+        *_pp("1F1B", 4), "--parallelism.pipeline_parallel_microbatches=2")
+    assert "at least pipeline_parallel_degree=4 microbatches" in _plan_error(
+        *_pp("Interleaved1F1B", 4), *WEIGHTS, "--parallelism.pipeline_parallel_microbatches=2")
+    assert "not a multiple of the number of rounds" in _plan_error(
+        *_pp("Interleaved1F1B", 2), "--training.batch_size=10", "--parallelism.pipeline_parallel_microbatches=5")
+    assert "without layers" in _plan_error(*_pp("Interleaved1F1B", 2), "--parallelism.pipeline_parallel_output_weight=8")
+    if "ZBVZeroBubble" in SCHEDULES:
+        assert "exactly 2 stages per rank" in _plan_error(*_pp("ZBVZeroBubble"), "--training.batch_size=6",
+                                                          "--parallelism.pipeline_parallel_stages_per_rank=3")
+        assert "--training.compile" in _plan_error(*_pp("ZBVZeroBubble"), "--training.compile")
+
+
+def test_preflight_reports_pipeline_errors_before_any_process_group():
+    from torchtitan.trainer import preflight
+
+    with pytest.raises(ConfigError, match="choose one of"):
+        preflight(ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("OneFOneB")]), 2)
+    plan = preflight(ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("1F1B"), "--training.batch_size=2"]), 2)
+    assert plan.pipeline is not None and plan.pipeline.layer_starts == (0, 3, 6)
+    assert preflight(ConfigManager().parse_args(["--job.config_file", DEBUG]), 2).pipeline is None
+
+
+def test_pruned_stage_keeps_fqns_and_the_unsplit_init():
+    from torchtitan.distributed.layout_init import init_params_layout_invariant
+    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.llama3.args import ModelArgs
+
+    args = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=16)
+    with torch.device("meta"):
+        meta = Transformer(args)
+    whole = Transformer(args)
+    whole.init_buffers()
+    init_params_layout_invariant(whole, seed=5)
+    expected = dict(whole.named_parameters())
+    plan = _plan(*_pp("1F1B"), n_layers=4)
+    tokens = torch.randint(0, 128, (2, 16))
+    hidden = tokens
+    for stage_id in range(plan.num_stages):
+        stage = prune_to_stage(meta, plan, stage_id).to_empty(device="cpu")
+        stage.init_buffers()
+        init_params_layout_invariant(stage, seed=5)
+        names = dict(stage.named_parameters())
+        assert (stage.tok_embeddings is None) == (stage_id != 0) and (stage.output is None) == (stage_id == 0)
+        for fqn, param in names.items():
+            assert torch.equal(param, expected[fqn]), fqn  # same FQN, same full value, same depth-scaled std
+        with torch.no_grad():
+            hidden = stage(hidden)
+        assert torch.equal(stage.rope_cache, whole.rope_cache)
+    with torch.no_grad():
+        torch.testing.assert_close(hidden, whole(tokens), rtol=0, atol=0)  # the stages compose to the model
+    assert isinstance(hidden, torch.Tensor) and not isinstance(hidden, DTensor)
