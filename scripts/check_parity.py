@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the same model under several layouts and print how far each loss curve is from the control.
 
-    python scripts/check_parity.py --steps 30 [--ngpu 8] [--layouts fsdp,hsdp,ddp,pp,pp_fsdp] [--tolerance 1e-4]
+    python scripts/check_parity.py --steps 30 [--ngpu 8] [--layouts fsdp,hsdp,ddp,pp_fsdp,pp_hsdp] [--tolerance 1e-4]
 
 The control is one process with the whole global batch; each layout runs on
 ``--ngpu`` ranks with the same global batch, seed and data. Per-step losses are read
@@ -31,7 +31,7 @@ LAYOUTS = {
     # and PP 2 x HSDP with two stages per rank.
     "pp_fsdp": lambda n: ["--parallelism.pipeline_parallel_degree", "2",
                           "--parallelism.data_parallel_shard_degree", str(n // 2)],
-    "pp_hsdp_interleaved": lambda n: ["--parallelism.pipeline_parallel_degree", "2",
+    "pp_hsdp": lambda n: ["--parallelism.pipeline_parallel_degree", "2",
                                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                                       "--parallelism.pipeline_parallel_microbatches", "2",
                                       "--parallelism.data_parallel_replicate_degree", "2",
@@ -39,7 +39,7 @@ LAYOUTS = {
 }
 DEFAULT_LAYOUTS = ("fsdp", "hsdp", "ddp")
 # Ranks per layout that share one data-parallel rank (they see the same samples).
-NON_DP_RANKS = {"pp_fsdp": 2, "pp_hsdp_interleaved": 2}
+NON_DP_RANKS = {"pp_fsdp": 2, "pp_hsdp": 2}
 
 
 def read_losses(dump: Path) -> list[float]:
