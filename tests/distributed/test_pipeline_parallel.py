@@ -275,6 +275,9 @@ def test_schedule_constraints_are_config_errors():
         assert "exactly 2 stages per rank" in _plan_error(*_pp("ZBVZeroBubble"), "--training.batch_size=6",
                                                           "--parallelism.pipeline_parallel_stages_per_rank=3")
         assert "--training.compile" in _plan_error(*_pp("ZBVZeroBubble"), "--training.compile")
+        assert "op-level selective activation checkpointing" in _plan_error(
+            *_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")
+        _plan(*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=full")  # recomputing whole blocks is fine
 
 
 def test_preflight_reports_pipeline_errors_before_any_process_group():

@@ -231,6 +231,13 @@ def plan_pipeline(cfg: JobConfig, n_layers: int) -> PipelinePlan:
             f"{_FLAG}schedule={schedule} splits backward into input and weight passes, which torch does not support "
             "on compiled blocks; turn off --training.compile or choose another schedule"
         )
+    ac = cfg.activation_checkpoint
+    if schedule in ZERO_BUBBLE_SCHEDULES and ac.mode == "selective" and ac.selective_ac_option == "op":
+        problems.append(
+            f"{_FLAG}schedule={schedule} runs backward through each block twice (input, then weight gradients), "
+            "which op-level selective activation checkpointing forbids; use --activation_checkpoint.mode=full, "
+            "selective with a block interval (selective_ac_option=N), or another schedule"
+        )
     if problems:
         raise ConfigError(problems)
     return PipelinePlan(schedule=schedule, pp=pp, microbatches=m, layer_starts=starts)
