@@ -320,7 +320,9 @@ class Trainer:
         self.throughput.data_loaded()
         lr = self.lr_scheduler.get_last_lr()[0]
         loss, grad_norm = self.train_step(batches)
-        self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches))
+        # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
+        # so tokens/s and MFU are per device (flops_per_token is for the whole model).
+        self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches) / self.dims.non_data_parallel_size)
         losses.append(loss)
         if len(losses) == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;

@@ -270,13 +270,15 @@ def test_schedule_constraints_are_config_errors():
         *_pp("Interleaved1F1B", 4), *WEIGHTS, "--parallelism.pipeline_parallel_microbatches=2")
     assert "not a multiple of the number of rounds" in _plan_error(
         *_pp("Interleaved1F1B", 2), "--training.batch_size=10", "--parallelism.pipeline_parallel_microbatches=5")
-    assert "without layers" in _plan_error(*_pp("Interleaved1F1B", 2), "--parallelism.pipeline_parallel_output_weight=8")
+    assert "without layers" in _plan_error(*_pp("Interleaved1F1B", 2),
+                                           "--parallelism.pipeline_parallel_output_weight=8")
     if "ZBVZeroBubble" in SCHEDULES:
         assert "exactly 2 stages per rank" in _plan_error(*_pp("ZBVZeroBubble"), "--training.batch_size=6",
                                                           "--parallelism.pipeline_parallel_stages_per_rank=3")
         assert "--training.compile" in _plan_error(*_pp("ZBVZeroBubble"), "--training.compile")
         assert "op-level selective activation checkpointing" in _plan_error(
-            *_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")
+            *_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=selective",
+            "--activation_checkpoint.selective_ac_option=op")
         _plan(*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=full")  # recomputing whole blocks is fine
 
 
@@ -285,7 +287,8 @@ def test_preflight_reports_pipeline_errors_before_any_process_group():
 
     with pytest.raises(ConfigError, match="choose one of"):
         preflight(ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("OneFOneB")]), 2)
-    plan = preflight(ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("1F1B"), "--training.batch_size=2"]), 2)
+    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("1F1B"), "--training.batch_size=2"])
+    plan = preflight(cfg, 2)
     assert plan.pipeline is not None and plan.pipeline.layer_starts == (0, 3, 6)
     assert preflight(ConfigManager().parse_args(["--job.config_file", DEBUG]), 2).pipeline is None
 

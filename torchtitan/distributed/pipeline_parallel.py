@@ -128,7 +128,8 @@ def _parse_split_points(points: list[str], n_layers: int, problems: list[str]) -
         prefix, _, index = point.partition(".")
         if prefix != "layers" or not index.isdigit() or not 0 <= int(index) < n_layers:
             problems.append(
-                f"{_FLAG}split_points: '{point}' is not a layer FQN of this model; use layers.N with 0 <= N < {n_layers}"
+                f"{_FLAG}split_points: '{point}' is not a layer FQN of this model; "
+                f"use layers.N with 0 <= N < {n_layers}"
             )
             return None
         indices.append(int(index))
