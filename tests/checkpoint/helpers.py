@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -73,7 +75,9 @@ def checkpoint_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     template = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
                 for k, m in md.state_dict_metadata.items()
                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=str(path), no_dist=True)
     return template
 
 
@@ -88,7 +92,12 @@ def train(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
     trainer = make_trainer(dump, *overrides)
     losses = trainer.train()
     return {"losses": losses, "step": trainer.step, "weights": full_model_digests(trainer),
-            "weights_bf16": full_model_digests(trainer, torch.bfloat16)}
+            "weights_bf16": full_model_digests(trainer, torch.bfloat16), "rng_after": rng_draws()}
+
+
+def rng_draws() -> tuple[list[float], float]:
+    """Numbers drawn from this rank's torch and Python generators: equal only if their states are equal."""
+    return torch.rand(3).tolist(), random.random()
 
 
 def resume_and_inspect(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
@@ -102,7 +111,7 @@ def resume_and_inspect(rank: int, world_size: int, dump: str, overrides: list[st
 
 def train_loaded(trainer) -> dict:
     losses = trainer.train()  # loads the same checkpoint again, then trains
-    return {"losses": losses, "step": trainer.step, "weights": full_model_digests(trainer)}
+    return {"losses": losses, "step": trainer.step, "weights": full_model_digests(trainer), "rng_after": rng_draws()}
 
 
 def checkpoint_digests(path: Path) -> tuple[dict[str, str], dict[str, str]]:

@@ -18,7 +18,8 @@ import torch
 
 from dist_harness import run_ranks
 from helpers import (
-    DDP2, FSDP2, HSDP4, checkpoint_tensors, copy_checkpoint, digest, make_trainer, resume_and_inspect, train,
+    DDP2, FSDP2, HSDP4, checkpoint_tensors, copy_checkpoint, digest, full_model_digests, make_trainer,
+    resume_and_inspect, rng_draws, train,
 )
 
 RUN = ["--training.steps=6", "--checkpoint.interval=3"]
@@ -36,9 +37,19 @@ def fsdp_straight(tmp_path_factory):
                      ["--checkpoint.model_weights_only", "--checkpoint.export_dtype=bfloat16"])
 
 
+def _train_after_draws(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
+    trainer = make_trainer(dump, *overrides)
+    # Move the generators away from their seeded state, so that a resume restores something
+    # a fresh start would not reproduce (training itself draws no random numbers).
+    rng_draws()
+    losses = trainer.train()
+    return {"losses": losses, "weights": full_model_digests(trainer), "rng_after": rng_draws()}
+
+
 @pytest.fixture(scope="module")
 def ddp_straight(tmp_path_factory):
-    return _straight(tmp_path_factory, "ddp", 2, DDP2)
+    dump = tmp_path_factory.mktemp("ddp")
+    return dump, run_ranks(_train_after_draws, 2, str(dump), [*DDP2, *RUN], timeout=400)
 
 
 def _preempted(rank: int, world_size: int, dump: str, overrides: list[str], at_step: int, signalled: int) -> dict:
@@ -90,6 +101,8 @@ def test_exact_resume(layout, ddp_straight, tmp_path_factory, tmp_path):
     assert resumed[0]["loaded"]["data"]["next_window"] == 3 * 4  # global batch 4: the global position
     assert resumed[0]["losses"] == straight[0]["losses"][3:]  # bitwise
     assert resumed[0]["weights"] == straight[0]["weights"]
+    if layout == "DDP 2":  # the straight run moved its generators before training: the resume restored them
+        assert [r["rng_after"] for r in resumed] == [r["rng_after"] for r in straight]
 
 
 def test_weights_only_export_loads_into_a_plain_model(fsdp_straight, tmp_path):

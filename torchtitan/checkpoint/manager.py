@@ -31,6 +31,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -412,7 +413,10 @@ def export_model_weights(checkpoint_dir: str | Path, output_file: str | Path) ->
     }
     if not template:
         raise ValueError(f"checkpoint {path} holds no model weights")
-    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP warns that it reads on a single process: that is the point here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=str(path), no_dist=True)
     weights = {key[len("model."):]: value for key, value in template.items()}
     torch.save(weights, output_file)
     return weights

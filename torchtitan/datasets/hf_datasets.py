@@ -403,4 +403,7 @@ def build_dataloader(
         collate_fn=_collate_pairs,
         num_workers=0,
         drop_last=True,
+        # Its own generator: creating an iterator draws a base seed, and drawing it from the
+        # global generator would shift the runtime random stream that a checkpoint restores.
+        generator=torch.Generator(),
     )
