@@ -96,7 +96,8 @@ def test_bad_tp_config_fails_on_every_rank_before_any_collective(tmp_path):
     )
     assert out.returncode != 0
     assert out.stderr.count("config error: --training.seq_len=63 must be divisible by") == 2, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
+    # torchrun reports the failed workers with its own traceback; the workers raise none.
+    assert f'File "{REPO / "torchtitan"}' not in out.stderr
 
 
 def _losses_with(rank: int, world_size: int, dump: str, overrides: list[str]) -> list[float]:

@@ -4,13 +4,11 @@ The fast tests run the real Trainer for one step inside a *fake* world (one proc
 collectives move nothing): every tensor a rank of that world holds is really allocated,
 with the shapes the real layout gives, so the bytes can be counted and compared with the
 estimate. ``benchmarks/footprint.py`` makes the same comparison on real 8-rank gloo runs;
-the real-rank test here is opt-in (TT_SLOW_TESTS=1), because spawning ranks on a loaded
-2-core machine takes minutes.
+the last test here does it on 2 real gloo ranks.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -110,7 +108,6 @@ def _real_rank(rank: int, world_size: int, dump: str) -> dict[str, int]:
     return _held_after_one_step(dump, f"--parallelism.data_parallel_shard_degree={world_size}")
 
 
-@pytest.mark.skipif(os.environ.get("TT_SLOW_TESTS") != "1", reason="spawns real ranks; set TT_SLOW_TESTS=1")
 def test_estimate_equals_real_gloo_ranks(tmp_path):
     from dist_harness import run_ranks
 
