@@ -35,7 +35,8 @@ def one_run(nproc: int, extra: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="tt_startup_") as dump:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "--local-ranks-filter", "0", str(REPO / "train.py"), "--job.config_file", DEBUG_CONFIG,
-               f"--job.dump_folder={dump}", "--job.print_args=false", "--training.steps=1", *extra]
+               f"--job.dump_folder={dump}", "--job.print_args=false", "--training.steps=1",
+               "--lr_scheduler.warmup_steps=0", *extra]  # the debug config warms up for 2 steps
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen: dict[str, float] = {}
