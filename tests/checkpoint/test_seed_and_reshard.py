@@ -13,28 +13,12 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from dist_harness import run_ranks
 from helpers import (
     DDP2, FSDP2, HSDP4, REPO, checkpoint_digests, copy_checkpoint, resume_and_inspect, train,
 )
 
 PARITY = 1e-4  # relative, as in tests/distributed/test_layout_parity.py
-
-
-def _not_implemented(world_size: int, *overrides: str) -> bool:
-    """True when preflight says this parallelism is not implemented (other config errors fail the test)."""
-    from torchtitan.config import ConfigError, ConfigManager
-    from torchtitan.trainer import preflight
-
-    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), *overrides])
-    try:
-        preflight(cfg, world_size)
-    except ConfigError as e:
-        return any("not implemented" in p for p in e.problems)
-    return False
-
 
 
 def _assert_parity(losses: list[float], reference: list[float]) -> None:
@@ -133,7 +117,6 @@ TP2_FSDP2 = ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_paral
              "--training.batch_size=2"]
 
 
-@pytest.mark.skipif(_not_implemented(4, *TP2_FSDP2), reason="tensor parallelism is not implemented in this version")
 def test_fsdp4_to_tp2_fsdp2(tmp_path):
     source, target = tmp_path / "fsdp4", tmp_path / "tp"
     run = ["--training.steps=4", "--checkpoint.interval=2"]
@@ -150,8 +133,6 @@ PP2_INTERLEAVED = ["--parallelism.pipeline_parallel_degree=2",
                    "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=4"]
 
 
-@pytest.mark.skipif(_not_implemented(2, *PP2_INTERLEAVED),
-                    reason="pipeline parallelism is not implemented in this version")
 def test_fsdp_to_pipeline_with_two_stages_per_rank_and_back(tmp_path):
     """Load into pipeline stages (two per rank, one optimizer over both), then save under PP and read it back."""
     source, target = tmp_path / "fsdp", tmp_path / "pp"
