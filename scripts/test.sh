@@ -9,5 +9,5 @@ bash scripts/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 "${PYTHON:-python3}" -m pytest tests -q "$@"
 if [[ "${INTEGRATION:-1}" != 0 ]]; then
-  exec "${PYTHON:-python3}" tests/integration_tests.py "${INTEGRATION_OUTPUT:-outputs/integration}" --ngpu 8
+  exec "${PYTHON:-python3}" tests/integration_tests.py "${INTEGRATION_OUTPUT:-outputs/integration}" --ngpu 8 --require-all
 fi
