@@ -29,7 +29,7 @@ from torchtitan.distributed import (
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.pipeline_parallel import PipelinePlan, PipelineRunner, build_pipeline, plan_pipeline
-from torchtitan.distributed.utils import set_collective_timeout, start_sum
+from torchtitan.distributed.utils import match_grad_placements, set_collective_timeout, start_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models import model_flavors
@@ -275,6 +275,7 @@ class Trainer:
         # Summed while clipping and the optimizer step run: nothing before the check needs it.
         loss_sum = start_sum(local_loss_sum, self.loss_mesh)
         params = [p for part in self.model_parts for p in part.parameters()]
+        match_grad_placements(params)
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.get_mesh("pp"))
         self.optimizer.step()
         self.lr_scheduler.step()

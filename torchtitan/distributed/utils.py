@@ -108,6 +108,24 @@ def _quiet(log: logging.Logger):
 
 
 @torch.no_grad()
+def match_grad_placements(parameters: Iterable[torch.nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements (once per step, before clipping).
+
+    Without FSDP, autograd leaves two kinds of tensor-parallel gradient in a placement other
+    than their parameter's: a norm weight that sequence parallelism replicates gets a
+    ``Partial`` gradient (each rank summed over its own tokens), and the row-sharded embedding
+    gets a ``Replicate`` one (the whole vocabulary on every rank). Left so, the grad norm and
+    every AdamW op would redistribute them again (4 all-reduces per norm per step) and every
+    rank would keep the whole embedding gradient. FSDP does the same conversion itself
+    before its reduce-scatter, so under FSDP this finds nothing to do.
+    """
+    for p in parameters:
+        grad = p.grad
+        if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+            p.grad = grad.redistribute(p.device_mesh, p.placements)
+
+
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter],
     max_norm: float,
