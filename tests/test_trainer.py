@@ -210,3 +210,34 @@ def test_one_device_still_gets_the_mixed_precision_policy(tmp_path):
     assert out["dtensor"] and out["param_dtype"] == {torch.float32}  # float32 master weights
     assert out["logits_dtype"] == torch.bfloat16
     assert all(torch.isfinite(torch.tensor(out["losses"])))
+
+
+def _bf16_run(rank: int, world_size: int, dump: str, *overrides: str) -> dict:
+    trainer = make_trainer(dump, "--training.steps=3", "--training.batch_size=2",
+                           "--training.mixed_precision_param=bfloat16", *overrides)
+    seen: set[torch.dtype] = set()
+    for part in trainer.model_parts:
+        for module in part.modules():
+            if isinstance(module, torch.nn.Linear):
+                # Inside forward FSDP2 has swapped in the compute-dtype copy of the weight.
+                module.register_forward_pre_hook(lambda mod, args: seen.add(mod.weight.dtype))
+    losses = trainer.train()
+    return {"compute_dtypes": seen, "master_dtypes": {p.dtype for part in trainer.model_parts for p in part.parameters()},
+            "losses": losses}
+
+
+def test_layouts_without_data_parallelism_compute_in_the_configured_dtype(tmp_path):
+    # TP and PP alone have nothing for FSDP to shard, yet FSDP2 is what applies the bf16 policy:
+    # they get it on a one-rank mesh (sharing TP's root mesh), as one device does, so every
+    # layout trains the same bf16-compute model. Before, they silently computed in float32.
+    (one,) = run_ranks(_bf16_run, 1, str(tmp_path / "one"))
+    assert one["compute_dtypes"] == {torch.bfloat16} and one["master_dtypes"] == {torch.float32}
+    for name, overrides in {"tp2": ["--parallelism.tensor_parallel_degree=2"],
+                            "pp2": ["--parallelism.pipeline_parallel_degree=2"]}.items():
+        outs = run_ranks(_bf16_run, 2, str(tmp_path / name), *overrides)
+        for out in outs:
+            assert out["compute_dtypes"] == {torch.bfloat16}, (name, out["compute_dtypes"])
+            assert out["master_dtypes"] == {torch.float32}, name
+        # Same data, same init, same bf16 compute: only the summation order differs (bf16 rounding).
+        for got, want in zip(outs[0]["losses"], one["losses"], strict=True):
+            assert abs(got - want) < 2e-3 * want, (name, outs[0]["losses"], one["losses"])

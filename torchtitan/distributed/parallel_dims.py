@@ -41,7 +41,7 @@ class ParallelDims:
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
-    _ddp: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _unit_root: DeviceMesh | None = field(default=None, init=False, repr=False)
     _loss_parallel: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -168,37 +168,51 @@ class ParallelDims:
                 warnings.simplefilter("ignore", UserWarning)
                 return mesh["dp_replicate", shard_name]
         if self.dp_replicate_enabled:
-            return self._ddp_root()["dp_replicate", "dp_shard"]
+            return self._unit_dp_root()["dp_replicate", "dp_shard"]
         return self.get_mesh("dp_shard_cp")
 
-    def tp_mesh(self) -> DeviceMesh | None:
+    def unit_fsdp_mesh(self) -> DeviceMesh:
+        """A one-rank ``dp_shard`` mesh for layouts without data parallelism (TP, PP, one device).
+
+        Nothing is sharded on it, but FSDP2 on it applies the mixed-precision policy (bf16
+        compute over float32 weights), which is FSDP's job in every other layout. It comes
+        from the same root as ``tp_mesh(unit_dp=True)``, as FSDP2 needs for TP parameters.
+        """
+        root = self._unit_dp_root()
+        return root if root.mesh_dim_names == ("dp_shard",) else root["dp_shard"]
+
+    def tp_mesh(self, unit_dp: bool = False) -> DeviceMesh | None:
         """The ``tp`` mesh that ``parallelize_module`` takes.
 
-        FSDP2 composes with TP only when both meshes come from the same root mesh,
-        so under DDP (whose FSDP mesh lives on a second root, see ``_ddp_root``)
-        TP takes its ``tp`` dim from that root too.
+        FSDP2 composes with TP only when both meshes come from the same root mesh, so
+        under DDP (whose FSDP mesh lives on a second root, see ``_unit_dp_root``), or when
+        ``unit_dp`` says FSDP will go on ``unit_fsdp_mesh``, TP takes its ``tp`` dim from
+        that root too.
         """
         if not self.tp_enabled:
             return None
-        if self.dp_replicate_enabled and not self.fsdp_enabled:
-            return self._ddp_root()["tp"]
+        if unit_dp or (self.dp_replicate_enabled and not self.fsdp_enabled):
+            return self._unit_dp_root()["tp"]
         return self.world_mesh["tp"]
 
-    def _ddp_root(self) -> DeviceMesh:
-        """A copy of the world mesh with a unit ``dp_shard`` dim after ``dp_replicate``.
+    def _unit_dp_root(self) -> DeviceMesh:
+        """A copy of the world mesh with a unit ``dp_shard`` dim in its mesh-order place.
 
         FSDP2 on (dp_replicate, dp_shard=1) keeps whole parameters and all-reduces
-        gradients: DDP. The world mesh has no size-1 dims, so this builds a second
-        mesh over the same ranks. Every rank builds it with the same global layout,
-        so the process groups line up. Built once: each construction creates groups.
+        gradients: DDP. FSDP2 on (dp_shard=1) alone only applies mixed precision. The
+        world mesh has no size-1 dims, so this builds a second mesh over the same ranks.
+        Every rank builds it with the same global layout, so the process groups line up.
+        Built once: each construction creates groups.
         """
-        if self._ddp is None:
-            mesh = self.world_mesh
-            names = list(mesh.mesh_dim_names)
-            at = names.index("dp_replicate") + 1
+        mesh = self.world_mesh
+        names = list(mesh.mesh_dim_names)
+        if "dp_shard" in names:  # one device: the world mesh is already (dp_shard=1)
+            return mesh
+        if self._unit_root is None:
+            at = sum(MESH_DIM_NAMES.index(n) < MESH_DIM_NAMES.index("dp_shard") for n in names)
             names.insert(at, "dp_shard")
-            self._ddp = DeviceMesh(mesh.device_type, mesh.mesh.unsqueeze(at), mesh_dim_names=tuple(names))
-        return self._ddp
+            self._unit_root = DeviceMesh(mesh.device_type, mesh.mesh.unsqueeze(at), mesh_dim_names=tuple(names))
+        return self._unit_root
 
     # ---- what is enabled --------------------------------------------------
     @property

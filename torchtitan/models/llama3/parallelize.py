@@ -39,9 +39,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> torch.nn.Module:
     """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
+    # Without data parallelism (one device, TP, PP, or both) FSDP2 still goes on, on a one-rank
+    # mesh, when compute is not float32: it is what applies the mixed-precision policy, so
+    # every layout computes in the same dtype. Its TP parameters must share that mesh's root.
+    unit_dp = not (dims.dp_enabled or dims.fsdp_enabled) and mixed_precision(cfg, device_type).param_dtype != torch.float32
     if dims.tp_enabled:
         apply_tp(
-            model, dims.tp_mesh(),
+            model, dims.tp_mesh(unit_dp=unit_dp),
             sequence_parallel=cfg.parallelism.enable_sequence_parallel,
             loss_parallel=dims.loss_parallel_enabled,
         )
@@ -53,10 +57,8 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
         apply_compile(model)
     if dims.dp_enabled or dims.fsdp_enabled:
         apply_fsdp(model, dims, cfg, device_type)
-    elif dims.world_size == 1 and mixed_precision(cfg, device_type).param_dtype != torch.float32:
-        # One device has nothing to shard, but FSDP2 is what applies the mixed-precision
-        # policy (bf16 compute over float32 weights), so wrap on the one-rank mesh.
-        apply_fsdp(model, dims, cfg, device_type, mesh=dims.world_mesh)
+    elif unit_dp:
+        apply_fsdp(model, dims, cfg, device_type, mesh=dims.unit_fsdp_mesh())
     return model
 
 
@@ -280,6 +282,9 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     # root per step, 11% more all-gather bytes on the debug model (benchmarks/footprint.py).
     root_reshard = reshard and cfg.parallelism.fsdp_reshard_after_forward != "default"
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
-    kind = "DDP" if not dims.fsdp_enabled else ("HSDP" if dims.dp_replicate_enabled else "FSDP")
+    if mesh.size() == 1:
+        kind = "FSDP on one rank (mixed precision only)"
+    else:
+        kind = "DDP" if not dims.fsdp_enabled else ("HSDP" if dims.dp_replicate_enabled else "FSDP")
     logger.info("Applied %s on mesh %s (param %s, reduce %s)", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
                 mp.param_dtype, mp.reduce_dtype)
