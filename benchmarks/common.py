@@ -29,24 +29,43 @@ DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A data-parallel layout of the debug model: name, process count and config overrides."""
+    """A layout of the debug model: name, process count, parallel degrees and extra overrides."""
 
     name: str
     world: int
     replicate: int
     shard: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    extra: tuple[str, ...] = ()
 
     @property
     def overrides(self) -> list[str]:
         return [f"--parallelism.data_parallel_replicate_degree={self.replicate}",
-                f"--parallelism.data_parallel_shard_degree={self.shard}"]
+                f"--parallelism.data_parallel_shard_degree={self.shard}",
+                f"--parallelism.tensor_parallel_degree={self.tp}",
+                f"--parallelism.context_parallel_degree={self.cp}",
+                f"--parallelism.pipeline_parallel_degree={self.pp}",
+                *self.extra]
 
+
+# PP needs a local batch of at least one sample per microbatch (2 stages -> 2 microbatches).
+_PP_BATCH = ("--training.batch_size=2",)
 
 LAYOUTS: dict[str, Layout] = {
     "fsdp2": Layout("FSDP 2", 2, 1, 2),
     "fsdp8": Layout("FSDP 8", 8, 1, 8),
     "hsdp2x4": Layout("HSDP 2x4", 8, 2, 4),
     "ddp8": Layout("DDP 8", 8, 8, 1),
+    "tp2": Layout("TP 2", 2, 1, 1, tp=2),
+    "tp2_nosp": Layout("TP 2, no SP", 2, 1, 1, tp=2, extra=("--parallelism.enable_sequence_parallel=false",)),
+    "fsdp4_tp2": Layout("FSDP 4 x TP 2", 8, 1, 4, tp=2),
+    "fsdp4_cp2": Layout("FSDP 4 x CP 2", 8, 1, 4, cp=2),
+    "pp2": Layout("PP 2 (1F1B)", 2, 1, 1, pp=2, extra=_PP_BATCH),
+    "pp2_fsdp4": Layout("PP 2 x FSDP 4", 8, 1, 4, pp=2, extra=_PP_BATCH),
+    "fsdp2_tp2_cp2": Layout("FSDP 2 x TP 2 x CP 2", 8, 1, 2, tp=2, cp=2),
+    "pp2_fsdp2_tp2": Layout("PP 2 x FSDP 2 x TP 2", 8, 1, 2, tp=2, pp=2, extra=_PP_BATCH),
 }
 
 
@@ -91,13 +110,13 @@ def run_workers(script: str, layout: Layout, worker_args: list[str], overrides: 
             env.setdefault("OMP_NUM_THREADS", "1")
             env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world}",
-                   "--local-ranks-filter", "0", script, "--worker", "--result", result, "--dump", tmp,
+                   script, "--worker", "--result", result, "--dump", tmp,
                    *worker_args, "--", *layout.overrides, *overrides]
             proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
             if proc.returncode == 0 and os.path.exists(result):
                 with open(result) as f:
                     return json.load(f)
-            tail = (proc.stdout[-4000:] + proc.stderr[-4000:])
+            tail = proc.stdout[-4000:] + proc.stderr[-12000:]
             if attempt == attempts:
                 sys.stderr.write(tail)
                 raise RuntimeError(f"{layout.name}: workers failed (exit {proc.returncode})")
@@ -207,8 +226,54 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-def make_comm_counter():
-    """A TorchDispatchMode that records every collective this rank issues: kind -> [calls, bytes]."""
+def group_labels(trainer) -> dict[str, str]:
+    """Process-group name -> what the group is for: fsdp, replicate, tp, cp, pp (else its mesh dim).
+
+    Where two purposes share one group, the first in that order names it.
+    """
+    dims, labels = trainer.dims, {}
+
+    def label(mesh, index: int, name: str) -> None:
+        labels.setdefault(mesh.get_group(index).group_name, name)
+
+    for name in ("tp", "cp", "pp"):
+        mesh = dims.tp_mesh() if name == "tp" else dims.get_mesh(name)
+        if mesh is not None:
+            label(mesh, 0, name)
+    fsdp = dims.fsdp_mesh()
+    if fsdp is not None:
+        label(fsdp, fsdp.ndim - 1, "fsdp")  # the shard dim is last: (dp_shard_cp) or (dp_replicate, dp_shard)
+        if fsdp.ndim == 2:
+            label(fsdp, 0, "replicate")
+    for name in ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp"):
+        mesh = dims.get_mesh(name)
+        if mesh is not None:
+            label(mesh, 0, name)
+    return labels
+
+
+def _group_of(args, labels: dict[str, str]) -> str:
+    """The label of the process group a collective's arguments name ('?' when unknown)."""
+    import torch
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):  # c10d ops carry the group boxed
+            try:
+                a = torch._C._distributed_c10d.ProcessGroup.unbox(a)
+            except RuntimeError:  # another boxed argument (a ReduceOp)
+                continue
+        name = a if isinstance(a, str) else getattr(a, "group_name", None)  # functional ops: its name
+        if isinstance(name, str) and name in labels:
+            return labels[name]
+    return "?"
+
+
+def make_comm_counter(labels: dict[str, str] | None = None):
+    """A TorchDispatchMode that records every collective this rank issues.
+
+    Keys are ``kind@group``, the group named by ``labels`` (see ``group_labels``); values
+    hold the calls and bytes.
+    """
     import torch
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -240,6 +305,7 @@ def make_comm_counter():
                         size = _tensor_bytes(args[0])
                     if kind == "all_reduce" and size <= SMALL_BYTES:
                         kind = "all_reduce_small"
+                    kind = f"{kind}@{_group_of(args, labels or {})}"
                     self.calls[kind] += 1
                     self.bytes[kind] += size
                     self.sizes[kind].append(size)

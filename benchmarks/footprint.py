@@ -25,57 +25,118 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    LAYOUTS, build_trainer, full_param_numel, load_average, machine_description, make_comm_counter,
+    LAYOUTS, build_trainer, full_param_numel, group_labels, load_average, machine_description, make_comm_counter,
     peak_rss_bytes, run_workers, state_bytes,
 )
 
 WARMUP_STEPS = 2
 
 
-def analytic_comm(trainer, counted_steps: int) -> dict[str, int]:
-    """Bytes per step each collective kind *should* move for this layout and FSDP policy.
+def _tp_local_numel(p) -> int:
+    """Elements of ``p`` one TP rank holds before FSDP shards it (the FSDP all-gather's output)."""
+    from torch.distributed.tensor import DTensor
 
-    Forward all-gathers every parameter once. Backward all-gathers again every FSDP group
-    that was resharded after forward; the project's "default" policy keeps the last block
-    and the root (embeddings, final norm, output) gathered, since backward needs them at
-    once. Backward reduce-scatters every gradient over the shard group; HSDP and DDP then
-    all-reduce the reduced shard over the replicas.
+    if not isinstance(p, DTensor):
+        return p.numel()
+    names = p.device_mesh.mesh_dim_names or ()
+    split = 1
+    for i, placement in enumerate(p.placements):
+        if placement.is_shard() and i < len(names) and names[i] == "tp":
+            split *= p.device_mesh.size(i)
+    return p.numel() // split
+
+
+def analytic_comm(trainer, counted_steps: int) -> dict[str, int]:
+    """Bytes each ``kind@group`` collective *should* move on this rank (rank 0) for its layout.
+
+    FSDP (over ``dp_shard_cp``): forward all-gathers every parameter this rank's TP slice
+    and pipeline stage hold. Backward all-gathers again every group resharded after forward;
+    the "default" policy keeps the last block and the root (embeddings, final norm, output)
+    gathered, and under PP nothing is resharded. Every gradient is reduce-scattered once;
+    HSDP and DDP then all-reduce the reduced shard over the replicas.
+
+    TP (Megatron): per block two regions, each with one collective in forward and its
+    transpose in backward, plus one pair for the embedding and one for the output
+    projection; the buffer is one micro-batch of activations (B x L/cp x dim). Under SP
+    the pairs are all-gather + reduce-scatter, without SP two all-reduces.
+
+    CP: each block all-gathers K and V over ``cp`` (B x L x local KV heads x head dim each)
+    and reduce-scatters their gradients in backward.
+
+    PP: each micro-batch sends one activation to the next stage and receives its gradient
+    (stage 0's view); the residual stream is sequence-sharded under TP+SP.
     """
     import torch
 
-    cfg, dims = trainer.cfg, trainer.dims
+    cfg, dims, args = trainer.cfg, trainer.dims, trainer.model_args
     model = trainer.model_parts[0]
-    param_dtype = next(model.parameters()).dtype
     mp = cfg.training.mixed_precision_param
+    param_dtype = next(model.parameters()).dtype
     if mp != "auto":
         param_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[mp]
+    size = torch.tensor([], dtype=param_dtype).element_size()  # parameters and activations
     reduce_size = {"float32": 4, "bfloat16": 2}[cfg.training.mixed_precision_reduce]
-    param_size = torch.tensor([], dtype=param_dtype).element_size()
 
-    numel = full_param_numel(trainer.model_parts)
-    last = max(model.layers.keys(), key=int)
-    last_numel = sum(p.numel() for p in model.layers[last].parameters())
-    root_numel = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+    params = {n: _tp_local_numel(p) for part in trainer.model_parts for n, p in part.named_parameters()}
+    numel = sum(params.values())
+    last = max((int(k) for part in trainer.model_parts for k in part.layers.keys()), default=-1)
+    last_numel = sum(v for n, v in params.items() if n.startswith(f"layers.{last}."))
+    root_numel = sum(v for n, v in params.items() if not n.startswith("layers."))
     shard, replicate = dims.degree("dp_shard_cp"), dims.dp_replicate
     policy = cfg.parallelism.fsdp_reshard_after_forward
-    if policy == "never":
+    if policy == "never" or (dims.pp_enabled and policy == "default"):
         backward_gather = 0
     elif policy == "always":
         backward_gather = numel
     else:
         backward_gather = numel - last_numel - root_numel
     out: dict[str, int] = {}
+
+    def add(kind: str, nbytes: int) -> None:
+        out[kind] = out.get(kind, 0) + nbytes * counted_steps
+
     if shard > 1:
-        out["all_gather"] = (numel + backward_gather) * param_size * counted_steps
-        out["reduce_scatter"] = numel * reduce_size * counted_steps
+        add("all_gather@fsdp", (numel + backward_gather) * size)
+        add("reduce_scatter@fsdp", numel * reduce_size)
     if replicate > 1:
-        # FSDP2 pads each parameter's dim 0 to a multiple of the shard degree.
-        out["all_reduce"] = numel * reduce_size // shard * counted_steps
+        add("all_reduce@replicate", numel * reduce_size // shard)
+
+    # Forward passes per step on this rank: gradient-accumulation micro-steps x pipeline micro-batches.
+    passes = trainer.grad_accum * (trainer.pipeline.microbatches if trainer.pipeline else 1)
+    micro_batch = cfg.training.batch_size // passes
+    tokens = micro_batch * cfg.training.seq_len // dims.cp  # this rank's tokens per pass
+    blocks = sum(len(part.layers) for part in trainer.model_parts)
+    has_embedding = any(part.tok_embeddings is not None for part in trainer.model_parts)
+    has_output = any(part.output is not None for part in trainer.model_parts)
+    if dims.tp > 1:
+        # Forward collectives per pass: 2 per block, 1 for the embedding output; backward
+        # adds the transposes of those and of the output projection's input gather (SP).
+        collectives = 4 * blocks + has_embedding + has_output
+        activation = tokens * args.dim * size
+        if cfg.parallelism.enable_sequence_parallel:
+            add("all_gather@tp", collectives * activation * passes)
+            add("reduce_scatter@tp", collectives * activation * passes)
+        else:
+            add("all_reduce@tp", collectives * activation * passes)
+        if has_output and not dims.loss_parallel_enabled:
+            add("all_gather@tp", tokens * args.vocab_size * size * passes)  # the vocab-sharded logits
+    if dims.cp > 1:
+        kv = micro_batch * cfg.training.seq_len * (args.n_kv_heads // dims.tp) * args.head_dim * size
+        add("all_gather@cp", 2 * blocks * kv * passes)
+        add("reduce_scatter@cp", 2 * blocks * kv * passes)
+    if dims.pp > 1:
+        seq_split = dims.tp if (dims.tp > 1 and cfg.parallelism.enable_sequence_parallel) else 1
+        boundary = tokens // seq_split * args.dim * size
+        add("send@pp", boundary * passes)
+        add("recv@pp", boundary * passes)
     return out
 
 
 def worker(args: argparse.Namespace) -> None:
+    import torch
     import torch.distributed as dist
+
+    from torchtitan.models.llama3 import Transformer
 
     rss_at_start = peak_rss_bytes()  # torch and the project imported, nothing built yet
 
@@ -92,13 +153,16 @@ def worker(args: argparse.Namespace) -> None:
     held: dict[str, int] = {}
     trainer.optimizer.register_step_pre_hook(
         lambda *_: held.update(state_bytes(trainer.model_parts, trainer.optimizer)))
-    counter = make_comm_counter()
+    counter = make_comm_counter(group_labels(trainer))
     with counter:
         for _ in range(args.steps):
             trainer._run_step(data_iter, losses)
     held["optimizer"] = state_bytes(trainer.model_parts, trainer.optimizer)["optimizer"]
-    numel = full_param_numel(trainer.model_parts)
-    shard = trainer.dims.degree("dp_shard_cp")
+    with torch.device("meta"):
+        numel = full_param_numel([Transformer(trainer.model_args)])  # the whole model, every stage
+    # Every dim but dp_replicate splits the state: FSDP over dp_shard x cp, TP, PP by stages.
+    dims = trainer.dims
+    shard = dims.degree("dp_shard_cp") * dims.tp * dims.pp
     mine = {
         "rank": dist.get_rank(),
         "held": held,
@@ -112,6 +176,7 @@ def worker(args: argparse.Namespace) -> None:
         param_size = next(trainer.model_parts[0].parameters()).element_size()
         ideal_one = numel * param_size / shard
         result = {
+            "layout": {d: dims.degree(d) for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp")},
             "world": dist.get_world_size(),
             "shard_degree": shard,
             "replicate_degree": trainer.dims.dp_replicate,
@@ -131,8 +196,9 @@ def _fmt_mib(b: float) -> str:
 
 
 def report(name: str, r: dict) -> list[str]:
-    lines = [f"## {name}: world {r['world']}, shard degree {r['shard_degree']}, replicate {r['replicate_degree']}, "
-             f"{r['param_numel']:,} parameters"]
+    degrees = " ".join(f"{d}={n}" for d, n in r["layout"].items() if n > 1)
+    lines = [f"## {name}: world {r['world']} ({degrees}); state split {r['shard_degree']} ways "
+             f"(dp_shard x cp x tp x pp), {r['param_numel']:,} parameters"]
     worst = {k: max(rank["held"][k] for rank in r["ranks"]) for k in ("params", "grads", "optimizer")}
     total_ideal = sum(r["ideal"].values())
     lines.append("state held per rank (MiB, worst rank)   measured    ideal   ratio")
@@ -147,7 +213,7 @@ def report(name: str, r: dict) -> list[str]:
                      f"(of which {base / 2**20:.0f} MiB is Python + torch before the trainer is built)")
     comm = r["ranks"][0]["comm"]
     steps = r["steps_counted"]
-    lines.append("communication per step, rank 0 (MiB)     calls  measured  analytic  ratio")
+    lines.append("communication per step, rank 0 (MiB)    calls  measured  analytic  ratio")
     for kind in sorted(set(comm) | set(r["analytic_comm"])):
         got = comm.get(kind, {"calls": 0, "bytes": 0})
         want = r["analytic_comm"].get(kind)
@@ -159,7 +225,7 @@ def report(name: str, r: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default="fsdp2,fsdp8,hsdp2x4,ddp8")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=2, help="steady-state steps counted")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

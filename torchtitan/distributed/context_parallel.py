@@ -28,6 +28,8 @@ with grouped-query attention is small next to the activations.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -75,6 +77,14 @@ def _causal_mask(n_q: int, n_kv: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n_q, n_kv, dtype=torch.bool, device=device).tril(diagonal=n_kv - n_q)
 
 
+@functools.lru_cache(maxsize=64)
+def _lower_right_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
+    """``causal_lower_right``, built once per shape: it holds only the sizes, and it is a
+    Tensor subclass, which cannot be created while a TorchDispatchMode is active (the
+    communication counter of benchmarks/footprint.py is one)."""
+    return causal_lower_right(seq_len_q, seq_len_kv)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Causal attention of local queries against the whole sequence's keys/values.
 
@@ -102,6 +112,6 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Device
         if torch.compiler.is_compiling():
             mask = _causal_mask(chunk, n_kv, q.device)
         else:
-            mask = causal_lower_right(chunk, n_kv)
+            mask = _lower_right_bias(chunk, n_kv)
         outs.append(F.scaled_dot_product_attention(q_chunk, k_all[:, :, :n_kv], v_all[:, :, :n_kv], attn_mask=mask))
     return torch.cat(outs, dim=2)
