@@ -236,8 +236,17 @@ def group_labels(trainer) -> dict[str, str]:
     def label(mesh, index: int, name: str) -> None:
         labels.setdefault(mesh.get_group(index).group_name, name)
 
-    for name in ("tp", "cp", "pp"):
-        mesh = dims.tp_mesh() if name == "tp" else dims.get_mesh(name)
+    from torch.distributed.tensor import DTensor
+
+    # TP's mesh is the one its parameters live on (the world mesh, or a second root when FSDP
+    # goes on a unit dp_shard dim: DDP, or bf16 without data parallelism).
+    for part in trainer.model_parts:
+        for p in part.parameters():
+            names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+            if "tp" in names:
+                label(p.device_mesh, names.index("tp"), "tp")
+    for name in ("cp", "pp"):
+        mesh = dims.get_mesh(name)
         if mesh is not None:
             label(mesh, 0, name)
     fsdp = dims.fsdp_mesh()
