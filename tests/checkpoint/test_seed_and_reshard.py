@@ -60,28 +60,33 @@ def test_seed_checkpoint_starts_two_layouts_from_the_same_weights(tmp_path):
     _assert_parity(curves["HSDP 2x2"], curves["FSDP 2"])
 
 
-def test_fsdp8_to_hsdp_2x2(tmp_path):
-    source, target = tmp_path / "fsdp8", tmp_path / "hsdp"
+def _train_save_and_resume_elsewhere(tmp_path, source: tuple[int, list[str]], target: tuple[int, list[str]],
+                                     source_timeout: float = 400) -> dict:
+    """Train 4 steps in ``source`` (ranks, overrides), saving at step 2; resume that checkpoint in
+    ``target`` and check it loads exactly and steps 3-4 match the uninterrupted run. Returns the
+    resumed run's result."""
     run = ["--training.steps=4", "--checkpoint.interval=2"]
-    straight = run_ranks(train, 8, str(source), ["--parallelism.data_parallel_shard_degree=8",
-                                                 "--training.batch_size=1", *run], timeout=600)[0]
-    checkpoint = copy_checkpoint(source, 2, target)
-    # 4 ranks with local batch 2: the same global batch of 8 over a DP degree of 4 instead of 8.
-    hsdp = [*HSDP4[:2], "--training.batch_size=2"]
-    result = run_ranks(resume_and_inspect, 4, str(target), [*hsdp, *run], timeout=400)[0]
+    (source_ranks, source_overrides), (target_ranks, target_overrides) = source, target
+    straight = run_ranks(train, source_ranks, str(tmp_path / "source"), [*source_overrides, *run],
+                         timeout=source_timeout)[0]
+    checkpoint = copy_checkpoint(tmp_path / "source", 2, tmp_path / "target")
+    result = run_ranks(resume_and_inspect, target_ranks, str(tmp_path / "target"), [*target_overrides, *run],
+                       timeout=400)[0]
     _assert_loaded_exactly(result, checkpoint)
-    assert result["loaded"]["data"]["next_window"] == 2 * 8
     _assert_parity(result["losses"], straight["losses"][2:])
+    return result
+
+
+def test_fsdp8_to_hsdp_2x2(tmp_path):
+    # 4 ranks with local batch 2: the same global batch of 8 over a DP degree of 4 instead of 8.
+    result = _train_save_and_resume_elsewhere(
+        tmp_path, (8, ["--parallelism.data_parallel_shard_degree=8", "--training.batch_size=1"]),
+        (4, [*HSDP4[:2], "--training.batch_size=2"]), source_timeout=600)
+    assert result["loaded"]["data"]["next_window"] == 2 * 8
 
 
 def test_ddp_to_fsdp(tmp_path):
-    source, target = tmp_path / "ddp", tmp_path / "fsdp"
-    run = ["--training.steps=4", "--checkpoint.interval=2"]
-    straight = run_ranks(train, 2, str(source), [*DDP2, *run], timeout=400)[0]
-    checkpoint = copy_checkpoint(source, 2, target)
-    result = run_ranks(resume_and_inspect, 2, str(target), [*FSDP2, *run], timeout=400)[0]
-    _assert_loaded_exactly(result, checkpoint)
-    _assert_parity(result["losses"], straight["losses"][2:])
+    _train_save_and_resume_elsewhere(tmp_path, (2, DDP2), (2, FSDP2))
 
 
 def test_dp_degree_change_continues_the_global_stream(tmp_path):
@@ -118,14 +123,8 @@ TP2_FSDP2 = ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_paral
 
 
 def test_fsdp4_to_tp2_fsdp2(tmp_path):
-    source, target = tmp_path / "fsdp4", tmp_path / "tp"
-    run = ["--training.steps=4", "--checkpoint.interval=2"]
-    straight = run_ranks(train, 4, str(source), ["--parallelism.data_parallel_shard_degree=4",
-                                                 "--training.batch_size=1", *run], timeout=400)[0]
-    checkpoint = copy_checkpoint(source, 2, target)
-    result = run_ranks(resume_and_inspect, 4, str(target), [*TP2_FSDP2, *run], timeout=400)[0]
-    _assert_loaded_exactly(result, checkpoint)
-    _assert_parity(result["losses"], straight["losses"][2:])
+    _train_save_and_resume_elsewhere(
+        tmp_path, (4, ["--parallelism.data_parallel_shard_degree=4", "--training.batch_size=1"]), (4, TP2_FSDP2))
 
 
 PP2_INTERLEAVED = ["--parallelism.pipeline_parallel_degree=2",
