@@ -11,7 +11,9 @@ tokens/s, TFLOP/s, MFU and peak memory on one device:
                (parallelize.py) and bf16 through FSDP2's MixedPrecisionPolicy on a 1-GPU mesh,
                the project's fused AdamW;
 - reference-*: a Llama 3 block written here with plain PyTorch (nn.Linear, F.rms_norm,
-               complex RoPE, SDPA), bf16 autocast over float32 weights, fused AdamW.
+               complex RoPE, SDPA), bf16 autocast over float32 weights, fused AdamW;
+- torchtitan-*: the peer's own Trainer on the same shapes (benchmarks/peer_torchtitan.py;
+               needs ``--peer-site`` pointing at a folder where the `torchtitan` wheel is installed).
 
 Both use seq 8192 (``--seq``), batch 1, the 8B dims (dim 4096, 32 heads, 8 KV heads,
 FFN 14336, vocab 128256) and the same FLOP count (torchtitan.models.llama3.flops_per_token),
@@ -38,6 +40,8 @@ if str(REPO) not in sys.path:
 
 VARIANTS = ["reference-eager", "project-eager", "reference-compile", "project-compile",
             "project-compile-sac", "project-eager-sac"]
+# The peer (the `torchtitan` package from PyPI, given by --peer-site): run by peer_torchtitan.py.
+PEER_VARIANTS = ["torchtitan-eager", "torchtitan-compile", "torchtitan-compile-sac"]
 
 
 # ---- a plain-PyTorch Llama 3 (the reference) ------------------------------------------
@@ -203,6 +207,38 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
     return result
 
 
+def run_peer(variant: str, layers: int, seq: int, steps: int, warmup: int, peer_site: str) -> dict:
+    """The peer in its own process; FLOPs counted with the project's formula on the same shapes."""
+    import torch
+
+    from benchmarks.peer_torchtitan import parse_step_lines
+    from torchtitan.metrics import peak_flops
+    from torchtitan.models.llama3 import flops_per_token, llama3_flavors
+
+    flags = variant.split("-")[1:]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "peer_torchtitan.py"), "--layers", str(layers),
+           "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
+    cmd += ["--compile"] if "compile" in flags else []
+    cmd += ["--sac"] if "sac" in flags else []
+    env = dict(os.environ, PEER_SITE=peer_site)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = proc.stdout + proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("PEER ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"exit {proc.returncode}\n{out[-3000:]}")
+    info = json.loads(lines[-1][len("PEER "):])
+    steps_info = parse_step_lines(out, warmup)
+    args = dataclasses.replace(llama3_flavors["8B"], n_layers=layers, max_seq_len=seq)
+    tps = steps_info["tokens_per_s"]
+    flops = flops_per_token(args, seq) * tps
+    name = torch.cuda.get_device_name(0)
+    peak = peak_flops(name)
+    return {"variant": variant, "layers": layers, "seq": seq, "step_s": seq / tps, "tokens_per_s": tps,
+            "tflops": flops / 1e12, "mfu_pct": 100 * flops / peak if peak else None,
+            "peak_mem_gib": info["torch_peak_mem_gib"], "device": name, "torch": torch.__version__,
+            "peer_version": info["peer_version"], "loss_first_last": [float("nan"), float("nan")]}
+
+
 def default_layers() -> int:
     import torch
 
@@ -223,6 +259,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="CPU, debug-model dims: tests the script, not a GPU")
     parser.add_argument("--json", help="write all results here")
+    parser.add_argument("--peer-site", help="folder holding the `torchtitan` wheel's install: adds the peer's variants")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke and args.seq == 8192:
@@ -232,7 +269,16 @@ def main() -> None:
         print("RESULT " + json.dumps(run_variant(args.one, layers, args.seq, args.steps, args.warmup, args.smoke)))
         return
     results = []
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",") + (PEER_VARIANTS if args.peer_site and args.variants == ",".join(VARIANTS) else [])
+    for variant in variants:
+        if variant.startswith("torchtitan"):
+            try:
+                results.append(run_peer(variant, layers, args.seq, args.steps, args.warmup, args.peer_site))
+            except Exception as e:  # noqa: BLE001 - report the peer's failure and go on
+                print(f"{variant}: failed\n{e}", file=sys.stderr)
+                results.append({"variant": variant, "error": str(e)[-1500:]})
+            print(json.dumps(results[-1]), flush=True)
+            continue
         cmd = [sys.executable, __file__, "--one", variant, "--layers", str(layers), "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -243,6 +289,7 @@ def main() -> None:
             results.append({"variant": variant, "error": tail[-500:]})
             continue
         results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(json.dumps(results[-1]), flush=True)
     ref = {r["variant"].split("-", 1)[1]: r for r in results if r["variant"].startswith("reference") and "error" not in r}
     print(f"{'variant':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU %':>6s} {'mem GiB':>8s} {'vs ref':>7s}  loss first->last")
     for r in results:
@@ -255,6 +302,12 @@ def main() -> None:
         mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "       -"
         print(f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {mfu} {mem} {vs}  "
               f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}")
+    ok = {r["variant"]: r for r in results if "error" not in r}
+    for mode in ("eager", "compile", "compile-sac"):
+        ours, peer = ok.get(f"project-{mode}"), ok.get(f"torchtitan-{mode}")
+        if ours and peer:
+            print(f"project-{mode} / torchtitan-{mode} ({peer['peer_version']}): "
+                  f"{ours['tokens_per_s'] / peer['tokens_per_s']:.3f}x tokens/s")
     if results and "device" in results[0]:
         print(f"device: {results[0]['device']}, torch {results[0]['torch']}, {layers} layers, seq {args.seq}")
     if args.json:
