@@ -5,7 +5,7 @@
 #      selective (op) and full AC, seq 2048, batch 8; each run's log lands in $LOGS/<name>.log;
 #   3. 100 steps of fp32 and of bf16 with the same seed, the curves docs/determinism.md shows
 #      (compare them with scripts/loss_compare.py on the two logs).
-# Usage: LOGS=outputs/gpu_checks bash benchmarks/gpu_checks.sh [--no-tests]
+# Usage: LOGS=outputs/gpu_checks bash benchmarks/gpu_checks.sh [--no-tests] [--no-runs]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 LOGS=${LOGS:-outputs/gpu_checks}
@@ -14,14 +14,16 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 
 status=0
 if [[ " $* " != *" --no-tests "* ]]; then
-  # Single-process tests; the ones that spawn gloo worlds or torchrun jobs of several ranks are
-  # CPU-only by design (several ranks on one GPU is not a layout anyone trains with).
+  # Single-process tests; the ones that spawn gloo worlds or torchrun jobs of several ranks
+  # stay on CPU (several ranks sharing one GPU is not a layout anyone trains with).
   timeout 300 python3 -m pytest tests/models tests/optim tests/metrics tests/config tests/datasets \
-    tests/test_trainer.py -q -p no:cacheprovider -x --timeout 150 \
-    -k "not torchrun and not silent_rank and not every_rank and not layouts_without and not global_grad_norm and not profiling" \
+    tests/test_trainer.py::test_single_process_cli_run_writes_config_and_tensorboard \
+    tests/test_trainer.py::test_one_device_still_gets_the_mixed_precision_policy \
+    -q -p no:cacheprovider --timeout 150 \
     2>&1 | tee "$LOGS/pytest.log" | tail -25 || status=1
 fi
 
+[[ " $* " == *" --no-runs "* ]] && exit $status
 common=(--job.config_file train_configs/debug_model.toml --training.seq_len 2048 --training.batch_size 8
         --training.seed 42 --metrics.log_freq 1 --metrics.enable_tensorboard false)
 run() {  # name, steps, extra overrides...

@@ -134,7 +134,40 @@ def build_project(args, device, compile_: bool, sac: bool):
     return model
 
 
-def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, smoke: bool) -> dict:
+# Kernel-name patterns, checked in this order (attention kernels also mention sm90, so first).
+KERNEL_CLASSES = [
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("optimizer+clip", ("adam", "multi_tensor", "foreach")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_", "splitk")),
+    ("copy/cast", ("copy", "memcpy", "memset", "cat_", "chunk_cat", "fill")),
+    ("norm/rope/elementwise", ("",)),
+]
+
+
+def kernel_breakdown(prof, wall_s: float) -> dict:
+    """Share of GPU kernel time per class over the profiled steps, and the idle share of the wall time."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, float] = {name: 0.0 for name, _ in KERNEL_CLASSES}
+    top: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        name = e.name.lower()
+        for cls, needles in KERNEL_CLASSES:
+            if any(n in name for n in needles):
+                totals[cls] += us
+                break
+        top[e.name[:90]] = top.get(e.name[:90], 0.0) + us
+    busy = sum(totals.values())
+    return {"gpu_busy_ms_per_step": busy / 2e3, "wall_ms_per_step": wall_s * 1e3 / 2,
+            "share_pct": {k: round(100 * v / busy, 1) for k, v in totals.items()} if busy else {},
+            "top_kernels_ms_per_step": {k: round(v / 2e3, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]}}
+
+
+def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, smoke: bool,
+                profile_steps: bool = False) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -173,7 +206,12 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
         torch.backends.cuda.matmul.allow_tf32 = True
     gen = torch.Generator().manual_seed(0)
     times, losses = [], []
-    for step in range(warmup + steps):
+    profile = None
+    for step in range(warmup + steps + (2 if profile_steps else 0)):
+        if profile_steps and step == warmup + steps:
+            profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                         torch.profiler.ProfilerActivity.CUDA])
+            profile.__enter__()
         tokens = torch.randint(0, args.vocab_size, (1, seq + 1), generator=gen).to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         if device.type == "cuda":
@@ -188,9 +226,13 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if step >= warmup:
+        if warmup <= step < warmup + steps:
             times.append(time.perf_counter() - start)
         losses.append(float(loss))
+    breakdown = None
+    if profile is not None:
+        profile.__exit__(None, None, None)
+        breakdown = kernel_breakdown(profile, wall_s=2 * statistics.median(times))
     step_time = statistics.median(times)
     tps = seq / step_time
     flops = flops_per_token(args, seq) * tps
@@ -203,6 +245,8 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
         "torch": torch.__version__, "loss_first_last": [losses[0], losses[-1]],
         "params": sum(p.numel() for p in model.parameters()),
     }
+    if breakdown:
+        result["profile"] = breakdown
     dist.destroy_process_group()
     return result
 
@@ -261,12 +305,15 @@ def main() -> None:
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--peer-site", help="folder holding the `torchtitan` wheel's install: adds the peer's variants")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="profile two more steps of each project/reference variant: GPU time by kernel class")
     args = parser.parse_args()
     if args.smoke and args.seq == 8192:
         args.seq = 128
     layers = args.layers or (2 if args.smoke else default_layers())
     if args.one:
-        print("RESULT " + json.dumps(run_variant(args.one, layers, args.seq, args.steps, args.warmup, args.smoke)))
+        print("RESULT " + json.dumps(run_variant(args.one, layers, args.seq, args.steps, args.warmup, args.smoke,
+                                                      args.profile)))
         return
     results = []
     variants = args.variants.split(",") + (PEER_VARIANTS if args.peer_site and args.variants == ",".join(VARIANTS) else [])
@@ -280,7 +327,8 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
             continue
         cmd = [sys.executable, __file__, "--one", variant, "--layers", str(layers), "--seq", str(args.seq),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else []) \
+            + (["--profile"] if args.profile else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

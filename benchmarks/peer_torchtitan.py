@@ -25,11 +25,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-if os.environ.get("PEER_SITE"):
-    sys.path.insert(0, os.environ["PEER_SITE"])
-# The project's checkout must not shadow the peer's package of the same name.
-_here = str(Path(__file__).resolve().parents[1])
-sys.path[:] = [p for p in sys.path if p not in ("", ".", _here)]
+
+
+def _peer_first_on_path() -> None:
+    """The project's checkout must not shadow the peer's package of the same name."""
+    here = str(Path(__file__).resolve().parents[1])
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", here, str(Path(__file__).parent))]
+    if os.environ.get("PEER_SITE"):
+        sys.path.insert(0, os.environ["PEER_SITE"])
 
 
 def make_assets(root: Path) -> tuple[Path, Path]:
@@ -62,6 +65,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--sac", action="store_true")
     args = p.parse_args()
+    _peer_first_on_path()
 
     import torch
     import torchtitan
