@@ -265,7 +265,7 @@ def run_peer(variant: str, layers: int, seq: int, steps: int, warmup: int, peer_
     cmd += ["--compile"] if "compile" in flags else []
     cmd += ["--sac"] if "sac" in flags else []
     env = dict(os.environ, PEER_SITE=peer_site)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
     out = proc.stdout + proc.stderr
     lines = [l for l in proc.stdout.splitlines() if l.startswith("PEER ")]
     if proc.returncode != 0 or not lines:
