@@ -3,8 +3,9 @@
     PEER_SITE=/path/to/site-packages python benchmarks/peer_torchtitan.py --layers 4 --seq 8192 \
         --steps 20 --warmup 5 [--compile] [--sac]
 
-It runs the peer's own Trainer (its Llama 3 8B config from its config registry, cut to
-``--layers`` blocks, batch 1, bf16 FSDP mixed precision on one GPU). gpu_throughput.py reads
+It runs the peer's own Trainer on its Llama 3 8B config cut to ``--layers`` blocks, batch 1,
+bf16 FSDP mixed precision on one GPU: 0.3.x through its Python config registry, 0.2.x through
+its command line (with the 8B flavor's layer count patched before the model is built). gpu_throughput.py reads
 the peer's own per-step log lines (tokens/s, memory) with ``parse_step_lines``.
 
 The peer and this project share the package name ``torchtitan``, so this script never
@@ -69,21 +70,36 @@ def main() -> None:
 
     import torch
     import torchtitan
-    from torchtitan.config import CompileConfig
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-    from torchtitan.models.llama3.config_registry import llama3_8b
-    from torchtitan.tools.logging import init_logger
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
-    init_logger()
     work = Path(tempfile.mkdtemp(prefix="peer_"))
     tok_dir, data_dir = make_assets(work)
+    try:
+        import torchtitan.models.llama3.config_registry  # noqa: F401  (0.3: Python config registry)
+        run_03(args, tok_dir, data_dir, work)
+    except ModuleNotFoundError as e:
+        if "config_registry" not in str(e):
+            raise
+        run_02(args, tok_dir, data_dir, work)  # 0.2: TOML/CLI JobConfig
+    print("PEER " + json.dumps({
+        "peer_version": getattr(torchtitan, "__version__", "?"),
+        "torch_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }), flush=True)
 
+
+def run_03(args, tok_dir: Path, data_dir: Path, work: Path) -> None:
+    import torch
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.models.llama3.config_registry import llama3_8b
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
     config = llama3_8b()
     config.model_spec.model.layers = config.model_spec.model.layers[: args.layers]
     config.hf_assets_path = str(tok_dir)
@@ -102,7 +118,6 @@ def main() -> None:
         config.activation_checkpoint = None
     elif not isinstance(config.activation_checkpoint, SelectiveAC.Config):
         config.activation_checkpoint = SelectiveAC.Config()
-
     trainer = config.build()
     try:
         trainer.train()
@@ -110,10 +125,23 @@ def main() -> None:
         trainer.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    print("PEER " + json.dumps({
-        "peer_version": getattr(torchtitan, "__version__", "?"),
-        "torch_peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }), flush=True)
+
+
+def run_02(args, tok_dir: Path, data_dir: Path, work: Path) -> None:
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.train import Trainer, main as peer_main
+
+    llama3_args["8B"].n_layers = args.layers
+    sys.argv = [
+        "torchtitan.train", "--model.name", "llama3", "--model.flavor", "8B",
+        "--model.hf_assets_path", str(tok_dir), "--job.dump_folder", str(work / "out"),
+        "--training.dataset", "c4_test", "--training.dataset_path", str(data_dir),
+        "--training.local_batch_size", "1", "--training.seq_len", str(args.seq),
+        "--training.steps", str(args.warmup + args.steps), "--metrics.log_freq", "1",
+        "--activation_checkpoint.mode", "selective" if args.sac else "none",
+        "--activation_checkpoint.selective_ac_option", "op",
+    ] + (["--compile.enable", "--compile.components", "model", "loss"] if args.compile else [])
+    peer_main(Trainer)
 
 
 def parse_step_lines(text: str, warmup: int) -> dict:
