@@ -73,7 +73,7 @@ def test_global_grad_norm_equals_single_process(tmp_path):
 
 
 def test_single_process_cli_run_writes_config_and_tensorboard(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("RANK", None)
     out = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--job.config_file", DEBUG, f"--job.dump_folder={tmp_path}",
@@ -87,7 +87,7 @@ def test_single_process_cli_run_writes_config_and_tensorboard(tmp_path):
 
 
 def test_bad_tp_config_fails_on_every_rank_before_any_collective(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
          "--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2", "--training.seq_len=63",
@@ -119,7 +119,7 @@ def test_activation_checkpointing_modes_recompute_exactly(tmp_path):
 
 
 def test_config_error_under_torchrun_exits_on_every_rank(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
          "--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=3", f"--job.dump_folder={tmp_path}"],

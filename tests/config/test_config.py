@@ -153,7 +153,7 @@ def test_shipped_configs_parse(name):
 
 
 def _run_train(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, timeout=120, env=env
     )
