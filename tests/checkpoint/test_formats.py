@@ -186,27 +186,50 @@ def test_bad_sources_are_config_errors_before_any_collective(hf_dir, tmp_path) -
 
 
 def _tp_and_pp_losses(rank: int, world_size: int, dump: str, hf: str) -> dict:
+    """Several runs in one world: HF into TP 2 and PP 2, DCP into PP 2, and the run's own checkpoint winning."""
+    import logging
+
     from torchtitan.config import ConfigManager
     from torchtitan.trainer import Trainer
 
-    out = {}
-    for name, layout in {"tp2": ["--parallelism.tensor_parallel_degree=2"],
-                         "pp2": ["--parallelism.pipeline_parallel_degree=2",
-                                 "--parallelism.pipeline_parallel_schedule=GPipe"]}.items():
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("torchtitan.checkpoint.manager").addHandler(handler)
+    logging.getLogger("torchtitan.checkpoint.manager").setLevel(logging.INFO)
+
+    def run(name: str, *overrides: str) -> list[float]:
         cfg = ConfigManager().parse_args([
             "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}/{name}", "--job.print_args=false",
             "--metrics.enable_tensorboard=false", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH}",
-            "--training.steps=1", "--lr_scheduler.warmup_steps=0", f"--checkpoint.initial_load_path={hf}", *layout])
-        out[name] = Trainer(cfg).train()[0]
+            "--training.steps=1", "--lr_scheduler.warmup_steps=0", *overrides])
+        return Trainer(cfg).train()
+
+    tp2, pp2 = ["--parallelism.tensor_parallel_degree=2"], ["--parallelism.pipeline_parallel_degree=2",
+                                                            "--parallelism.pipeline_parallel_schedule=GPipe"]
+    from_hf = [f"--checkpoint.initial_load_path={hf}"]
+    out = {"tp2": run("tp2", *tp2, *from_hf, "--optimizer.lr=0", "--checkpoint.enable_checkpoint")[0],
+           "pp2": run("pp2", *pp2, *from_hf)[0],
+           # The TP run trained at lr 0, so its checkpoint holds the HF weights: PP 2 starts from it as DCP.
+           "pp2_from_dcp": run("dcp", *pp2, f"--checkpoint.initial_load_path={dump}/tp2/checkpoint",
+                               "--checkpoint.initial_load_format=dcp")[0]}
+    # The TP run's own checkpoint wins over initial_load_path: it resumes after step 1.
+    out["resumed_steps"] = len(run("tp2", *tp2, *from_hf, "--checkpoint.enable_checkpoint", "--training.steps=2"))
+    out["messages"] = messages
     return out
 
 
 def test_loads_into_tp2_and_pp2_give_hf_step1_loss(hf_dir, tmp_path) -> None:
     expected = hf_loss(hf_dir, BATCH)  # TP and PP have one data-parallel rank: the global batch is BATCH
-    losses = run_ranks(_tp_and_pp_losses, 2, str(tmp_path), str(hf_dir), timeout=300)
-    for name in ("tp2", "pp2"):
-        assert losses[0][name] == losses[1][name]
-        assert losses[0][name] == pytest.approx(expected, rel=1e-5), name
+    results = run_ranks(_tp_and_pp_losses, 2, str(tmp_path), str(hf_dir), timeout=300)
+    for name in ("tp2", "pp2", "pp2_from_dcp"):
+        assert results[0][name] == results[1][name]
+        assert results[0][name] == pytest.approx(expected, rel=1e-5), name
+    assert results[0]["resumed_steps"] == 1
+    log = "\n".join(results[0]["messages"])
+    # TP: every rank holds a slice of all 57 tensors; PP: rank 0 holds the embedding and layers 0-2 only.
+    assert log.count("loaded 57 tensors from") == 1 and log.count("loaded 28 tensors from") == 2, log
+    assert "holds this run's own checkpoint, which wins: --checkpoint.initial_load_path=" in log
 
 
 def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path) -> None:
