@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a test-only dependency (the dev extra)
 
 from dist_harness import run_ranks
 from torchtitan.checkpoint.formats import check_source, export_hf, load_into
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
 from torchtitan.models.llama3.model import ffn_hidden_dim
-
-transformers = pytest.importorskip("transformers")  # the dev extra installs it; CI always has it
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
