@@ -231,7 +231,17 @@ def test_loads_into_tp2_and_pp2_give_hf_step1_loss(hf_dir, tmp_path) -> None:
     assert "holds this run's own checkpoint, which wins: --checkpoint.initial_load_path=" in log
 
 
-def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path) -> None:
+def _export_script():
+    """scripts/export_checkpoint.py as a module (called in-process: no second interpreter start)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_checkpoint", REPO / "scripts" / "export_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys) -> None:
     """train.py under torchrun: FSDP 2 starts from the HF folder (loss = HF's), saves, exports back bitwise."""
     from safetensors.torch import load_file
 
@@ -253,17 +263,19 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path) -> None
     assert loss == pytest.approx(hf_loss(hf_dir, BATCH), abs=1e-4)  # the log prints 5 significant digits
 
     # Export: a non-empty target is refused and left alone, then a fresh folder gets the model.
-    script = [sys.executable, str(REPO / "scripts" / "export_checkpoint.py"), str(dump / "checkpoint" / "step-1")]
+    export = _export_script().main
+    checkpoint = str(dump / "checkpoint" / "step-1")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    refused = subprocess.run([*script, str(busy), "--format", "hf"], capture_output=True, text=True, env=env)
-    assert refused.returncode == 2 and "not an empty folder" in refused.stderr
+    assert export([checkpoint, str(busy), "--format", "hf"]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     exported = tmp_path / "exported"
-    done = subprocess.run([*script, str(exported), "--format", "hf", "--max_shard_gib=0.001"], capture_output=True,
-                          text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert export([checkpoint, str(exported), "--format", "hf", "--max_shard_gib=0.001"]) == 0
+    # The tokenizer is the shipped SentencePiece one, so no tokenizer file is copied; config.json names its BOS/EOS.
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["architectures"]) == (1, 2, ["LlamaForCausalLM"])
     original = {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
     back = {k: v for f in exported.glob("*.safetensors") for k, v in load_file(f).items()}
     assert len(list(exported.glob("*.safetensors"))) > 1
