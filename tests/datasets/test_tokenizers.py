@@ -96,7 +96,8 @@ def test_tiktoken_file_matches_tiktoken(files) -> None:
     assert tok.n_words == n + 256
     assert (tok.bos_id, tok.eos_id) == (n, n + 1)
     assert tok.special_tokens["<|eot_id|>"] == n + 9
-    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in files["tiktoken"].read_text().splitlines())}
+    lines = files["tiktoken"].read_text().splitlines()
+    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines)}
     reference = tiktoken.Encoding("ref", pat_str=LLAMA3_SPLIT_PATTERN, mergeable_ranks=ranks,
                                   special_tokens={t: n + i for i, t in enumerate(llama3_special_tokens())})
     for text in TEXTS:
@@ -166,7 +167,8 @@ def test_export_copies_hf_and_tiktoken_tokenizers(files, tmp_path) -> None:
         export_hf(Transformer(args).state_dict(), args, out, tokenizer=tok)
         again = build_tokenizer(str(out / copied))
         assert type(again) is type(tok)
-        assert [again.encode(t, bos=True, eos=True) for t in TEXTS] == [tok.encode(t, bos=True, eos=True) for t in TEXTS]
+        for text in TEXTS:
+            assert again.encode(text, bos=True, eos=True) == tok.encode(text, bos=True, eos=True)
         config = json.loads((out / "config.json").read_text())
         assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (tok.bos_id, tok.eos_id,
                                                                                           tok.n_words)
