@@ -87,7 +87,7 @@ def build_reference(args, device):
             self.blocks = nn.ModuleList(Block() for _ in range(args.n_layers))
             self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
             self.out = nn.Linear(args.dim, args.vocab_size, bias=False)
-            freqs = rope_frequencies(hd, args.rope_theta, args.rope_scaling)
+            freqs = rope_frequencies(hd, args.rope_theta, args.rope_scaling_params())
             angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
             self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles).to(torch.complex64),
                                  persistent=False)

@@ -193,7 +193,7 @@ def estimate_activations(cfg, args, dims) -> dict[str, float]:
             ffn.w2 = torch.nn.Linear(hidden, args.dim, bias=False, dtype=dtype)
         weights = {p.untyped_storage()._cdata for p in block.parameters()}
         x = torch.empty(batch, seq, args.dim, dtype=dtype, requires_grad=True)
-        rope = precompute_rope_cache(args.head_dim, seq, args.rope_theta, args.rope_scaling)
+        rope = precompute_rope_cache(args.head_dim, seq, args.rope_theta, args.rope_scaling_params())
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = block(x, rope)
     per_block = float(sum(saved.values()))

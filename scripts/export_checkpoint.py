@@ -1,32 +1,91 @@
-"""Turn a checkpoint folder (any layout, any kind) into one ``torch.save`` file of full model weights.
+"""Export a checkpoint folder (any layout, any kind): a Hugging Face folder, or one ``torch.save`` file.
 
+    python scripts/export_checkpoint.py outputs/checkpoint/step-1000 llama3_hf --format hf
     python scripts/export_checkpoint.py outputs/checkpoint/step-1000 llama3.pt
 
-The output is a plain ``{parameter FQN: tensor}`` state dict in the dtype the
-checkpoint holds (``export_dtype`` for a weights-only export), which a single-process
-``Transformer(args).load_state_dict(torch.load("llama3.pt"))`` accepts. It runs on one
-process with no process group; it needs the memory for the whole model.
+``--format hf`` writes safetensors shards with their index, a ``config.json`` for
+``LlamaForCausalLM`` and the tokenizer files (Hugging Face ones beside the weights, Meta's
+tiktoken file as ``original/tokenizer.model``), into a new or empty folder. The model
+config (flavor, tokenizer) is the run's ``config.toml``, found next to the checkpoint
+folder (``<dump_folder>/config.toml``) or given with ``--config``.
+
+``--format torch`` (the default) writes a plain ``{parameter FQN: tensor}`` state dict in
+the dtype the checkpoint holds, which ``Transformer(args).load_state_dict(torch.load(...))``
+accepts. Both run on one process with no process group and need the memory for the whole model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def find_run_config(checkpoint: Path) -> Path | None:
+    """The ``config.toml`` the trainer wrote into the dump folder: ``<dump>/<folder>/step-N`` -> ``<dump>``."""
+    for parent in list(checkpoint.resolve().parents)[:3]:
+        if (parent / "config.toml").is_file():
+            return parent / "config.toml"
+    return None
+
+
+def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_path: str | None,
+              max_shard_gib: float) -> str:
+    import torch
+
+    from torchtitan.checkpoint.formats import check_export_target, export_hf as write_hf
+    from torchtitan.checkpoint.manager import read_model_weights
+    from torchtitan.config import ConfigManager
+    from torchtitan.datasets import build_tokenizer
+    from torchtitan.models import model_flavors
+
+    problem = check_export_target(output)
+    if problem:
+        raise ValueError(problem)
+    config = config or find_run_config(checkpoint)
+    if config is None:
+        raise ValueError(f"no config.toml found above {checkpoint}; pass the run's config with --config")
+    cfg = ConfigManager().parse_args(["--job.config_file", str(config)])
+    tokenizer = build_tokenizer(tokenizer_path or cfg.model.tokenizer_path)
+    weights = read_model_weights(checkpoint)
+    args = dataclasses.replace(model_flavors(cfg.model.name)[cfg.model.flavor], vocab_size=tokenizer.n_words)
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        expected = {k: tuple(p.shape) for k, p in Transformer(args).named_parameters()}
+    found = {k: tuple(v.shape) for k, v in weights.items()}
+    if found != expected:
+        differ = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+        raise ValueError(f"{checkpoint} does not hold a {cfg.model.flavor} model with the vocabulary of "
+                         f"{tokenizer.model_path} ({len(differ)} tensors differ, e.g. {differ[0]}: "
+                         f"{found.get(differ[0])} vs {expected.get(differ[0])}); pass the run's --config")
+    files = write_hf(weights, args, output, tokenizer=tokenizer, max_shard_bytes=int(max_shard_gib * 2**30))
+    total = sum(t.numel() for t in weights.values())
+    return f"wrote {output}: {len(files)} files, {len(weights)} tensors, {total:,} parameters"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a committed checkpoint folder, e.g. outputs/checkpoint/step-1000")
-    parser.add_argument("output", help="the torch.save file to write")
+    parser.add_argument("output", help="the torch.save file, or with --format hf the folder, to write")
+    parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="what to write (default torch)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="the run's config.toml (default: the one in the dump folder above the checkpoint)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the config's)")
+    parser.add_argument("--max_shard_gib", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
-    from torchtitan.checkpoint import export_model_weights
-
     try:
+        if args.format == "hf":
+            print(export_hf(Path(args.checkpoint), Path(args.output), args.config, args.tokenizer,
+                            args.max_shard_gib))
+            return 0
+        from torchtitan.checkpoint import export_model_weights
+
         weights = export_model_weights(args.checkpoint, args.output)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     total = sum(t.numel() for t in weights.values())

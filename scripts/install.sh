@@ -23,5 +23,8 @@ if ! has_torch; then
   echo "install.sh: installing $spec"
   "$PY" -m pip install -q "$spec"
 fi
-# torch is already satisfied now, so this never replaces it with another build.
-"$PY" -m pip install -q -e ".[dev]"
+# Pin the torch now installed, so nothing that depends on torch (transformers) pulls another build.
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+"$PY" -c 'import torch; print("torch==" + torch.__version__)' >"$constraints"
+"$PY" -m pip install -q -c "$constraints" -e ".[dev]"

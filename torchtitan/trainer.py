@@ -92,7 +92,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     problems = validate_parallelism(args, dims, cfg)
     if problems:
         raise ConfigError(problems)
-    problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args))
+    problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args), model_args=args)
     if problems:
         raise ConfigError(problems)
     pipeline = plan_pipeline(cfg, args.n_layers) if dims.pp_enabled else None
@@ -137,7 +137,7 @@ class Trainer:
         self._setup_metrics()
         self.checkpointer = CheckpointManager(
             cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader, dims=self.dims, rank=self.rank,
+            dataloader=self.dataloader, dims=self.dims, rank=self.rank, model_args=self.model_args,
         )
 
     # ---- set-up -------------------------------------------------------------

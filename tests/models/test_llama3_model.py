@@ -40,7 +40,7 @@ def test_attention_matches_naive_reference():
     attn = Attention(args)
     bs, seqlen, hd = 2, 7, args.head_dim
     x = torch.randn(bs, seqlen, args.dim)
-    rope = precompute_rope_cache(hd, seqlen, args.rope_theta, False)
+    rope = precompute_rope_cache(hd, seqlen, args.rope_theta)
     with torch.no_grad():
         out = attn(x, rope)
         q = attn.wq(x).view(bs, seqlen, 8, hd)
@@ -67,35 +67,50 @@ def test_causal_masking():
     assert not torch.allclose(la[:, t], lb[:, t])
 
 
-def reference_freqs(head_dim: int, theta: float, scaling: bool) -> list[float]:
+def reference_freqs(head_dim: int, theta: float, scaling: dict | None) -> list[float]:
     """Llama 3.1 frequency rule written out per frequency in float64 Python math."""
     out = []
     for i in range(head_dim // 2):
         f = 1.0 / theta ** (2 * i / head_dim)
         if scaling:
+            factor, low, high, ctx = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                          "original_context"))
             wavelen = 2 * math.pi / f
-            if wavelen < 8192 / 4.0:  # high frequencies: untouched
+            if wavelen < ctx / high:  # high frequencies: untouched
                 pass
-            elif wavelen > 8192 / 1.0:  # low frequencies: divided by the factor 8
-                f = f / 8.0
-            else:  # in between: linear blend in 8192 / wavelen
-                s = (8192 / wavelen - 1.0) / (4.0 - 1.0)
-                f = (1 - s) * f / 8.0 + s * f
+            elif wavelen > ctx / low:  # low frequencies: divided by the factor
+                f = f / factor
+            else:  # in between: linear blend in ctx / wavelen
+                s = (ctx / wavelen - low) / (high - low)
+                f = (1 - s) * f / factor + s * f
         out.append(f)
     return out
 
 
-@pytest.mark.parametrize("scaling", [False, True])
+# Llama 3.1 (factor 8) and Llama 3.2 1B/3B (factor 32), as the flavors carry them.
+SCALINGS = {"none": None, "3.1": llama3_flavors["8B"].rope_scaling_params(),
+            "3.2": llama3_flavors["1B"].rope_scaling_params()}
+
+
+def test_flavors_carry_the_published_rope_scaling():
+    assert SCALINGS["3.1"] == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_context": 8192}
+    assert SCALINGS["3.2"] == {**SCALINGS["3.1"], "factor": 32.0}
+    assert llama3_flavors["debugmodel"].rope_scaling_params() is None
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
 def test_rope_matches_direct_formula(scaling):
     head_dim, theta = 128, 500000.0
-    freqs = reference_freqs(head_dim, theta, scaling)
-    if scaling:  # make sure all three bands of the rule are exercised
-        plain = reference_freqs(head_dim, theta, False)
+    params = SCALINGS[scaling]
+    freqs = reference_freqs(head_dim, theta, params)
+    if params:  # make sure all three bands of the rule are exercised
+        plain = reference_freqs(head_dim, theta, None)
         ratios = [f / p for f, p in zip(freqs, plain)]
-        assert any(r == 1 for r in ratios) and any(r == 1 / 8 for r in ratios)
-        assert any(1 / 8 < r < 1 for r in ratios)
+        assert any(r == 1 for r in ratios) and any(r == 1 / params["factor"] for r in ratios)
+        assert any(1 / params["factor"] < r < 1 for r in ratios)
     positions = [0, 1, 7, 1000, 4999]
-    cache = precompute_rope_cache(head_dim, 5000, theta, scaling)
+    cache = precompute_rope_cache(head_dim, 5000, theta, params)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, len(positions), 1, head_dim, dtype=torch.float64, generator=g)
     rq, rk = apply_rotary_emb(x.float(), x.float(), cache[positions])
@@ -112,7 +127,7 @@ def test_rope_matches_direct_formula(scaling):
 
 def test_rope_relative_position():
     head_dim = DEBUG.head_dim
-    cache = precompute_rope_cache(head_dim, 2048, 500000.0, True)
+    cache = precompute_rope_cache(head_dim, 2048, 500000.0, SCALINGS["3.1"])
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 1, head_dim, generator=g)
     k = torch.randn(1, 1, 1, head_dim, generator=g)
@@ -165,7 +180,7 @@ def test_meta_init():
     assert model.rope_cache.is_meta
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"))
-    torch.testing.assert_close(model.rope_cache, precompute_rope_cache(DEBUG.head_dim, 64, 500000.0, False))
+    torch.testing.assert_close(model.rope_cache, precompute_rope_cache(DEBUG.head_dim, 64, 500000.0))
     assert "rope_cache" not in model.state_dict()
 
     specs = model.param_init_specs()

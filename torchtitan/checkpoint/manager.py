@@ -137,11 +137,14 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int) -> None:
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int,
+                 model_args=None) -> None:
         ck = cfg.checkpoint
         self.cfg, self.ck = cfg, ck
         self.enabled = ck.enable_checkpoint
-        self.active = ck.enable_checkpoint or ck.create_seed_checkpoint
+        self.model_args = model_args  # for initial_load_path (name and layout mapping)
+        self.initial_load = bool(ck.initial_load_path) and not ck.create_seed_checkpoint
+        self.active = ck.enable_checkpoint or ck.create_seed_checkpoint or self.initial_load
         self.folder = checkpoint_folder(cfg)
         self.total_steps = cfg.training.steps
         self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
@@ -310,8 +313,14 @@ class CheckpointManager:
 
     # ---- loading ---------------------------------------------------------------
     def load(self) -> int:
-        """Load the chosen checkpoint (if any); return the step to continue after (0: from scratch)."""
-        if not self.enabled or self.ck.create_seed_checkpoint:
+        """Load the chosen checkpoint (if any); return the step to continue after (0: from scratch).
+
+        Without a checkpoint of its own the run starts from ``initial_load_path`` when set.
+        """
+        if self.ck.create_seed_checkpoint:
+            return 0
+        if not self.enabled:
+            self._load_initial()
             return 0
         listing = scan(self.folder)
         path, manifest, problems = choose_checkpoint(self.cfg, None)
@@ -319,9 +328,14 @@ class CheckpointManager:
             raise RuntimeError("; ".join(problems))
         self._agree_on(path)
         if path is None:
-            if self.rank == 0:
+            if self.initial_load:
+                self._load_initial()
+            elif self.rank == 0:
                 logger.info("Checkpoint: no checkpoint in %s; training from scratch", self.folder)
             return 0
+        if self.initial_load and self.rank == 0:
+            logger.info("Checkpoint: %s holds this run's own checkpoint, which wins: --checkpoint.initial_load_path="
+                        "%s is not loaded", self.folder, self.ck.initial_load_path)
         step = int(manifest["step"])
         if self.rank == 0:
             for leftover_step, leftovers in sorted(listing.partial.items()):
@@ -351,6 +365,20 @@ class CheckpointManager:
             logger.info("Checkpoint: loaded %s (%s: %s) in %.2fs; continuing after step %d", path,
                         manifest["kind"], ", ".join(wanted), time.monotonic() - started, resumed)
         return resumed
+
+    def _load_initial(self) -> None:
+        """Start from ``initial_load_path`` (checked in preflight): each rank reads what it holds."""
+        if not self.initial_load:
+            return
+        from torchtitan.checkpoint.formats import load_into
+
+        started = time.monotonic()
+        n = load_into(self._view, self.ck.initial_load_path, self.ck.initial_load_format, self.model_args,
+                      process_group=self.pg)
+        if self.rank == 0:
+            logger.info("Checkpoint: no checkpoint of this run; loaded %d tensors from %s (%s format) in %.2fs; "
+                        "training starts from them at step 0", n, self.ck.initial_load_path,
+                        self.ck.initial_load_format, time.monotonic() - started)
 
     def _agree_on(self, path: Path | None) -> None:
         """Every rank must have picked the same checkpoint (a shared folder seen alike)."""
@@ -393,11 +421,9 @@ class CheckpointManager:
             _set_rng_state(state["rng"][f"rank{self.rank}"])
 
 
-def export_model_weights(checkpoint_dir: str | Path, output_file: str | Path) -> dict[str, torch.Tensor]:
-    """Read the model of any checkpoint (any layout) on one process and ``torch.save`` it.
+def read_model_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The model of any checkpoint (any layout) as ``{fqn: full tensor}``, read on one process.
 
-    The output is a plain ``{fqn: tensor}`` state dict with full tensors, which
-    ``Transformer(args).load_state_dict(torch.load(output_file))`` accepts.
     Needs no process group: DCP reads every shard itself.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -417,6 +443,15 @@ def export_model_weights(checkpoint_dir: str | Path, output_file: str | Path) ->
         # DCP warns that it reads on a single process: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, checkpoint_id=str(path), no_dist=True)
-    weights = {key[len("model."):]: value for key, value in template.items()}
+    return {key[len("model."):]: value for key, value in template.items()}
+
+
+def export_model_weights(checkpoint_dir: str | Path, output_file: str | Path) -> dict[str, torch.Tensor]:
+    """Read the model of any checkpoint (any layout) on one process and ``torch.save`` it.
+
+    The output is a plain ``{fqn: tensor}`` state dict with full tensors, which
+    ``Transformer(args).load_state_dict(torch.load(output_file))`` accepts.
+    """
+    weights = read_model_weights(checkpoint_dir)
     torch.save(weights, output_file)
     return weights

@@ -56,9 +56,16 @@ def choose_checkpoint(
     return path, manifest, problems
 
 
-def check_checkpoint_config(cfg, world_size: int, model_factory: Callable[[], torch.nn.Module]) -> list[str]:
-    """One line per problem with the ``[checkpoint]`` options or the checkpoint they select."""
-    ck, problems = cfg.checkpoint, []
+def check_checkpoint_config(cfg, world_size: int, model_factory: Callable[[], torch.nn.Module],
+                            model_args=None) -> list[str]:
+    """One line per problem with the ``[checkpoint]`` options or the checkpoint they select.
+
+    ``model_args`` (the configured ``ModelArgs``) lets ``initial_load_path`` be checked
+    against the model; it is checked only when the run has no checkpoint of its own,
+    since that one wins.
+    """
+    ck = cfg.checkpoint
+    problems = _check_initial_load(cfg, model_args) if model_args is not None else []
     unknown = [k for k in ck.exclude_from_loading if k not in STATE_KEYS]
     if unknown:
         problems.append(f"--checkpoint.exclude_from_loading: unknown state(s) {', '.join(unknown)}; "
@@ -80,3 +87,17 @@ def check_checkpoint_config(cfg, world_size: int, model_factory: Callable[[], to
         shapes = model_shapes(model_factory) if listing.committed else None
         problems += choose_checkpoint(cfg, shapes)[2]
     return problems
+
+
+def own_checkpoint_exists(cfg) -> bool:
+    """True when the run resumes from its own checkpoint (which wins over ``initial_load_path``)."""
+    return cfg.checkpoint.enable_checkpoint and bool(scan(checkpoint_folder(cfg)).committed)
+
+
+def _check_initial_load(cfg, model_args) -> list[str]:
+    ck = cfg.checkpoint
+    if not ck.initial_load_path or ck.create_seed_checkpoint or own_checkpoint_exists(cfg):
+        return []
+    from torchtitan.checkpoint.formats import check_source
+
+    return check_source(ck.initial_load_path, ck.initial_load_format, model_args)

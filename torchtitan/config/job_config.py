@@ -38,7 +38,8 @@ class Model:
     flavor: str = opt("debugmodel", "Model size within the family (debugmodel, 1B, 8B, 70B, 405B)")
     tokenizer_path: str = opt(
         "torchtitan/datasets/assets/tokenizer.model",
-        "SentencePiece tokenizer.model; relative paths also resolve against the repository root",
+        "Tokenizer: SentencePiece or Llama 3 tiktoken tokenizer.model, or a Hugging Face tokenizer.json (file or "
+        "folder); the format is read from the content. Relative paths also resolve against the repository root",
     )
 
 
@@ -132,6 +133,14 @@ class Checkpoint:
     load_step: int = opt(-1, "Step to load; -1 = latest complete checkpoint")
     exclude_from_loading: list[str] = opt([], "State keys not to load (e.g. optimizer,dataloader)")
     create_seed_checkpoint: bool = opt(False, "Write an initialized step-0 checkpoint and exit")
+    initial_load_path: str | None = opt(
+        None, "Weights to start from when the run has no checkpoint of its own (its own checkpoint wins): "
+        "a Hugging Face folder, a Meta folder, or a checkpoint of this project; see initial_load_format",
+    )
+    initial_load_format: str = opt(
+        "hf", "Format of initial_load_path: hf (*.safetensors + config.json), meta (consolidated.*.pth + "
+        "params.json), dcp (a checkpoint folder of this project)", choices=("hf", "meta", "dcp"),
+    )
 
 
 @dataclass

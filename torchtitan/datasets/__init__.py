@@ -1,4 +1,4 @@
-"""Data pipeline: embedded default corpus, SentencePiece tokenizer, packing dataloader."""
+"""Data pipeline: embedded default corpus, tokenizers (SentencePiece, Llama 3 tiktoken, Hugging Face), packing dataloader."""
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
 from torchtitan.datasets.hf_datasets import DATASETS, DatasetSpec, PackedTextDataset, build_dataloader

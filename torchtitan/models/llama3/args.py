@@ -16,9 +16,15 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # Llama 3.1 long-context frequency scaling (factor 8, low/high freq factors 1/4,
-    # original context 8192). Needed to reproduce the published 3.1+ checkpoints.
+    # Llama 3.1 long-context frequency scaling: frequencies whose wavelength exceeds
+    # original_context / low_freq_factor are divided by the factor, those below
+    # original_context / high_freq_factor are kept, the band between is blended.
+    # Published values: factor 8 for 3.1 (8B, 70B, 405B), 32 for 3.2 (1B, 3B).
     rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
     # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)).
     # False: every layer uses 0.02 / sqrt(2 * n_layers).
@@ -33,10 +39,20 @@ class ModelArgs:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2 != 0:
             raise ValueError("head_dim must be even for rotary embeddings")
+        if self.rope_scaling and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ValueError(f"rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                             f"rope_low_freq_factor={self.rope_low_freq_factor}")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def rope_scaling_params(self) -> dict[str, float] | None:
+        """The scaling rule's parameters (keyword arguments of ``rope_frequencies``), None when off."""
+        if not self.rope_scaling:
+            return None
+        return {"factor": self.rope_scaling_factor, "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor, "original_context": self.rope_original_max_seq_len}
 
 
 llama3_flavors: dict[str, ModelArgs] = {
@@ -64,6 +80,7 @@ llama3_flavors: dict[str, ModelArgs] = {
         ffn_dim_multiplier=1.5,
         rope_theta=500000.0,
         rope_scaling=True,
+        rope_scaling_factor=32.0,  # 3.2 1B/3B use 32 (3.1 uses 8)
         max_seq_len=131072,
     ),
     "8B": ModelArgs(

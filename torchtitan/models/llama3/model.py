@@ -38,26 +38,29 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: bool) -> torch.Tensor:
+def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, float] | None = None) -> torch.Tensor:
     """Per-pair rotation frequencies theta_i = theta^(-2i/head_dim), float64.
 
-    With `scaling`, apply the Llama 3.1 rule: low frequencies (wavelength above
-    8192 / low_freq_factor) are slowed down 8x, high frequencies (wavelength below
-    8192 / high_freq_factor) are kept, and the band in between is blended linearly.
+    ``scaling`` (``ModelArgs.rope_scaling_params()``) applies the Llama 3.1 rule: low
+    frequencies (wavelength above original_context / low_freq_factor) are slowed down by
+    ``factor``, high frequencies (wavelength below original_context / high_freq_factor)
+    are kept, and the band in between is blended linearly.
     """
     freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if not scaling:
         return freqs
-    factor, low_freq_factor, high_freq_factor, old_context = 8.0, 1.0, 4.0, 8192.0
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = float(scaling["original_context"])
     wavelen = 2 * math.pi / freqs
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (old_context / wavelen - low) / (high - low)
     blended = (1 - smooth) * freqs / factor + smooth * freqs
-    out = torch.where(wavelen > old_context / low_freq_factor, freqs / factor, blended)
-    return torch.where(wavelen < old_context / high_freq_factor, freqs, out)
+    out = torch.where(wavelen > old_context / low, freqs / factor, blended)
+    return torch.where(wavelen < old_context / high, freqs, out)
 
 
 def precompute_rope_cache(
-    head_dim: int, max_seq_len: int, theta: float, scaling: bool, device: torch.device | None = None
+    head_dim: int, max_seq_len: int, theta: float, scaling: dict[str, float] | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Real-valued rotary cache of shape [max_seq_len, head_dim], float32.
 
@@ -181,7 +184,7 @@ class Transformer(nn.Module):
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
         a = self.args
-        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)
+        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling_params(), device)
 
     def param_init_specs(self) -> dict[str, InitSpec]:
         """FQN -> InitSpec for every parameter of this (possibly pruned) model.

@@ -1,0 +1,174 @@
+"""The three tokenizer backends, picked by content, against the libraries' own encodings.
+
+The test trains a tiny byte-level BPE with ``tokenizers`` (Llama 3's split pattern), saves it
+as a Hugging Face ``tokenizer.json`` folder and as a Meta-style tiktoken ``tokenizer.model``
+(the same ranks, base64 lines), and checks each backend against ``tokenizers`` / ``tiktoken``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from torchtitan.datasets.tokenizer import (
+    LLAMA3_SPLIT_PATTERN, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, build_tokenizer,
+    llama3_special_tokens,
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.\nIt's 2024; numbers like 123456 split in threes.",
+    "Naïve café owners in Zürich serve crème brûlée — 東京 and Москва too. ",
+    "def main():\n    return {'a': 1, \"b\": [2, 3]}\n\n\n",
+] * 20
+TEXTS = [
+    "Hello world!\n\nNew paragraph\twith tabs  and   spaces.",
+    "Non-ASCII: naïve café, 東京タワー, Москва, emoji 🙂 and é decomposed e\u0301.",
+    "Special tokens as text: <|begin_of_text|>hi<|end_of_text|> <|eot_id|>\n",
+    "I'll we've they're SHOUTING'S 1234567 x\r\ny",
+    "",
+]
+
+
+def _train_bpe():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Inverse of byte-level BPE's printable stand-ins for the 256 bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    tok = _train_bpe()
+    # Meta-style tiktoken file: ranks in id order (the trainer's merge order), base64 of the bytes.
+    to_byte = _byte_of_char()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    tiktoken_file = root / "original" / "tokenizer.model"
+    tiktoken_file.parent.mkdir()
+    tiktoken_file.write_text("".join(f"{base64.b64encode(bytes(to_byte[c] for c in token)).decode()} {rank}\n"
+                                     for token, rank in vocab))
+    # Hugging Face folder: the same BPE plus the special tokens after the ranks, as Llama 3 lays them out.
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True) for t in llama3_special_tokens()[:12]])
+    hf_dir = root / "hf"
+    hf_dir.mkdir()
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|end_of_text|>"}}))
+    return {"tiktoken": tiktoken_file, "hf": hf_dir, "n_ranks": len(vocab), "root": root}
+
+
+def test_tiktoken_file_matches_tiktoken(files) -> None:
+    import tiktoken
+
+    # Named nothing like a tiktoken file: the content decides.
+    renamed = files["root"] / "tok.bin"
+    shutil.copy(files["tiktoken"], renamed)
+    tok = build_tokenizer(str(renamed))
+    assert isinstance(tok, TiktokenTokenizer)
+    n = files["n_ranks"]
+    assert tok.n_words == n + 256
+    assert (tok.bos_id, tok.eos_id) == (n, n + 1)
+    assert tok.special_tokens["<|eot_id|>"] == n + 9
+    lines = files["tiktoken"].read_text().splitlines()
+    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines)}
+    reference = tiktoken.Encoding("ref", pat_str=LLAMA3_SPLIT_PATTERN, mergeable_ranks=ranks,
+                                  special_tokens={t: n + i for i, t in enumerate(llama3_special_tokens())})
+    for text in TEXTS:
+        ids = tok.encode(text, bos=True, eos=True)
+        assert ids == [n] + reference.encode(text, disallowed_special=()) + [n + 1], text
+        assert tok.decode(ids) == text
+    # Special-token text in the data stays text: no control ids appear.
+    assert max(tok.encode(TEXTS[2], bos=False, eos=False)) < n
+
+
+def test_hf_tokenizer_json_matches_tokenizers(files) -> None:
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(files["hf"] / "tokenizer.json"))
+    reference.encode_special_tokens = True
+    for path in (files["hf"], files["hf"] / "tokenizer.json"):  # the folder or the file
+        tok = build_tokenizer(str(path))
+        assert isinstance(tok, HFTokenizer)
+        n = files["n_ranks"]
+        assert (tok.n_words, tok.bos_id, tok.eos_id, tok.pad_id) == (n + 12, n, n + 1, -1)
+        for text in TEXTS:
+            ids = tok.encode(text, bos=True, eos=False)
+            assert ids == [n] + reference.encode(text, add_special_tokens=False).ids, text
+            assert tok.decode(ids) == text
+        assert max(tok.encode(TEXTS[2], bos=False, eos=False)) < n
+    # The same BPE in both formats gives the same ids.
+    tiktoken_tok = build_tokenizer(str(files["tiktoken"]))
+    for text in TEXTS:
+        assert tok.encode(text, bos=False, eos=False) == tiktoken_tok.encode(text, bos=False, eos=False), text
+
+
+def test_shipped_sentencepiece_still_picked() -> None:
+    assert isinstance(build_tokenizer("torchtitan/datasets/assets/tokenizer.model"), SentencePieceTokenizer)
+
+
+def test_unknown_or_broken_tokenizers_name_the_formats(files, tmp_path) -> None:
+    garbage = tmp_path / "tokenizer.model"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError) as e:
+        build_tokenizer(str(garbage))
+    for fmt in ("SentencePiece", "tiktoken", "Hugging Face tokenizer.json"):
+        assert fmt in str(e.value)
+    bad_line = tmp_path / "bad_tiktoken.model"
+    bad_line.write_text("IQ== 0\nnot-base64!! 1\n")
+    with pytest.raises(ValueError, match="line 2 is not 'base64-token rank'"):
+        build_tokenizer(str(bad_line))
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    shutil.copy(files["hf"] / "tokenizer.json", no_config / "tokenizer.json")
+    with pytest.raises(ValueError, match="no tokenizer_config.json"):
+        build_tokenizer(str(no_config))
+    (no_config / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    with pytest.raises(ValueError, match="bos_token '<s>' is not a token"):
+        build_tokenizer(str(no_config))
+
+
+def test_export_copies_hf_and_tiktoken_tokenizers(files, tmp_path) -> None:
+    """An HF export carries the tokenizer: tokenizer.json beside the weights, Meta's file in original/."""
+    from torchtitan.checkpoint.formats import export_hf
+    from torchtitan.models.llama3 import ModelArgs, Transformer
+
+    for name, path, copied in (("hf", files["hf"], "tokenizer.json"),
+                               ("tiktoken", files["tiktoken"], "original/tokenizer.model")):
+        tok = build_tokenizer(str(path))
+        args = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=tok.n_words, multiple_of=16, max_seq_len=8)
+        out = tmp_path / name
+        export_hf(Transformer(args).state_dict(), args, out, tokenizer=tok)
+        again = build_tokenizer(str(out / copied))
+        assert type(again) is type(tok)
+        for text in TEXTS:
+            assert again.encode(text, bos=True, eos=True) == tok.encode(text, bos=True, eos=True)
+        config = json.loads((out / "config.json").read_text())
+        assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (tok.bos_id, tok.eos_id,
+                                                                                          tok.n_words)

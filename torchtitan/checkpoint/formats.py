@@ -1,0 +1,364 @@
+"""Weights of other formats in and out: Hugging Face folders, Meta's release, checkpoints of this project.
+
+In (``--checkpoint.initial_load_path`` / ``initial_load_format``):
+
+- ``hf``: ``config.json`` + ``model.safetensors`` or ``model.safetensors.index.json`` and its shards;
+- ``meta``: ``params.json`` + ``consolidated.*.pth`` (several files: model-parallel shards, joined here);
+- ``dcp``: a committed ``step-N`` folder of this project, or a checkpoint folder (its latest step).
+
+``check_source`` runs in preflight on every rank before any process group exists: it reads
+only ``config.json``/``params.json``, file headers and sizes, and names every problem.
+``load_into`` fills a model of any layout: each rank reads the region of every tensor it
+holds (safetensors slices; DCP's own sharded reads), so no rank reads the whole model
+unless it holds it (Meta's pickled files are memory-mapped, so only the touched pages are read).
+
+Out: ``export_hf`` writes safetensors shards, their index, ``config.json`` and the tokenizer files.
+The name and layout mapping itself is ``torchtitan/models/llama3/convert.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan.models.llama3 import ModelArgs
+from torchtitan.models.llama3 import convert
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                       "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+# Meta's model-parallel shards: the dim each parameter is split along (absent: replicated).
+_META_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
+
+
+# ---------------------------------------------------------------- reading the sources
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file; ValueError when it is missing, unreadable or truncated."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path} is truncated ({size} bytes): not even a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise ValueError(f"{path} is truncated: its header needs {8 + n} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not a safetensors file (unreadable header: {e})") from None
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"{path} is truncated: its tensors need {8 + n + end} bytes, the file has {size}; "
+                         "download it again")
+    return header
+
+
+class HFSource:
+    """A Hugging Face folder: which file holds which tensor, with shapes from the headers."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.config = json.loads((folder / "config.json").read_text())
+        index = folder / INDEX_FILE
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (folder / SINGLE_FILE).is_file():
+            weight_map = None
+        else:
+            raise ValueError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise ValueError(f"{index} names file(s) that are not there: {', '.join(missing)}; download them again")
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.file_of: dict[str, str] = {}
+        for name in files:
+            for tensor, entry in safetensors_header(folder / name).items():
+                self.shapes[tensor], self.file_of[tensor] = tuple(entry["shape"]), name
+        if weight_map:
+            absent = sorted(t for t, f in weight_map.items() if self.file_of.get(t) != f)
+            if absent:
+                raise ValueError(f"{index} places {len(absent)} tensor(s) in files that lack them, e.g. "
+                                 f"{absent[0]} in {weight_map[absent[0]]}")
+
+    def tensor_for(self, fqn: str) -> str:
+        name = convert.to_hf_name(fqn)
+        if name not in self.shapes and fqn == "output.weight" and self.config.get("tie_word_embeddings"):
+            return convert.to_hf_name("tok_embeddings.weight")  # tied: the output projection is the embedding
+        return name
+
+    def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        """Our tensor ``fqn`` (our layout), or the ``region`` (start, stop per dim) of it; reads only that region.
+
+        For q/k the Hugging Face rows of a region are spread over the heads it touches:
+        read those whole heads (rows) and the region's columns, un-permute, cut.
+        """
+        from safetensors import safe_open
+
+        name = self.tensor_for(fqn)
+        shape = self.shapes[name]
+        region = region or tuple((0, s) for s in shape)
+        heads = convert.rotary_heads(fqn, args)
+        with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
+            view = f.get_slice(name)
+            if heads is None:
+                return view[tuple(slice(a, b) for a, b in region)]
+            hd = shape[0] // heads
+            (r0, r1), (c0, c1) = region
+            h0, h1 = r0 // hd, math.ceil(r1 / hd)
+            block = view[h0 * hd:h1 * hd, c0:c1]
+            return convert.permute_from_hf(block, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
+
+
+class MetaSource:
+    """Meta's release folder: params.json and one or more consolidated.NN.pth (model-parallel shards)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.params = json.loads((folder / "params.json").read_text())
+        self.files = sorted(folder.glob("consolidated.*.pth"))
+        if not self.files:
+            raise ValueError(f"{folder} holds no consolidated.*.pth")
+        self._parts: list[dict[str, torch.Tensor]] | None = None
+
+    def parts(self) -> list[dict[str, torch.Tensor]]:
+        if self._parts is None:
+            try:
+                self._parts = [torch.load(f, map_location="cpu", mmap=True, weights_only=True) for f in self.files]
+            except Exception as e:  # noqa: BLE001 - a truncated zip, a bad pickle: the same problem
+                raise ValueError(f"{self.folder}: a consolidated.*.pth is unreadable ({type(e).__name__}: {e}); "
+                                 "download it again") from None
+        return self._parts
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for fqn, t in self.parts()[0].items():
+            shape = list(t.shape)
+            dim = _META_SPLIT_DIM.get(fqn.split(".")[-2])
+            if dim is not None and len(self.parts()) > 1:
+                shape[dim] = sum(p[fqn].shape[dim] for p in self.parts())
+            out[fqn] = tuple(shape)
+        return out
+
+    def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        pieces = [p[fqn] for p in self.parts()]
+        dim = _META_SPLIT_DIM.get(fqn.split(".")[-2])
+        full = pieces[0] if len(pieces) == 1 or dim is None else torch.cat(pieces, dim=dim)
+        if region is None:
+            return full.clone()
+        return full[tuple(slice(a, b) for a, b in region)].clone()
+
+
+def dcp_checkpoint_path(path: Path) -> Path:
+    """A committed step folder as given, or the latest one of a checkpoint folder."""
+    from torchtitan.checkpoint.store import scan
+
+    if (path / ".metadata").is_file():
+        return path
+    latest = scan(path).latest()
+    if latest is None:
+        raise ValueError(f"{path} is neither a checkpoint (no .metadata) nor a folder of committed step-N "
+                         "checkpoints")
+    return scan(path).committed[latest]
+
+
+def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+
+
+def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
+    """Problems with ``--checkpoint.initial_load_path`` for the configured model; reads headers only."""
+    from torchtitan.checkpoint.store import shape_problems, verify
+
+    where = Path(path).expanduser()
+    flag = f"--checkpoint.initial_load_path={path}"
+    if not where.is_dir():
+        return [f"{flag}: no such folder"]
+    expected = _expected_shapes(args)
+    try:
+        if fmt == "hf":
+            if not (where / "config.json").is_file():
+                return [f"{flag}: no config.json there; --checkpoint.initial_load_format=hf wants a Hugging Face "
+                        "folder (config.json + *.safetensors)"]
+            source = HFSource(where)
+            problems = convert.field_differences(convert.model_fields(args),
+                                                 convert.fields_from_hf_config(source.config), f"{flag}/config.json")
+            if problems:
+                return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
+            found = {}
+            for fqn in expected:
+                name = source.tensor_for(fqn)
+                if name in source.shapes:
+                    found[fqn] = source.shapes[name]
+            return shape_problems(where, found, expected)
+        if fmt == "meta":
+            if not (where / "params.json").is_file():
+                return [f"{flag}: no params.json there; --checkpoint.initial_load_format=meta wants Meta's release "
+                        "folder (params.json + consolidated.*.pth)"]
+            source = MetaSource(where)
+            problems = convert.field_differences(convert.model_fields(args),
+                                                 convert.fields_from_meta_params(source.params, args),
+                                                 f"{flag}/params.json")
+            if problems:
+                return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
+            saved = {k: v for k, v in source.shapes().items()
+                     if k in expected or (k.startswith("layers.") and k.endswith(".weight"))}
+            return shape_problems(where, saved, expected)
+        ckpt = dcp_checkpoint_path(where)
+        problems, manifest = verify(ckpt, expected)
+        if not problems and "model" not in manifest.get("states", []):
+            problems.append(f"{flag}: checkpoint {ckpt} holds no model weights")
+        return problems
+    except KeyError as e:
+        return [f"{flag}: {'config.json' if fmt == 'hf' else 'params.json'} lacks the entry {e}"]
+    except (ValueError, OSError) as e:
+        return [f"{flag}: {e}"]
+
+
+# ---------------------------------------------------------------- loading into a model of any layout
+
+
+def _region(value: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
+    """The (start, stop) per dim of the global tensor this rank holds; None: all of it or not expressible."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(value, DTensor):
+        return None
+    if not all(type(p) in (Shard, Replicate) for p in value.placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return tuple((o, o + s) for o, s in zip(offset, shape))
+
+
+def load_into(model: torch.nn.Module, path: str, fmt: str, args: ModelArgs, process_group=None) -> int:
+    """Fill ``model`` (any layout; a pipeline rank's parts as one view) from ``path``; returns tensors loaded."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    state = get_model_state_dict(model)
+    where = Path(path).expanduser()
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        wrapped = {"model": state}
+        dcp.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
+        set_model_state_dict(model, wrapped["model"])
+        return len(state)
+    source = HFSource(where) if fmt == "hf" else MetaSource(where)
+    filled = {}
+    for fqn, value in state.items():
+        region = _region(value)
+        if isinstance(value, DTensor):
+            if region is not None:
+                local = source.read(fqn, args, region).to(value.dtype)
+                filled[fqn] = DTensor.from_local(local.to(value.to_local().device), value.device_mesh,
+                                                 value.placements, run_check=False, shape=value.shape,
+                                                 stride=value.stride())
+            else:  # e.g. strided shards of FSDP x TP: split the full tensor locally, no communication
+                full = source.read(fqn, args, None).to(value.dtype).to(value.to_local().device)
+                filled[fqn] = distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None)
+        else:
+            filled[fqn] = source.read(fqn, args, None).to(dtype=value.dtype, device=value.device)
+    set_model_state_dict(model, filled)
+    return len(filled)
+
+
+# ---------------------------------------------------------------- writing a Hugging Face folder
+
+
+def _shard_groups(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def check_export_target(out_dir: Path) -> str | None:
+    """Why ``out_dir`` cannot receive an export (None: it can)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        return f"{out_dir} exists and is not an empty folder; export into a new or empty folder (nothing was written)"
+    return None
+
+
+def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *, tokenizer=None,
+              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write ``state`` (our FQNs, full tensors) as a Hugging Face ``LlamaForCausalLM`` folder; returns the files."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    problem = check_export_target(out)
+    if problem:
+        raise ValueError(problem)
+    hf = convert.state_dict_to_hf(state, args)
+    hf = {name: hf[name] for name in sorted(hf, key=_hf_order)}
+    dtypes = {t.dtype for t in hf.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    out.mkdir(parents=True, exist_ok=True)
+    groups = _shard_groups(hf, max_shard_bytes)
+    weight_map, written = {}, []
+    for i, names in enumerate(groups, 1):
+        file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: hf[n].contiguous() for n in names}, str(out / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+        written.append(out / file)
+    total = sum(t.numel() * t.element_size() for t in hf.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    bos = eos = None
+    if tokenizer is not None:
+        bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    (out / "config.json").write_text(json.dumps(convert.hf_config(args, bos_id=bos, eos_id=eos, dtype=dtype),
+                                                indent=2))
+    written += [out / INDEX_FILE, out / "config.json"]
+    if tokenizer is not None:
+        written += copy_tokenizer_files(tokenizer, out)
+    return written
+
+
+def copy_tokenizer_files(tokenizer, out: Path) -> list[Path]:
+    """Hugging Face files go next to the weights; Meta's tiktoken file to ``original/`` as the hub lays it out."""
+    if tokenizer.kind == "huggingface":
+        targets = [(f, out / f.name) for f in tokenizer.files]
+    elif tokenizer.kind == "tiktoken":
+        targets = [(tokenizer.files[0], out / "original" / "tokenizer.model")]
+    else:
+        logger.info("Export: the %s tokenizer is not copied (only Hugging Face and tiktoken files are)",
+                    tokenizer.kind)
+        return []
+    for src, dst in targets:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+    return [dst for _, dst in targets]
+
+
+def _hf_order(name: str) -> tuple:
+    """Embedding, then layers in numeric order, then the final norm and the output projection."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0 if "embed" in name else 2, 0, name)

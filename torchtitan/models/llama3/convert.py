@@ -1,0 +1,228 @@
+"""Llama 3 weights and configs in other formats: Hugging Face (``LlamaForCausalLM``) and Meta's release.
+
+Pure functions, no file I/O: parameter names, the rotary layout of the query/key
+projections, and the model hyper-parameters as ``config.json`` / ``params.json`` spell
+them. Reading and writing files is ``torchtitan/checkpoint/formats.py``.
+
+Rotary layout. This project rotates adjacent pairs (x[2i], x[2i+1]) of each head, as
+Meta's release does, so Meta's ``consolidated.*.pth`` loads unchanged. Hugging Face
+rotates the two halves of each head (x[i], x[i + head_dim/2]) instead and stores
+``q_proj``/``k_proj`` with their output rows permuted to match: within every head, row
+``c * head_dim/2 + i`` of Hugging Face's weight is row ``2i + c`` of ours (c in {0, 1}).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.llama3.model import ffn_hidden_dim
+
+# Our FQN pattern -> Hugging Face's. ``{}`` is the layer index.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TO_OURS_TOP = {v: k for k, v in _TOP_NAMES.items()}
+
+
+def to_hf_name(fqn: str) -> str:
+    """Our parameter FQN -> the Hugging Face ``LlamaForCausalLM`` name."""
+    if fqn in _TOP_NAMES:
+        return _TOP_NAMES[fqn]
+    m = _OURS_LAYER.match(fqn)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise KeyError(f"no Hugging Face name for parameter {fqn!r}")
+
+
+def from_hf_name(name: str) -> str | None:
+    """A Hugging Face ``LlamaForCausalLM`` tensor name -> our FQN (None: not a parameter of ours)."""
+    if name in _HF_TO_OURS_TOP:
+        return _HF_TO_OURS_TOP[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _HF_TO_OURS_LAYER:
+        return f"layers.{m.group(1)}.{_HF_TO_OURS_LAYER[m.group(2)]}"
+    return None
+
+
+def rotary_heads(fqn: str, args: ModelArgs) -> int | None:
+    """Number of heads whose rows Hugging Face permutes in this parameter (None: stored alike)."""
+    if fqn.endswith("attention.wq.weight"):
+        return args.n_heads
+    if fqn.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of each head from adjacent pairs (ours) to halves (Hugging Face's); see the module docstring."""
+    rows, cols = w.shape
+    hd = rows // n_heads
+    return w.view(n_heads, hd // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of ``permute_to_hf``."""
+    rows, cols = w.shape
+    hd = rows // n_heads
+    return w.view(n_heads, 2, hd // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def state_dict_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our full state dict -> Hugging Face names and layout (no copies beyond the q/k permutation)."""
+    out = {}
+    for fqn, t in state.items():
+        heads = rotary_heads(fqn, args)
+        out[to_hf_name(fqn)] = permute_to_hf(t, heads).contiguous() if heads else t
+    return out
+
+
+def state_dict_from_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Hugging Face names and layout -> ours. A missing ``lm_head`` means tied embeddings: it copies the embedding."""
+    out = {}
+    for name, t in state.items():
+        fqn = from_hf_name(name)
+        if fqn is None:
+            continue
+        heads = rotary_heads(fqn, args)
+        out[fqn] = permute_from_hf(t, heads).contiguous() if heads else t
+    if "output.weight" not in out and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"].clone()
+    return out
+
+
+# ---------------------------------------------------------------- hyper-parameters
+
+# The fields compared between a weights release and the configured model, with their meaning.
+FIELD_HELP = {
+    "dim": "model width", "n_layers": "layers", "n_heads": "attention heads", "n_kv_heads": "key/value heads",
+    "head_dim": "head width",
+    "ffn_dim": "FFN width", "rope_theta": "rope theta", "rope_scaling": "rope scaling", "norm_eps": "norm eps",
+    "vocab_size": "vocabulary",
+}
+
+
+def model_fields(args: ModelArgs) -> dict[str, Any]:
+    """What a weights release must agree on with ``args`` (see ``FIELD_HELP``)."""
+    scaling = args.rope_scaling_params()
+    return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+            "head_dim": args.head_dim, "ffn_dim": ffn_hidden_dim(args), "rope_theta": float(args.rope_theta),
+            "rope_scaling": None if scaling is None else {k: float(v) for k, v in scaling.items()},
+            "norm_eps": float(args.norm_eps), "vocab_size": args.vocab_size}
+
+
+def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
+    """(theta, scaling) from a ``config.json``: the released layout (``rope_theta`` + ``rope_scaling``)
+    or the newer ``rope_parameters``."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(f"config.json: rope type {kind!r} is not supported (only 'llama3' scaling)")
+    return float(theta), {"factor": float(scaling["factor"]), "low_freq_factor": float(scaling["low_freq_factor"]),
+                          "high_freq_factor": float(scaling["high_freq_factor"]),
+                          "original_context": float(scaling["original_max_position_embeddings"])}
+
+
+def fields_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``model_fields`` as a Hugging Face ``config.json`` states them."""
+    theta, scaling = _hf_rope(config)
+    n_heads = config["num_attention_heads"]
+    # This model derives the head width from dim / n_heads; a release may state another one.
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
+            "head_dim": head_dim,
+            "n_kv_heads": config.get("num_key_value_heads") or n_heads, "ffn_dim": config["intermediate_size"],
+            "rope_theta": theta, "rope_scaling": scaling, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "vocab_size": config["vocab_size"]}
+
+
+def fields_from_meta_params(params: dict[str, Any], flavor: ModelArgs) -> dict[str, Any]:
+    """``model_fields`` as Meta's ``params.json`` states them.
+
+    params.json says only whether scaling is on (``use_scaled_rope``); the factors come
+    from ``rope_scaling_factor`` etc. when present, else they are the configured flavor's.
+    """
+    n_heads = params["n_heads"]
+    probe = ModelArgs(dim=params["dim"], n_layers=1, n_heads=n_heads, n_kv_heads=params.get("n_kv_heads"),
+                      multiple_of=params.get("multiple_of", 256), ffn_dim_multiplier=params.get("ffn_dim_multiplier"))
+    scaling = None
+    if params.get("use_scaled_rope"):
+        ours = flavor.rope_scaling_params() or ModelArgs(rope_scaling=True).rope_scaling_params()
+        scaling = {k: float(params.get(f"rope_scaling_{k}", params.get(k, v))) for k, v in ours.items()}
+        if "rope_scaling_factor" in params or "scale_factor" in params:
+            scaling["factor"] = float(params.get("rope_scaling_factor", params.get("scale_factor")))
+    return {"dim": params["dim"], "n_layers": params["n_layers"], "n_heads": n_heads,
+            "head_dim": params["dim"] // n_heads, "n_kv_heads": params.get("n_kv_heads") or n_heads,
+            "ffn_dim": ffn_hidden_dim(probe),
+            "rope_theta": float(params.get("rope_theta", 500000.0)), "rope_scaling": scaling,
+            "norm_eps": float(params.get("norm_eps", 1e-5)), "vocab_size": params["vocab_size"]}
+
+
+def field_differences(expected: dict[str, Any], found: dict[str, Any], source: str) -> list[str]:
+    """One line per field that differs, naming both values."""
+    return [f"{source}: {FIELD_HELP[k]} ({k}) is {found[k]!r} there, {expected[k]!r} in the configured model"
+            for k in FIELD_HELP if found.get(k) != expected[k]]
+
+
+def hf_config(args: ModelArgs, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    """A ``config.json`` for ``LlamaForCausalLM`` describing ``args`` (the released key layout)."""
+    scaling = args.rope_scaling_params()
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.dim, "intermediate_size": ffn_hidden_dim(args), "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None if scaling is None else {
+            "rope_type": "llama3", "factor": scaling["factor"], "low_freq_factor": scaling["low_freq_factor"],
+            "high_freq_factor": scaling["high_freq_factor"],
+            "original_max_position_embeddings": int(scaling["original_context"])},
+        "vocab_size": args.vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+    }
+
+
+def args_with_fields(base: ModelArgs, fields: dict[str, Any]) -> ModelArgs:
+    """``base`` with the shapes of ``fields`` (used by tests and the export to describe foreign releases)."""
+    scaling = fields["rope_scaling"]
+    hidden = fields["ffn_dim"]
+    args = dataclasses.replace(
+        base, dim=fields["dim"], n_layers=fields["n_layers"], n_heads=fields["n_heads"],
+        n_kv_heads=fields["n_kv_heads"], vocab_size=fields["vocab_size"], norm_eps=fields["norm_eps"],
+        rope_theta=fields["rope_theta"], ffn_dim_multiplier=None, multiple_of=1,
+        rope_scaling=scaling is not None,
+        **({} if scaling is None else {
+            "rope_scaling_factor": scaling["factor"], "rope_low_freq_factor": scaling["low_freq_factor"],
+            "rope_high_freq_factor": scaling["high_freq_factor"],
+            "rope_original_max_seq_len": int(scaling["original_context"])}),
+    )
+    # ffn_hidden_dim(args) = int(2 * 4 * dim / 3) rounded up to multiple_of: pick a multiplier hitting `hidden`.
+    base_hidden = int(2 * (4 * args.dim) / 3)
+    args = dataclasses.replace(args, ffn_dim_multiplier=hidden / base_hidden)
+    if ffn_hidden_dim(args) != hidden:
+        args = dataclasses.replace(args, ffn_dim_multiplier=(hidden + 0.5) / base_hidden)
+    if ffn_hidden_dim(args) != hidden:
+        raise ValueError(f"cannot express FFN width {hidden} for dim {args.dim}")
+    return args
