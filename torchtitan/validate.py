@@ -87,7 +87,7 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
         return [f"validation data: {e}"]
     if found >= needed:
         return []
-    what = (f"the {v.held_out_fraction:g} of the training documents held out" if v.held_out_fraction is not None
+    what = (f"the held-out {v.held_out_fraction:g} of the training documents" if v.held_out_fraction is not None
             else f"the validation dataset {v.dataset_path or v.dataset}")
     return [f"validation data: {what} make(s) {found} window(s) of {cfg.training.seq_len + 1} tokens, fewer than "
             f"one validation batch (--validation.batch_size={batch} x data-parallel degree {dp_degree} = {needed}); "
