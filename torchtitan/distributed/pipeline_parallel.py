@@ -14,7 +14,9 @@ Three parts, each usable on its own:
   checkpoints key on.
 - ``build_pipeline`` prunes, parallelizes and initializes this rank's stages (through
   a caller-supplied ``materialize``), wraps each in a ``PipelineStage`` and builds the
-  schedule; ``PipelineRunner.step`` then runs one local batch through it.
+  schedule; ``PipelineRunner.step`` then runs one local batch through it, and
+  ``PipelineRunner.forward_only`` runs one through the stages without the schedule
+  (validation).
 
 Placement: stage ``s`` of ``S = pp * v`` lives on pp rank ``s % pp`` ("looped"), so
 rank ``r`` holds stages ``r, r + pp, ...``. ZBVZeroBubble needs the V shape instead:
