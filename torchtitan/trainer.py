@@ -37,7 +37,9 @@ from torchtitan.models.llama3 import ModelArgs, Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.optim.lr_scheduler import validate_schedule
-from torchtitan.validate import ValidationResult, Validator, build_validation_data, check_validation_data, held_out_split
+from torchtitan.validate import (
+    ValidationResult, Validator, build_validation_data, check_validation_data, held_out_split,
+)
 
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
