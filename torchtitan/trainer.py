@@ -124,6 +124,9 @@ class Trainer:
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
             dp_rank=dp_rank, dp_degree=dp_degree, split=held_out_split(cfg),
         )
+        if cfg.validation.held_out_fraction is not None and self.rank == 0:
+            logger.info("Training data: %g of the documents held out for validation (split_seed %d)",
+                        cfg.validation.held_out_fraction, cfg.validation.split_seed)
         # One module per pipeline stage held by this rank; a single part without PP.
         self.pp_runner: PipelineRunner | None = None
         self.model_parts: list[torch.nn.Module] = self._build_model()
@@ -363,7 +366,7 @@ class Trainer:
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
                    "validation/tokens": result.tokens, "validation/train_tokens_seen": trained}
         if self.rank == 0:
-            logger.info("validation step: %d  loss: %.5g  perplexity: %.5g  tokens: %s (%d batches)  trained on: %s "
+            logger.info("validation step: %d  loss: %.5g  perplexity: %.5g  tokens: %s (%d batch(es))  trained on: %s "
                         "tokens", self.step, result.loss, result.perplexity, f"{result.tokens:,}", result.batches,
                         f"{trained:,}")
         self.metrics_logger.log(self.step, metrics)
