@@ -19,7 +19,9 @@ dump folders; the first is the control):
 Per-step losses come from each run's TensorBoard events. The script prints a table
 (step, control, each test and its relative difference |test - control| / |control|), a
 summary per test, and with ``--plot`` writes a PNG of the curves and of the relative
-differences (needs matplotlib: ``pip install -e .[plot]``).
+differences (needs matplotlib: ``pip install -e .[plot]``). ``--metric validation/loss``
+compares the validation curves instead (runs with ``validation.enable``), at the steps
+that validated; a test missing one of the control's validation steps fails.
 
 It refuses (exit 2) to compare runs whose global batch (sequences per optimizer step)
 or tokens per step differ: such curves differ for reasons that have nothing to do
@@ -58,7 +60,13 @@ WARN_KEYS = [("training", "seed"), ("training", "dataset"), ("training", "datase
              ("model", "tokenizer_path"), ("optimizer", "lr"), ("lr_scheduler", "warmup_steps"),
              ("training", "mixed_precision_param"),
              # The lr schedule decays over training.steps: another step count is another schedule.
-             ("training", "steps")]
+             ("training", "steps"),
+             # Holding documents out changes the training data too.
+             ("validation", "held_out_fraction"), ("validation", "split_seed")]
+# With --metric validation/loss: what decides which data is evaluated.
+VALIDATION_WARN_KEYS = [("validation", "dataset"), ("validation", "dataset_path"), ("validation", "steps"),
+                        ("validation", "batch_size")]
+METRICS = ("loss", "validation/loss", "validation/perplexity")
 
 
 class CompareError(Exception):
@@ -83,8 +91,8 @@ class RunData:
 # ---------------------------------------------------------------------------------------
 # Reading a run
 # ---------------------------------------------------------------------------------------
-def read_losses(tb_dir: Path) -> dict[int, float]:
-    """step -> loss from every TensorBoard event file under ``tb_dir`` (later files win on a step)."""
+def read_losses(tb_dir: Path, metric: str = "loss") -> dict[int, float]:
+    """step -> ``metric`` from every TensorBoard event file under ``tb_dir`` (later files win on a step)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     files = sorted(tb_dir.glob("**/events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
@@ -94,10 +102,11 @@ def read_losses(tb_dir: Path) -> dict[int, float]:
     for path in files:
         acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
         acc.Reload()
-        if "loss" in acc.Tags()["scalars"]:
-            losses.update({e.step: float(e.value) for e in acc.Scalars("loss")})
+        if metric in acc.Tags()["scalars"]:
+            losses.update({e.step: float(e.value) for e in acc.Scalars(metric)})
     if not losses:
-        raise CompareError(f"the TensorBoard events under {tb_dir} hold no 'loss' scalar")
+        hint = " (was validation.enable on?)" if metric.startswith("validation/") else ""
+        raise CompareError(f"the TensorBoard events under {tb_dir} hold no '{metric}' scalar{hint}")
     return losses
 
 
@@ -126,13 +135,13 @@ def global_batch_of(config: dict, dump: Path, world_size: int | None) -> tuple[i
     return int(t["batch_size"]) * dp * accum, f"config: batch_size {t['batch_size']} x dp {dp} x accum {accum}"
 
 
-def load_run(label: str, dump: Path, world_size: int | None) -> RunData:
+def load_run(label: str, dump: Path, world_size: int | None, metric: str = "loss") -> RunData:
     config_path = dump / "config.toml"
     if not config_path.is_file():
         raise CompareError(f"{dump}: no config.toml (not a dump folder of a training run?)")
     config = tomllib.loads(config_path.read_text())
     tb_dir = dump / config["metrics"].get("save_tb_folder", "tb")
-    losses = read_losses(tb_dir)
+    losses = read_losses(tb_dir, metric)
     batch, source = global_batch_of(config, dump, world_size)
     return RunData(label, dump, losses, config, batch, int(config["training"]["seq_len"]), source)
 
@@ -161,7 +170,7 @@ def launch(label: str, overrides: list[str], ranks: int, args: argparse.Namespac
 # ---------------------------------------------------------------------------------------
 # Comparing
 # ---------------------------------------------------------------------------------------
-def check_comparable(control: RunData, tests: list[RunData]) -> list[str]:
+def check_comparable(control: RunData, tests: list[RunData], metric: str = "loss") -> list[str]:
     """Raise CompareError if a test's global batch or tokens per step differ; return warnings."""
     refusals, warnings = [], []
     for test in tests:
@@ -170,7 +179,7 @@ def check_comparable(control: RunData, tests: list[RunData]) -> list[str]:
                 f"{test.label}: global batch {test.global_batch} x seq {test.seq_len} = {test.tokens_per_step} "
                 f"tokens/step ({test.batch_source}) but {control.label}: {control.global_batch} x "
                 f"{control.seq_len} = {control.tokens_per_step} ({control.batch_source})")
-        for section, key in WARN_KEYS:
+        for section, key in WARN_KEYS + (VALIDATION_WARN_KEYS if metric.startswith("validation/") else []):
             a = control.config.get(section, {}).get(key)
             b = test.config.get(section, {}).get(key)
             if a != b:
@@ -265,7 +274,8 @@ def format_summary(control: RunData, tests: list[RunData], verdicts: list[Verdic
     return "\n".join(lines)
 
 
-def plot(control: RunData, tests: list[RunData], verdicts: list[Verdict], tolerance: float, path: Path) -> None:
+def plot(control: RunData, tests: list[RunData], verdicts: list[Verdict], tolerance: float, path: Path,
+         metric: str = "loss") -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on CI machines
@@ -282,8 +292,8 @@ def plot(control: RunData, tests: list[RunData], verdicts: list[Verdict], tolera
         rel = [max(verdict.rel[s], floor) if math.isfinite(verdict.rel[s]) else float("nan") for s in verdict.steps]
         bottom.plot(verdict.steps, rel, color=line.get_color(), linewidth=1.0,
                     label=f"{test.label}: max {verdict.worst[1]:.1e}" if verdict.rel else test.label)
-    top.set_ylabel("loss")
-    top.set_title(f"loss vs control: global batch {control.global_batch} x seq {control.seq_len}")
+    top.set_ylabel(metric)
+    top.set_title(f"{metric} vs control: global batch {control.global_batch} x seq {control.seq_len}")
     top.grid(alpha=0.3)
     top.legend()
     bottom.axhline(tolerance, color="red", linestyle=":", label=f"tolerance {tolerance:g}")
@@ -322,6 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="max relative difference at any step (default 1e-4, float32 on CPU; use about 1e-2 for "
                         "bf16 on GPUs, see docs/converging.md)")
+    p.add_argument("--metric", default="loss", choices=METRICS,
+                   help="the curve to compare: the training loss (default) or, for runs with validation.enable, "
+                        "validation/loss or validation/perplexity (compared at the steps that validated)")
     p.add_argument("--plot", type=Path, help="write a PNG of the curves and their differences here")
     p.add_argument("--print-every", type=int, help="table row every N steps (default: about 25 rows)")
     args = p.parse_args(argv)
@@ -385,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                 jobs = jobs[1:]
             for label, overrides, ranks, dump in jobs:
                 launch(label, shlex.split(overrides), ranks, args, dump)
-        runs = [load_run(label, dump, w) for label, dump, w in zip(args.labels, dumps, args.ranks)]
+        runs = [load_run(label, dump, w, args.metric) for label, dump, w in zip(args.labels, dumps, args.ranks)]
         control, tests = runs[0], runs[1:]
-        warnings = check_comparable(control, tests)
+        warnings = check_comparable(control, tests, args.metric)
     except CompareError as e:
         print(f"loss_compare: {e}", file=sys.stderr)
         return 2
@@ -398,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_summary(control, tests, verdicts, args.tolerance))
     if args.plot:
-        plot(control, tests, verdicts, args.tolerance, args.plot)
+        plot(control, tests, verdicts, args.tolerance, args.plot, args.metric)
         print(f"plot: {args.plot}")
     return 0 if all(v.ok for v in verdicts) else 1
 

@@ -67,6 +67,7 @@ CONTROL = "fsdp"
 # The trainer's wording for a feature that has not landed; such a flavor is gated, not failed.
 GATE_RE = re.compile(r"not implemented yet|not supported yet")
 STEP_RE = re.compile(r"\[rank(\d+)\] \S+ INFO step: (\d+)\s+loss: (\S+)")
+VALIDATION_RE = re.compile(r"\[rank(\d+)\] \S+ INFO validation step: (\d+)\s+loss: (\S+)")
 MESH_RE = re.compile(r"\[rank(\d+)\] \S+ INFO World mesh (\{.*?\})")
 # A curve compared with another over several steps (resume into another layout) drifts by
 # float32 summation order; docs/determinism.md measured <= 3.7e-7 over 30 steps.
@@ -223,6 +224,35 @@ def _resumed_from(step: int, phase: int) -> Check:
     return check
 
 
+def _validation_logged(freq: int) -> Check:
+    """Validation ran every ``freq`` steps and at the last; TensorBoard holds what rank 0 logged."""
+    def check(runs: list[Run]) -> list[str]:
+        run = runs[0]
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(run.dump / run.phase.tb_folder), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = set(acc.Tags()["scalars"])
+        want_tags = {"validation/loss", "validation/perplexity", "validation/tokens", "validation/train_tokens_seen"}
+        if not want_tags <= tags:
+            return [f"TensorBoard lacks {sorted(want_tags - tags)}"]
+        loss = {e.step: e.value for e in acc.Scalars("validation/loss")}
+        ppl = {e.step: e.value for e in acc.Scalars("validation/perplexity")}
+        last = max(run.losses)
+        want = [s for s in range(1, last + 1) if s % freq == 0 or s == last]
+        logged = {int(s): float(v) for r, s, v in VALIDATION_RE.findall(run.log) if r == "0"}
+        problems = []
+        if sorted(loss) != want or sorted(logged) != want:
+            problems.append(f"validated at steps {sorted(loss)} (TensorBoard), {sorted(logged)} (log); expected {want}")
+        for step, value in loss.items():
+            if not (math.isfinite(value) and value > 0) or abs(ppl[step] - math.exp(value)) > 1e-4 * ppl[step]:
+                problems.append(f"step {step}: validation loss {value}, perplexity {ppl[step]}")
+            if step in logged and abs(logged[step] - value) > 1e-3:
+                problems.append(f"step {step}: TensorBoard validation loss {value} != logged {logged[step]}")
+        return problems
+    return check
+
+
 CKPT = ("--checkpoint.enable_checkpoint",)
 
 
@@ -297,6 +327,13 @@ def build_flavors() -> list[Flavor]:
         f("pp_tp_cp", "PP 2 x CP 2 x TP 2",
           (_phase(8, 1, {"pp": 2, "cp": 2, "tp": 2}, *_dp(1, 1), *_pp(2, "1F1B"), *_tp(2), *_cp(2)),),
           requires=("pp", "tp", "cp")),
+        # ---- validation ----
+        # Holding documents out changes the training data, so no step-1 parity with the control. Layout
+        # invariance of the validation loss is tested in tests/distributed/ (FSDP, HSDP, DDP, TP, CP, PP).
+        f("validation", "PP 2 (1F1B), 10% of the documents held out, validated every 4 steps and at the last",
+          (_phase(2, 1, {"pp": 2}, *_dp(1, 1), *_pp(2, "1F1B"), "--validation.enable",
+                  "--validation.held_out_fraction=0.1", "--validation.freq=4", "--validation.steps=2"),),
+          requires=("pp",), parity_phase=None, checks=(_validation_logged(4),)),
         # ---- checkpointing ----
         # Train 6 steps saving at 3 and 6, then restart from step 3: steps 4-6 must repeat bitwise.
         f("ckpt_resume", "FSDP 4: train 6 steps (save at 3), resume from step 3, steps 4-6 bitwise equal",

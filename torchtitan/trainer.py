@@ -37,6 +37,7 @@ from torchtitan.models.llama3 import ModelArgs, Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.optim.lr_scheduler import validate_schedule
+from torchtitan.validate import ValidationResult, Validator, build_validation_data, check_validation_data, held_out_split
 
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
@@ -93,6 +94,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     if problems:
         raise ConfigError(problems)
     problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args))
+    problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     if problems:
         raise ConfigError(problems)
     pipeline = plan_pipeline(cfg, args.n_layers) if dims.pp_enabled else None
@@ -118,7 +120,7 @@ class Trainer:
         self.dataloader = build_dataloader(
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
-            dp_rank=dp_rank, dp_degree=dp_degree,
+            dp_rank=dp_rank, dp_degree=dp_degree, split=held_out_split(cfg),
         )
         # One module per pipeline stage held by this rank; a single part without PP.
         self.pp_runner: PipelineRunner | None = None
@@ -135,6 +137,13 @@ class Trainer:
         )
         self.step = 0
         self._setup_metrics()
+        self.validator: Validator | None = None
+        self.validation_losses: dict[int, float] = {}  # step -> validation loss, for tests and scripts
+        if cfg.validation.enable:
+            self.validator = Validator(
+                cfg, build_validation_data(cfg, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
+                self.validation_forward, self.loss_mesh, self.dims.get_mesh("pp"), self.device,
+            )
         self.checkpointer = CheckpointManager(
             cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dims=self.dims, rank=self.rank,
@@ -268,6 +277,16 @@ class Trainer:
                 local_loss_sum += self.pp_runner.step(inputs, labels, scale)
         return reduce_scalar(local_loss_sum, "sum", self.dims.get_mesh("pp")), global_tokens
 
+    def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
+        and the tokens this rank scored."""
+        inputs, labels = self.shard_batch(inputs, labels)
+        tokens = int((labels != IGNORE_INDEX).sum())
+        with self.train_context():
+            if self.pp_runner is None:
+                return self.loss_fn(self.model_parts[0](inputs), labels), tokens
+            return self.pp_runner.forward_only(inputs, labels, self.loss_fn), tokens
+
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over ``batches``; returns (global loss, global grad norm)."""
         step_fn = self.forward_backward if self.pp_runner is None else self._pp_forward_backward
@@ -331,6 +350,23 @@ class Trainer:
             set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
         if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
             self._log(loss, grad_norm, lr)
+        if self.validator is not None and self.validator.due(self.step):
+            self.validate()
+
+    def validate(self) -> ValidationResult:
+        """Evaluate on the validation data now; log and record the result at the current step."""
+        result = self.validator.run()
+        t = self.cfg.training
+        trained = self.step * self.grad_accum * t.batch_size * self.dims.degree("dp") * t.seq_len
+        metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
+                   "validation/tokens": result.tokens, "validation/train_tokens_seen": trained}
+        if self.rank == 0:
+            logger.info("validation step: %d  loss: %.5g  perplexity: %.5g  tokens: %s (%d batches)  trained on: %s "
+                        "tokens", self.step, result.loss, result.perplexity, f"{result.tokens:,}", result.batches,
+                        f"{trained:,}")
+        self.metrics_logger.log(self.step, metrics)
+        self.validation_losses[self.step] = result.loss
+        return result
 
     def _log(self, loss: float, grad_norm: float, lr: float) -> None:
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.throughput.metrics(),

@@ -175,3 +175,21 @@ def test_config_error_is_one_line_per_problem_and_nonzero_exit():
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 2, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_validation_config_errors():
+    assert problems("--validation.freq=0") == ["--validation.freq: 0 is below the minimum 1"]
+    assert problems("--validation.freq=-3") == ["--validation.freq: -3 is below the minimum 1"]
+    for bad in ("0", "1", "1.5", "-0.1"):
+        (line,) = problems(f"--validation.held_out_fraction={bad}")
+        assert line.startswith(f"--validation.held_out_fraction={float(bad)}: give a fraction strictly between 0 and 1")
+    for bad in ("0", "-2"):
+        (line,) = problems(f"--validation.steps={bad}")
+        assert "or -1 for the whole split" in line
+    (line,) = problems("--validation.enable")
+    assert "--validation.enable needs data" in line and "--validation.held_out_fraction" in line
+    (line,) = problems("--validation.held_out_fraction=0.1", "--validation.dataset_path=val.jsonl")
+    assert "set only one of them" in line
+    cfg = parse("--validation.enable", "--validation.held_out_fraction=0.01", "--validation.steps=-1")
+    assert cfg.validation.enable and cfg.validation.freq == 500 and cfg.validation.batch_size is None
+    assert "--validation.held_out_fraction (float or unset)" in ConfigManager().help_text()

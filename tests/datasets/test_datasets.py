@@ -14,6 +14,7 @@ import torch
 
 from torchtitan.datasets import (
     DATASETS,
+    HeldOutSplit,
     PackedTextDataset,
     Tokenizer,
     build_dataloader,
@@ -425,3 +426,51 @@ def test_missing_text_field_is_reported(tmp_path: Path, tokenizer: Tokenizer) ->
     path.write_text(json.dumps({"content": "hello there " * 50}) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="'text'"):
         take(make_loader(tokenizer, batch=1, dataset_path=str(path)), 1)
+
+
+# ------------------------------------------------------------- held-out split
+
+
+def _documents_of(dataset: PackedTextDataset) -> list[str]:
+    return list(dataset._documents())
+
+
+def _split_dataset(tokenizer: Tokenizer, documents: list[str], split: HeldOutSplit | None, held_out: bool,
+                   **layout) -> PackedTextDataset:
+    options = dict(local_batch_size=1, dp_rank=0, dp_degree=1)
+    options.update(layout)
+    return PackedTextDataset(source=[{"text": d} for d in documents], text_field="text", tokenizer=tokenizer,
+                             seq_len=8, infinite=False, split=split, held_out=held_out, **options)
+
+
+def test_held_out_split_partitions_the_documents(tokenizer: Tokenizer) -> None:
+    documents = [f"document {i}: " + "words " * (i % 7) for i in range(2000)]
+    split = HeldOutSplit(0.1, seed=3)
+    train = _documents_of(_split_dataset(tokenizer, documents, split, held_out=False))
+    held = _documents_of(_split_dataset(tokenizer, documents, split, held_out=True))
+    assert not set(train) & set(held) and sorted(train + held) == sorted(documents)
+    assert 0.08 < len(held) / len(documents) < 0.12  # independent draws: the fraction on average
+    # A function of the text and the seed only: another layout or order holds out the same documents,
+    # another seed others.
+    other_layout = _split_dataset(tokenizer, documents[::-1], split, held_out=True, local_batch_size=4, dp_rank=1,
+                                  dp_degree=2)
+    assert sorted(_documents_of(other_layout)) == sorted(held)
+    assert set(_documents_of(_split_dataset(tokenizer, documents, HeldOutSplit(0.1, seed=4), True))) != set(held)
+    for bad in (0.0, 1.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="fraction"):
+            HeldOutSplit(bad)
+
+
+def test_resume_rejects_another_split(tokenizer: Tokenizer) -> None:
+    documents = [f"document {i} " * 20 for i in range(50)]
+    state = _split_dataset(tokenizer, documents, HeldOutSplit(0.1), held_out=False).state_dict()
+    assert state["split"] == "held_out_fraction=0.1, split_seed=0"
+    _split_dataset(tokenizer, documents, HeldOutSplit(0.1), held_out=False).load_state_dict(state)
+    for other in (None, HeldOutSplit(0.2), HeldOutSplit(0.1, seed=1)):
+        with pytest.raises(ValueError, match="split"):
+            _split_dataset(tokenizer, documents, other, held_out=False).load_state_dict(state)
+    # Without a split the state is what it always was, so older checkpoints still load.
+    plain = _split_dataset(tokenizer, documents, None, held_out=False).state_dict()
+    assert "split" not in plain
+    with pytest.raises(ValueError, match="nothing held out"):
+        _split_dataset(tokenizer, documents, HeldOutSplit(0.1), held_out=False).load_state_dict(plain)

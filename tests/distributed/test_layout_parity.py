@@ -2,6 +2,9 @@
 
 All runs use float32 on CPU/gloo, the debug model, ``training.deterministic`` and
 the same global batch (8 sequences): local batch 1 on 8 ranks, 8 on one process.
+They hold 5% of the documents out of training and validate on them (two global
+batches of 8) every 15 steps and at the last one: the validation loss must match
+one process's too, and validating must leave training bitwise unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ LAYOUTS = {
                   "--training.batch_size=1"]),
 }
 CONTROL = (1, ["--training.batch_size=8"])
+HELD_OUT = "--validation.held_out_fraction=0.05"
+# The validation batch defaults to the training one, so the global validation batch is 8 in every layout.
+VALIDATION = [HELD_OUT, "--validation.enable", "--validation.freq=15", "--validation.steps=2"]
 
 
 def make_trainer(dump: str, *overrides: str):
@@ -49,7 +55,7 @@ def _digest(t: torch.Tensor) -> str:
 def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str], train: bool) -> dict:
     from torchtitan.distributed.layout_init import gather_full_state_dict
 
-    trainer = make_trainer(dump, *overrides)
+    trainer = make_trainer(dump, *VALIDATION, *overrides)
     full = gather_full_state_dict(trainer.model_parts[0])
     local = {}
     for fqn, param in trainer.model_parts[0].named_parameters():
@@ -61,6 +67,7 @@ def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str],
         out["full"] = {fqn: _digest(t) for fqn, t in full.items()}
     if train:
         out["losses"] = trainer.train()
+        out["validation"] = trainer.validation_losses
     return out
 
 
@@ -118,17 +125,54 @@ def test_loss_parity_across_layouts(layouts, control):
         assert all(r["losses"] == losses for r in results)  # the logged loss is global: same on all ranks
         assert rel[0] <= 1e-6, name
         assert max(rel) <= 1e-4, (name, max(rel))
+        assert_validation_parity(name, results, control)
     assert reference[-1] < reference[0] - 1.0  # and the model does learn
 
 
-def _losses(rank: int, world_size: int, dump: str, overrides: list[str]) -> list[float]:
-    return make_trainer(dump, "--training.steps=8", *overrides).train()
+def assert_validation_parity(name: str, results: list[dict], control: dict) -> None:
+    """Every rank reports the same validation losses, at the same steps, as one process (curve tolerance)."""
+    validation, reference = results[0]["validation"], control["validation"]
+    assert all(r["validation"] == validation for r in results), name
+    assert sorted(validation) == sorted(reference) and reference, (name, validation, reference)
+    rel = {step: abs(validation[step] - v) / v for step, v in reference.items()}
+    print(f"{name}: validation loss {validation}, rel to control {max(rel.values()):.2e}")
+    assert max(rel.values()) <= 1e-4, (name, rel)
 
 
-def test_same_seed_same_layout_is_bitwise_reproducible(tmp_path):
+def _training_state(trainer) -> dict:
+    """Digests of everything validation must leave alone."""
+    params = [p for part in trainer.model_parts for p in part.parameters()]
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    optim = [_digest(v.to_local() if isinstance(v, DTensor) else v) for p in params
+             for v in trainer.optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+    return {"params": [_digest(t) for t in local], "grads": [p.grad is None for p in params], "optim": optim,
+            "rng": _digest(torch.get_rng_state()), "data": trainer.dataloader.dataset.state_dict(),
+            "train_mode": [part.training for part in trainer.model_parts]}
+
+
+def _losses(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
+    trainer = make_trainer(dump, "--training.steps=8", HELD_OUT, *overrides)
+    unchanged, validate = [], trainer.validate
+
+    def watched_validate():
+        before = _training_state(trainer)
+        result = validate()
+        unchanged.append(_training_state(trainer) == before)
+        return result
+
+    trainer.validate = watched_validate
+    return {"losses": trainer.train(), "validation": trainer.validation_losses, "unchanged": unchanged}
+
+
+def test_same_seed_same_layout_is_bitwise_reproducible_and_validation_does_not_disturb_training(tmp_path):
     fsdp2 = ["--parallelism.data_parallel_shard_degree=2"]
     first = run_ranks(_losses, 2, str(tmp_path / "a"), fsdp2)[0]
-    second = run_ranks(_losses, 2, str(tmp_path / "b"), fsdp2)[0]
+    # The same run validating at steps 3, 6 and 8 (the last).
+    second = run_ranks(_losses, 2, str(tmp_path / "b"), [*fsdp2, "--validation.enable", "--validation.freq=3",
+                                                         "--validation.steps=1"])[0]
     other_seed = run_ranks(_losses, 2, str(tmp_path / "c"), [*fsdp2, "--training.seed=7"])[0]
-    assert first == second  # bitwise: exact float equality at every step
-    assert first[0] != other_seed[0]
+    assert first["losses"] == second["losses"]  # bitwise: exact float equality at every step
+    assert first["validation"] == {} and sorted(second["validation"]) == [3, 6, 8]
+    # Parameters, optimizer state, RNG, data position and train mode: the same after each validation as before.
+    assert second["unchanged"] == [True, True, True]
+    assert first["losses"][0] != other_seed["losses"][0]

@@ -10,7 +10,9 @@ For every layout the tests check that:
   exactly one stage (the layout-invariant init sees the original FQNs);
 - the loss every rank reports (rank 0 holds no output layer) is the control's,
   within the parity tolerance of tests/distributed/test_layout_parity.py;
-- so is the global gradient norm (it spans the stages, so ``pp`` must be reduced).
+- so is the global gradient norm (it spans the stages, so ``pp`` must be reduced);
+- so is the validation loss on held-out data, evaluated by the forward-only pass
+  through the stages after step 2 (training then goes on) and after the last step.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from torchtitan.distributed.pipeline_parallel import (
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 4
-RUN = [f"--training.steps={STEPS}", "--training.seq_len=32"]
+RUN = [f"--training.steps={STEPS}", "--training.seq_len=32", "--validation.enable",
+       "--validation.held_out_fraction=0.05", "--validation.steps=2"]
+VALIDATE_AFTER = (2, STEPS)
 STEP1_RTOL, CURVE_RTOL = 1e-6, 1e-4  # as in test_layout_parity.py
 # Sharded float32 grad norms differ from one process's by summation order, a few 1e-5 (see
 # test_trainer.py); leaving out a stage's share (no reduction over pp) would be off by tens of percent.
@@ -95,12 +99,15 @@ def _train(dump: str, overrides: list[str]) -> dict:
     for part in trainer.model_parts:
         full.update({fqn: _digest(t) for fqn, t in gather_full_state_dict(part).items()})
     data = iter(trainer.dataloader)
-    losses, norms = [], []
-    for _ in range(STEPS):
+    losses, norms, validation = [], [], {}
+    for step in range(1, STEPS + 1):
         loss, norm = trainer.train_step([next(data) for _ in range(trainer.grad_accum)])
         losses.append(loss)
         norms.append(norm)
-    return {"full": full, "losses": losses, "norms": norms, "n_parts": len(trainer.model_parts)}
+        if step in VALIDATE_AFTER:
+            validation[step] = trainer.validate().loss
+    return {"full": full, "losses": losses, "norms": norms, "n_parts": len(trainer.model_parts),
+            "validation": validation}
 
 
 def _train_all(rank: int, world_size: int, dump: str, layouts: dict[str, list[str]]) -> dict:
@@ -174,6 +181,13 @@ def test_pipeline_layout_matches_control(name, runs, control):
     assert rel[0] <= STEP1_RTOL
     assert max(rel) <= CURVE_RTOL
     assert max(norm_rel) <= NORM_RTOL
+    # Validation: every rank reports the global value, the control's within the curve tolerance.
+    validation = results[0]["validation"]
+    assert all(r["validation"] == validation for r in results)
+    assert sorted(validation) == list(VALIDATE_AFTER)
+    val_rel = max(abs(validation[s] - control["validation"][s]) / control["validation"][s] for s in VALIDATE_AFTER)
+    print(f"{name}: validation loss max rel {val_rel:.1e}")
+    assert val_rel <= CURVE_RTOL
 
 
 def test_pipeline_ranks_hold_disjoint_stages(runs):

@@ -3,7 +3,8 @@
 Same method as test_layout_parity.py (same seed, data and global batch of 8
 sequences, float32, deterministic), over 10 steps to keep CI short: the gathered
 initial weights must equal the single-process init bitwise, and every step's loss
-must stay within the parity tolerance of the control's.
+must stay within the parity tolerance of the control's, and so must the validation
+loss at the last step (held-out data, as in test_layout_parity.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dist_harness import run_ranks
-from test_layout_parity import _init_and_train
+from test_layout_parity import _init_and_train, assert_validation_parity
 
 STEPS = 10
 TP2, CP2 = "--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2"
@@ -55,3 +56,4 @@ def test_layout_matches_control(name, control, tmp_path):
     assert len(losses) == STEPS
     assert rel[0] <= 1e-6
     assert max(rel) <= 1e-4
+    assert_validation_parity(name, results, control)  # validated at the last step

@@ -25,7 +25,8 @@ CONTROL = [8.0, 7.5, 7.0, 6.8, 6.5]
 
 def fake_run(root: Path, name: str, losses: list[float], *, batch_size: int = 1, shard: int = 8,
              replicate: int = 1, seq_len: int = 64, seed: int | None = 42, tb: str = "tb",
-             log_line: str | None = None) -> Path:
+             log_line: str | None = None, validation: dict[int, float] | None = None,
+             held_out: float = 0.01) -> Path:
     """A dump folder with the effective config and one loss per step (steps 1..len(losses))."""
     from torch.utils.tensorboard import SummaryWriter
 
@@ -40,6 +41,8 @@ def fake_run(root: Path, name: str, losses: list[float], *, batch_size: int = 1,
         f"[parallelism]\ndata_parallel_replicate_degree = {replicate}\ndata_parallel_shard_degree = {shard}\n"
         f"tensor_parallel_degree = 1\ncontext_parallel_degree = 1\npipeline_parallel_degree = 1\n"
         f'[metrics]\nsave_tb_folder = "{tb}"\n'
+        f"[validation]\nenable = {str(validation is not None).lower()}\nheld_out_fraction = {held_out}\n"
+        f"steps = -1\nsplit_seed = 0\n"
     )
     if log_line is not None:
         (dump / "train.log").write_text(f"[rank0] 00:00:00 INFO {log_line}\n")
@@ -47,6 +50,8 @@ def fake_run(root: Path, name: str, losses: list[float], *, batch_size: int = 1,
     for step, loss in enumerate(losses, start=1):
         writer.add_scalar("loss", loss, step)
         writer.add_scalar("grad_norm", 1.0, step)
+    for step, loss in (validation or {}).items():
+        writer.add_scalar("validation/loss", loss, step)
     writer.close()
     return dump
 
@@ -156,3 +161,27 @@ def test_runs_jobs_through_the_launcher(tmp_path, capsys):
     assert rc == 0, out
     assert (tmp_path / "control" / "train.log").is_file() and (tmp_path / "test1" / "config.toml").is_file()
     assert "test1" in out.split("\n\n")[-1] and "PASS" in out
+
+
+def test_validation_curves_are_compared_at_the_validation_steps(tmp_path, capsys):
+    validation = {2: 7.9, 4: 7.2, 5: 7.0}  # every 2 steps and the last
+    control = fake_run(tmp_path, "control", CONTROL, validation=validation)
+    close = fake_run(tmp_path, "close", CONTROL, validation={s: v * (1 + 1e-6) for s, v in validation.items()})
+    # Same training curve, validation drifting at step 4: only --metric validation/loss sees it.
+    drift = fake_run(tmp_path, "drift", CONTROL, validation={**validation, 4: 7.2 * 1.01})
+    assert compare(control, close, drift) == 0
+    capsys.readouterr()
+    assert compare(control, close, drift, extra=("--metric", "validation/loss", "--tolerance", "1e-4")) == 1
+    table, summary = capsys.readouterr().out.split("\n\n")[:2]
+    assert [int(row.split()[0]) for row in table.splitlines()[1:]] == [2, 4, 5]
+    close_line = next(line for line in summary.splitlines() if line.startswith("close"))
+    drift_line = next(line for line in summary.splitlines() if line.startswith("drift"))
+    assert close_line.split()[1] == "3" and close_line.split()[-1] == "PASS"
+    assert drift_line.split()[3] == "1.00e-02" and drift_line.split()[4] == "4" and drift_line.split()[-1] == "FAIL"
+    # A test that did not validate cannot be compared; another held-out split is worth a warning.
+    silent = fake_run(tmp_path, "silent", CONTROL)
+    assert compare(control, silent, extra=("--metric", "validation/loss")) == 2
+    assert "no 'validation/loss' scalar (was validation.enable on?)" in capsys.readouterr().err
+    other_split = fake_run(tmp_path, "other_split", CONTROL, validation=validation, held_out=0.05)
+    assert compare(control, other_split, extra=("--metric", "validation/loss")) == 0
+    assert "warning: other_split: validation.held_out_fraction = 0.05, control has 0.01" in capsys.readouterr().out

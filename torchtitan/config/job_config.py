@@ -155,6 +155,25 @@ class Profiling:
 
 
 @dataclass
+class Validation:
+    enable: bool = opt(False, "Evaluate the loss on held-out data during training")
+    freq: int = opt(500, "Validate every this many steps, and after the last step", min=1)
+    steps: int = opt(-1, "Validation batches per evaluation; -1 = the whole validation split once")
+    dataset: str | None = opt(
+        None, "Registered dataset to validate on (e.g. c4_validation); unset: the held-out part of the training data"
+    )
+    dataset_path: str | None = opt(None, "Local json/jsonl/parquet/text file or folder to validate on; overrides dataset")
+    held_out_fraction: float | None = opt(
+        None,
+        "Fraction (0..1) of the training documents held out for validation, chosen by hashing each document "
+        "with split_seed; training never sees them, also while validation is disabled",
+    )
+    split_seed: int = opt(0, "Seed of the held-out split (independent of training.seed)", min=0)
+    batch_size: int | None = opt(None, "Local validation batch: sequences per data-parallel rank (unset = training's)",
+                                 min=1)
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = opt(300, "Timeout for process-group set-up and the first step", min=1)
     train_timeout_seconds: int = opt(100, "Collective timeout after the first step", min=1)
@@ -172,6 +191,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

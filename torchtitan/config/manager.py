@@ -268,6 +268,7 @@ def validate_config(cfg: JobConfig) -> list[str]:
         )
     if len(set(t.seed_sharded_dims)) != len(t.seed_sharded_dims):
         problems.append(f"--training.seed_sharded_dims={','.join(t.seed_sharded_dims)}: a dim is listed twice")
+    problems.extend(_validation_problems(cfg))
     from torchtitan.models import model_flavors  # local import keeps config free of torch at import time
 
     flavors = model_flavors(cfg.model.name)
@@ -275,6 +276,24 @@ def validate_config(cfg: JobConfig) -> list[str]:
         problems.append(
             f"--model.flavor={cfg.model.flavor}: unknown for {cfg.model.name}; choose one of {', '.join(flavors)}"
         )
+    return problems
+
+
+def _validation_problems(cfg: JobConfig) -> list[str]:
+    """The [validation] section; its data is checked in preflight (it needs the tokenizer and the dp degree)."""
+    v, problems = cfg.validation, []
+    if v.held_out_fraction is not None and not 0.0 < v.held_out_fraction < 1.0:
+        problems.append(f"--validation.held_out_fraction={v.held_out_fraction}: give a fraction strictly between 0 "
+                        "and 1 (e.g. 0.01), or leave it unset to hold nothing out")
+    if v.steps == 0 or v.steps < -1:
+        problems.append(f"--validation.steps={v.steps}: give a number of batches >= 1, or -1 for the whole split")
+    has_dataset = v.dataset is not None or v.dataset_path is not None
+    if v.enable and not has_dataset and v.held_out_fraction is None:
+        problems.append("--validation.enable needs data: set --validation.held_out_fraction (e.g. 0.01) to hold part "
+                        "of the training data out, or --validation.dataset / --validation.dataset_path")
+    if has_dataset and v.held_out_fraction is not None:
+        problems.append("--validation.held_out_fraction and --validation.dataset/dataset_path both say what to "
+                        "validate on; set only one of them")
     return problems
 
 

@@ -1,15 +1,21 @@
 """Data pipeline: embedded default corpus, SentencePiece tokenizer, packing dataloader."""
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
-from torchtitan.datasets.hf_datasets import DATASETS, DatasetSpec, PackedTextDataset, build_dataloader
+from torchtitan.datasets.hf_datasets import (
+    DATASETS, DatasetSpec, PackedTextDataset, build_dataloader, build_validation_dataset, count_windows,
+)
+from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "DATASETS",
     "DatasetSpec",
+    "HeldOutSplit",
     "PackedTextDataset",
     "Tokenizer",
     "build_dataloader",
+    "build_validation_dataset",
+    "count_windows",
     "build_tokenizer",
     "ensure_embedded_corpus",
 ]

@@ -8,7 +8,9 @@ Data flow
    stream.  The stream is cut into consecutive, non-overlapping windows of
    ``seq_len + 1`` tokens; window ``i`` is global sample ``i`` with
    ``inputs = window[:-1]`` and ``labels = window[1:]``.  Tokens left over at
-   the end of the data (less than one window) are dropped.
+   the end of the data (less than one window) are dropped.  With a held-out
+   split (``split.py``) the documents it holds out for validation are left out
+   of the training stream before anything else happens.
 3. Samples are dealt out to data-parallel ranks in blocks.  With local batch
    ``B`` and DP degree ``D`` the global batch ``s`` is windows
    ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` receives the contiguous block
@@ -66,6 +68,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
+from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.tokenizer import Tokenizer
 
 __all__ = [
@@ -112,6 +115,12 @@ def _load_c4() -> Iterable[dict[str, Any]]:
     return datasets.load_dataset("allenai/c4", name="en", split="train", streaming=True)
 
 
+def _load_c4_validation() -> Iterable[dict[str, Any]]:
+    import datasets
+
+    return datasets.load_dataset("allenai/c4", name="en", split="validation", streaming=True)
+
+
 DATASETS: dict[str, DatasetSpec] = {
     "embedded": DatasetSpec(
         load=_load_embedded,
@@ -120,6 +129,10 @@ DATASETS: dict[str, DatasetSpec] = {
     "c4": DatasetSpec(
         load=_load_c4,
         description="allenai/c4 'en' train split, streamed from the Hugging Face hub",
+    ),
+    "c4_validation": DatasetSpec(
+        load=_load_c4_validation,
+        description="allenai/c4 'en' validation split, streamed from the Hugging Face hub",
     ),
 }
 
@@ -209,7 +222,10 @@ class PackedTextDataset(IterableDataset, Stateful):
         dp_degree: int,
         infinite: bool = True,
         name: str = "dataset",
+        split: HeldOutSplit | None = None,
+        held_out: bool = False,
     ) -> None:
+        """``split``: keep only the documents it does not hold out (``held_out=False``) or only those it does."""
         _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
         self.source = source
         self.text_field = text_field
@@ -220,6 +236,8 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.dp_degree = dp_degree
         self.infinite = infinite
         self.name = name
+        self.split = split
+        self.held_out = held_out
 
         # Position, independent of the DP layout except for the mid-block
         # counter (which is 0 whenever a whole local batch has been taken).
@@ -241,7 +259,7 @@ class PackedTextDataset(IterableDataset, Stateful):
                     f"{self.name}: record has no {self.text_field!r} field (fields: {sorted(record)})"
                 ) from None
             # Empty documents would only contribute a BOS/EOS pair.
-            if text:
+            if text and (self.split is None or self.split.held_out(text) == self.held_out):
                 yield text
 
     def _windows(self) -> Iterator[list[int]]:
@@ -311,10 +329,17 @@ class PackedTextDataset(IterableDataset, Stateful):
                 return
             logger.info("%s: end of data, starting epoch %d from the beginning", self.name, self._epoch)
 
+    def rewind(self) -> None:
+        """Back to the first window of the first epoch (a validation pass starts here every time)."""
+        self._epoch = self._next_window = self._taken_in_block = 0
+
     # ------------------------------------------------------------ checkpoint
 
+    def _split_text(self) -> str | None:
+        return None if self.split is None else f"held_out_fraction={self.split.fraction}, split_seed={self.split.seed}"
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "epoch": self._epoch,
             "next_window": self._next_window,
             "taken_in_block": self._taken_in_block,
@@ -323,12 +348,24 @@ class PackedTextDataset(IterableDataset, Stateful):
             "seq_len": self.seq_len,
             "local_batch_size": self.local_batch_size,
         }
+        if self.split is not None:
+            # Window indices count the documents this dataset keeps: another split is another stream.
+            # Only present with a split, so checkpoints without one keep their old layout.
+            state["split"] = self._split_text()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict["seq_len"] != self.seq_len:
             raise ValueError(
                 f"{self.name}: checkpoint was taken with seq_len={state_dict['seq_len']}, "
                 f"but this run uses seq_len={self.seq_len}; window positions cannot be mapped"
+            )
+        theirs, mine = state_dict.get("split"), self._split_text()
+        if theirs != mine:
+            raise ValueError(
+                f"{self.name}: checkpoint was taken with {theirs or 'nothing held out'} but this run has "
+                f"{mine or 'nothing held out'}; its data position does not map onto another split: resume with the "
+                "checkpoint's --validation.held_out_fraction and --validation.split_seed"
             )
         taken = int(state_dict["taken_in_block"])
         if taken and state_dict["local_batch_size"] != self.local_batch_size:
@@ -370,13 +407,15 @@ def build_dataloader(
     dp_rank: int,
     dp_degree: int,
     infinite: bool = True,
+    split: HeldOutSplit | None = None,
 ) -> StatefulDataLoader:
     """Build this DP rank's loader of ``(inputs, labels)`` batches, each ``[local_batch_size, seq_len]``.
 
     ``dataset_path``, when set, overrides ``dataset_name`` (see
     ``load_local_dataset``); otherwise ``dataset_name`` must be a key of
     ``DATASETS``.  The loader's ``state_dict()`` contains the dataset position
-    and can be loaded with a different ``dp_degree``.
+    and can be loaded with a different ``dp_degree``. ``split``, when set, keeps back
+    the documents it holds out for validation.
     """
     _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
     source, text_field = _open_source(dataset_name, dataset_path)
@@ -390,6 +429,7 @@ def build_dataloader(
         dp_degree=dp_degree,
         infinite=infinite,
         name=dataset_path or dataset_name,
+        split=split,
     )
     # num_workers=0: tokenization is cheap next to a training step, and the
     # in-process iterator lets StatefulDataLoader checkpoint the dataset
@@ -407,3 +447,48 @@ def build_dataloader(
         # global generator would shift the runtime random stream that a checkpoint restores.
         generator=torch.Generator(),
     )
+
+
+def build_validation_dataset(
+    *,
+    dataset_name: str | None,
+    dataset_path: str | None,
+    train_dataset_name: str,
+    train_dataset_path: str | None,
+    split: HeldOutSplit | None,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+) -> PackedTextDataset:
+    """This DP rank's share of the validation data: one pass, global batches dealt out as in training.
+
+    The data is the named/local validation dataset, or else the documents ``split``
+    holds out of the training dataset. Each evaluation starts again from the first
+    window (``rewind``); the last incomplete global batch is dropped on every rank
+    alike, so all ranks run out together.
+    """
+    if dataset_name is not None or dataset_path is not None:
+        source, text_field = _open_source(dataset_name or "", dataset_path)
+        name, split = f"validation:{dataset_path or dataset_name}", None
+    else:
+        if split is None:
+            raise ValueError("validation needs a dataset or a held-out split of the training data")
+        source, text_field = _open_source(train_dataset_name, train_dataset_path)
+        name = f"validation:held-out {split.fraction:g} of {train_dataset_path or train_dataset_name}"
+    return PackedTextDataset(
+        source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len,
+        local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, infinite=False, name=name,
+        split=split, held_out=True,
+    )
+
+
+def count_windows(dataset: PackedTextDataset, limit: int) -> int:
+    """How many ``seq_len + 1`` windows the dataset's stream holds, counting no further than ``limit``."""
+    count = 0
+    for _ in dataset._windows():
+        count += 1
+        if count >= limit:
+            break
+    return count

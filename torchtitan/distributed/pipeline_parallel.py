@@ -14,7 +14,9 @@ Three parts, each usable on its own:
   checkpoints key on.
 - ``build_pipeline`` prunes, parallelizes and initializes this rank's stages (through
   a caller-supplied ``materialize``), wraps each in a ``PipelineStage`` and builds the
-  schedule; ``PipelineRunner.step`` then runs one local batch through it.
+  schedule; ``PipelineRunner.step`` then runs one local batch through it, and
+  ``PipelineRunner.forward_only`` runs one through the stages without the schedule
+  (validation).
 
 Placement: stage ``s`` of ``S = pp * v`` lives on pp rank ``s % pp`` ("looped"), so
 rank ``r`` holds stages ``r, r + pp, ...``. ZBVZeroBubble needs the V shape instead:
@@ -35,6 +37,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -89,6 +92,12 @@ class PipelinePlan:
         if self.v_shaped:
             return sorted({pp_rank, self.num_stages - 1 - pp_rank})
         return list(range(pp_rank, self.num_stages, self.pp))
+
+    def stage_owner(self, stage_id: int) -> int:
+        """The pp rank that holds stage ``stage_id``."""
+        if self.v_shaped:
+            return stage_id if stage_id < self.pp else self.num_stages - 1 - stage_id
+        return stage_id % self.pp
 
     def describe(self) -> str:
         parts = []
@@ -276,13 +285,50 @@ class ScaledLoss:
         return self.loss_fn(logits, labels).double() * self.scale
 
 
+# Dtypes a stage may hand to the next one, by their index in the metadata sent ahead of the tensor.
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 6
+
+
 class PipelineRunner:
     """This rank's stages and the schedule that drives them."""
 
-    def __init__(self, schedule, stages: list[PipelineStage], loss: ScaledLoss):
+    def __init__(self, schedule, stages: list[PipelineStage], loss: ScaledLoss, plan: PipelinePlan,
+                 pp_mesh: DeviceMesh):
         self.schedule, self.stages, self.loss = schedule, stages, loss
+        self.plan, self.pp_mesh = plan, pp_mesh
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
+
+    def forward_only(
+        self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """``loss_fn(model(inputs), labels)`` through the stages, forward only; None on ranks without the last stage.
+
+        For evaluation under ``torch.no_grad()``. The schedule is not used: its state (buffers
+        shaped for training microbatches, backward set-up) stays exactly as training left it,
+        and the validation batch need not divide into microbatches. The whole local batch goes
+        through one stage after another, each stage's output sent point to point to the rank
+        holding the next stage; every rank walks the stages in the same order, so each send
+        meets its receive.
+        """
+        pp_rank, group = self.pp_mesh.get_local_rank(), self.pp_mesh.get_group()
+        by_id = {stage.stage_index: stage for stage in self.stages}
+        n, x, loss = self.plan.num_stages, inputs, None
+        for stage_id in range(n):
+            if self.plan.stage_owner(stage_id) != pp_rank:
+                continue
+            stage = by_id[stage_id]
+            if stage_id > 0 and self.plan.stage_owner(stage_id - 1) != pp_rank:
+                x = _recv(dist.get_global_rank(group, self.plan.stage_owner(stage_id - 1)), stage.device)
+            out = stage.submod(x)
+            if stage_id == n - 1:
+                loss = loss_fn(out, labels)
+            elif self.plan.stage_owner(stage_id + 1) == pp_rank:
+                x = out
+            else:
+                _send(out, dist.get_global_rank(group, self.plan.stage_owner(stage_id + 1)))
+        return loss
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> float:
         """Forward and backward of one local batch; returns its loss sum (0.0 on ranks without the last stage)."""
@@ -323,4 +369,24 @@ def build_pipeline(
         schedule = cls(stages[0], n_microbatches=plan.microbatches, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=plan.microbatches, loss_fn=loss, scale_grads=False)
-    return PipelineRunner(schedule, stages, loss), parts
+    return PipelineRunner(schedule, stages, loss, plan, pp_mesh), parts
+
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    """Send a tensor whose shape and dtype the receiver does not know: metadata first."""
+    if t.dtype not in _WIRE_DTYPES or t.dim() > _MAX_DIMS:
+        raise TypeError(f"a pipeline stage output of dtype {t.dtype} and {t.dim()} dims cannot be sent")
+    meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=t.device)
+    meta[0], meta[1] = _WIRE_DTYPES.index(t.dtype), t.dim()
+    meta[2 : 2 + t.dim()] = torch.tensor(t.shape)
+    dist.send(meta, dst)
+    dist.send(t.contiguous(), dst)
+
+
+def _recv(src: int, device: torch.device | str) -> torch.Tensor:
+    meta = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(meta, src)
+    dtype, ndim = _WIRE_DTYPES[int(meta[0])], int(meta[1])
+    out = torch.empty(meta[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(out, src)
+    return out

@@ -1,0 +1,196 @@
+"""Validation: the loss on held-out data, evaluated during training, in every layout.
+
+What is evaluated. The validation data is either a dataset of its own
+(``validation.dataset`` / ``dataset_path``) or the documents of the training data
+that ``validation.held_out_fraction`` holds out (``datasets/split.py``: a function of
+each document's text and ``split_seed`` alone, so every layout holds out the same
+documents and training never sees them). It is packed into windows and dealt out in
+global batches of ``batch_size x dp degree`` exactly like the training data, so with
+the same global batch every layout evaluates the same windows.
+
+The loss is the sum of the token cross-entropies over every evaluated token of every
+rank, divided by the number of those tokens: the mean token loss of the evaluated
+windows, whatever the layout (the parity tests check this against one process).
+Perplexity is its exponential.
+
+How it runs. Every model part goes into eval mode, and the batches go through the
+same forward as training (CP sequence sharding, loss parallel under TP) under
+``torch.no_grad()``; pipeline stages are chained by a forward-only pass
+(``PipelineRunner.forward_only``). Nothing training depends on is touched: the
+training data loader is not read, the optimizer not used, the global random
+generators restored afterwards (nothing in the forward draws from them today; the
+restore keeps it so), and the parameters FSDP gathered for the forward are freed
+again, as after a training step. A run with validation therefore trains bitwise like
+one without (tests/distributed/test_layout_parity.py).
+
+Checks that need the data (is there at least one validation batch?) run in
+``check_validation_data`` from the trainer's preflight, on every rank, before any
+process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config import JobConfig
+from torchtitan.datasets import HeldOutSplit, PackedTextDataset, Tokenizer, build_validation_dataset, count_windows
+from torchtitan.distributed.utils import reduce_scalar
+
+logger = logging.getLogger(__name__)
+
+
+def held_out_split(cfg: JobConfig) -> HeldOutSplit | None:
+    """The split of the training data that ``[validation]`` asks for (also while validation is disabled)."""
+    v = cfg.validation
+    return None if v.held_out_fraction is None else HeldOutSplit(v.held_out_fraction, v.split_seed)
+
+
+def validation_batch_size(cfg: JobConfig) -> int:
+    return cfg.validation.batch_size or cfg.training.batch_size
+
+
+def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> PackedTextDataset:
+    v, t = cfg.validation, cfg.training
+    return build_validation_dataset(
+        dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
+        train_dataset_path=t.dataset_path, split=held_out_split(cfg), tokenizer=tokenizer, seq_len=t.seq_len,
+        local_batch_size=validation_batch_size(cfg), dp_rank=dp_rank, dp_degree=dp_degree,
+    )
+
+
+def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
+    """Problems with the validation data (empty when fine); reads it only as far as one global batch."""
+    from torchtitan.datasets import DATASETS
+
+    v = cfg.validation
+    if not v.enable:
+        return []
+    if v.dataset_path is None and v.dataset is not None and v.dataset not in DATASETS:
+        return [f"--validation.dataset={v.dataset}: unknown; choose one of {', '.join(DATASETS)} or give "
+                "--validation.dataset_path"]
+    if v.dataset_path is not None and not _exists(v.dataset_path):
+        return [f"--validation.dataset_path={v.dataset_path}: no such file or folder"]
+    batch = validation_batch_size(cfg)
+    needed = batch * dp_degree
+    try:
+        data = build_validation_data(cfg, tokenizer, dp_rank=0, dp_degree=dp_degree)
+        found = count_windows(data, needed)
+    except (OSError, ValueError) as e:
+        return [f"validation data: {e}"]
+    if found >= needed:
+        return []
+    what = (f"the held-out {v.held_out_fraction:g} of the training documents" if v.held_out_fraction is not None
+            else f"the validation dataset {v.dataset_path or v.dataset}")
+    return [f"validation data: {what} make(s) {found} window(s) of {cfg.training.seq_len + 1} tokens, fewer than "
+            f"one validation batch (--validation.batch_size={batch} x data-parallel degree {dp_degree} = {needed}); "
+            f"use more validation data (a larger --validation.held_out_fraction or dataset), or a smaller "
+            f"--validation.batch_size or --training.seq_len"]
+
+
+def _exists(path: str) -> bool:
+    import os
+
+    return os.path.exists(os.path.expanduser(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationResult:
+    loss: float  # mean token cross-entropy over every evaluated token
+    tokens: int  # tokens evaluated, over all ranks
+    batches: int  # global batches evaluated
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+class Validator:
+    """Evaluates the model's loss on this rank's share of the validation data.
+
+    ``forward_loss(inputs, labels)`` returns the loss sum of one local batch (None on a
+    pipeline rank without the last stage) and the number of tokens this rank scored
+    (its CP share); the trainer supplies it so that validation runs exactly the forward
+    that training runs.
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        data: PackedTextDataset,
+        model_parts: list[torch.nn.Module],
+        forward_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, int]],
+        loss_mesh: DeviceMesh | None,
+        pp_mesh: DeviceMesh | None,
+        device: torch.device,
+    ):
+        v = cfg.validation
+        self.freq, self.max_batches, self.last_step = v.freq, v.steps, cfg.training.steps
+        self.data, self.model_parts, self.forward_loss = data, model_parts, forward_loss
+        self.loss_mesh, self.pp_mesh, self.device = loss_mesh, pp_mesh, device
+        self._warned_short = False
+
+    def due(self, step: int) -> bool:
+        """Every ``freq`` steps and at the last step."""
+        return step % self.freq == 0 or step == self.last_step
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.data.rewind()
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for sample in self.data:
+            batch.append(sample)
+            if len(batch) == self.data.local_batch_size:
+                yield torch.stack([s[0] for s in batch]), torch.stack([s[1] for s in batch])
+                batch = []
+
+    @torch.no_grad()
+    def run(self) -> ValidationResult:
+        modes = [part.training for part in self.model_parts]
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                for part in self.model_parts:
+                    part.eval()
+                local_sum, local_tokens, batches = self._evaluate()
+        finally:
+            for part, mode in zip(self.model_parts, modes):
+                part.train(mode)
+            _reshard(self.model_parts)
+        if self.max_batches > 0 and batches < self.max_batches and not self._warned_short:
+            self._warned_short = True
+            logger.warning("validation: the data holds only %d global batch(es); --validation.steps=%d asks for "
+                           "more, so each evaluation covers the whole split once", batches, self.max_batches)
+        loss_sum = reduce_scalar(local_sum, "sum", self.pp_mesh)  # only the last stage holds it
+        loss_sum = reduce_scalar(loss_sum, "sum", self.loss_mesh)
+        tokens = reduce_scalar(float(local_tokens), "sum", self.loss_mesh)
+        return ValidationResult(loss=loss_sum / tokens, tokens=int(tokens), batches=batches)
+
+    def _evaluate(self) -> tuple[torch.Tensor, int, int]:
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        local_tokens = batches = 0
+        for inputs, labels in self._batches():
+            loss, tokens = self.forward_loss(inputs, labels)
+            if loss is not None:
+                if isinstance(loss, DTensor):  # loss parallel: every TP rank holds the full value
+                    loss = loss.to_local()
+                local_sum += loss.double()
+            local_tokens += tokens
+            batches += 1
+            if batches == self.max_batches:
+                break
+        return local_sum, local_tokens, batches
+
+
+def _reshard(model_parts: list[torch.nn.Module]) -> None:
+    """Free the parameters FSDP gathered for the forward (no backward comes to free them)."""
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
