@@ -121,7 +121,7 @@ class Trainer:
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
             dp_rank=dp_rank, dp_degree=dp_degree, split=held_out_split(cfg),
-            shuffle=cfg.training.shuffle, seed=cfg.training.seed or 0,
+            shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
         )
         # One module per pipeline stage held by this rank; a single part without PP.
         self.pp_runner: PipelineRunner | None = None

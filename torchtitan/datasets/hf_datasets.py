@@ -451,7 +451,7 @@ def build_dataloader(
     dp_degree: int,
     infinite: bool = True,
     split: HeldOutSplit | None = None,
-    shuffle: bool = False,
+    shuffle: bool = True,
     seed: int = 0,
     prefetch: int = 2,
     cache_dir: str | None = None,

@@ -198,7 +198,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
                 return "no shuffling" if s is None else f"shuffling with seed {s}"
             raise ValueError(
                 f"{self.name}: checkpoint was taken with {say(state_dict['shuffle'])}, this run uses {say(mine)}; "
-                "the window order would differ: resume with the checkpoint's --training.shuffle and --training.seed"
+                "the window order would differ: resume with the checkpoint's --training.shuffle and --training.shuffle_seed"
             )
         if int(state_dict.get("taken_in_block", 0)):
             raise ValueError(

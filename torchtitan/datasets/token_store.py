@@ -595,3 +595,19 @@ def ensure_store(
             source={"label": spec.label, "files": [str(p) for p in spec.files], "fingerprint": spec.fingerprint},
             split=split, workers=workers, progress=False,
         )
+
+
+def write_synthetic_store(out_dir: str | os.PathLike, n_tokens: int, *, shard_tokens: int = 1 << 24) -> Path:
+    """A store whose token ``t`` is ``t`` (uint32), for tests and benchmarks: a window's first token names it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for number, start in enumerate(range(0, n_tokens, shard_tokens)):
+        tokens = np.arange(start, min(start + shard_tokens, n_tokens), dtype=np.uint32)
+        _write_array(out / f"shard_{number:05d}.bin", tokens)
+        shards.append({"file": f"shard_{number:05d}.bin", "tokens": int(tokens.size), "documents": 1})
+    index = {"format": FORMAT, "version": VERSION, "dtype": "uint32", "vocab_size": 2**32, "bos_id": 0, "eos_id": 0,
+             "tokenizer": {"path": "synthetic", "sha256": "synthetic"}, "source": {"fingerprint": "synthetic"},
+             "split": None, "shard_chars": 0, "shards": shards, "total_tokens": n_tokens, "total_documents": len(shards)}
+    _write_json(out / INDEX_NAME, index)
+    return out
