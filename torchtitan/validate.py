@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -41,7 +42,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import JobConfig
-from torchtitan.datasets import HeldOutSplit, PackedTextDataset, Tokenizer, build_validation_dataset, count_windows
+from torchtitan.datasets import (
+    DATASETS, HeldOutSplit, PackedTextDataset, Tokenizer, build_validation_dataset, count_windows,
+)
 from torchtitan.distributed.utils import reduce_scalar
 
 logger = logging.getLogger(__name__)
@@ -68,15 +71,13 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp
 
 def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
     """Problems with the validation data (empty when fine); reads it only as far as one global batch."""
-    from torchtitan.datasets import DATASETS
-
     v = cfg.validation
     if not v.enable:
         return []
     if v.dataset_path is None and v.dataset is not None and v.dataset not in DATASETS:
         return [f"--validation.dataset={v.dataset}: unknown; choose one of {', '.join(DATASETS)} or give "
                 "--validation.dataset_path"]
-    if v.dataset_path is not None and not _exists(v.dataset_path):
+    if v.dataset_path is not None and not os.path.exists(os.path.expanduser(v.dataset_path)):
         return [f"--validation.dataset_path={v.dataset_path}: no such file or folder"]
     batch = validation_batch_size(cfg)
     needed = batch * dp_degree
@@ -93,12 +94,6 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
             f"one validation batch (--validation.batch_size={batch} x data-parallel degree {dp_degree} = {needed}); "
             f"use more validation data (a larger --validation.held_out_fraction or dataset), or a smaller "
             f"--validation.batch_size or --training.seq_len"]
-
-
-def _exists(path: str) -> bool:
-    import os
-
-    return os.path.exists(os.path.expanduser(path))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 4
 RUN = [f"--training.steps={STEPS}", "--training.seq_len=32", "--validation.enable",
-       "--validation.held_out_fraction=0.05", "--validation.steps=2"]
+       "--validation.held_out_fraction=0.05", "--validation.steps=1"]
 VALIDATE_AFTER = (2, STEPS)
 STEP1_RTOL, CURVE_RTOL = 1e-6, 1e-4  # as in test_layout_parity.py
 # Sharded float32 grad norms differ from one process's by summation order, a few 1e-5 (see
@@ -57,8 +57,9 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
     2: {
         **{f"PP 2 {s}": [*_pp(s), "--training.batch_size=8"] for s in SCHEDULES if s not in ("GPipe", "LoopedBFS")},
         # Two local batches per step: gradients accumulate over two schedule steps.
+        # The validation batch defaults to the local training batch; the control validates on 8.
         "PP 2 GPipe, 2 accumulation steps": [*_pp("GPipe"), "--training.batch_size=4",
-                                             "--training.gradient_accumulation_steps=2"],
+                                             "--training.gradient_accumulation_steps=2", "--validation.batch_size=8"],
         # Explicit, uneven split points: 4 stages of 1, 2, 1 and 2 layers.
         "PP 2 LoopedBFS, split at layers.1,3,4": [
             *_pp("LoopedBFS"), "--training.batch_size=8",

@@ -2,12 +2,16 @@
 
 Same method as test_layout_parity.py (same seed, data and global batch of 8
 sequences, float32, deterministic), over 10 steps to keep CI short: the gathered
-initial weights must equal the single-process init bitwise, and every step's loss
-must stay within the parity tolerance of the control's, and so must the validation
-loss at the last step (held-out data, as in test_layout_parity.py).
+initial weights must equal the single-process init bitwise, every step's loss must
+stay within the parity tolerance of the control's, and so must the validation loss
+at the last step (held-out data, as in test_layout_parity.py). One process group per
+world size trains its layouts one after another, so CI spawns each size once.
 """
 
 from __future__ import annotations
+
+import sys
+import time
 
 import pytest
 
@@ -43,11 +47,31 @@ def control(tmp_path_factory) -> dict:
     return result
 
 
+def _train_layouts(rank: int, world_size: int, root: str, layouts: dict[str, list[str]]) -> dict:
+    out = {}
+    for i, (name, overrides) in enumerate(layouts.items()):
+        start = time.monotonic()
+        out[name] = _init_and_train(rank, world_size, f"{root}/{i}", [f"--training.steps={STEPS}", *overrides], True)
+        if rank == 0:  # shown with the failure if a later layout hangs and the harness times out
+            print(f"[{world_size} ranks] {name}: {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Layout name -> every rank's result; one process group per world size trains its layouts in turn."""
+    results: dict[str, list[dict]] = {}
+    for world_size in sorted({ranks for ranks, _ in LAYOUTS.values()}):
+        layouts = {name: overrides for name, (ranks, overrides) in LAYOUTS.items() if ranks == world_size}
+        dump = str(tmp_path_factory.mktemp(f"world{world_size}"))
+        per_rank = run_ranks(_train_layouts, world_size, dump, layouts, timeout=3000, collective_timeout=300)
+        results.update({name: [r[name] for r in per_rank] for name in layouts})
+    return results
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_control(name, control, tmp_path):
-    ranks, overrides = LAYOUTS[name]
-    results = run_ranks(_init_and_train, ranks, str(tmp_path), [f"--training.steps={STEPS}", *overrides], True,
-                        timeout=1500)
+def test_layout_matches_control(name, control, runs):
+    results = runs[name]
     assert results[0]["full"] == control["full"]  # bitwise the same initial model
     losses, reference = results[0]["losses"], control["losses"]
     assert all(r["losses"] == losses for r in results)  # the logged loss is global: same on all ranks
