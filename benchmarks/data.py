@@ -125,12 +125,15 @@ def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
         print(f"(writing the synthetic store took {written:.1f} s)")
 
 
-def bench_prepare(workers_list: list[int]) -> None:
+def bench_prepare(workers_list: list[int], copies: int) -> None:
     from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
     from torchtitan.datasets.token_store import TokenStore, iter_local_documents, prepare_store
 
-    corpus = Path(ensure_embedded_corpus())
-    print("\n## preparation of the embedded corpus (1.4 MB of text)")
+    text = Path(ensure_embedded_corpus()).read_text()
+    corpus = Path(tempfile.mkdtemp()) / "corpus.jsonl"
+    corpus.write_text(text * copies)
+    print(f"\n## preparation of {copies} copies of the embedded corpus ({corpus.stat().st_size / 2**20:.1f} MiB of "
+          "JSON lines, 128 KiB of text per shard)")
     print("| workers | seconds | tokens/s | tokens/s per worker |")
     print("|---|---|---|---|")
     for workers in workers_list:
@@ -142,7 +145,7 @@ def bench_prepare(workers_list: list[int]) -> None:
             seconds = time.perf_counter() - start
             tokens = TokenStore(out).n_tokens
         print(f"| {workers} | {seconds:.2f} | {tokens / seconds:,.0f} | {tokens / seconds / workers:,.0f} |")
-    print("(worker processes are started with 'spawn'; their start-up is included)")
+    print("(worker start-up is included)")
 
 
 def main() -> None:
@@ -153,6 +156,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=200, help="batches timed per token store setting")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--copies", type=int, default=8, help="copies of the embedded corpus to prepare")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the loader section")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -168,7 +172,7 @@ def main() -> None:
         if "resume" in args.sections:
             bench_resume(tokenizer, cache, args.seq, args.batch)
     if "prepare" in args.sections:
-        bench_prepare(args.workers)
+        bench_prepare(args.workers, args.copies)
 
 
 if __name__ == "__main__":

@@ -283,3 +283,34 @@ def test_first_use_prepares_once_under_a_lock(corpus, tokenizer, tmp_path, monke
         with pytest.raises(TimeoutError, match="waited 0 s.*held.lock"):
             with token_store._file_lock(lock, 0.3, "token store y"):
                 pass
+
+
+# ---------------------------------------------------------------- hub streaming mode
+
+
+def test_streaming_mode_shards_documents_and_resumes_at_its_dp_degree(corpus, tokenizer):
+    """The hub mode (c4) on a local file: each DP rank packs only its documents; resume is exact per rank."""
+    import datasets
+
+    from torchtitan.datasets.stream_dataset import ShardedStreamDataset
+
+    path, docs = corpus
+
+    def rank(r, degree=2):
+        source = datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
+        return ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer, seq_len=SEQ,
+                                    local_batch_size=2, dp_rank=r, dp_degree=degree, infinite=False, name="hub")
+
+    r0, r1 = rank(0), rank(1)
+    tokens0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in r0]).tolist()
+    assert tokens0 == reference_stream(tokenizer, docs[0::2])[: len(tokens0)] and len(tokens0) > 200
+    it = iter(r1)
+    for _ in range(3):
+        next(it)
+    state = r1.state_dict()
+    expected = next(it)[0]
+    resumed = rank(1)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed))[0], expected)
+    with pytest.raises(ValueError, match="depends on the DP degree.*token store"):
+        rank(0, degree=4).load_state_dict(state)

@@ -19,11 +19,13 @@ Data flow
    batches, and so does a run that accumulates gradients over several
    consecutive local batches.
 
-Every rank tokenizes the whole stream itself and keeps only its own windows.
-That wastes ``D - 1`` of the tokenizer work, but it needs no communication,
-is trivially deterministic, and costs well under a second per epoch for the
-embedded corpus.  For large hub datasets (C4) it would be better to shard
-documents across ranks and exchange token counts; that is a known TODO.
+Training reads this stream from a token store (``token_store.py``,
+``store_dataset.py``): the embedded corpus and local files are tokenized once
+into memory-mapped shards, on first use, and every rank reads only its own
+windows by index.  ``PackedTextDataset`` below builds the same stream on the fly
+(every rank tokenizes all of it and keeps its share); it serves the validation
+data, which is small.  Hub datasets (``c4``) are streamed per DP rank instead
+(``stream_dataset.py``), which gives up the DP-degree-independent order.
 
 End of data
 -----------
@@ -70,6 +72,7 @@ from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
 from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.store_dataset import TokenStoreDataset
+from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 from torchtitan.datasets.token_store import (
     SourceSpec, TokenStore, ensure_store, is_store, looks_like_store, source_files, source_fingerprint,
 )
@@ -468,7 +471,7 @@ def build_dataloader(
     documents it holds out for validation.
 
     Hub datasets (``c4``) are streamed instead, each DP rank reading its own
-    documents: their order depends on the DP degree (see ``ShardedStreamDataset``).
+    documents: their order depends on the DP degree (see ``stream_dataset.py``).
     """
     _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
     store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer, split=split,
@@ -482,32 +485,15 @@ def build_dataloader(
         )
         # The dataset yields whole batches, and reads them ahead itself.
         return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
+    # A hub dataset: streamed, each DP rank reading its own documents (the order then depends on D).
     source, text_field = _open_source(dataset_name, dataset_path)
-    dataset = PackedTextDataset(
-        source=source,
-        text_field=text_field,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        infinite=infinite,
-        name=name,
-        split=split,
+    logger.info("%s: streamed per DP rank (no token store): the sample order depends on the DP degree %d",
+                name, dp_degree)
+    dataset = ShardedStreamDataset(
+        source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
+        dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split,
     )
-    # num_workers=0: the in-process iterator lets StatefulDataLoader checkpoint the dataset
-    # position directly (no per-worker snapshots).  The dataset yields whole
-    # local batches (blocks), so a batch never straddles two blocks.
-    return StatefulDataLoader(
-        dataset,
-        batch_size=local_batch_size,
-        collate_fn=_collate_pairs,
-        num_workers=0,
-        drop_last=True,
-        # Its own generator: creating an iterator draws a base seed, and drawing it from the
-        # global generator would shift the runtime random stream that a checkpoint restores.
-        generator=torch.Generator(),
-    )
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
 
 
 def build_validation_dataset(

@@ -325,7 +325,10 @@ def prepare_store(
         else:
             import multiprocessing as mp
 
-            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,))
+            # fork: a worker starts in milliseconds (spawn would re-import torch in each one).  The workers run
+            # only SentencePiece and NumPy, so no lock another thread holds at the fork is ever touched.
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            pool = mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,))
             results = pool.imap(_tokenize_shard, tasks())
         for meta in results:
             number = int(meta["file"][len("shard_"):-len(".bin")])
