@@ -148,14 +148,64 @@ def bench_prepare(workers_list: list[int], copies: int) -> None:
     print("(worker start-up is included)")
 
 
+def bench_step(tokenizer, cache, seq: int, batch: int, steps: int, step_ms: float, rounds: int) -> None:
+    """The data share of a step whose compute (torch matmuls, which release the GIL) takes about ``step_ms``."""
+    import torch
+
+    a = torch.randn(256, 256)
+    start, reps = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.2:
+        a @ a
+        reps += 1
+    per_step = max(1, int(reps * step_ms / 200))
+
+    def compute() -> None:
+        for _ in range(per_step):
+            a @ a
+
+    print(f"\n## data share of an emulated step (~{step_ms:.0f} ms of torch matmuls; seq {seq}, local batch {batch}, "
+          f"{steps} steps, rank 0 of D; best of {rounds} interleaved rounds)")
+    from torchtitan.datasets import build_dataloader
+
+    labels = ("streaming packer (before)", "token store, no prefetch", "token store, prefetch 2")
+    best: dict[tuple[int, str], tuple[float, float, float]] = {}
+    for _ in range(rounds):
+        for degree in (1, 8):
+            for label in labels:
+                if label.startswith("streaming"):
+                    it = iter(_stream_loader(tokenizer, seq=seq, batch=batch, rank=0, degree=degree)[0])
+                else:
+                    it = iter(build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
+                                               seq_len=seq, local_batch_size=batch, dp_rank=0, dp_degree=degree,
+                                               cache_dir=cache, prefetch=0 if "no prefetch" in label else 2))
+                next(it)
+                compute()
+                data = total = cpu = 0.0
+                for _ in range(steps):
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    next(it)
+                    t1, c1 = time.perf_counter(), time.thread_time()
+                    compute()
+                    data, cpu = data + t1 - t0, cpu + c1 - c0
+                    total += time.perf_counter() - t0
+                old = best.get((degree, label), (float("inf"),) * 3)
+                best[degree, label] = (min(old[0], total / steps), min(old[1], data / steps), min(old[2], cpu / steps))
+    print("| DP degree | loader | step ms (wall) | data ms (wall) | data share (wall) | training-thread CPU ms in data |")
+    print("|---|---|---|---|---|---|")
+    for (degree, label), (total, data, cpu) in best.items():
+        print(f"| {degree} | {label} | {1000 * total:.1f} | {1000 * data:.2f} | {100 * data / total:.1f}% | "
+              f"{1000 * cpu:.3f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", nargs="+", default=["loader", "resume", "prepare"],
-                   choices=["loader", "resume", "prepare"])
+    p.add_argument("--sections", nargs="+", default=["loader", "resume", "prepare", "step"],
+                   choices=["loader", "resume", "prepare", "step"])
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=200, help="batches timed per token store setting")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--step-ms", type=float, default=20.0, help="compute time of an emulated training step")
     p.add_argument("--copies", type=int, default=8, help="copies of the embedded corpus to prepare")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the loader section")
     args = p.parse_args()
@@ -171,6 +221,8 @@ def main() -> None:
             bench_loader(tokenizer, cache, args.seq, args.batch, args.steps, args.rounds)
         if "resume" in args.sections:
             bench_resume(tokenizer, cache, args.seq, args.batch)
+        if "step" in args.sections:
+            bench_step(tokenizer, cache, args.seq, args.batch, 100, args.step_ms, args.rounds)
     if "prepare" in args.sections:
         bench_prepare(args.workers, args.copies)
 

@@ -514,8 +514,26 @@ class WindowPermutation:
             left, right = right, left ^ (_mix(right ^ key) & self.mask)
         return (left << self.half) | right
 
+    def _one(self, x: int) -> int:
+        # The same network on Python ints: a step's few windows cost microseconds, not NumPy call overheads.
+        half, mask, n = int(self.half), int(self.mask), self.n
+        keys = [int(k) for k in self.keys]
+        while True:
+            left, right = x >> half, x & mask
+            for key in keys:
+                z = right ^ key
+                z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+                z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+                left, right = right, left ^ ((z ^ (z >> 31)) & mask)
+            x = (left << half) | right
+            if x < n:
+                return x
+
     def __call__(self, indices: np.ndarray) -> np.ndarray:
-        x = self._round_trip(np.asarray(indices, dtype=np.uint64))
+        indices = np.asarray(indices)
+        if indices.size <= 64:
+            return np.array([self._one(int(i)) for i in indices.ravel()], dtype=np.int64).reshape(indices.shape)
+        x = self._round_trip(indices.astype(np.uint64))
         outside = x >= np.uint64(self.n)
         while outside.any():
             x[outside] = self._round_trip(x[outside])
