@@ -339,10 +339,10 @@ def prepare_store(
             pool.join()
             pool = None
     except OSError as e:
+        cause = "free disk space" if e.errno == errno.ENOSPC else "fix the cause"
         raise OSError(
             e.errno, f"preparing token store {out}: {e.strerror or e} ({e.filename or partial}); "
-            f"the unfinished store in {partial} is not used; fix the cause (free disk space) and rerun: "
-            "finished shards are kept"
+            f"the unfinished store in {partial} is not used; {cause} and rerun: finished shards are kept"
         ) from e
     finally:
         bar.close()
