@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.checkpoint import CheckpointManager, check_checkpoint_config
 from torchtitan.config import ConfigError, JobConfig, resolve_gradient_accumulation, to_toml
-from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tokenizer
+from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tokenizer, check_training_data
 from torchtitan.distributed import (
     ParallelDims, clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
 )
@@ -95,6 +95,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(problems)
     problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args))
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
+    t = cfg.training
+    problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
+                                    split=held_out_split(cfg), seq_len=t.seq_len,
+                                    global_batch=t.batch_size * dims.degree("dp"))
     if problems:
         raise ConfigError(problems)
     pipeline = plan_pipeline(cfg, args.n_layers) if dims.pp_enabled else None

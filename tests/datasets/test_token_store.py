@@ -316,3 +316,22 @@ def test_streaming_mode_shards_documents_and_resumes_at_its_dp_degree(corpus, to
     assert torch.equal(next(iter(resumed))[0], expected)
     with pytest.raises(ValueError, match="depends on the DP degree.*token store"):
         rank(0, degree=4).load_state_dict(state)
+
+
+def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp_path):
+    import shutil
+
+    from torchtitan.config import ConfigError, ConfigManager
+    from torchtitan.trainer import preflight
+
+    bad = tmp_path / "bad"
+    shutil.copytree(store, bad)
+    (bad / "shard_00002.bin").write_bytes(b"")
+    cfg = ConfigManager().parse_args(["--job.config_file", "train_configs/debug_model.toml",
+                                      f"--training.dataset_path={bad}", f"--training.seq_len={SEQ}"])
+    with pytest.raises(ConfigError, match=re.escape(str(bad / "shard_00002.bin")) + ".*truncated"):
+        preflight(cfg, 1)
+    cfg.training.dataset_path = str(store)
+    cfg.training.batch_size = 10**4
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        preflight(cfg, 1)

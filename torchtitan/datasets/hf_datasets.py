@@ -443,6 +443,29 @@ def open_token_store(
     return TokenStore(path)
 
 
+def check_training_data(
+    *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None, seq_len: int,
+    global_batch: int,
+) -> list[str]:
+    """Problems with the training data's token store, found before any process group exists.
+
+    Opens (on first use: prepares, under the cache lock) the store, so a store made with
+    another tokenizer or split, a truncated shard, a missing index or too little data
+    stops every rank alike with the folder named.  Hub datasets are not checked here.
+    """
+    what = f"--training.dataset_path={dataset_path}" if dataset_path else f"--training.dataset={dataset_name}"
+    try:
+        store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer,
+                                 split=split)
+    except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
+        return [f"{what}: {e}"]
+    if store is not None and store.n_tokens // (seq_len + 1) < global_batch:
+        return [f"{what}: token store {store.path} holds {store.n_tokens // (seq_len + 1)} window(s) of "
+                f"{seq_len + 1} tokens, fewer than one global batch ({global_batch}); use more data or a smaller "
+                "--training.seq_len/--training.batch_size"]
+    return []
+
+
 def build_dataloader(
     *,
     dataset_name: str,
