@@ -99,7 +99,8 @@ def test_preflight_rejects_validation_data_smaller_than_one_batch(tmp_path):
     assert "make(s) 0 window(s) of 65 tokens" in error
     # A held-out part of 0.1% of the embedded corpus is far from 512 windows.
     error = _preflight_error(8, "--validation.held_out_fraction=0.001", "--validation.batch_size=64")
-    assert "the held-out 0.001 of the training documents make(s)" in error and "64 x data-parallel degree 8 = 512" in error
+    assert "the held-out 0.001 of the training documents make(s)" in error
+    assert "64 x data-parallel degree 8 = 512" in error
     assert "--validation.dataset=nope: unknown; choose one of embedded, c4" in _preflight_error(
         1, "--validation.dataset=nope")
     assert "no such file or folder" in _preflight_error(1, f"--validation.dataset_path={tmp_path / 'missing'}")

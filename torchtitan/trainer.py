@@ -37,7 +37,9 @@ from torchtitan.models.llama3 import ModelArgs, Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.optim.lr_scheduler import validate_schedule
-from torchtitan.validate import ValidationResult, Validator, build_validation_data, check_validation_data, held_out_split
+from torchtitan.validate import (
+    ValidationResult, Validator, build_validation_data, check_validation_data, held_out_split,
+)
 
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
@@ -127,6 +129,9 @@ class Trainer:
             dp_rank=dp_rank, dp_degree=dp_degree, split=held_out_split(cfg),
             shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
         )
+        if cfg.validation.held_out_fraction is not None and self.rank == 0:
+            logger.info("Training data: %g of the documents held out for validation (split_seed %d)",
+                        cfg.validation.held_out_fraction, cfg.validation.split_seed)
         # One module per pipeline stage held by this rank; a single part without PP.
         self.pp_runner: PipelineRunner | None = None
         self.model_parts: list[torch.nn.Module] = self._build_model()
@@ -366,7 +371,7 @@ class Trainer:
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
                    "validation/tokens": result.tokens, "validation/train_tokens_seen": trained}
         if self.rank == 0:
-            logger.info("validation step: %d  loss: %.5g  perplexity: %.5g  tokens: %s (%d batches)  trained on: %s "
+            logger.info("validation step: %d  loss: %.5g  perplexity: %.5g  tokens: %s (%d batch(es))  trained on: %s "
                         "tokens", self.step, result.loss, result.perplexity, f"{result.tokens:,}", result.batches,
                         f"{trained:,}")
         self.metrics_logger.log(self.step, metrics)

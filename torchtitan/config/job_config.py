@@ -167,7 +167,9 @@ class Validation:
     dataset: str | None = opt(
         None, "Registered dataset to validate on (e.g. c4_validation); unset: the held-out part of the training data"
     )
-    dataset_path: str | None = opt(None, "Local json/jsonl/parquet/text file or folder to validate on; overrides dataset")
+    dataset_path: str | None = opt(
+        None, "Local json/jsonl/parquet/text file or folder to validate on; overrides dataset"
+    )
     held_out_fraction: float | None = opt(
         None,
         "Fraction (0..1) of the training documents held out for validation, chosen by hashing each document "
