@@ -195,7 +195,8 @@ def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_
     args = [str(path), str(out), "--workers", "1", "--shard-mb", "0.001", "--no-progress"]
     with pytest.raises(OSError, match="No space left on device") as info:
         prepare_main(args)
-    assert info.value.errno == errno.ENOSPC and str(out) in str(info.value) and "finished shards are kept" in str(info.value)
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC and str(out) in message and "finished shards are kept" in message
     assert not out.exists()  # the partial store never takes the final name
     with pytest.raises(TokenStoreError, match="no index.json"):
         loader(tmp_path / "s.partial", tokenizer)
@@ -206,7 +207,8 @@ def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_
     monkeypatch.setattr(token_store, "_tokenize_shard", lambda task: tokenized.append(task[0]) or real_shard(task))
     prepare_main(args)
     assert tokenized[0] == 2  # shards 0 and 1 were kept
-    assert TokenStore(out).read(0, TokenStore(out).n_tokens).tolist() == TokenStore(store).read(0, TokenStore(store).n_tokens).tolist()
+    resumed, clean = TokenStore(out), TokenStore(store)
+    assert resumed.read(0, resumed.n_tokens).tolist() == clean.read(0, clean.n_tokens).tolist()
 
 
 def test_malformed_json_line_stops_with_file_and_line(tmp_path):

@@ -43,9 +43,10 @@ Checkpointing
 ``PackedTextDataset.state_dict()`` stores a position that does not depend on
 the DP degree: the epoch and the index of the first window of the next global
 batch.  Loading it into a dataset with another DP degree (or local batch
-size) continues the same global sample stream from that window.  Resuming
-re-reads and re-tokenizes the documents before that window and skips them,
-which is cheap for the embedded corpus but linear in the position.
+size) continues the same global sample stream from that window.  Here
+resuming re-reads and re-tokenizes the documents before that window, linear in
+the position; the token store loader keeps the same state and resumes in
+constant time.
 
 Concurrency
 -----------
