@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.checkpoint import CheckpointManager, check_checkpoint_config
 from torchtitan.config import ConfigError, JobConfig, resolve_gradient_accumulation, to_toml
-from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tokenizer
+from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tokenizer, check_training_data
 from torchtitan.distributed import (
     ParallelDims, clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
 )
@@ -97,6 +97,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(problems)
     problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args), model_args=args)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
+    t = cfg.training
+    problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
+                                    split=held_out_split(cfg), seq_len=t.seq_len,
+                                    global_batch=t.batch_size * dims.degree("dp"))
     if problems:
         raise ConfigError(problems)
     pipeline = plan_pipeline(cfg, args.n_layers) if dims.pp_enabled else None
@@ -123,6 +127,7 @@ class Trainer:
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
             dp_rank=dp_rank, dp_degree=dp_degree, split=held_out_split(cfg),
+            shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
         )
         if cfg.validation.held_out_fraction is not None and self.rank == 0:
             logger.info("Training data: %g of the documents held out for validation (split_seed %d)",

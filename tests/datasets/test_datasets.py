@@ -48,7 +48,9 @@ def tokenizer() -> Tokenizer:
 
 
 def make_loader(tokenizer: Tokenizer, *, batch: int, rank: int = 0, degree: int = 1, **kwargs):
-    options = dict(dataset_name="embedded", dataset_path=None, seq_len=SEQ_LEN, infinite=True)
+    # Unshuffled: these tests check the packing against the plain stream; the shuffled order is tested in
+    # test_token_store.py.
+    options = dict(dataset_name="embedded", dataset_path=None, seq_len=SEQ_LEN, infinite=True, shuffle=False)
     options.update(kwargs)
     return build_dataloader(
         tokenizer=tokenizer, local_batch_size=batch, dp_rank=rank, dp_degree=degree, **options

@@ -172,3 +172,25 @@ def test_export_copies_hf_and_tiktoken_tokenizers(files, tmp_path) -> None:
         config = json.loads((out / "config.json").read_text())
         assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (tok.bos_id, tok.eos_id,
                                                                                           tok.n_words)
+
+
+def test_token_store_prepares_with_every_backend(files, tmp_path) -> None:
+    """The store holds each document as the backend encodes it (BOS + text + EOS), and
+    a Hugging Face folder is fingerprinted by its files, so a changed tokenizer is refused."""
+    from torchtitan.datasets.token_store import TokenStore, TokenStoreError, prepare_store
+
+    docs = [t for t in CORPUS if t]
+    for name in ("tiktoken", "hf"):
+        tokenizer = build_tokenizer(str(files[name]))
+        out = prepare_store(documents=iter(docs), out_dir=tmp_path / name, tokenizer_path=str(files[name]),
+                            source={"fingerprint": "test"}, progress=False)
+        store = TokenStore(out)
+        expected = [i for d in docs for i in tokenizer.encode(d, bos=True, eos=True)]
+        assert store.read(0, store.n_tokens).tolist() == expected, name
+        store.check_tokenizer(str(files[name]), tokenizer.n_words)
+    changed = tmp_path / "hf_changed"
+    changed.mkdir()
+    (changed / "tokenizer.json").write_text((files["hf"] / "tokenizer.json").read_text().replace('"<|eot_id|>"', '"<|eot|>"'))
+    (changed / "tokenizer_config.json").write_text((files["hf"] / "tokenizer_config.json").read_text())
+    with pytest.raises(TokenStoreError, match="prepared with the tokenizer"):
+        TokenStore(tmp_path / "hf").check_tokenizer(str(changed), build_tokenizer(str(changed)).n_words)

@@ -65,7 +65,12 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset: str = opt("embedded", "Dataset name from the registry (embedded, c4, ...)")
-    dataset_path: str | None = opt(None, "Local json/jsonl/parquet/text file or folder; overrides the registry's source")
+    dataset_path: str | None = opt(
+        None, "Token store folder (scripts/prepare_data.py), or local json/jsonl/parquet/text file or folder "
+        "(prepared into a cached token store on first use); overrides the registry's source"
+    )
+    shuffle: bool = opt(True, "Token store: read the windows in a seeded order, another one each epoch")
+    shuffle_seed: int = opt(0, "Seed of that order; independent of training.seed, so the data stays put", min=0)
     batch_size: int = opt(8, "Local batch size: sequences per data-parallel rank per micro-step", min=1)
     seq_len: int = opt(2048, "Tokens per sequence", min=1)
     max_norm: float = opt(1.0, "Gradient clipping: max global L2 norm (0 disables clipping)", min=0.0)

@@ -2,7 +2,8 @@
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
 from torchtitan.datasets.hf_datasets import (
-    DATASETS, DatasetSpec, PackedTextDataset, build_dataloader, build_validation_dataset, count_windows,
+    DATASETS, DatasetSpec, PackedTextDataset, build_dataloader, build_validation_dataset, check_training_data,
+    count_windows,
 )
 from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer
@@ -15,6 +16,7 @@ __all__ = [
     "Tokenizer",
     "build_dataloader",
     "build_validation_dataset",
+    "check_training_data",
     "count_windows",
     "build_tokenizer",
     "ensure_embedded_corpus",

@@ -19,11 +19,13 @@ Data flow
    batches, and so does a run that accumulates gradients over several
    consecutive local batches.
 
-Every rank tokenizes the whole stream itself and keeps only its own windows.
-That wastes ``D - 1`` of the tokenizer work, but it needs no communication,
-is trivially deterministic, and costs well under a second per epoch for the
-embedded corpus.  For large hub datasets (C4) it would be better to shard
-documents across ranks and exchange token counts; that is a known TODO.
+Training reads this stream from a token store (``token_store.py``,
+``store_dataset.py``): the embedded corpus and local files are tokenized once
+into memory-mapped shards, on first use, and every rank reads only its own
+windows by index.  ``PackedTextDataset`` below builds the same stream on the fly
+(every rank tokenizes all of it and keeps its share); it serves the validation
+data, which is small.  Hub datasets (``c4``) are streamed per DP rank instead
+(``stream_dataset.py``), which gives up the DP-degree-independent order.
 
 End of data
 -----------
@@ -41,9 +43,10 @@ Checkpointing
 ``PackedTextDataset.state_dict()`` stores a position that does not depend on
 the DP degree: the epoch and the index of the first window of the next global
 batch.  Loading it into a dataset with another DP degree (or local batch
-size) continues the same global sample stream from that window.  Resuming
-re-reads and re-tokenizes the documents before that window and skips them,
-which is cheap for the embedded corpus but linear in the position.
+size) continues the same global sample stream from that window.  Here
+resuming re-reads and re-tokenizes the documents before that window, linear in
+the position; the token store loader keeps the same state and resumes in
+constant time.
 
 Concurrency
 -----------
@@ -67,8 +70,13 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
-from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
+from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
 from torchtitan.datasets.split import HeldOutSplit
+from torchtitan.datasets.store_dataset import TokenStoreDataset
+from torchtitan.datasets.stream_dataset import ShardedStreamDataset
+from torchtitan.datasets.token_store import (
+    SourceSpec, TokenStore, ensure_store, is_store, looks_like_store, source_files, source_fingerprint,
+)
 from torchtitan.datasets.tokenizer import Tokenizer
 
 __all__ = [
@@ -397,6 +405,68 @@ def _collate_pairs(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     return inputs, labels
 
 
+def _store_source(dataset_name: str, dataset_path: str | None) -> SourceSpec | None:
+    """What to prepare into a token store, or None for a hub dataset (streamed, sharded by document)."""
+    if dataset_path:
+        files = source_files(dataset_path)
+        if not files:
+            load_local_dataset(dataset_path)  # raises the error naming what the folder lacks
+        label = Path(os.path.expanduser(dataset_path)).name.split(".")[0] or "data"
+        return SourceSpec(label=label, fingerprint=source_fingerprint(files), files=tuple(files))
+    if dataset_name == "embedded":
+        corpus = Path(ensure_embedded_corpus())
+        return SourceSpec(label="embedded", fingerprint=source_fingerprint([corpus]), files=(corpus,))
+    return None
+
+
+def open_token_store(
+    *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None,
+    cache_dir: str | None = None, prepare_workers: int = 1,
+) -> TokenStore | None:
+    """The token store this run reads: the store at ``dataset_path``, or one prepared on first use in the cache.
+
+    None for hub datasets, which are streamed (see ``build_dataloader``).
+    """
+    if dataset_path and is_store(os.path.expanduser(dataset_path)):
+        store = TokenStore(os.path.expanduser(dataset_path))
+        store.check_tokenizer(tokenizer.model_path, tokenizer.n_words)
+        store.check_split(split)
+        return store
+    if dataset_path and looks_like_store(Path(os.path.expanduser(dataset_path))):
+        TokenStore(os.path.expanduser(dataset_path))  # raises: no index
+    if not dataset_path and dataset_name not in DATASETS:
+        _open_source(dataset_name, dataset_path)  # raises the unknown-dataset error
+    spec = _store_source(dataset_name, dataset_path)
+    if spec is None:
+        return None
+    path = ensure_store(spec, tokenizer_path=tokenizer.model_path, split=split,
+                        cache_dir=cache_dir or default_cache_dir(), workers=prepare_workers)
+    return TokenStore(path)
+
+
+def check_training_data(
+    *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None, seq_len: int,
+    global_batch: int,
+) -> list[str]:
+    """Problems with the training data's token store, found before any process group exists.
+
+    Opens (on first use: prepares, under the cache lock) the store, so a store made with
+    another tokenizer or split, a truncated shard, a missing index or too little data
+    stops every rank alike with the folder named.  Hub datasets are not checked here.
+    """
+    what = f"--training.dataset_path={dataset_path}" if dataset_path else f"--training.dataset={dataset_name}"
+    try:
+        store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer,
+                                 split=split)
+    except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
+        return [f"{what}: {e}"]
+    if store is not None and store.n_tokens // (seq_len + 1) < global_batch:
+        return [f"{what}: token store {store.path} holds {store.n_tokens // (seq_len + 1)} window(s) of "
+                f"{seq_len + 1} tokens, fewer than one global batch ({global_batch}); use more data or a smaller "
+                "--training.seq_len/--training.batch_size"]
+    return []
+
+
 def build_dataloader(
     *,
     dataset_name: str,
@@ -408,45 +478,46 @@ def build_dataloader(
     dp_degree: int,
     infinite: bool = True,
     split: HeldOutSplit | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    prefetch: int = 2,
+    cache_dir: str | None = None,
 ) -> StatefulDataLoader:
     """Build this DP rank's loader of ``(inputs, labels)`` batches, each ``[local_batch_size, seq_len]``.
 
-    ``dataset_path``, when set, overrides ``dataset_name`` (see
-    ``load_local_dataset``); otherwise ``dataset_name`` must be a key of
-    ``DATASETS``.  The loader's ``state_dict()`` contains the dataset position
-    and can be loaded with a different ``dp_degree``. ``split``, when set, keeps back
-    the documents it holds out for validation.
+    ``dataset_path``, when set, overrides ``dataset_name``: a prepared token
+    store (``scripts/prepare_data.py``), or local files that are prepared into a
+    store in ``cache_dir`` (default ``default_cache_dir()``) on first use, as is
+    the embedded corpus.  Such a loader reads only this rank's windows, in the
+    seeded order ``shuffle``/``seed`` give, with ``prefetch`` batches read ahead
+    on a thread.  Its ``state_dict()`` holds the dataset position and can be
+    loaded with a different ``dp_degree``.  ``split``, when set, keeps back the
+    documents it holds out for validation.
+
+    Hub datasets (``c4``) are streamed instead, each DP rank reading its own
+    documents: their order depends on the DP degree (see ``stream_dataset.py``).
     """
     _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
+    store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer, split=split,
+                             cache_dir=cache_dir)
+    name = dataset_path or dataset_name
+    if store is not None:
+        dataset: IterableDataset = TokenStoreDataset(
+            store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+            infinite=infinite, shuffle=shuffle, seed=seed, prefetch=prefetch, name=name,
+            split_text=store.index.get("split"),
+        )
+        # The dataset yields whole batches, and reads them ahead itself.
+        return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
+    # A hub dataset: streamed, each DP rank reading its own documents (the order then depends on D).
     source, text_field = _open_source(dataset_name, dataset_path)
-    dataset = PackedTextDataset(
-        source=source,
-        text_field=text_field,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        infinite=infinite,
-        name=dataset_path or dataset_name,
-        split=split,
+    logger.info("%s: streamed per DP rank (no token store): the sample order depends on the DP degree %d",
+                name, dp_degree)
+    dataset = ShardedStreamDataset(
+        source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
+        dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split,
     )
-    # num_workers=0: tokenization is cheap next to a training step, and the
-    # in-process iterator lets StatefulDataLoader checkpoint the dataset
-    # position directly (no per-worker snapshots).  The dataset yields whole
-    # local batches (blocks), so a batch never straddles two blocks; only a
-    # dataset checkpoint taken by hand in the middle of a block could shift
-    # that, and the loader never takes one there.
-    return StatefulDataLoader(
-        dataset,
-        batch_size=local_batch_size,
-        collate_fn=_collate_pairs,
-        num_workers=0,
-        drop_last=True,
-        # Its own generator: creating an iterator draws a base seed, and drawing it from the
-        # global generator would shift the runtime random stream that a checkpoint restores.
-        generator=torch.Generator(),
-    )
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
 
 
 def build_validation_dataset(

@@ -70,6 +70,10 @@ class Tokenizer:
     def _encode_plain(self, text: str) -> list[int]:
         raise NotImplementedError
 
+    def encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without BOS/EOS (the token store's preparation calls this)."""
+        return [self._encode_plain(t) for t in texts]
+
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
         """Token ids of ``text``, optionally framed by BOS and/or EOS."""
         ids = self._encode_plain(text)
@@ -109,6 +113,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _encode_plain(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)  # one call: sentencepiece tokenizes the list in C++
 
     def decode(self, ids: Iterable[int]) -> str:
         # int() also accepts 0-d tensors and numpy integers.
@@ -161,6 +168,9 @@ class TiktokenTokenizer(Tokenizer):
         # Special-token text is ordinary text here (see the module docstring).
         return self._enc.encode(text, allowed_special=set(), disallowed_special=())
 
+    def encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_batch(texts, allowed_special=set(), disallowed_special=())
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([i for i in (int(i) for i in ids) if i not in self._special_ids])
 
@@ -211,6 +221,9 @@ class HFTokenizer(Tokenizer):
 
     def _encode_plain(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

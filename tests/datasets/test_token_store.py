@@ -1,0 +1,339 @@
+"""Token store: preparation (atomic, resumable, workers), window reading, order, resume, bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer
+from torchtitan.datasets import token_store
+from torchtitan.datasets.prepare import main as prepare_main
+from torchtitan.datasets.token_store import TokenStore, TokenStoreError, WindowPermutation
+
+TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A jsonl of 120 short, distinct documents."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 11)) + f" number {i}." for i in range(120)]
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path, docs
+
+
+@pytest.fixture(scope="module")
+def store(corpus, tokenizer, tmp_path_factory) -> Path:
+    """The corpus prepared with the command line, two worker processes, small shards."""
+    out = tmp_path_factory.mktemp("stores") / "docs"
+    prepare_main([str(corpus[0]), str(out), "--workers", "2", "--shard-mb", "0.001", "--no-progress"])
+    return out
+
+
+def reference_stream(tokenizer, docs: list[str]) -> list[int]:
+    stream: list[int] = []
+    for d in docs:
+        stream += tokenizer.encode(d, bos=True, eos=True)
+    return stream
+
+
+def loader(path, tokenizer, *, batch=2, rank=0, degree=1, **kw):
+    return build_dataloader(dataset_name="ignored", dataset_path=str(path), tokenizer=tokenizer, seq_len=SEQ,
+                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, **kw)
+
+
+def take(dl, n):
+    it = iter(dl)
+    return [next(it) for _ in range(n)]
+
+
+def global_batches(path, tokenizer, degree, steps, batch, **kw):
+    per_rank = [take(loader(path, tokenizer, batch=batch, rank=r, degree=degree, **kw), steps) for r in range(degree)]
+    return [torch.cat([per_rank[r][s][0] for r in range(degree)]) for s in range(steps)]
+
+
+# ---------------------------------------------------------------- contents
+
+
+def test_store_holds_the_packed_stream(store, corpus, tokenizer):
+    _, docs = corpus
+    s = TokenStore(store)
+    assert s.dtype == np.uint16 and len(s.shard_files) > 3  # several shards: windows cross shard edges
+    stream = reference_stream(tokenizer, docs)
+    assert s.n_tokens == len(stream) and s.read(0, s.n_tokens).tolist() == stream
+    ends = np.concatenate([np.load(str(f).replace(".bin", ".docs.npy")) + s.starts[i]
+                           for i, f in enumerate(s.shard_files)])
+    assert ends.tolist() == np.cumsum([len(tokenizer.encode(d, bos=True, eos=True)) for d in docs]).tolist()
+    assert token_store._dtype_for(70000) == np.uint32
+    # Unshuffled, the loader gives the plain windows in order.
+    window = SEQ + 1
+    got = [x[0].tolist() for x, _ in take(loader(store, tokenizer, batch=1, shuffle=False), 5)]
+    assert got == [stream[i * window : i * window + SEQ] for i in range(5)]
+
+
+def test_permutation_is_a_seeded_bijection():
+    for n in (1, 2, 3, 17, 1000, 4097):
+        p = WindowPermutation(n, seed=5, epoch=0)(np.arange(n))
+        assert sorted(p.tolist()) == list(range(n))
+    a = WindowPermutation(1000, 5, 0)(np.arange(1000))
+    few = np.array([0, 7, 999, 500])  # small requests take the pure-Python path: it must agree
+    assert np.array_equal(WindowPermutation(1000, 5, 0)(few), a[few])
+    assert not np.array_equal(a, np.arange(1000))
+    assert np.array_equal(a, WindowPermutation(1000, 5, 0)(np.arange(1000)))
+    assert not np.array_equal(a, WindowPermutation(1000, 5, 1)(np.arange(1000)))
+    assert not np.array_equal(a, WindowPermutation(1000, 6, 0)(np.arange(1000)))
+    # O(1) per index: one window far into a huge epoch, without building anything of that size.
+    assert 0 <= int(WindowPermutation(10**12, 5, 0)(np.array([10**12 - 1]))[0]) < 10**12
+
+
+def test_shuffled_stream_is_independent_of_dp_degree_and_accumulation(store, tokenizer):
+    d1 = global_batches(store, tokenizer, 1, 3, 8)
+    d4 = global_batches(store, tokenizer, 4, 3, 2)
+    micro = take(loader(store, tokenizer, batch=4), 6)
+    for step in range(3):
+        assert torch.equal(d1[step], d4[step])
+        assert torch.equal(d1[step], torch.cat([micro[2 * step][0], micro[2 * step + 1][0]]))
+    plain = global_batches(store, tokenizer, 1, 1, 8, shuffle=False)[0]
+    assert not torch.equal(plain, d1[0])
+    assert not torch.equal(d1[0], global_batches(store, tokenizer, 1, 1, 8, seed=1)[0])
+
+
+def synthetic(tmp_path_factory_or_path, n_tokens, **kw):
+    return TokenStore(token_store.write_synthetic_store(tmp_path_factory_or_path, n_tokens, shard_tokens=1000))
+
+
+def window_ids(batch: torch.Tensor) -> list[int]:
+    return (batch[:, 0] // (SEQ + 1)).tolist()  # synthetic store: token t is t
+
+
+def test_epochs_reshuffle_and_cover_every_window(tmp_path):
+    from torchtitan.datasets.store_dataset import TokenStoreDataset
+
+    s = synthetic(tmp_path, 103 * (SEQ + 1) + 5)  # 103 windows: 12 global batches of 8, 7 windows dropped
+    def ranks(infinite, degree=2):
+        return [TokenStoreDataset(store=s, seq_len=SEQ, local_batch_size=4, dp_rank=r, dp_degree=degree,
+                                  shuffle=True, infinite=infinite) for r in range(degree)]
+    epochs = []
+    for data in zip(*ranks(True)):
+        epochs.append([w for x, y in data for w in window_ids(x)])
+        assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in data)
+        if len(epochs) == 24:
+            break
+    first, second = sum(epochs[:12], []), sum(epochs[12:], [])
+    assert len(set(first)) == 96 and set(first) <= set(range(103))  # distinct windows, tail dropped
+    assert first != second and len(set(second)) == 96
+    assert [len(list(r)) for r in ranks(False)] == [12, 12]  # a finite pass stops on every rank together
+
+
+def test_resume_anywhere_at_any_dp_degree(store, tokenizer):
+    reference = global_batches(store, tokenizer, 1, 12, 4)
+    n_per_epoch = (TokenStore(store).n_tokens // (SEQ + 1)) // 4
+    dl = loader(store, tokenizer, batch=2, rank=1, degree=2)
+    take(dl, 5)
+    state = dl.state_dict()
+    assert state["dataset_state"]["next_window"] == 20  # prefetching did not move the saved position
+    resumed = loader(store, tokenizer, batch=4)
+    resumed.load_state_dict(state)
+    for step, (x, _) in enumerate(take(resumed, 7)):
+        assert torch.equal(x, reference[5 + step])
+    # Resuming is arithmetic: a position in the next epoch is as quick to reach as window 0.
+    late = loader(store, tokenizer, batch=4)
+    late.load_state_dict({**state, "dataset_state": {**state["dataset_state"], "epoch": 1, "next_window": 4}})
+    whole = take(loader(store, tokenizer, batch=4), n_per_epoch + 2)
+    assert torch.equal(next(iter(late))[0], whole[n_per_epoch + 1][0])
+    other = loader(store, tokenizer, batch=4, seed=3)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle_seed"):
+        iter(other)  # the loader hands the state to the dataset here
+
+
+def test_prefetch_errors_reach_the_training_thread(store, tokenizer, monkeypatch):
+    dl = loader(store, tokenizer, batch=2)
+    it = iter(dl)
+    next(it)
+
+    def broken(self, start, length):
+        raise OSError(errno.EIO, "disk read failed")
+
+    monkeypatch.setattr(TokenStore, "read", broken)
+    with pytest.raises(OSError, match="disk read failed"):
+        for _ in range(5):
+            next(it)
+
+
+# ---------------------------------------------------------------- preparation
+
+
+def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_path, monkeypatch, store):
+    path, _ = corpus
+    out = tmp_path / "s"
+    real_write = token_store._write_array
+    calls = {"n": 0}
+
+    def full_disk(target, array):
+        if target.suffix == ".bin":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        real_write(target, array)
+
+    monkeypatch.setattr(token_store, "_write_array", full_disk)
+    args = [str(path), str(out), "--workers", "1", "--shard-mb", "0.001", "--no-progress"]
+    with pytest.raises(OSError, match="No space left on device") as info:
+        prepare_main(args)
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC and str(out) in message and "finished shards are kept" in message
+    assert not out.exists()  # the partial store never takes the final name
+    with pytest.raises(TokenStoreError, match="no index.json"):
+        loader(tmp_path / "s.partial", tokenizer)
+
+    tokenized = []
+    real_shard = token_store._tokenize_shard
+    monkeypatch.setattr(token_store, "_write_array", real_write)
+    monkeypatch.setattr(token_store, "_tokenize_shard", lambda task: tokenized.append(task[0]) or real_shard(task))
+    prepare_main(args)
+    assert tokenized[0] == 2  # shards 0 and 1 were kept
+    resumed, clean = TokenStore(out), TokenStore(store)
+    assert resumed.read(0, resumed.n_tokens).tolist() == clean.read(0, clean.n_tokens).tolist()
+
+
+def test_malformed_json_line_stops_with_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken\n{"text": "x"}\n')
+    with pytest.raises(TokenStoreError, match=r"bad\.jsonl:2: malformed JSON"):
+        prepare_main([str(bad), str(tmp_path / "out"), "--workers", "1", "--no-progress"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_stores_are_named(store, tokenizer, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(store, copy)
+    index = json.loads((copy / "index.json").read_text())
+    index["tokenizer"]["sha256"] = "0" * 64
+    (copy / "index.json").write_text(json.dumps(index))
+    with pytest.raises(TokenStoreError, match=re.escape(str(copy)) + ".*prepared with the tokenizer"):
+        loader(copy, tokenizer)
+    with pytest.raises(TokenStoreError, match="held out"):
+        loader(store, tokenizer, split=HeldOutSplit(0.1))
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(store, truncated)
+    shard = truncated / "shard_00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(TokenStoreError, match="shard_00001.bin.*truncated"):
+        loader(truncated, tokenizer)
+
+    (truncated / "index.json").unlink()
+    with pytest.raises(TokenStoreError, match=re.escape(str(truncated)) + " has no index.json"):
+        loader(truncated, tokenizer)
+
+    n = TokenStore(store).n_tokens // (SEQ + 1)
+    with pytest.raises(TokenStoreError, match=re.escape(str(store)) + f" holds {n} window.*fewer than one global batch"):
+        loader(store, tokenizer, batch=n, degree=2)
+
+
+def test_held_out_documents_never_reach_the_store(corpus, tokenizer, tmp_path):
+    path, docs = corpus
+    split = HeldOutSplit(0.2, seed=1)
+    out = tmp_path / "split"
+    prepare_main([str(path), str(out), "--workers", "1", "--held-out-fraction", "0.2", "--split-seed", "1",
+                  "--no-progress"])
+    kept = [d for d in docs if not split.held_out(d)]
+    assert 0 < len(kept) < len(docs)
+    s = TokenStore(out)
+    assert s.read(0, s.n_tokens).tolist() == reference_stream(tokenizer, kept)
+    take(loader(out, tokenizer, split=split), 1)  # the matching run reads it
+
+
+def test_first_use_prepares_once_under_a_lock(corpus, tokenizer, tmp_path, monkeypatch):
+    """Ranks starting together: one prepares, the others wait and reuse; a held lock times out clearly."""
+    path, _ = corpus
+    prepared = []
+    real = token_store.prepare_store
+    monkeypatch.setattr(token_store, "prepare_store", lambda **kw: prepared.append(1) or real(**kw))
+    results: list = []
+
+    def rank(r):
+        dl = loader(path, tokenizer, rank=r, degree=3, cache_dir=str(tmp_path))
+        results.append((r, next(iter(dl))[0]))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and prepared == [1]
+    stores = [p for p in (tmp_path / "token_stores").iterdir() if p.is_dir()]
+    assert len(stores) == 1 and (stores[0] / "index.json").exists()
+
+    lock = tmp_path / "token_stores" / "held.lock"
+    with token_store._file_lock(lock, 5, "x"):
+        with pytest.raises(TimeoutError, match="waited 0 s.*held.lock"):
+            with token_store._file_lock(lock, 0.3, "token store y"):
+                pass
+
+
+# ---------------------------------------------------------------- hub streaming mode
+
+
+def test_streaming_mode_shards_documents_and_resumes_at_its_dp_degree(corpus, tokenizer):
+    """The hub mode (c4) on a local file: each DP rank packs only its documents; resume is exact per rank."""
+    import datasets
+
+    from torchtitan.datasets.stream_dataset import ShardedStreamDataset
+
+    path, docs = corpus
+
+    def rank(r, degree=2):
+        source = datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
+        return ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer, seq_len=SEQ,
+                                    local_batch_size=2, dp_rank=r, dp_degree=degree, infinite=False, name="hub")
+
+    r0, r1 = rank(0), rank(1)
+    tokens0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in r0]).tolist()
+    assert tokens0 == reference_stream(tokenizer, docs[0::2])[: len(tokens0)] and len(tokens0) > 200
+    it = iter(r1)
+    for _ in range(3):
+        next(it)
+    state = r1.state_dict()
+    expected = next(it)[0]
+    resumed = rank(1)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed))[0], expected)
+    with pytest.raises(ValueError, match="depends on the DP degree.*token store"):
+        rank(0, degree=4).load_state_dict(state)
+
+
+def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp_path):
+    import shutil
+
+    from torchtitan.config import ConfigError, ConfigManager
+    from torchtitan.trainer import preflight
+
+    bad = tmp_path / "bad"
+    shutil.copytree(store, bad)
+    (bad / "shard_00002.bin").write_bytes(b"")
+    cfg = ConfigManager().parse_args(["--job.config_file", "train_configs/debug_model.toml",
+                                      f"--training.dataset_path={bad}", f"--training.seq_len={SEQ}"])
+    with pytest.raises(ConfigError, match=re.escape(str(bad / "shard_00002.bin")) + ".*truncated"):
+        preflight(cfg, 1)
+    cfg.training.dataset_path = str(store)
+    cfg.training.batch_size = 10**4
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        preflight(cfg, 1)

@@ -1,0 +1,209 @@
+"""This DP rank's batches, read from a token store by window index, prepared one step ahead.
+
+Global window ``i`` of an epoch is store window ``order(i)``: the identity
+without shuffling, else a seeded permutation that depends on (store, seq_len,
+seed, epoch) only (``WindowPermutation``).  Global batch ``s`` of a pass is
+windows ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` gets ``[s*B*D + r*B, ...)``,
+exactly as in the streaming loader (``hf_datasets``), so every layout and
+every accumulation split sees the same global batches, and the saved position
+(epoch, first window of the next global batch) resumes at any DP degree.
+Finding a window is arithmetic, so a resume costs what a start costs, and a
+rank reads only its own ``B`` windows per step.
+
+A background thread reads the next batches while the training step runs
+(``prefetch`` of them).  The position is advanced only when the consumer takes a
+batch, so a checkpoint still records exactly what training consumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import Stateful
+
+from torchtitan.datasets.token_store import TokenStore, TokenStoreError, WindowPermutation
+
+__all__ = ["TokenStoreDataset"]
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class TokenStoreDataset(IterableDataset, Stateful):
+    """Yields ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``."""
+
+    def __init__(
+        self,
+        *,
+        store: TokenStore,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        infinite: bool = True,
+        shuffle: bool = False,
+        seed: int = 0,
+        prefetch: int = 2,
+        name: str = "dataset",
+        split_text: str | None = None,
+    ) -> None:
+        self.store = store
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.infinite = infinite
+        self.shuffle = shuffle
+        self.seed = seed
+        self.prefetch = prefetch
+        self.name = name
+        self.split_text = split_text
+        self.n_windows = store.n_tokens // (seq_len + 1)
+        global_batch = local_batch_size * dp_degree
+        if self.n_windows < global_batch:
+            raise TokenStoreError(
+                f"{name}: token store {store.path} holds {self.n_windows} window(s) of {seq_len + 1} tokens "
+                f"({store.n_tokens:,} tokens), fewer than one global batch ({global_batch} windows); use more data "
+                "or a smaller seq_len/batch size"
+            )
+        self._epoch = 0
+        self._next_window = 0
+
+    # ---------------------------------------------------------------- data
+
+    def _order(self, epoch: int):
+        if not self.shuffle:
+            return lambda idx: idx
+        return WindowPermutation(self.n_windows, self.seed, epoch)
+
+    def _batch(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        width = self.seq_len + 1
+        rows = np.stack([self.store.read(int(w) * width, width) for w in windows])
+        tokens = torch.from_numpy(rows)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def _positions(self, epoch: int, base: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, torch.Tensor] | None]]:
+        """(epoch, next_window after the batch, batch) from a position on; batch None ends a finite pass."""
+        local, global_batch = self.local_batch_size, self.local_batch_size * self.dp_degree
+        mine = np.arange(local, dtype=np.int64) + self.dp_rank * local
+        while True:
+            order = self._order(epoch)
+            # A pass counts its global batches from the position it starts at (see hf_datasets).
+            start = base
+            while start + global_batch <= self.n_windows:
+                yield epoch, start + global_batch, self._batch(order(start + mine))
+                start += global_batch
+            if not self.infinite:
+                yield epoch, 0, None
+                return
+            epoch, base = epoch + 1, 0
+            logger.info("%s: end of data, starting epoch %d", self.name, epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        produced = self._positions(self._epoch, self._next_window)
+        if self.prefetch <= 0:
+            items = produced
+            stop = None
+        else:
+            items, stop = self._prefetched(produced)
+        try:
+            for epoch, next_window, batch in items:
+                if batch is None:  # end of a finite pass
+                    self._epoch, self._next_window = epoch + 1, 0
+                    logger.info("%s: end of data after epoch %d", self.name, epoch)
+                    return
+                # Advance the position *before* yielding: the consumer may checkpoint while we are suspended.
+                self._epoch, self._next_window = epoch, next_window
+                yield batch
+        finally:
+            if stop is not None:
+                stop.set()
+
+    def _prefetched(self, produced: Iterator) -> tuple[Iterator, threading.Event]:
+        buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                for item in produced:
+                    while not stop.is_set():
+                        try:
+                            buffer.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set() or item[2] is None:
+                        return
+            except BaseException as e:  # handed to the consumer, which raises it on the training thread
+                buffer.put(e)
+            buffer.put(_END)
+
+        threading.Thread(target=work, name=f"prefetch:{self.name}", daemon=True).start()
+
+        def consume() -> Iterator:
+            while True:
+                item = buffer.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item[2] is None:
+                    return
+
+        return consume(), stop
+
+    def rewind(self) -> None:
+        self._epoch = self._next_window = 0
+
+    # ---------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "epoch": self._epoch,
+            "next_window": self._next_window,
+            "taken_in_block": 0,
+            "seq_len": self.seq_len,
+            "local_batch_size": self.local_batch_size,
+            "shuffle": self.seed if self.shuffle else None,
+        }
+        if self.split_text is not None:
+            state["split"] = self.split_text
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"{self.name}: checkpoint was taken with seq_len={state_dict['seq_len']}, "
+                f"but this run uses seq_len={self.seq_len}; window positions cannot be mapped"
+            )
+        theirs = state_dict.get("split")
+        if theirs != self.split_text:
+            raise ValueError(
+                f"{self.name}: checkpoint was taken with {theirs or 'nothing held out'} but this run has "
+                f"{self.split_text or 'nothing held out'}; its data position does not map onto another split: resume "
+                "with the checkpoint's --validation.held_out_fraction and --validation.split_seed"
+            )
+        mine = self.seed if self.shuffle else None
+        if "shuffle" in state_dict and state_dict["shuffle"] != mine:
+            def say(s: Any) -> str:
+                return "no shuffling" if s is None else f"shuffling with seed {s}"
+            raise ValueError(
+                f"{self.name}: checkpoint was taken with {say(state_dict['shuffle'])}, this run uses {say(mine)}; "
+                "the window order would differ: resume with the checkpoint's --training.shuffle and --training.shuffle_seed"
+            )
+        if int(state_dict.get("taken_in_block", 0)):
+            raise ValueError(
+                f"{self.name}: checkpoint was taken in the middle of a local batch; the token store loader resumes "
+                "only at local batch boundaries"
+            )
+        self._epoch = int(state_dict["epoch"])
+        self._next_window = int(state_dict["next_window"])

@@ -1,0 +1,103 @@
+"""Hub streaming mode: each DP rank reads, tokenizes and packs only its own documents.
+
+For hub datasets (``c4``) preparing a token store up front is often not wanted.
+Then each DP rank streams its own subset of the documents
+(``datasets.distributed.split_dataset_by_node``: whole files when the number of
+files divides evenly, else every D-th record), packs them into ``seq_len + 1``
+windows and yields local batches.  Per-rank cost stays flat as DP grows.
+
+What this mode gives up, plainly: **the sample order depends on the DP degree**.
+Another DP degree reads other documents on each rank, so layouts with different
+DP degrees train on different batches, and a checkpoint resumes only at the DP
+degree it was taken with (the loader refuses any other).  Ranks may also run out
+of data at different steps on a finite pass.  Use a token store when this matters.
+
+The checkpoint holds, per DP rank, the streaming dataset's own position
+(``datasets.IterableDataset.state_dict``) and the tokens left over from the last
+document, so a resume continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import Stateful
+
+from torchtitan.datasets.split import HeldOutSplit
+from torchtitan.datasets.tokenizer import Tokenizer
+
+__all__ = ["ShardedStreamDataset"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedStreamDataset(IterableDataset, Stateful):
+    """Yields ``(inputs, labels)`` batches ``[local_batch_size, seq_len]`` from this DP rank's documents."""
+
+    def __init__(self, *, source, text_field: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+                 dp_rank: int, dp_degree: int, infinite: bool = True, name: str = "dataset",
+                 split: HeldOutSplit | None = None) -> None:
+        from datasets.distributed import split_dataset_by_node
+
+        self.source = split_dataset_by_node(source, rank=dp_rank, world_size=dp_degree)
+        self.text_field = text_field
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.infinite = infinite
+        self.name = name
+        self.split = split
+        self._epoch = 0
+        self._buffer: list[int] = []
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        width = self.seq_len + 1
+        need = width * self.local_batch_size
+        while True:
+            self.source.set_epoch(self._epoch)
+            for record in self.source:
+                text = record.get(self.text_field)
+                if not text or (self.split is not None and self.split.held_out(text)):
+                    continue
+                self._buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
+                while len(self._buffer) >= need:
+                    rows = torch.tensor(self._buffer[:need], dtype=torch.long).view(self.local_batch_size, width)
+                    # Cut before yielding: a checkpoint taken while suspended holds the rest only.
+                    del self._buffer[:need]
+                    yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+            self._epoch += 1
+            self._buffer.clear()
+            if not self.infinite:
+                return
+            logger.info("%s: DP rank %d: end of its documents, epoch %d", self.name, self.dp_rank, self._epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = {"epoch": self._epoch, "buffer": self._buffer, "source": self.source.state_dict()}
+        return {
+            "mode": "sharded_stream", "dp_degree": self.dp_degree, "seq_len": self.seq_len,
+            "local_batch_size": self.local_batch_size,
+            # One entry per DP rank (ranks hold different positions); pickled so DCP keeps it as one value.
+            "ranks": {f"dp_rank{self.dp_rank}": pickle.dumps(mine)},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("mode") != "sharded_stream" or state_dict["dp_degree"] != self.dp_degree:
+            raise ValueError(
+                f"{self.name}: streamed per DP rank, the data order depends on the DP degree; this checkpoint was "
+                f"taken with {state_dict.get('dp_degree', 'a global stream')!r}, this run has DP degree "
+                f"{self.dp_degree}: resume with the checkpoint's DP degree, or train from a token store "
+                "(scripts/prepare_data.py), which resumes at any DP degree"
+            )
+        if (state_dict["seq_len"], state_dict["local_batch_size"]) != (self.seq_len, self.local_batch_size):
+            raise ValueError(f"{self.name}: streamed per DP rank, a checkpoint resumes only with its seq_len "
+                             f"({state_dict['seq_len']}) and local batch size ({state_dict['local_batch_size']})")
+        mine = pickle.loads(state_dict["ranks"][f"dp_rank{self.dp_rank}"])
+        self._epoch, self._buffer = mine["epoch"], list(mine["buffer"])
+        self.source.load_state_dict(mine["source"])
