@@ -298,15 +298,23 @@ class CheckpointManager:
             self.save(step, kind="full", sync=self.ck.async_mode != "async")
         return False
 
-    def close(self) -> None:
-        """Wait for an async save and commit it; then every rank knows the last checkpoint is visible."""
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Wait for an async save and commit it; then every rank knows the last checkpoint is visible.
+
+        ``wait_for_peers=False`` (this rank failed) still waits for the pending save, which
+        the checkpoint group's timeout bounds, but skips the barrier that the other ranks,
+        stuck elsewhere, would never reach.
+        """
         if self._closed or not self.active:
             return
         self._closed = True
-        self._finish_pending()
-        self._barrier()
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
+        try:
+            self._finish_pending()
+            if wait_for_peers:
+                self._barrier()
+        finally:
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
 
     # ---- loading ---------------------------------------------------------------
     def load(self) -> int:
