@@ -3,6 +3,8 @@
 - ``stop:<rank>:<step>``: that rank sends itself SIGSTOP as step ``<step>`` begins (a
   hung peer: alive, connections open, never answering), after writing the time to
   ``$FAULT_FILE``. The other ranks then wait in the step's first collectives.
+- ``slow_save:<seconds>``: the checkpoint that a SIGTERM triggers writes its data files,
+  then hangs that long before it could be committed.
 - unset: plain ``train.py``.
 
 Every rank writes ``<exit status> <time>`` to ``$FAULT_EXITS/<rank>`` when its training
@@ -35,6 +37,27 @@ def _install_stop(rank: int, step: int) -> None:
     Trainer.train_step = train_step
 
 
+def _install_slow_preempted_save(seconds: float) -> None:
+    """The save a SIGTERM asked for writes its data files, then hangs (a slow file system)."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.checkpoint.manager import CheckpointManager
+
+    real_write, real_save = dcp.FileSystemWriter.write_data, CheckpointManager.save
+
+    def save(self, step, **kw):
+        if self._preempted:
+            def write_then_hang(writer, plan, planner):
+                future = real_write(writer, plan, planner)
+                future.wait()
+                time.sleep(seconds)
+                return future
+            dcp.FileSystemWriter.write_data = write_then_hang
+        return real_save(self, step, **kw)
+
+    CheckpointManager.save = save
+
+
 def _record(status: int) -> None:
     """Note this rank's outcome once, the first time it is known."""
     exits = os.environ.get("FAULT_EXITS")
@@ -64,6 +87,8 @@ if __name__ == "__main__":
     if fault.startswith("stop:"):
         _, rank, step = fault.split(":")
         _install_stop(int(rank), int(step))
+    elif fault.startswith("slow_save:"):
+        _install_slow_preempted_save(float(fault.split(":")[1]))
     _record_failures()
     import train
 

@@ -67,7 +67,7 @@ def _free_port() -> int:
 
 
 def _torchrun(dump: Path, ranks: int, overrides: list[str], log: Path, env: dict[str, str],
-              node: tuple[int, int] | None = None) -> subprocess.Popen:
+              node: tuple[int, int] | None = None, common: list[str] = COMMON) -> subprocess.Popen:
     """One torchrun agent; ``node=(node_rank, port)`` makes it one of two agents (c10d rendezvous)."""
     if node is None:
         launch = ["--standalone", f"--nproc_per_node={ranks}"]
@@ -75,7 +75,7 @@ def _torchrun(dump: Path, ranks: int, overrides: list[str], log: Path, env: dict
         launch = ["--nnodes=2", f"--node_rank={node[0]}", f"--nproc_per_node={ranks // 2}", "--rdzv_backend=c10d",
                   f"--rdzv_endpoint=127.0.0.1:{node[1]}", f"--rdzv_id=faults-{node[1]}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, ENTRY, "--job.config_file", CONFIG,
-           f"--job.dump_folder={dump}", *COMMON, *overrides]
+           f"--job.dump_folder={dump}", *common, *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env}
     return subprocess.Popen(cmd, env=full_env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -200,3 +200,66 @@ def test_a_dead_peer_ends_the_job_and_a_restart_resumes(tmp_path):
         if name != "node_killed":
             assert last[name] == 2, f"{name}: the last complete checkpoint is step {last[name]}, not 2"
         assert re.search(r"step: 4 ", log), log[-3000:]
+
+
+# ---- SIGTERM to torchrun (what Slurm and Kubernetes send) ----------------------------------
+FSDP2 = ["--parallelism.data_parallel_shard_degree=2", "--training.batch_size=4", "--training.steps=6",
+         "--checkpoint.enable_checkpoint", "--metrics.enable_tensorboard"]
+GRACE_S = 30  # torchrun's default: SIGTERM to the workers, SIGKILL this much later
+
+
+def _snapshot(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+def test_sigterm_to_torchrun_saves_the_current_step_and_a_restart_resumes_bitwise(tmp_path):
+    from integration_tests import read_losses
+
+    ref, term, slow = tmp_path / "reference", tmp_path / "sigterm", tmp_path / "slow_save"
+    for d in (ref, term, slow):
+        (d / "exits").mkdir(parents=True)
+    env = lambda d, **kw: {"FAULT_EXITS": str(d / "exits"), **kw}  # noqa: E731
+    procs = {
+        "reference": _torchrun(ref, 2, FSDP2, ref / "run.log", env(ref), common=[]),
+        "sigterm": _torchrun(term, 2, [*FSDP2, "--checkpoint.interval=100"], term / "run.log", env(term), common=[]),
+        # A checkpoint every 2 steps; the one SIGTERM asks for cannot finish within a 5 s grace.
+        "slow": _torchrun(slow, 2, [*FSDP2, "--checkpoint.interval=2"], slow / "run.log",
+                          env(slow, FAULT="slow_save:120", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"), common=[]),
+    }
+    _wait_for(r"step: 2 ", [term / "run.log"], [procs["sigterm"]], 400)
+    procs["sigterm"].send_signal(signal.SIGTERM)
+    term_time = time.time()
+    _wait_for(r"step: 3 ", [slow / "run.log"], [procs["slow"]], 400)
+    before = _snapshot(slow / "checkpoint" / "step-2")  # complete: saved (synchronously) after step 2
+    procs["slow"].send_signal(signal.SIGTERM)
+    codes = {name: _finish([p], 400)[0] for name, p in procs.items()}
+    assert codes["reference"] == 0, (ref / "run.log").read_text()[-3000:]
+
+    # Every rank saved the step it was on, then exited 0 within the grace period.
+    log = (term / "run.log").read_text(errors="replace")
+    saved = re.search(r"Preempted: checkpoint of step (\d+) saved", log)
+    assert saved, log[-3000:]
+    step = int(saved.group(1))
+    assert 2 <= step < 6 and (term / "checkpoint" / f"step-{step}" / "checkpoint.json").exists()
+    exits = _exits(term / "exits")
+    assert sorted(exits) == [0, 1] and all(status == 0 for status, _ in exits.values()), exits
+    assert all(when - term_time < GRACE_S for _, when in exits.values()), (term_time, exits)
+
+    # The save that could not finish: killed at the grace's end, the previous checkpoint intact.
+    assert codes["slow"] != 0
+    assert _snapshot(slow / "checkpoint" / "step-2") == before
+    assert _last_complete_step(slow) == 2
+    assert list((slow / "checkpoint").glob("step-*.tmp")), "the interrupted save left no partial folder"
+
+    resumed = {"sigterm": _torchrun(term, 2, [*FSDP2, "--metrics.save_tb_folder=tb_resume"], term / "resume.log",
+                                    {}, common=[]),
+               "slow": _torchrun(slow, 2, [*FSDP2, "--training.steps=4"], slow / "resume.log", {}, common=[])}
+    codes = {name: _finish([p], 400)[0] for name, p in resumed.items()}
+    for name, dump in (("sigterm", term), ("slow", slow)):
+        assert codes[name] == 0, (dump / "resume.log").read_text()[-3000:]
+    assert f"continuing after step {step}" in (term / "resume.log").read_text()
+    assert "continuing after step 2" in (slow / "resume.log").read_text()
+    # Bitwise the uninterrupted run's losses (float32 TensorBoard scalars).
+    reference, after = read_losses(ref / "tb"), read_losses(term / "tb_resume")
+    assert sorted(after) == list(range(step + 1, 7)), sorted(after)
+    assert {s: reference[s] for s in after} == after
