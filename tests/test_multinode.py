@@ -83,7 +83,7 @@ def _launch(dump: Path, log: Path, overrides: list[str], env: dict[str, str], pr
 def test_two_nodes_train_bitwise_what_one_node_trains(tmp_path):
     with _two_hosts() as hosts:
         runs = {}
-        for name, overrides in LAYOUTS.items():
+        for index, (name, overrides) in enumerate(LAYOUTS.items()):
             one, two = tmp_path / name / "one_node", tmp_path / name / "two_nodes"
             one.mkdir(parents=True)
             two.mkdir(parents=True)
@@ -91,7 +91,7 @@ def test_two_nodes_train_bitwise_what_one_node_trains(tmp_path):
             if hosts is None:
                 master, port, prefixes, ifaces = "127.0.0.1", str(_free_port()), [[], []], [None, None]
             else:  # every namespace has its own ports: no collision with anything else on the machine
-                master, port = hosts[0][2], "29500"
+                master, port = hosts[0][2], str(29500 + index)
                 prefixes = [["ip", "netns", "exec", ns] for ns, _, _ in hosts]
                 ifaces = [dev for _, dev, _ in hosts]
             agents = []
