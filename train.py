@@ -20,7 +20,11 @@ from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.logging_setup import init_logger
 
 
+_LEFT_A_GROUP = False  # set by main() when this process had joined a process group
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _LEFT_A_GROUP
     argv = sys.argv[1:] if argv is None else argv
     manager = ConfigManager()
     if "--help" in argv or "-h" in argv:
@@ -50,12 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         if "torch.distributed" in sys.modules:  # not imported: no group to leave (a config error stays fast)
             from torchtitan.distributed.utils import shutdown_distributed
 
-            shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
+            _LEFT_A_GROUP = shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
     return status
 
 
 if __name__ == "__main__":
     status = main()
+    if not _LEFT_A_GROUP:  # --help, a config error: no group, nothing torn down late
+        sys.exit(status)
     # Leave without Python's own teardown. After destroy_process_group torch still keeps
     # some meshes, and with them gloo groups and their threads, alive in DTensor's caches;
     # they would be torn down during interpreter finalization, the window in which a rank

@@ -73,7 +73,7 @@ def _store_barrier(name: str, timeout: timedelta) -> None:
             left = store.add(f"{key}/left", 0)
 
 
-def shutdown_distributed(ok: bool, timeout_seconds: float) -> None:
+def shutdown_distributed(ok: bool, timeout_seconds: float) -> bool:
     """The last thing a rank does: meet the others (on success), then destroy every process group.
 
     On success every rank waits, at most ``timeout_seconds``, until all ranks have finished
@@ -87,9 +87,10 @@ def shutdown_distributed(ok: bool, timeout_seconds: float) -> None:
     collective this rank never joins; gloo groups are still destroyed (closing their
     connections fails the peers' collectives at once), NCCL ones are not (destroying a
     communicator while a peer uses it can block), and the launcher stops the rest.
+    Returns whether there was a process group to leave.
     """
     if not dist.is_initialized():
-        return
+        return False
     if ok and dist.get_world_size() > 1:
         try:
             _store_barrier("shutdown", timedelta(seconds=timeout_seconds))
@@ -99,6 +100,7 @@ def shutdown_distributed(ok: bool, timeout_seconds: float) -> None:
     if ok or "nccl" not in str(dist.get_backend()):
         dist.destroy_process_group()
     gc.collect()  # the groups' last references go now, not during the interpreter's exit
+    return True
 
 
 def set_collective_timeout(seconds: int) -> int:
