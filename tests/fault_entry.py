@@ -5,6 +5,7 @@
   ``$FAULT_FILE``. The other ranks then wait in the step's first collectives.
 - ``slow_save:<seconds>``: the checkpoint that a SIGTERM triggers writes its data files,
   then hangs that long before it could be committed.
+- ``build_fail:<rank>``: that rank's ``Trainer()`` raises half-built (not a config error).
 - unset: plain ``train.py``.
 
 Every rank writes ``<exit status> <time>`` to ``$FAULT_EXITS/<rank>`` when its training
@@ -58,6 +59,20 @@ def _install_slow_preempted_save(seconds: float) -> None:
     CheckpointManager.save = save
 
 
+def _install_build_failure(rank: int) -> None:
+    """That rank's trainer fails half-built (after the metrics, at the checkpointer)."""
+    from torchtitan.checkpoint import manager
+
+    real = manager.CheckpointManager.__init__
+
+    def init(self, *args, **kw):
+        if int(os.environ["RANK"]) == rank:
+            raise RuntimeError("injected: the checkpointer cannot be built on this rank")
+        real(self, *args, **kw)
+
+    manager.CheckpointManager.__init__ = init
+
+
 def _record(status: int) -> None:
     """Note this rank's outcome once, the first time it is known."""
     exits = os.environ.get("FAULT_EXITS")
@@ -87,6 +102,8 @@ if __name__ == "__main__":
     if fault.startswith("stop:"):
         _, rank, step = fault.split(":")
         _install_stop(int(rank), int(step))
+    elif fault.startswith("build_fail:"):
+        _install_build_failure(int(fault.split(":")[1]))
     elif fault.startswith("slow_save:"):
         _install_slow_preempted_save(float(fault.split(":")[1]))
     _record_failures()

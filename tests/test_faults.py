@@ -42,6 +42,19 @@ def test_every_rank_exits_zero_run_after_run(tmp_path):
         assert "terminate called" not in log and "Signal" not in log, log[-3000:]
 
 
+def test_a_failure_inside_trainer_construction_is_logged_and_ends_the_job(tmp_path):
+    # Rank 1's Trainer() fails after its process group, mesh and metrics exist: train.py logs
+    # it, tears down what exists and exits 1; torchrun stops rank 0, which waits at the next collective.
+    (tmp_path / "exits").mkdir()
+    proc = _torchrun(tmp_path, 2, ["--parallelism.data_parallel_shard_degree=2", "--training.batch_size=4"],
+                     tmp_path / "run.log", {"FAULT": "build_fail:1", "FAULT_EXITS": str(tmp_path / "exits")})
+    (code,) = _finish([proc], 240)
+    log = (tmp_path / "run.log").read_text(errors="replace")
+    assert code != 0 and re.search(r"\[rank1\].*Training failed", log), log[-3000:]
+    assert "injected: the checkpointer cannot be built" in log
+    assert _exits(tmp_path / "exits")[1][0] == 1
+
+
 # ---- dead peers ------------------------------------------------------------------------
 TIMEOUT_S = 20
 # The training timeout fires TIMEOUT_S after the peer stopped answering; the rest is the
