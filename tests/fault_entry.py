@@ -5,6 +5,8 @@
   ``$FAULT_FILE``. The other ranks then wait in the step's first collectives.
 - ``slow_save:<seconds>``: the checkpoint that a SIGTERM triggers writes its data files,
   then hangs that long before it could be committed.
+- ``stop_save:<rank>:<step>``: the same, as that rank begins the checkpoint save of
+  ``<step>``: the others wait in the save's collectives on the checkpoint group.
 - ``build_fail:<rank>``: that rank's ``Trainer()`` raises half-built (not a config error).
 - unset: plain ``train.py``.
 
@@ -59,6 +61,22 @@ def _install_slow_preempted_save(seconds: float) -> None:
     CheckpointManager.save = save
 
 
+def _install_stop_in_save(rank: int, step: int) -> None:
+    """That rank sends itself SIGSTOP as it begins the checkpoint save of ``step``: the
+    others wait in the save's collectives, on the checkpoint's own process group."""
+    from torchtitan.checkpoint.manager import CheckpointManager
+
+    real = CheckpointManager.save
+
+    def save(self, at_step, **kw):
+        if int(os.environ["RANK"]) == rank and at_step == step:
+            Path(os.environ["FAULT_FILE"]).write_text(f"{time.time()}\n")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, at_step, **kw)
+
+    CheckpointManager.save = save
+
+
 def _install_build_failure(rank: int) -> None:
     """That rank's trainer fails half-built (after the metrics, at the checkpointer)."""
     from torchtitan.checkpoint import manager
@@ -102,6 +120,9 @@ if __name__ == "__main__":
     if fault.startswith("stop:"):
         _, rank, step = fault.split(":")
         _install_stop(int(rank), int(step))
+    elif fault.startswith("stop_save:"):
+        _, rank, step = fault.split(":")
+        _install_stop_in_save(int(rank), int(step))
     elif fault.startswith("build_fail:"):
         _install_build_failure(int(fault.split(":")[1]))
     elif fault.startswith("slow_save:"):

@@ -2,7 +2,8 @@
 
 - Every rank exits 0 after a successful run, run after run (the ordered shutdown).
 - A hung peer (SIGSTOP) ends the job within the training timeout in layouts whose
-  collectives run on flattened groups (FSDP 2 x CP 2, HSDP 2 x CP 2); so does a whole
+  collectives run on flattened groups (FSDP 2 x CP 2 in a training step, HSDP 2 x CP 2
+  in a checkpoint save, on the checkpoint's own group); so does a whole
   "node" killed by SIGKILL (one of two torchrun agents with its workers). A restart
   resumes from the last complete checkpoint.
 
@@ -159,9 +160,12 @@ def test_a_dead_peer_ends_the_job_and_a_restart_resumes(tmp_path):
             port = _free_port()
             procs[name] = [_torchrun(dump, 4, overrides, dump / f"agent{n}.log", env, node=(n, port)) for n in (0, 1)]
         else:
-            # Rank 1 stops as step 3 begins: the others wait in FSDP's first all-gather of
-            # the step, on dp_shard_cp (a flattened group) or cp, or in the dp_cp token sum.
-            procs[name] = [_torchrun(dump, 4, overrides, dump / "agent0.log", {**env, "FAULT": "stop:1:3"})]
+            # FSDP x CP: rank 1 stops as step 3 begins; the others wait in FSDP's first all-gather
+            # of the step, on dp_shard_cp (a flattened group). HSDP x CP: rank 1 stops as it
+            # begins saving step 3; the others wait in the save's barrier, on the checkpoint
+            # group (created with a 30-minute timeout).
+            fault = "stop:1:3" if name == "fsdp_cp_stop" else "stop_save:1:3"
+            procs[name] = [_torchrun(dump, 4, overrides, dump / "agent0.log", {**env, "FAULT": fault})]
 
     # The whole second agent (its torchrun and both its workers) dies by SIGKILL once step 2 is logged.
     killed = tmp_path / "node_killed"
