@@ -19,7 +19,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 
 from integration_tests import read_losses
 
