@@ -19,7 +19,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 from integration_tests import read_losses
 
 REPO = Path(__file__).resolve().parents[1]
