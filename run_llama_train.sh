@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Train on this machine: one process per GPU, or 8 CPU processes (gloo) when there is no GPU.
-#   NGPU         processes to start (default: the number of GPUs, or 8 without one)
-#   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml)
-#   LOG_RANK     ranks whose output is shown, comma-separated (default: 0)
+# Train on this machine, or on one node of several: one process per GPU, or 8 CPU processes
+# (gloo) when there is no GPU.
+#   NGPU           processes to start on this node (default: the number of GPUs, or 8 without one)
+#   CONFIG_FILE    TOML config (default: train_configs/debug_model.toml)
+#   LOG_RANK       local ranks whose output is shown, comma-separated (default: 0)
+# Several nodes (run this script once on each; see README "Multi-node"):
+#   NNODES         nodes in the job (default: 1, which runs torchrun --standalone)
+#   NODE_RANK      this node's index, 0..NNODES-1 (default: 0); node 0 hosts the rendezvous
+#   MASTER_ADDR    node 0's address, reachable from every node (default: localhost)
+#   MASTER_PORT    its port (default: 29500)
+#   RDZV_ENDPOINT  host:port instead of MASTER_ADDR:MASTER_PORT
+#   RDZV_ID        job id shared by the nodes (default: torchtitan)
+#   LOCAL_ADDR     this node's address as the others reach it (default: what its host name resolves to)
 # Extra arguments are config overrides, e.g. --training.steps 30.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -11,7 +20,23 @@ if [[ -z "${NGPU:-}" ]]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-"$here/train_configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
+NNODES=${NNODES:-1}
 # One OpenMP thread per process: 8 CPU ranks on a small machine would otherwise oversubscribe it.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec torchrun --standalone --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" \
+if [[ "$NNODES" == 1 ]]; then
+  launch=(--standalone)
+else
+  endpoint=${RDZV_ENDPOINT:-"${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}"}
+  # c10d rendezvous: node 0, which must be the host at the endpoint, serves the store and the
+  # others join it. Said explicitly, since torchrun's guess from host names fails where an
+  # address is not the one the host name resolves to. Each node gets a contiguous block of
+  # NGPU global ranks.
+  is_host=$([[ "${NODE_RANK:-0}" == 0 ]] && echo true || echo false)
+  launch=(--nnodes="$NNODES" --node_rank="${NODE_RANK:-0}" --rdzv_backend=c10d
+          --rdzv_endpoint="$endpoint" --rdzv_id="${RDZV_ID:-torchtitan}" --rdzv_conf="is_host=$is_host")
+  if [[ -n "${LOCAL_ADDR:-}" ]]; then
+    launch+=(--local_addr="$LOCAL_ADDR")
+  fi
+fi
+exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" \
   "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"

@@ -4,45 +4,70 @@ Also runs as a single process (``python train.py ...``). A config problem prints
 line per problem and exits with status 2 on every rank, before any process group
 exists; a failure during training is logged and exits with status 1, which makes
 torchrun stop the other ranks rather than leave them waiting.
+
+Every path ends the same way (``shutdown_distributed``): the trainer has closed its
+checkpointer (an async save waited for) and its metrics; on success the ranks meet at a
+barrier with a timeout; then the process groups are destroyed, before Python's own exit.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.logging_setup import init_logger
 
 
+_LEFT_A_GROUP = False  # set by main() when this process had joined a process group
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _LEFT_A_GROUP
     argv = sys.argv[1:] if argv is None else argv
     manager = ConfigManager()
     if "--help" in argv or "-h" in argv:
         print(manager.help_text())
         return 0
+    trainer, status = None, 1
+    shutdown_timeout = 60.0
     try:
         cfg = manager.parse_args(argv)
+        shutdown_timeout = float(cfg.comm.train_timeout_seconds)
         init_logger()
         from torchtitan.trainer import Trainer  # imported late: --help and config errors stay fast
 
         trainer = Trainer(cfg)
+        trainer.train()  # closes the checkpointer (waits for an async save) and the metrics
+        status = 0
     except ConfigError as e:
         for problem in e.problems:
             print(f"config error: {problem}", file=sys.stderr)
-        return 2
-    try:
-        trainer.train()
+        status = 2
     except Exception:
         logging.getLogger(__name__).exception("Training failed")
-        return 1
     finally:
-        import torch.distributed as dist
+        # Runs on every path, KeyboardInterrupt included: a barrier with a timeout on success,
+        # then every process group destroyed while the interpreter is alive.
+        del trainer  # the model and meshes hold the groups; let them go with them
+        if "torch.distributed" in sys.modules:  # not imported: no group to leave (a config error stays fast)
+            from torchtitan.distributed.utils import shutdown_distributed
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+            _LEFT_A_GROUP = shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
+    return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if not _LEFT_A_GROUP:  # --help, a config error: no group, nothing torn down late
+        sys.exit(status)
+    # Leave without Python's own teardown. After destroy_process_group torch still keeps
+    # some meshes, and with them gloo groups and their threads, alive in DTensor's caches;
+    # they would be torn down during interpreter finalization, the window in which a rank
+    # now and then died with SIGABRT after "Training done". Everything worth finishing is
+    # finished by now: the checkpoint committed, TensorBoard closed, the groups destroyed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -95,33 +95,43 @@ def load_average() -> str:
 
 
 def run_workers(script: str, layout: Layout, worker_args: list[str], overrides: Iterable[str] = (),
-                timeout: float = 1800, attempts: int = 2) -> dict[str, Any]:
+                timeout: float = 1800) -> dict[str, Any]:
     """Run ``script --worker`` under torchrun with ``layout.world`` CPU ranks; return rank 0's JSON.
 
-    A failed launch is retried once: on a heavily oversubscribed machine a rank now and then
-    dies in gloo's set-up ("terminate called without an active exception"), which says
-    nothing about the code being measured. The retry is reported on stderr.
+    A failed launch fails the benchmark with the workers' output: a rank that dies, at
+    exit included, is a bug to fix, not noise to retry (``scripts/stress_exit.py`` counts them).
     """
-    for attempt in range(1, attempts + 1):
-        with tempfile.TemporaryDirectory(prefix="tt_bench_") as tmp:
-            result = os.path.join(tmp, "result.json")
-            env = dict(os.environ)
-            # One OpenMP thread per rank, as run_llama_train.sh does: 8 ranks on a small machine.
-            env.setdefault("OMP_NUM_THREADS", "1")
-            env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world}",
-                   script, "--worker", "--result", result, "--dump", tmp,
-                   *worker_args, "--", *layout.overrides, *overrides]
-            proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
-            if proc.returncode == 0 and os.path.exists(result):
-                with open(result) as f:
-                    return json.load(f)
-            tail = proc.stdout[-4000:] + proc.stderr[-12000:]
-            if attempt == attempts:
-                sys.stderr.write(tail)
-                raise RuntimeError(f"{layout.name}: workers failed (exit {proc.returncode})")
-            sys.stderr.write(f"{layout.name}: workers failed (exit {proc.returncode}); retrying once\n")
-    raise AssertionError("unreachable")
+    with tempfile.TemporaryDirectory(prefix="tt_bench_") as tmp:
+        result = os.path.join(tmp, "result.json")
+        env = dict(os.environ)
+        # One OpenMP thread per rank, as run_llama_train.sh does: 8 ranks on a small machine.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world}",
+               script, "--worker", "--result", result, "--dump", tmp,
+               *worker_args, "--", *layout.overrides, *overrides]
+        proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+        if proc.returncode == 0 and os.path.exists(result):
+            with open(result) as f:
+                return json.load(f)
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-12000:])
+        raise RuntimeError(f"{layout.name}: workers failed (exit {proc.returncode})")
+
+
+def end_worker(trainer) -> None:
+    """A worker's last act, as train.py ends: close the trainer, meet the other ranks, destroy the
+    groups, then leave without the interpreter's teardown (see train.py)."""
+    import logging
+
+    from torchtitan.distributed.utils import shutdown_distributed
+
+    timeout = float(trainer.cfg.comm.train_timeout_seconds)
+    trainer.close()
+    shutdown_distributed(ok=True, timeout_seconds=timeout)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_trainer(dump: str, overrides: Iterable[str]):

@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    LAYOUTS, build_trainer, full_param_numel, group_labels, load_average, machine_description, make_comm_counter,
+    LAYOUTS, build_trainer, end_worker, full_param_numel, group_labels, load_average, machine_description,
+    make_comm_counter,
     peak_rss_bytes, run_workers, state_bytes,
 )
 
@@ -189,6 +190,7 @@ def worker(args: argparse.Namespace) -> None:
         }
         with open(args.result, "w") as f:
             json.dump(result, f, indent=1)
+    end_worker(trainer)
 
 
 def _fmt_mib(b: float) -> str:

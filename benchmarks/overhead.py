@@ -31,7 +31,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LAYOUTS, build_trainer, load_average, machine_description, run_workers, wall_clock  # noqa: E402
+from common import (  # noqa: E402
+    LAYOUTS, build_trainer, end_worker, load_average, machine_description, run_workers, wall_clock,
+)
 
 
 class ReferenceLoop:
@@ -130,6 +132,7 @@ def worker(args: argparse.Namespace) -> None:
             result["profiles"] = {name: _top_functions(p) for name, p in profiles.items()}
         with open(args.result, "w") as f:
             json.dump(result, f, indent=1)
+    end_worker(trainer)
 
 
 def summarize(times: dict[str, list[float]]) -> dict[str, float]:

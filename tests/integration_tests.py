@@ -94,7 +94,7 @@ class Phase:
     accum: int = 1  # gradient accumulation steps, for the local batch arithmetic
     mesh: Mesh | None = None  # expected world mesh, in mesh order
     tb_folder: str = "tb"
-    multinode: bool = False  # two torchrun agents on this host, c10d rendezvous, ranks/2 each
+    multinode: bool = False  # two agents on this host (run_llama_train.sh with NNODES=2), ranks/2 each
     trains: bool = True  # False for a run that only writes something (a seed checkpoint)
     first_step: int = 1  # the first step this phase logs (a resumed run starts later)
     falls: bool = True  # assert that the loss falls (needs a few steps from a fresh start)
@@ -288,7 +288,7 @@ def build_flavors() -> list[Flavor]:
           (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), "--profiling.enable_profiling",
                   "--profiling.profile_freq=2"),),
           checks=(_profile_traces(2),)),
-        f("multinode", "HSDP 2x4 over two torchrun agents on this host (c10d rendezvous), 4 ranks each",
+        f("multinode", "HSDP 2x4 over two launcher agents on this host (NNODES=2, c10d rendezvous), 4 ranks each",
           (_phase(8, 8, {"dp_replicate": 2, "dp_shard": 4}, *_dp(2, 4), multinode=True),),
           checks=(_both_agents_ran,)),
         # ---- tensor and context parallel ----
@@ -478,13 +478,11 @@ class Matrix:
         return run
 
     def _multinode_commands(self, flavor: Flavor, phase: Phase, argv: list[str]) -> list[list[str]]:
+        """Two agents through the launcher's multi-node mode (c10d rendezvous on this host)."""
         port = free_port()
-        per_node = phase.ranks // 2
-        base = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={per_node}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=itest-{flavor.name}-{port}",
-                # Local rank 0 of each agent: global rank 0 on one, ranks/2 on the other.
-                "--local-ranks-filter=0", str(REPO / "train.py"), "--job.config_file", str(self.args.config), *argv]
-        return [base, base]
+        common = [f"NGPU={phase.ranks // 2}", "NNODES=2", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}",
+                  f"RDZV_ID=itest-{flavor.name}-{port}", "LOG_RANK=0"]  # local rank 0 of each agent
+        return [["env", *common, f"NODE_RANK={node}", "bash", str(LAUNCHER), *argv] for node in (0, 1)]
 
     # ---- one flavor ----
     def run_flavor(self, flavor: Flavor, result: Result, devices: list[int]) -> None:

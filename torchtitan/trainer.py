@@ -115,6 +115,15 @@ class Trainer:
         self.pipeline = plan.pipeline
 
         self.rank, _, self.device = init_distributed(cfg.comm.init_timeout_seconds)
+        try:
+            self._build(plan)
+        except BaseException:
+            # Half built: close what exists (a metrics writer, a pending save) before the error leaves.
+            self.close(wait_for_peers=False)
+            raise
+
+    def _build(self, plan: Plan) -> None:
+        cfg = self.cfg
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loss_mesh = self.dims.get_mesh("dp_cp")  # the ranks that see different tokens
         logger.info("World mesh %s", dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)))
@@ -319,10 +328,24 @@ class Trainer:
         return loss, float(grad_norm)
 
     def train(self) -> list[float]:
-        cfg, losses = self.cfg, []
+        """Train to ``training.steps`` (or until preempted); then close the checkpointer and the metrics."""
+        losses: list[float] = []
+        try:
+            self._train(losses)
+        except BaseException:
+            self.close(wait_for_peers=False)
+            raise
+        self.close()
+        if not self.cfg.checkpoint.create_seed_checkpoint:
+            logger.info("Training done: %d steps, final loss %s", self.step,
+                        f"{losses[-1]:.5f}" if losses else "n/a")
+        return losses
+
+    def _train(self, losses: list[float]) -> None:
+        cfg = self.cfg
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save_seed()
-            return losses
+            return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
         data_iter = iter(self.dataloader)
         logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
@@ -336,10 +359,21 @@ class Trainer:
                     prof.step()
                 if self.checkpointer.maybe_save(self.step):
                     break  # preempted: the checkpoint of this step is saved
-        self.checkpointer.close()
-        self.metrics_logger.close()
-        logger.info("Training done: %d steps, final loss %s", self.step, f"{losses[-1]:.5f}" if losses else "n/a")
-        return losses
+
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Wait for an async save and commit it, then close the metrics; safe to call twice.
+
+        Also works on a trainer whose construction failed half-way. ``wait_for_peers=False``
+        (a failure) skips the checkpoint group's barrier: the other ranks may never get there.
+        """
+        checkpointer = getattr(self, "checkpointer", None)
+        try:
+            if checkpointer is not None:
+                checkpointer.close(wait_for_peers=wait_for_peers)
+        finally:
+            metrics_logger = getattr(self, "metrics_logger", None)
+            if metrics_logger is not None:
+                metrics_logger.close()
 
     def _run_step(self, data_iter, losses: list[float]) -> None:
         """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps."""
@@ -357,7 +391,7 @@ class Trainer:
         if len(losses) == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;
             # later ones should be quick.
-            set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
+            set_collective_timeout(cfg.comm.train_timeout_seconds)
         if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
             self._log(loss, grad_norm, lr)
         if self.validator is not None and self.validator.due(self.step):

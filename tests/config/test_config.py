@@ -137,13 +137,72 @@ def test_gradient_accumulation_from_global_batch():
         resolve_gradient_accumulation(bad, dp_degree=4)
 
 
-def test_effective_config_round_trips_through_toml(tmp_path):
-    cfg = parse("--training.steps=9", "--training.seed=3", "--training.seed_sharded_dims=tp")
+# Values for fields whose type alone does not give a valid non-default value.
+_CHANGED = {
+    ("model", "flavor"): "8B",
+    ("training", "seed_sharded_dims"): ["tp", "pp"],
+    ("training", "global_batch_size"): 64,
+    ("training", "dataset_path"): "data dir/with \"quotes\", a backslash \\ and ü",
+    ("optimizer", "betas"): [0.5, 0.125],
+    ("lr_scheduler", "lr_min"): 0.1,
+    ("lr_scheduler", "decay_ratio"): 0.3,
+    ("parallelism", "data_parallel_shard_degree"): 4,
+    ("parallelism", "pipeline_parallel_split_points"): ["layers.2", "layers.4"],
+    ("checkpoint", "exclude_from_loading"): ["optimizer", "dataloader"],
+    ("activation_checkpoint", "selective_ac_option"): "op",
+}
+
+
+def _changed_value(section: str, key: str, f, default):
+    """A valid value for the field that differs from its default."""
+    if (section, key) in _CHANGED:
+        return _CHANGED[(section, key)]
+    choices = f.metadata.get("choices")
+    if choices:  # model.name has a single choice: it stays
+        return next((c for c in choices if c != default), default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 3
+    if isinstance(default, float):
+        return default * 3 + 1e-7  # a value whose shortest repr has many digits
+    if isinstance(default, str) or default is None:
+        hint = str(f.type)
+        return 7 if "int" in hint else f"{section}-{key}-ü"
+    raise AssertionError(f"no rule for {section}.{key} (default {default!r})")
+
+
+def test_effective_config_round_trips_through_toml_for_every_field(tmp_path):
+    """Every field set away from its default: the written config.toml parses back to the same config."""
+    import dataclasses
+
+    from torchtitan.config import JobConfig
+
+    cfg = JobConfig()
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            if (section.name, f.name) != ("job", "config_file"):  # set by the reader below
+                setattr(values, f.name, _changed_value(section.name, f.name, f, getattr(values, f.name)))
     path = tmp_path / "effective.toml"
     path.write_text(to_toml(cfg))
     tomllib.loads(path.read_text())  # valid TOML
     again = parse("--job.config_file", str(path))
     assert again.to_dict() == {**cfg.to_dict(), "job": {**cfg.to_dict()["job"], "config_file": str(path)}}
+    # Unset values are left out and parse back as unset (the defaults).
+    defaults = parse("--job.config_file", str(write(tmp_path, to_toml(JobConfig()))))
+    assert defaults.training.seed is None and defaults.lr_scheduler.decay_ratio is None
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999"])
+def test_non_finite_floats_are_rejected_on_the_cli_and_in_toml(tmp_path, value):
+    assert problems(f"--training.max_norm={value}") == [
+        f"--training.max_norm: '{value}' is not a finite number (expected float)"]
+    toml_value = {"NaN": "nan", "1e999": "inf"}.get(value, value)
+    found = problems("--job.config_file", write(tmp_path, f"[optimizer]\nlr = {toml_value}\n"))
+    assert len(found) == 1 and "[optimizer] lr" in found[0] and "not a finite number" in found[0], found
+    found = problems(f"--optimizer.betas=0.9,{value}")
+    assert len(found) == 1 and "not a finite number" in found[0], found
 
 
 @pytest.mark.parametrize("name", ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"])

@@ -301,32 +301,47 @@ class CheckpointManager:
             self.save(step, kind="full", sync=self.ck.async_mode != "async")
         return False
 
-    def close(self) -> None:
-        """Wait for an async save and commit it; then every rank knows the last checkpoint is visible."""
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Wait for an async save and commit it; then every rank knows the last checkpoint is visible.
+
+        ``wait_for_peers=False`` (this rank failed) still waits for the pending save, which
+        the checkpoint group's timeout bounds, but skips the barrier that the other ranks,
+        stuck elsewhere, would never reach.
+        """
         if self._closed or not self.active:
             return
         self._closed = True
-        self._finish_pending()
-        self._barrier()
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
+        try:
+            self._finish_pending()
+            if wait_for_peers:
+                self._barrier()
+        finally:
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
 
     # ---- loading ---------------------------------------------------------------
     def load(self) -> int:
         """Load the chosen checkpoint (if any); return the step to continue after (0: from scratch).
 
         Without a checkpoint of its own the run starts from ``initial_load_path`` when set.
+
+        A failure on one rank (the folder changed since preflight, a damaged file, a state
+        that does not fit) becomes the same error on every rank: each phase ends with the
+        ranks agreeing on whether someone failed (``_agree``), so no rank raises while the
+        others wait in a collective it will never join.
         """
         if self.ck.create_seed_checkpoint:
             return 0
         if not self.enabled:
             self._load_initial()
             return 0
-        listing = scan(self.folder)
-        path, manifest, problems = choose_checkpoint(self.cfg, None)
-        if problems:  # preflight checked this; the folder changed since
-            raise RuntimeError("; ".join(problems))
-        self._agree_on(path)
+        try:
+            listing = scan(self.folder)
+            path, manifest, problems = choose_checkpoint(self.cfg, None)
+            error = "; ".join(problems) if problems else None  # preflight checked this; the folder changed since
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
+            path, manifest, error = None, {}, f"{type(e).__name__}: {e}"
+        self._agree(error, "choosing the checkpoint", choice=None if path is None else path.name)
         if path is None:
             if self.initial_load:
                 self._load_initial()
@@ -352,13 +367,20 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.info("Checkpoint: layout changed (%s -> %s); RNG states are per rank and not restored",
                             manifest.get("layout"), self.layout)
-        state = self._load_template(wanted)
         started = time.monotonic()
+        error = None
         try:
+            state = self._load_template(wanted)
+            # DCP shares a failed read with every rank itself (its collectives carry exceptions).
             dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
-        except Exception as e:  # DCP raises the same error on every rank
-            raise RuntimeError(f"checkpoint {path} could not be loaded (nothing was deleted): {e}") from e
-        self._apply(state)
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
+            error = f"{type(e).__name__}: {e}"
+        self._agree(error, f"loading {path}")
+        try:
+            self._apply(state)
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
+            error = f"{type(e).__name__}: {e}"
+        self._agree(error, f"applying {path}")
         self.loaded_step = step
         resumed = step if "train_state" in wanted else 0
         if self.rank == 0:
@@ -372,21 +394,37 @@ class CheckpointManager:
             return
         from torchtitan.checkpoint.formats import load_into
 
-        started = time.monotonic()
-        n = load_into(self._view, self.ck.initial_load_path, self.ck.initial_load_format, self.model_args,
-                      process_group=self.pg)
+        started, n, error = time.monotonic(), 0, None
+        try:
+            n = load_into(self._view, self.ck.initial_load_path, self.ck.initial_load_format, self.model_args,
+                          process_group=self.pg)
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised on every rank
+            error = f"{type(e).__name__}: {e}"
+        self._agree(error, f"loading {self.ck.initial_load_path}")
         if self.rank == 0:
             logger.info("Checkpoint: no checkpoint of this run; loaded %d tensors from %s (%s format) in %.2fs; "
                         "training starts from them at step 0", n, self.ck.initial_load_path,
                         self.ck.initial_load_format, time.monotonic() - started)
 
-    def _agree_on(self, path: Path | None) -> None:
-        """Every rank must have picked the same checkpoint (a shared folder seen alike)."""
+    def _agree(self, error: str | None, doing: str, choice: str | None | bool = False) -> None:
+        """Every rank raises if any rank failed at ``doing``, with the failing ranks' own messages.
+
+        With a ``choice`` (a checkpoint name, or None for none), the ranks must also have
+        chosen the same checkpoint (a shared folder seen alike).
+        """
         if self.pg is None or dist.get_world_size(self.pg) == 1:
+            if error is not None:
+                raise RuntimeError(f"checkpoint: {doing} failed (nothing was deleted): {error}")
             return
-        choices: list[Any] = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(choices, None if path is None else path.name, group=self.pg)
-        if len(set(choices)) != 1:
+        world = dist.get_world_size(self.pg)
+        outcomes: list[Any] = [None] * world
+        dist.all_gather_object(outcomes, (error, choice), group=self.pg)
+        failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(outcomes) if e is not None]
+        if failed:
+            raise RuntimeError(f"checkpoint: {doing} failed on {len(failed)} of {world} ranks (nothing was "
+                               f"deleted): " + " | ".join(failed))
+        choices = [name for _, name in outcomes]
+        if choice is not False and len(set(choices)) != 1:
             raise RuntimeError(f"ranks see different checkpoints in {self.folder}: {choices}; the checkpoint "
                                "folder must be one shared file system path")
 

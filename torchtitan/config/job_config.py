@@ -192,7 +192,8 @@ class Validation:
 @dataclass
 class Comm:
     init_timeout_seconds: int = opt(300, "Timeout for process-group set-up and the first step", min=1)
-    train_timeout_seconds: int = opt(100, "Collective timeout after the first step", min=1)
+    train_timeout_seconds: int = opt(
+        100, "Collective timeout after the first step, on every process group (checkpoint saves too)", min=1)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
+import math
 import os
 import sys
 import types
@@ -20,6 +20,8 @@ try:
     import tomli as tomllib
 except ImportError:  # Python >= 3.11 ships the same parser as tomllib
     import tomllib
+
+import tomli_w
 
 from torchtitan.config.job_config import MESH_DIM_NAMES, JobConfig
 
@@ -91,9 +93,9 @@ def _coerce_scalar(value: Any, base: type, from_cli: bool) -> Any:
                 raise ValueError(f"'{value}' is not an integer") from None
         if base is float:
             try:
-                return float(text)
-            except ValueError:
-                raise ValueError(f"'{value}' is not a number") from None
+                return _finite(float(text), value)
+            except ValueError as e:
+                raise ValueError(str(e) if "finite" in str(e) else f"'{value}' is not a number") from None
         return text
     # TOML values arrive typed; accept only the matching kind (bool is not an int here).
     if base is bool and isinstance(value, bool):
@@ -101,10 +103,18 @@ def _coerce_scalar(value: Any, base: type, from_cli: bool) -> Any:
     if base is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        return _finite(float(value), value)
     if base is str and isinstance(value, str):
         return value
     raise ValueError(f"{value!r} is a {type(value).__name__}, expected {base.__name__}")
+
+
+def _finite(number: float, given: Any) -> float:
+    """No option takes NaN or an infinity: none has a meaning for them, and TOML-written
+    configs would carry them on as ``nan``/``inf`` into every later run."""
+    if not math.isfinite(number):
+        raise ValueError(f"'{given}' is not a finite number")
+    return number
 
 
 def _coerce(value: Any, ftype: _FieldType, from_cli: bool) -> Any:
@@ -323,15 +333,14 @@ def resolve_gradient_accumulation(cfg: JobConfig, dp_degree: int) -> int:
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """The effective config as TOML (unset values are written as comments)."""
-    lines = []
+    """The effective config as TOML, which parses back to the same config.
+
+    TOML has no null: an unset value is left out (every optional field defaults to unset)
+    and named in a comment.
+    """
+    sections = []
     for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                lines.append(f"# {key} = (unset)")
-            else:
-                # JSON's string, number, boolean and array syntax is valid TOML for these values.
-                lines.append(f"{key} = {json.dumps(value)}")
-        lines.append("")
-    return "\n".join(lines)
+        text = tomli_w.dumps({section: {k: v for k, v in values.items() if v is not None}})
+        unset = [f"# {key} = (unset)\n" for key, value in values.items() if value is None]
+        sections.append(text + "".join(unset))
+    return "\n".join(sections)

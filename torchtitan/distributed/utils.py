@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Callable, Iterable
 
@@ -49,12 +51,71 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:
-    """Shorten the collective timeout once the slow first step is done, so a dead rank ends the job."""
+def _store_barrier(name: str, timeout: timedelta) -> None:
+    """Wait until every rank of the default group got here, through the store, not a collective.
+
+    A collective here could pair up with a collective that a peer is still stuck in; the
+    store cannot. The rank hosting the store (rank 0 without torchrun's agent) waits until
+    every rank has seen the barrier open, so that no rank is left asking a store that is gone.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    # torchrun keeps its store across restarts of the workers: one key per attempt.
+    key = f"torchtitan/{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if store.add(f"{key}/arrived", 1) == world:
+        store.set(f"{key}/open", "1")
+    store.wait([f"{key}/open"], timeout)
+    left = store.add(f"{key}/left", 1)
+    if dist.get_rank() == 0:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while left < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = store.add(f"{key}/left", 0)
+
+
+def shutdown_distributed(ok: bool, timeout_seconds: float) -> bool:
+    """The last thing a rank does: meet the others (on success), then destroy every process group.
+
+    On success every rank waits, at most ``timeout_seconds``, until all ranks have finished
+    (their final save and metrics closed), so that no rank tears its connections down while
+    a peer still talks to it. Then every group is destroyed and collected while the
+    interpreter is fully alive: a gloo group left to the interpreter's own exit can take
+    the process down with SIGABRT ("terminate called without an active exception") when
+    its threads' last references go after Python's teardown has begun.
+
+    After a failure (``ok=False``) nothing waits for the peers, which may be stuck in a
+    collective this rank never joins; gloo groups are still destroyed (closing their
+    connections fails the peers' collectives at once), NCCL ones are not (destroying a
+    communicator while a peer uses it can block), and the launcher stops the rest.
+    Returns whether there was a process group to leave.
+    """
+    if not dist.is_initialized():
+        return False
+    if ok and dist.get_world_size() > 1:
+        try:
+            _store_barrier("shutdown", timedelta(seconds=timeout_seconds))
+        except RuntimeError as e:  # a timeout or a lost store (DistStoreError): leave anyway
+            logging.getLogger(__name__).warning(
+                "Shutdown: not every rank finished within %.0f s (%s); leaving anyway", timeout_seconds, e)
+    if ok or "nccl" not in str(dist.get_backend()):
+        dist.destroy_process_group()
+    gc.collect()  # the groups' last references go now, not during the interpreter's exit
+    return True
+
+
+def set_collective_timeout(seconds: int) -> int:
+    """Shorten the collective timeout of every process group this process belongs to; return how many.
+
+    Called once the slow first step is done, so that a dead or hung rank ends the job.
+    "Every group" is every group created so far, not only the root mesh's dims: the
+    flattened views (FSDP's ``dp_shard_cp``, the loss sums' ``dp_cp``), the unit-shard
+    mesh of DDP/TP layouts and the checkpoint group hang just as well as the default one.
+    """
     timeout = timedelta(seconds=seconds)
-    groups = [None] + (mesh.get_all_groups() if mesh is not None else [])
+    groups = list(dist.distributed_c10d._world.pg_map)
     for group in groups:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return len(groups)
 
 
 def reduce_scalar(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
