@@ -72,7 +72,7 @@ from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
 from torchtitan.datasets.split import HeldOutSplit
-from torchtitan.datasets.store_dataset import TokenStoreDataset
+from torchtitan.datasets.store_dataset import TokenStoreDataset, check_position_maps
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 from torchtitan.datasets.token_store import (
     SourceSpec, TokenStore, ensure_store, is_store, looks_like_store, source_files, source_fingerprint,
@@ -363,18 +363,7 @@ class PackedTextDataset(IterableDataset, Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict["seq_len"] != self.seq_len:
-            raise ValueError(
-                f"{self.name}: checkpoint was taken with seq_len={state_dict['seq_len']}, "
-                f"but this run uses seq_len={self.seq_len}; window positions cannot be mapped"
-            )
-        theirs, mine = state_dict.get("split"), self._split_text()
-        if theirs != mine:
-            raise ValueError(
-                f"{self.name}: checkpoint was taken with {theirs or 'nothing held out'} but this run has "
-                f"{mine or 'nothing held out'}; its data position does not map onto another split: resume with the "
-                "checkpoint's --validation.held_out_fraction and --validation.split_seed"
-            )
+        check_position_maps(self.name, state_dict, self.seq_len, self._split_text())
         taken = int(state_dict["taken_in_block"])
         if taken and state_dict["local_batch_size"] != self.local_batch_size:
             raise ValueError(

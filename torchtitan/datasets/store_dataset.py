@@ -37,6 +37,22 @@ logger = logging.getLogger(__name__)
 _END = object()
 
 
+def check_position_maps(name: str, state_dict: dict[str, Any], seq_len: int, split_text: str | None) -> None:
+    """A saved (epoch, window) position names the same windows only with the same seq_len and held-out split."""
+    if state_dict["seq_len"] != seq_len:
+        raise ValueError(
+            f"{name}: checkpoint was taken with seq_len={state_dict['seq_len']}, "
+            f"but this run uses seq_len={seq_len}; window positions cannot be mapped"
+        )
+    theirs = state_dict.get("split")
+    if theirs != split_text:
+        raise ValueError(
+            f"{name}: checkpoint was taken with {theirs or 'nothing held out'} but this run has "
+            f"{split_text or 'nothing held out'}; its data position does not map onto another split: resume "
+            "with the checkpoint's --validation.held_out_fraction and --validation.split_seed"
+        )
+
+
 class TokenStoreDataset(IterableDataset, Stateful):
     """Yields ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``."""
 
@@ -180,18 +196,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict["seq_len"] != self.seq_len:
-            raise ValueError(
-                f"{self.name}: checkpoint was taken with seq_len={state_dict['seq_len']}, "
-                f"but this run uses seq_len={self.seq_len}; window positions cannot be mapped"
-            )
-        theirs = state_dict.get("split")
-        if theirs != self.split_text:
-            raise ValueError(
-                f"{self.name}: checkpoint was taken with {theirs or 'nothing held out'} but this run has "
-                f"{self.split_text or 'nothing held out'}; its data position does not map onto another split: resume "
-                "with the checkpoint's --validation.held_out_fraction and --validation.split_seed"
-            )
+        check_position_maps(self.name, state_dict, self.seq_len, self.split_text)
         mine = self.seed if self.shuffle else None
         if "shuffle" in state_dict and state_dict["shuffle"] != mine:
             def say(s: Any) -> str:
