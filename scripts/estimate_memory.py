@@ -104,7 +104,8 @@ def _stage_modules(cfg, dims, whole: torch.nn.Module) -> list[list[torch.nn.Modu
     """The meta modules each pipeline rank holds (one list per pp rank)."""
     if not dims.pp_enabled:
         return [[whole]]
-    from torchtitan.distributed.pipeline_parallel import plan_pipeline, prune_to_stage
+    from torchtitan.distributed.pipeline_parallel import prune_to_stage
+    from torchtitan.preflight import plan_pipeline
 
     plan = plan_pipeline(cfg, whole.args.n_layers)
     return [[prune_to_stage(whole, plan, s) for s in plan.stage_ids(r)] for r in range(dims.pp)]

@@ -670,7 +670,7 @@ def probe_gates(flavors: list[Flavor], config: Path) -> dict[str, str]:
     """
     try:
         from torchtitan.config import ConfigError, ConfigManager
-        from torchtitan.trainer import preflight
+        from torchtitan.preflight import preflight
     except Exception as e:  # noqa: BLE001 - fall back to gating on the runs' output
         print(f"note: cannot probe features in-process ({e!r}); gating on the runs' output instead")
         return {}

@@ -91,11 +91,14 @@ def test_bad_tp_config_fails_on_every_rank_before_any_collective(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
          "--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2", "--training.seq_len=63",
-         f"--job.dump_folder={tmp_path}"],
+         f"--job.dump_folder={tmp_path}", f"--checkpoint.initial_load_path={tmp_path / 'no_hf_folder'}"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert out.returncode != 0
     assert out.stderr.count("config error: --training.seq_len=63 must be divisible by") == 2, out.stderr[-2000:]
+    # Weights to start from are checked in the same pass, on every rank.
+    assert out.stderr.count(f"config error: --checkpoint.initial_load_path={tmp_path / 'no_hf_folder'}") == 2, \
+        out.stderr[-2000:]
     # torchrun reports the failed workers with its own traceback; the workers raise none.
     assert f'File "{REPO / "torchtitan"}' not in out.stderr
 
@@ -122,12 +125,15 @@ def test_config_error_under_torchrun_exits_on_every_rank(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=3", f"--job.dump_folder={tmp_path}"],
+         "--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=3", f"--job.dump_folder={tmp_path}",
+         "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=every2"],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert out.returncode != 0
-    # One line from each rank, naming the degrees and the world size; nobody waits on a collective.
+    # One line per problem from each rank, naming the degrees and the world size, and the AC option (once
+    # found only while wrapping the model, after the process group existed); nobody waits on a collective.
     assert out.stderr.count("config error: ParallelDims") == 2, out.stderr[-2000:]
+    assert out.stderr.count("config error: --activation_checkpoint.selective_ac_option=every2: use 'op'") == 2
 
 
 def test_compiled_blocks_match_eager(tmp_path):
@@ -175,17 +181,23 @@ def _one_rank_goes_silent(rank: int, world_size: int, dump: str) -> tuple[str, f
 
     trainer = make_trainer(dump, "--training.steps=4", "--parallelism.data_parallel_shard_degree=2",
                            "--comm.train_timeout_seconds=5")
+    rank0_done = Path(dump) / "rank0_done"
     if rank == 1:
         trainer.cfg.training.steps = 1  # take step 1 (which applies the training timeout), then stop answering
         trainer.train()
-        time.sleep(45)
+        deadline = time.monotonic() + 45  # silent until rank 0 has its outcome (or far past its timeout)
+        while not rank0_done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
         return "silent", 0.0
     start = time.monotonic()
     try:
         trainer.train()
+        outcome = "finished"
     except Exception as e:  # noqa: BLE001 - the type depends on the backend; raising at all is the point
-        return type(e).__name__, time.monotonic() - start
-    return "finished", time.monotonic() - start
+        outcome = type(e).__name__
+    seconds = time.monotonic() - start
+    rank0_done.touch()
+    return outcome, seconds
 
 
 def test_a_silent_rank_makes_the_others_fail_after_the_train_timeout(tmp_path):

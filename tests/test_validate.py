@@ -84,7 +84,7 @@ def test_validation_loss_is_the_mean_token_loss_of_the_split_and_is_logged(tmp_p
 
 
 def _preflight_error(world_size: int, *overrides: str) -> str:
-    from torchtitan.trainer import preflight
+    from torchtitan.preflight import preflight
 
     with pytest.raises(ConfigError) as info:
         preflight(_cfg("--validation.enable", *overrides), world_size)
@@ -105,7 +105,7 @@ def test_preflight_rejects_validation_data_smaller_than_one_batch(tmp_path):
         1, "--validation.dataset=nope")
     assert "no such file or folder" in _preflight_error(1, f"--validation.dataset_path={tmp_path / 'missing'}")
     # Enough data: no error, and without --validation.enable the data is not read at all.
-    from torchtitan.trainer import preflight
+    from torchtitan.preflight import preflight
 
     preflight(_cfg("--validation.enable", f"--validation.dataset_path={tiny}", "--training.seq_len=8"), 1)
     preflight(_cfg(f"--validation.dataset_path={tmp_path / 'missing'}"), 1)

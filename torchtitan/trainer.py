@@ -1,14 +1,14 @@
 """The training loop: build mesh -> seed -> model on meta -> parallelize -> init -> optimizer -> train.
 
 Everything that can be checked without communication (degrees, flavor, tokenizer,
-dataset, batch arithmetic) is checked in ``preflight`` *before* the process group
-exists, so a bad config fails identically on every rank instead of hanging.
+dataset, batch arithmetic, checkpoints) is checked in ``torchtitan/preflight.py``
+*before* the process group exists, so a bad config fails identically on every rank
+instead of hanging.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -20,91 +20,29 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.checkpoint import CheckpointManager, check_checkpoint_config
-from torchtitan.config import ConfigError, JobConfig, resolve_gradient_accumulation, to_toml
-from torchtitan.datasets import DATASETS, Tokenizer, build_dataloader, build_tokenizer, check_training_data
+from torchtitan.checkpoint import CheckpointManager
+from torchtitan.config import JobConfig, to_toml
+from torchtitan.datasets import build_dataloader
 from torchtitan.distributed import (
-    ParallelDims, clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
+    clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
 )
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
-from torchtitan.distributed.pipeline_parallel import PipelinePlan, PipelineRunner, build_pipeline, plan_pipeline
+from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
 from torchtitan.distributed.utils import match_grad_placements, set_collective_timeout, start_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.profiling import maybe_profile
-from torchtitan.models import model_flavors
-from torchtitan.models.llama3 import ModelArgs, Transformer, flops_per_token
-from torchtitan.models.llama3.parallelize import parallelize_llama, validate_parallelism
+from torchtitan.models.llama3 import Transformer, flops_per_token
+from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
-from torchtitan.optim.lr_scheduler import validate_schedule
-from torchtitan.validate import (
-    ValidationResult, Validator, build_validation_data, check_validation_data, held_out_split,
-)
+from torchtitan.preflight import Plan, preflight
+from torchtitan.validate import ValidationResult, Validator, build_validation_data, held_out_split
 
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 IGNORE_INDEX = -100
-
-
-@dataclasses.dataclass
-class Plan:
-    """What preflight worked out from the config alone."""
-
-    dims: ParallelDims
-    grad_accum: int
-    model_args: ModelArgs
-    tokenizer: Tokenizer
-    pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
-
-
-def preflight(cfg: JobConfig, world_size: int) -> Plan:
-    """Validate the whole job without touching the network; raises ConfigError."""
-    p, problems = cfg.parallelism, []
-    s = cfg.lr_scheduler
-    try:
-        validate_schedule(warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
-                          lr_min=s.lr_min, total_steps=cfg.training.steps)
-    except ValueError as e:
-        problems.append(f"learning-rate schedule: {e} (--lr_scheduler.warmup_steps={s.warmup_steps}, "
-                        f"--lr_scheduler.decay_ratio={s.decay_ratio}, --training.steps={cfg.training.steps}); "
-                        "shorten the warmup/decay or train longer")
-    if cfg.training.dataset_path is None and cfg.training.dataset not in DATASETS:
-        problems.append(f"--training.dataset={cfg.training.dataset}: unknown; choose one of {', '.join(DATASETS)} "
-                        "or give --training.dataset_path")
-    if cfg.training.dataset_path is not None and not os.path.exists(cfg.training.dataset_path):
-        problems.append(f"--training.dataset_path={cfg.training.dataset_path}: no such file or folder")
-    try:
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    except (FileNotFoundError, ValueError) as e:
-        problems.append(f"--model.tokenizer_path: {e}")
-        tokenizer = None
-    try:
-        dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    except ValueError as e:
-        problems.append(str(e))
-    if problems:
-        raise ConfigError(problems)
-    grad_accum = resolve_gradient_accumulation(cfg, dims.degree("dp"))
-    args = dataclasses.replace(
-        model_flavors(cfg.model.name)[cfg.model.flavor],
-        vocab_size=tokenizer.n_words,
-        max_seq_len=cfg.training.seq_len,
-    )
-    problems = validate_parallelism(args, dims, cfg)
-    if problems:
-        raise ConfigError(problems)
-    problems = check_checkpoint_config(cfg, world_size, lambda: Transformer(args), model_args=args)
-    problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
-    t = cfg.training
-    problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
-                                    split=held_out_split(cfg), seq_len=t.seq_len,
-                                    global_batch=t.batch_size * dims.degree("dp"))
-    if problems:
-        raise ConfigError(problems)
-    pipeline = plan_pipeline(cfg, args.n_layers) if dims.pp_enabled else None
-    return Plan(dims, grad_accum, args, tokenizer, pipeline)
 
 
 class Trainer:

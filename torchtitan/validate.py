@@ -24,8 +24,8 @@ again, as after a training step. A run with validation therefore trains bitwise 
 one without (tests/distributed/test_layout_parity.py).
 
 Checks that need the data (is there at least one validation batch?) run in
-``check_validation_data`` from the trainer's preflight, on every rank, before any
-process group exists.
+``check_validation_data``, which ``torchtitan/preflight.py`` calls on every rank
+before any process group exists; the options themselves are checked there too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -42,9 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import JobConfig
-from torchtitan.datasets import (
-    DATASETS, HeldOutSplit, PackedTextDataset, Tokenizer, build_validation_dataset, count_windows,
-)
+from torchtitan.datasets import HeldOutSplit, PackedTextDataset, Tokenizer, build_validation_dataset, count_windows
 from torchtitan.distributed.utils import reduce_scalar
 
 logger = logging.getLogger(__name__)
@@ -74,11 +71,6 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
     v = cfg.validation
     if not v.enable:
         return []
-    if v.dataset_path is None and v.dataset is not None and v.dataset not in DATASETS:
-        return [f"--validation.dataset={v.dataset}: unknown; choose one of {', '.join(DATASETS)} or give "
-                "--validation.dataset_path"]
-    if v.dataset_path is not None and not os.path.exists(os.path.expanduser(v.dataset_path)):
-        return [f"--validation.dataset_path={v.dataset_path}: no such file or folder"]
     batch = validation_batch_size(cfg)
     needed = batch * dp_degree
     try:

@@ -69,7 +69,7 @@ def saved(tmp_path_factory) -> Path:
 
 
 def _preflight(dump: Path, *overrides: str, world_size: int = 2) -> list[str]:
-    from torchtitan.trainer import preflight
+    from torchtitan.preflight import preflight
 
     cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, f"--job.dump_folder={dump}",
                                       "--checkpoint.enable_checkpoint", *overrides])

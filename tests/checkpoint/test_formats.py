@@ -136,7 +136,7 @@ def test_bad_sources_are_config_errors_before_any_collective(hf_dir, tmp_path) -
     import shutil
 
     from torchtitan.config import ConfigError, ConfigManager
-    from torchtitan.trainer import preflight
+    from torchtitan.preflight import preflight
 
     def problems(path: Path, *extra: str) -> str:
         cfg = ConfigManager().parse_args(["--job.config_file", DEBUG_TOML, f"--job.dump_folder={tmp_path / 'dump'}",

@@ -324,7 +324,7 @@ def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp
     import shutil
 
     from torchtitan.config import ConfigError, ConfigManager
-    from torchtitan.trainer import preflight
+    from torchtitan.preflight import preflight
 
     bad = tmp_path / "bad"
     shutil.copytree(store, bad)

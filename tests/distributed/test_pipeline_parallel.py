@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor
 from dist_harness import run_ranks
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.pipeline_parallel import (
-    SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan, plan_pipeline, prune_to_stage,
+    SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan, prune_to_stage,
 )
+from torchtitan.preflight import plan_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
@@ -298,7 +299,7 @@ def test_schedule_constraints_are_config_errors():
 
 
 def test_preflight_reports_pipeline_errors_before_any_process_group():
-    from torchtitan.trainer import preflight
+    from torchtitan.preflight import preflight
 
     with pytest.raises(ConfigError, match="choose one of"):
         preflight(ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("OneFOneB")]), 2)

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from torchtitan.checkpoint.preflight import checkpoint_folder, choose_checkpoint
+from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.store import commit, purge, scan, tmp_dir
 
 logger = logging.getLogger(__name__)

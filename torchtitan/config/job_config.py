@@ -12,9 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# The mesh dimension names, in the order the world mesh lays them out.
-MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
 
 def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None) -> Any:
     """A dataclass field with a default, a help line and optional checks."""

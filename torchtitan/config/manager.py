@@ -1,8 +1,11 @@
-"""Turn a TOML file plus command-line overrides into a validated ``JobConfig``.
+"""Turn a TOML file plus command-line overrides into a ``JobConfig``.
 
-Precedence is CLI > TOML > defaults. Every problem found is collected and raised
-together as one ``ConfigError`` (one line per problem), before any process group
-exists, so each rank of a job exits with the same clear message instead of hanging.
+Precedence is CLI > TOML > defaults. Each field is checked on its own while it is
+parsed: its type, finiteness, and the ``choices`` and ``min`` its metadata declares.
+Every problem found is collected and raised together as one ``ConfigError`` (one
+line per problem). Checks that involve several fields, the world size, the model or
+files live in one place, ``torchtitan/preflight.py``, which every rank runs before
+any process group exists.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ except ImportError:  # Python >= 3.11 ships the same parser as tomllib
 
 import tomli_w
 
-from torchtitan.config.job_config import MESH_DIM_NAMES, JobConfig
+from torchtitan.config.job_config import JobConfig
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -148,8 +151,6 @@ class ConfigManager:
             self._apply_toml(cfg, config_file, problems)
         for (section, key), raw in overrides:
             self._set(cfg, section, key, raw, f"--{section}.{key}", from_cli=True, problems=problems)
-        # Fields that failed to parse kept their defaults, so these checks still make sense.
-        problems.extend(validate_config(cfg))
         if problems:
             raise ConfigError(problems)
         return cfg
@@ -252,84 +253,6 @@ def _check_range(value: Any, f: dataclasses.Field) -> str | None:
     if low is not None and value < low:
         return f"{value} is below the minimum {low}"
     return None
-
-
-def validate_config(cfg: JobConfig) -> list[str]:
-    """Checks that involve more than one field, or values a type cannot express."""
-    problems = []
-    p, t = cfg.parallelism, cfg.training
-    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
-        problems.append(
-            f"--parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree}: "
-            "use -1 (the ranks left over) or a degree >= 1"
-        )
-    if t.global_batch_size == 0 or t.global_batch_size < -1:
-        problems.append(f"--training.global_batch_size={t.global_batch_size}: use -1 (derived) or a positive size")
-    if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
-        problems.append(f"--optimizer.betas={cfg.optimizer.betas}: give two values in [0, 1), e.g. 0.9,0.95")
-    if cfg.lr_scheduler.lr_min > 1.0:
-        problems.append(f"--lr_scheduler.lr_min={cfg.lr_scheduler.lr_min}: it is a fraction of the peak lr (0..1)")
-    if cfg.lr_scheduler.decay_ratio is not None and cfg.lr_scheduler.decay_ratio > 1.0:
-        problems.append(f"--lr_scheduler.decay_ratio={cfg.lr_scheduler.decay_ratio}: it is a fraction (0..1)")
-    unknown = [d for d in t.seed_sharded_dims if d not in MESH_DIM_NAMES]
-    if unknown:
-        problems.append(
-            f"--training.seed_sharded_dims: unknown dim(s) {', '.join(unknown)}; choose from {', '.join(MESH_DIM_NAMES)}"
-        )
-    if len(set(t.seed_sharded_dims)) != len(t.seed_sharded_dims):
-        problems.append(f"--training.seed_sharded_dims={','.join(t.seed_sharded_dims)}: a dim is listed twice")
-    problems.extend(_validation_problems(cfg))
-    from torchtitan.models import model_flavors  # local import keeps config free of torch at import time
-
-    flavors = model_flavors(cfg.model.name)
-    if cfg.model.flavor not in flavors:
-        problems.append(
-            f"--model.flavor={cfg.model.flavor}: unknown for {cfg.model.name}; choose one of {', '.join(flavors)}"
-        )
-    return problems
-
-
-def _validation_problems(cfg: JobConfig) -> list[str]:
-    """The [validation] section; its data is checked in preflight (it needs the tokenizer and the dp degree)."""
-    v, problems = cfg.validation, []
-    if v.held_out_fraction is not None and not 0.0 < v.held_out_fraction < 1.0:
-        problems.append(f"--validation.held_out_fraction={v.held_out_fraction}: give a fraction strictly between 0 "
-                        "and 1 (e.g. 0.01), or leave it unset to hold nothing out")
-    if v.steps == 0 or v.steps < -1:
-        problems.append(f"--validation.steps={v.steps}: give a number of batches >= 1, or -1 for the whole split")
-    has_dataset = v.dataset is not None or v.dataset_path is not None
-    if v.enable and not has_dataset and v.held_out_fraction is None:
-        problems.append("--validation.enable needs data: set --validation.held_out_fraction (e.g. 0.01) to hold part "
-                        "of the training data out, or --validation.dataset / --validation.dataset_path")
-    if has_dataset and v.held_out_fraction is not None:
-        problems.append("--validation.held_out_fraction and --validation.dataset/dataset_path both say what to "
-                        "validate on; set only one of them")
-    return problems
-
-
-def resolve_gradient_accumulation(cfg: JobConfig, dp_degree: int) -> int:
-    """Micro-steps per optimizer step, from ``gradient_accumulation_steps`` or ``global_batch_size``."""
-    t = cfg.training
-    if t.global_batch_size == -1:
-        return t.gradient_accumulation_steps
-    per_micro_step = t.batch_size * dp_degree
-    accum, rest = divmod(t.global_batch_size, per_micro_step)
-    if rest or accum < 1:
-        raise ConfigError(
-            [
-                f"--training.global_batch_size={t.global_batch_size} is not a multiple of "
-                f"batch_size ({t.batch_size}) x data-parallel degree ({dp_degree}) = {per_micro_step}; "
-                "change one of them"
-            ]
-        )
-    if t.gradient_accumulation_steps not in (1, accum):
-        raise ConfigError(
-            [
-                f"--training.gradient_accumulation_steps={t.gradient_accumulation_steps} contradicts "
-                f"global_batch_size={t.global_batch_size} (which implies {accum}); set only one of them"
-            ]
-        )
-    return accum
 
 
 def to_toml(cfg: JobConfig) -> str:

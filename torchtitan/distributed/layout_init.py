@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan.models.init_spec import InitSpec, apply_init_spec
+from torchtitan.distributed.init_spec import InitSpec, apply_init_spec
 
 CHUNK_NUMEL = 1 << 22  # values per generator chunk: part of the definition, do not change lightly
 

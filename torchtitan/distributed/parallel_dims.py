@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan.config.job_config import MESH_DIM_NAMES
-
+# The mesh dimension names, in the order the world mesh lays them out.
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Flattened view name -> the mesh dims it spans (in mesh order).
 FLATTENED_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),

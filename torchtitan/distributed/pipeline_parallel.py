@@ -2,10 +2,10 @@
 
 Three parts, each usable on its own:
 
-- ``plan_pipeline`` works out, from the config alone, how many stages there are,
-  which layers each holds, how many microbatches a local batch is cut into and
-  whether the schedule accepts all of that. It raises ``ConfigError`` (one line per
-  problem) and touches no process group, so ``preflight`` can call it on every rank.
+- ``PipelinePlan`` says how many stages there are, which layers each holds and how
+  many microbatches a local batch is cut into. ``torchtitan/preflight.py`` works it
+  out from the config (``plan_pipeline``), with the checks that the schedule
+  accepts all of that, before any process group exists.
 - ``prune_to_stage`` turns a copy of the whole (meta-device) model into one stage.
   The stage is still a ``Transformer``: the layers it does not own are dropped from
   the ``layers`` ModuleDict (keyed by original index) and the embedding, final norm
@@ -43,10 +43,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config import ConfigError, JobConfig
-
 # Our schedule name -> the class name in torch.distributed.pipelining.schedules.
-_SCHEDULE_CLASS_NAMES = {
+SCHEDULE_CLASS_NAMES = {
     "GPipe": "ScheduleGPipe",
     "1F1B": "Schedule1F1B",
     "Interleaved1F1B": "ScheduleInterleaved1F1B",
@@ -56,14 +54,13 @@ _SCHEDULE_CLASS_NAMES = {
 }
 # Only what the installed torch provides is offered.
 SCHEDULES: dict[str, type] = {
-    name: getattr(torch_schedules, cls) for name, cls in _SCHEDULE_CLASS_NAMES.items() if hasattr(torch_schedules, cls)
+    name: getattr(torch_schedules, cls) for name, cls in SCHEDULE_CLASS_NAMES.items() if hasattr(torch_schedules, cls)
 }
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # These split backward into input and weight passes, which torch does not support on compiled modules.
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble",)
 DEFAULT_STAGES_PER_RANK = 2
-_FLAG = "--parallelism.pipeline_parallel_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +107,7 @@ class PipelinePlan:
         return "; ".join(parts)
 
 
-def _resolve_schedule(name: str) -> str | None:
-    """The canonical schedule name for ``name`` (case-insensitive), or None."""
-    by_lower = {n.lower(): n for n in SCHEDULES}
-    return by_lower.get(name.lower())
-
-
-def _even_layer_starts(n_layers: int, num_stages: int, embed_weight: int, output_weight: int) -> tuple[int, ...]:
+def even_layer_starts(n_layers: int, num_stages: int, embed_weight: int, output_weight: int) -> tuple[int, ...]:
     """Layer boundaries that balance (embedding weight + layers + output weight) over the stages.
 
     The embedding is pinned to the first stage and the output to the last; a weight
@@ -129,128 +120,6 @@ def _even_layer_starts(n_layers: int, num_stages: int, embed_weight: int, output
         starts.append(min(max(boundary, starts[-1]), n_layers))
     starts.append(n_layers)
     return tuple(starts)
-
-
-def _parse_split_points(points: list[str], n_layers: int, problems: list[str]) -> tuple[int, ...] | None:
-    indices = []
-    for point in points:
-        prefix, _, index = point.partition(".")
-        if prefix != "layers" or not index.isdigit() or not 0 <= int(index) < n_layers:
-            problems.append(
-                f"{_FLAG}split_points: '{point}' is not a layer FQN of this model; "
-                f"use layers.N with 0 <= N < {n_layers}"
-            )
-            return None
-        indices.append(int(index))
-    if any(b <= a for a, b in zip(indices, indices[1:])):
-        problems.append(
-            f"{_FLAG}split_points={','.join(points)}: list the layers in increasing order, each once "
-            "(every stage between two split points needs at least one layer)"
-        )
-        return None
-    return (0, *indices, n_layers)
-
-
-def plan_pipeline(cfg: JobConfig, n_layers: int) -> PipelinePlan:
-    """Validate the pipeline options against the model and the batch; raise ConfigError listing every problem."""
-    p = cfg.parallelism
-    pp, problems = p.pipeline_parallel_degree, []
-    schedule = _resolve_schedule(p.pipeline_parallel_schedule)
-    if schedule is None:
-        missing = [n for n in _SCHEDULE_CLASS_NAMES if n not in SCHEDULES]
-        note = f" ({', '.join(missing)} need a newer torch than {torch.__version__})" if missing else ""
-        raise ConfigError([
-            f"{_FLAG}schedule={p.pipeline_parallel_schedule}: unknown; choose one of {', '.join(SCHEDULES)}{note}"
-        ])
-    single = schedule in SINGLE_STAGE_SCHEDULES
-
-    # How many stages, and which layers each one holds.
-    v_flag = p.pipeline_parallel_stages_per_rank
-    if p.pipeline_parallel_split_points:
-        starts = _parse_split_points(p.pipeline_parallel_split_points, n_layers, problems)
-        if starts is None:
-            raise ConfigError(problems)
-        num_stages = len(starts) - 1
-        if num_stages % pp:
-            raise ConfigError([
-                f"{_FLAG}split_points: {len(starts) - 2} split points make {num_stages} stages, which do not divide "
-                f"evenly over pipeline_parallel_degree={pp} ranks; give pp * stages_per_rank - 1 points"
-            ])
-        v = num_stages // pp
-        if v_flag is not None and v_flag != v:
-            problems.append(
-                f"{_FLAG}stages_per_rank={v_flag} contradicts the split points, which make {v} stage(s) per rank; "
-                "leave stages_per_rank unset"
-            )
-    else:
-        v = v_flag if v_flag is not None else (1 if single else DEFAULT_STAGES_PER_RANK)
-        num_stages = pp * v
-        e, o = p.pipeline_parallel_embedding_weight, p.pipeline_parallel_output_weight
-        if n_layers + e + o < num_stages:
-            raise ConfigError([
-                f"pipeline: {num_stages} stages ({pp} ranks x {v} per rank) but the model has only {n_layers} "
-                f"layers{f' (+{e + o} for embedding/output weights)' if e or o else ''}; lower "
-                f"pipeline_parallel_degree or stages_per_rank, or count the embedding/output as layers with "
-                f"{_FLAG}embedding_weight / {_FLAG}output_weight"
-            ])
-        starts = _even_layer_starts(n_layers, num_stages, e, o)
-        empty = [s for s in range(1, num_stages - 1) if starts[s + 1] == starts[s]]
-        if empty:
-            problems.append(
-                f"pipeline: an even split of {n_layers} layers over {num_stages} stages with embedding weight {e} and "
-                f"output weight {o} leaves stage(s) {empty} without layers; lower the weights or give "
-                f"{_FLAG}split_points"
-            )
-    if single and v != 1:
-        problems.append(
-            f"{_FLAG}schedule={schedule} runs one stage per rank, but the config asks for {v}; use one of "
-            f"{', '.join(n for n in SCHEDULES if n not in SINGLE_STAGE_SCHEDULES)} for several stages per rank"
-        )
-    if not single and v < 2:
-        problems.append(
-            f"{_FLAG}schedule={schedule} is a multi-stage schedule and needs >= 2 stages per rank (got {v}); "
-            f"use {' or '.join(SINGLE_STAGE_SCHEDULES)} for one stage per rank"
-        )
-    if schedule in V_SHAPED_SCHEDULES and v != 2:
-        problems.append(f"{_FLAG}schedule={schedule} needs exactly 2 stages per rank (got {v})")
-
-    # Microbatches.
-    m = p.pipeline_parallel_microbatches or num_stages
-    batch = cfg.training.batch_size
-    if batch % m:
-        problems.append(
-            f"pipeline: local batch --training.batch_size={batch} is not divisible by {m} microbatches"
-            f"{'' if p.pipeline_parallel_microbatches else ' (the default: one per stage)'}; set "
-            f"{_FLAG}microbatches to a divisor of the batch size or change the batch size"
-        )
-    if schedule == "1F1B" and m < num_stages:
-        problems.append(f"{_FLAG}schedule=1F1B needs at least as many microbatches as stages ({num_stages}); got {m}")
-    if not single:
-        rounds = max(1, m // pp)
-        if m < pp:
-            problems.append(
-                f"{_FLAG}schedule={schedule} needs at least pipeline_parallel_degree={pp} microbatches; got {m}"
-            )
-        elif schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
-            problems.append(
-                f"{_FLAG}schedule={schedule}: {m} microbatches is not a multiple of the number of rounds "
-                f"({rounds} = microbatches // pipeline_parallel_degree); use a multiple of {pp}"
-            )
-    if schedule in ZERO_BUBBLE_SCHEDULES and cfg.training.compile:
-        problems.append(
-            f"{_FLAG}schedule={schedule} splits backward into input and weight passes, which torch does not support "
-            "on compiled blocks; turn off --training.compile or choose another schedule"
-        )
-    ac = cfg.activation_checkpoint
-    if schedule in ZERO_BUBBLE_SCHEDULES and ac.mode == "selective" and ac.selective_ac_option == "op":
-        problems.append(
-            f"{_FLAG}schedule={schedule} runs backward through each block twice (input, then weight gradients), "
-            "which op-level selective activation checkpointing forbids; use --activation_checkpoint.mode=full, "
-            "selective with a block interval (selective_ac_option=N), or another schedule"
-        )
-    if problems:
-        raise ConfigError(problems)
-    return PipelinePlan(schedule=schedule, pp=pp, microbatches=m, layer_starts=starts)
 
 
 def prune_to_stage(whole: torch.nn.Module, plan: PipelinePlan, stage_id: int) -> torch.nn.Module:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.config.job_config import MESH_DIM_NAMES
+from torchtitan.distributed.parallel_dims import MESH_DIM_NAMES
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
+from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
 from torchtitan.models.llama3.args import ModelArgs
 
 

@@ -29,8 +29,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_attention, local_positions
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import ffn_hidden_dim
 
 logger = logging.getLogger(__name__)
 
@@ -60,42 +58,6 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     elif unit_dp:
         apply_fsdp(model, dims, cfg, device_type, mesh=dims.unit_fsdp_mesh())
     return model
-
-
-def validate_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> list[str]:
-    """Config problems that would only show up as shape errors deep inside a collective."""
-    problems: list[str] = []
-    tp, cp = dims.tp, dims.cp
-    seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
-    if tp > 1 and cfg.training.compile:
-        # Seen on torch 2.13 (CPU): compiled TP blocks fail in backward inside DTensor's
-        # redistribute ("'Tensor' object has no attribute '_local_tensor'"), and with AC
-        # already in forward. Refused up front rather than after minutes of set-up.
-        problems.append(f"--training.compile with tensor_parallel_degree={tp}: torch.compile of tensor-parallel "
-                        "blocks fails in this PyTorch (DTensor backward); turn off compile for TP layouts "
-                        "(compile was checked with FSDP, HSDP, DDP and CP)")
-    if tp > 1:
-        n_kv = args.n_kv_heads or args.n_heads
-        for what, value in [("n_heads", args.n_heads), ("n_kv_heads", n_kv), ("dim", args.dim),
-                            ("FFN hidden size", ffn_hidden_dim(args))]:
-            if value % tp:
-                problems.append(f"--parallelism.tensor_parallel_degree={tp}: the model's {what} ({value}) is not "
-                                f"divisible by it; pick a degree that divides {what}")
-        if args.vocab_size % tp:
-            # Padding the vocabulary would change the parameter shapes (and checkpoints) with the layout.
-            problems.append(f"--parallelism.tensor_parallel_degree={tp}: vocab size {args.vocab_size} is not divisible "
-                            f"by it (the vocabulary is not padded); pick a degree that divides {args.vocab_size}")
-    seq_shards = (2 * cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)
-    if seq_shards > 1 and seq_len % seq_shards:
-        parts = []
-        if cp > 1:
-            parts.append(f"2 * context_parallel_degree ({2 * cp}, load-balanced chunks)")
-        if tp > 1 and sequence_parallel:
-            parts.append(f"tensor_parallel_degree ({tp}, sequence parallel)")
-        fix = "change seq_len" + (" or set --parallelism.enable_sequence_parallel=false" if tp > 1 and sequence_parallel
-                                  else "")
-        problems.append(f"--training.seq_len={seq_len} must be divisible by {' x '.join(parts)} = {seq_shards}; {fix}")
-    return problems
 
 
 # ---- tensor parallel ---------------------------------------------------------

@@ -1,0 +1,152 @@
+"""Preflight, the one place that checks a job: every problem named with its fix, before any process group exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.preflight import check_config, gradient_accumulation_steps, preflight
+
+DEBUG = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml")
+
+
+def parse(*argv: str):
+    return ConfigManager().parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        ("--parallelism.data_parallel_shard_degree=0", "-1 (the ranks left over)"),
+        ("--parallelism.data_parallel_shard_degree=-3", "-1 (the ranks left over)"),
+        ("--lr_scheduler.lr_min=2", "fraction of the peak lr"),
+        ("--lr_scheduler.decay_ratio=1.5", "it is a fraction (0..1)"),
+        ("--optimizer.betas=0.9", "two values"),
+        ("--optimizer.betas=0.9,1.0", "two values"),
+        ("--training.seed_sharded_dims=pp,xx", "unknown dim(s) xx"),
+        ("--training.seed_sharded_dims=tp,tp", "listed twice"),
+        ("--model.flavor=9B", "choose one of debugmodel"),
+        ("--training.global_batch_size=0", "positive size"),
+        ("--training.dataset=nope", "--training.dataset=nope: unknown; choose one of"),
+        ("--training.dataset_path=/no/such/file.jsonl", "no such file or folder"),
+    ],
+)
+def test_values_a_type_cannot_express(arg, needle):
+    msgs = check_config(parse(arg))
+    assert len(msgs) == 1 and needle in msgs[0], msgs
+
+
+@pytest.mark.parametrize("option", ["x", "0", "-1", "1.5", ""])
+def test_selective_ac_option_is_checked_before_any_process_group(option):
+    # It used to be checked only while the model was wrapped, after the process group existed.
+    args = ["--activation_checkpoint.mode=selective", f"--activation_checkpoint.selective_ac_option={option}"]
+    (line,) = check_config(parse(*args))
+    assert line.startswith(f"--activation_checkpoint.selective_ac_option={option}: use 'op'")
+    assert check_config(parse("--activation_checkpoint.mode=full", "--activation_checkpoint.selective_ac_option=x")) == []
+    for good in ("op", "1", "3"):
+        assert check_config(parse("--activation_checkpoint.mode=selective",
+                                  f"--activation_checkpoint.selective_ac_option={good}")) == []
+
+
+def test_every_problem_is_reported_at_once():
+    cfg = parse("--job.config_file", DEBUG, "--model.flavor=9B", "--optimizer.betas=0.9",
+                "--parallelism.data_parallel_shard_degree=3", "--model.tokenizer_path=/no/tokenizer.model")
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, 4)
+    text = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 4, text
+    for needle in ("--model.flavor=9B", "--optimizer.betas", "ParallelDims:", "--model.tokenizer_path"):
+        assert needle in text
+
+
+def test_shipped_defaults_pass():
+    assert check_config(parse()) == []
+    assert check_config(parse("--job.config_file", DEBUG)) == []
+
+
+def test_gradient_accumulation_from_global_batch():
+    cfg = parse("--training.batch_size=2", "--training.global_batch_size=16")
+    assert gradient_accumulation_steps(cfg, dp_degree=4) == 2
+    assert gradient_accumulation_steps(parse("--training.gradient_accumulation_steps=3"), dp_degree=4) == 3
+    with pytest.raises(ConfigError, match="not a multiple"):
+        gradient_accumulation_steps(cfg, dp_degree=3)
+    bad = parse("--training.batch_size=2", "--training.global_batch_size=16", "--training.gradient_accumulation_steps=4")
+    with pytest.raises(ConfigError, match="contradicts"):
+        gradient_accumulation_steps(bad, dp_degree=4)
+    problems: list[str] = []
+    gradient_accumulation_steps(bad, dp_degree=4, problems=problems)
+    assert len(problems) == 1 and "contradicts" in problems[0]
+
+
+def test_validation_options():
+    for bad in ("0", "1", "1.5", "-0.1"):
+        (line,) = check_config(parse(f"--validation.held_out_fraction={bad}"))
+        assert line.startswith(f"--validation.held_out_fraction={float(bad)}: give a fraction strictly between 0 and 1")
+    for bad in ("0", "-2"):
+        (line,) = check_config(parse(f"--validation.steps={bad}"))
+        assert "or -1 for the whole split" in line
+    (line,) = check_config(parse("--validation.enable"))
+    assert "--validation.enable needs data" in line and "--validation.held_out_fraction" in line
+    (line,) = check_config(parse("--validation.held_out_fraction=0.1", "--validation.dataset_path=val.jsonl"))
+    assert "set only one of them" in line
+    (line,) = check_config(parse("--validation.enable", "--validation.dataset=nope"))
+    assert line.startswith("--validation.dataset=nope: unknown")
+    (line,) = check_config(parse("--validation.enable", "--validation.dataset_path=/no/val.jsonl"))
+    assert line == "--validation.dataset_path=/no/val.jsonl: no such file or folder"
+    assert check_config(parse("--validation.enable", "--validation.held_out_fraction=0.01")) == []
+
+
+def _problems(world_size: int, *overrides: str) -> list[str]:
+    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, *overrides])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, world_size)
+    return info.value.problems
+
+
+def test_tp_degree_must_divide_heads_dim_and_vocab():
+    # Debug model: 16 heads, 8 KV heads, dim 256, FFN 768, vocab 2048.
+    problems = _problems(3, "--parallelism.tensor_parallel_degree=3", "--parallelism.data_parallel_shard_degree=1",
+                         "--training.seq_len=63")
+    text = "\n".join(problems)
+    for what in ("n_heads (16)", "n_kv_heads (8)", "dim (256)", "vocab size 2048"):
+        assert what in text, what
+    assert "FFN hidden size" not in text  # 768 is divisible by 3
+    assert all("tensor_parallel_degree=3" in p or "seq_len" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["--parallelism.context_parallel_degree=2", "--training.seq_len=66"],
+         "seq_len=66 must be divisible by 2 * context_parallel_degree (4, load-balanced chunks) = 4; change seq_len"),
+        (["--parallelism.tensor_parallel_degree=2", "--training.seq_len=65"],
+         "= 2; change seq_len or set --parallelism.enable_sequence_parallel=false"),
+        (["--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2", "--training.seq_len=68"],
+         "(4, load-balanced chunks) x tensor_parallel_degree (2, sequence parallel) = 8"),
+    ],
+)
+def test_sequence_length_must_split_evenly(overrides, needle):
+    problems = _problems(4, "--parallelism.data_parallel_shard_degree=-1", *overrides)
+    assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_valid_tp_cp_layouts_pass():
+    for overrides in (["--parallelism.tensor_parallel_degree=2"], ["--parallelism.context_parallel_degree=2"],
+                      ["--parallelism.tensor_parallel_degree=2", "--parallelism.enable_sequence_parallel=false",
+                       "--training.seq_len=66"]):
+        cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=-1",
+                                          *overrides])
+        assert preflight(cfg, 8).dims.world_size == 8
+
+
+def test_tp_with_compile_is_rejected_with_the_way_out():
+    problems = _problems(2, "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                         "--training.compile")
+    assert len(problems) == 1 and "turn off compile for TP layouts" in problems[0]
+
+
+def test_warmup_longer_than_the_run_is_a_config_error():
+    problems = _problems(1, "--training.steps=3", "--lr_scheduler.warmup_steps=5")
+    assert any("--lr_scheduler.warmup_steps=5" in p and "training.steps=3" in p for p in problems), problems

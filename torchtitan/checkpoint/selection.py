@@ -1,0 +1,62 @@
+"""Which checkpoint a run loads, decided from the checkpoint folder alone.
+
+Every rank runs this on its own (``torchtitan/preflight.py`` first, then the
+checkpoint manager): it reads only the folder, so a missing step, a corrupt
+checkpoint or one that does not fit the model fails on every rank alike with one
+clear line each, and nobody waits in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan.checkpoint.store import scan, verify
+
+
+def checkpoint_folder(cfg) -> Path:
+    return Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+
+
+def model_shapes(model_factory: Callable[[], torch.nn.Module]) -> dict[str, tuple[int, ...]]:
+    """Parameter FQN -> shape of the model the config describes (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = model_factory()
+    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+
+
+def choose_checkpoint(
+    cfg, expected_shapes: dict[str, tuple[int, ...]] | None
+) -> tuple[Path | None, dict[str, Any], list[str]]:
+    """The committed checkpoint this run loads (None: start from scratch), its manifest, and problems."""
+    ck, folder = cfg.checkpoint, checkpoint_folder(cfg)
+    listing = scan(folder)
+    complete = ", ".join(str(s) for s in sorted(listing.committed)) or "none"
+    if ck.load_step >= 0:
+        if ck.load_step not in listing.committed:
+            leftovers = listing.partial.get(ck.load_step)
+            why = (f"only an incomplete save ({leftovers[0].name}) exists" if leftovers
+                   else "there is no such checkpoint")
+            return None, {}, [f"--checkpoint.load_step={ck.load_step}: {why} in {folder} (complete steps: {complete}); "
+                              "use -1 for the latest complete one"]
+        step = ck.load_step
+    else:
+        step = listing.latest()
+        if step is None:
+            return None, {}, []
+    path = listing.committed[step]
+    check_model = "model" not in ck.exclude_from_loading
+    problems, manifest = verify(path, expected_shapes if check_model else None)
+    if problems:
+        others = ", ".join(str(s) for s in sorted(listing.committed) if s != step) or "none"
+        problems.append(f"nothing was deleted; to load another complete checkpoint pass --checkpoint.load_step=<step> "
+                        f"(other steps in {folder}: {others}), or move {path.name} away")
+    return path, manifest, problems
+
+
+def own_checkpoint_exists(cfg) -> bool:
+    """True when the run resumes from its own checkpoint (which wins over ``initial_load_path``)."""
+    return cfg.checkpoint.enable_checkpoint and bool(scan(checkpoint_folder(cfg)).committed)
