@@ -6,7 +6,7 @@
 
 ``loader``: one rank's tokens/s at DP degree 1/2/4/8 (rank 0 of D; every rank does the
 same work), for the token store (this project) and for the streaming packer that every
-rank ran before (``PackedTextDataset`` over the embedded corpus: each rank tokenizes the
+rank ran before (``packed_baseline.py`` over the embedded corpus: each rank tokenizes the
 global stream).  ``resume``: seconds from ``load_state_dict`` to the first batch, at
 window 0, near the end of the embedded store's epoch, and at 10^6 windows of a
 synthetic store; the streaming packer at the same embedded positions for comparison.
@@ -42,12 +42,13 @@ def _store_loader(tokenizer, cache, *, seq, batch, rank, degree, path=None):
 def _stream_loader(tokenizer, *, seq, batch, rank, degree):
     from torch.utils.data import DataLoader
 
-    from torchtitan.datasets.hf_datasets import PackedTextDataset, _collate_pairs, _open_source
+    from packed_baseline import EveryRankPacks, collate_pairs
+    from torchtitan.datasets.hf_datasets import _open_source
 
     source, field = _open_source("embedded", None)
-    data = PackedTextDataset(source=source, text_field=field, tokenizer=tokenizer, seq_len=seq, local_batch_size=batch,
-                             dp_rank=rank, dp_degree=degree)
-    return DataLoader(data, batch_size=batch, collate_fn=_collate_pairs, num_workers=0, drop_last=True), data
+    data = EveryRankPacks(source=source, text_field=field, tokenizer=tokenizer, seq_len=seq, local_batch_size=batch,
+                          dp_rank=rank, dp_degree=degree)
+    return DataLoader(data, batch_size=batch, collate_fn=collate_pairs, num_workers=0, drop_last=True), data
 
 
 def _time_batches(it, n: int) -> tuple[float, float]:

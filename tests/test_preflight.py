@@ -89,8 +89,8 @@ def test_validation_options():
         assert "or -1 for the whole split" in line
     (line,) = check_config(parse("--validation.enable"))
     assert "--validation.enable needs data" in line and "--validation.held_out_fraction" in line
-    (line,) = check_config(parse("--validation.held_out_fraction=0.1", "--validation.dataset_path=val.jsonl"))
-    assert "set only one of them" in line
+    # Both: training leaves the fraction out, validation reads the dataset (e.g. those documents, prepared).
+    assert check_config(parse("--validation.held_out_fraction=0.1", "--validation.dataset=c4_validation")) == []
     (line,) = check_config(parse("--validation.enable", "--validation.dataset=nope"))
     assert line.startswith("--validation.dataset=nope: unknown")
     (line,) = check_config(parse("--validation.enable", "--validation.dataset_path=/no/val.jsonl"))

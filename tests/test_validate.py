@@ -104,6 +104,32 @@ def test_preflight_rejects_validation_data_smaller_than_one_batch(tmp_path):
     assert "--validation.dataset=nope: unknown; choose one of embedded, c4" in _preflight_error(
         1, "--validation.dataset=nope")
     assert "no such file or folder" in _preflight_error(1, f"--validation.dataset_path={tmp_path / 'missing'}")
+    # A hub validation set is streamed per rank, with no common end: it needs a number of batches.
+    # (Only the checks run here: nothing is downloaded.)
+    error = _preflight_error(1, "--validation.dataset=c4")
+    assert "--validation.steps=-1 (the whole split) needs validation data in a token store" in error
+    # A prepared training store lacks the held-out documents: say how to prepare them.
+    from torchtitan.datasets.prepare import main as prepare_main
+
+    docs = _write_jsonl(tmp_path / "docs.jsonl", [f"document {i} " * 40 for i in range(200)])
+    store = tmp_path / "store"
+    prepare_main([docs, str(store), "--workers", "1", "--held-out-fraction", "0.1", "--no-progress"])
+    error = _preflight_error(1, f"--training.dataset_path={store}", "--validation.held_out_fraction=0.1",
+                             "--training.seq_len=16")
+    assert f"--training.dataset_path={store} is a prepared token store" in error and "--held-out-side" in error
+    held = tmp_path / "held"
+    prepare_main([docs, str(held), "--workers", "1", "--held-out-fraction", "0.1", "--held-out-side", "--no-progress"])
+    from torchtitan.preflight import preflight
+
+    # Training reads the store without the held-out documents, validation the store of just those.
+    both = ["--validation.enable", f"--training.dataset_path={store}", "--validation.held_out_fraction=0.1",
+            "--training.seq_len=16"]
+    preflight(_cfg(*both, f"--validation.dataset_path={held}"), 1)
+    # A store of the documents held out by another split would overlap the training data.
+    other = tmp_path / "other"
+    prepare_main([docs, str(other), "--workers", "1", "--held-out-fraction", "0.2", "--held-out-side", "--no-progress"])
+    error = _preflight_error(1, *both[1:], f"--validation.dataset_path={other}")
+    assert "held out by held_out_fraction=0.2" in error and "this run holds out held_out_fraction=0.1" in error
     # Enough data: no error, and without --validation.enable the data is not read at all.
     from torchtitan.preflight import preflight
 

@@ -167,9 +167,6 @@ def _validation_problems(cfg: JobConfig) -> list[str]:
     if v.enable and not has_dataset and v.held_out_fraction is None:
         problems.append("--validation.enable needs data: set --validation.held_out_fraction (e.g. 0.01) to hold part "
                         "of the training data out, or --validation.dataset / --validation.dataset_path")
-    if has_dataset and v.held_out_fraction is not None:
-        problems.append("--validation.held_out_fraction and --validation.dataset/dataset_path both say what to "
-                        "validate on; set only one of them")
     if v.enable and v.dataset_path is None and v.dataset is not None and v.dataset not in DATASETS:
         problems.append(f"--validation.dataset={v.dataset}: unknown; choose one of {', '.join(DATASETS)} or give "
                         "--validation.dataset_path")

@@ -4,9 +4,13 @@ What is evaluated. The validation data is either a dataset of its own
 (``validation.dataset`` / ``dataset_path``) or the documents of the training data
 that ``validation.held_out_fraction`` holds out (``datasets/split.py``: a function of
 each document's text and ``split_seed`` alone, so every layout holds out the same
-documents and training never sees them). It is packed into windows and dealt out in
-global batches of ``batch_size x dp degree`` exactly like the training data, so with
-the same global batch every layout evaluates the same windows.
+documents and training never sees them). It is prepared once into a token store of
+its own, cached like the training data's, and dealt out in global batches of
+``batch_size x dp degree`` exactly like the training data, so with the same global
+batch every layout evaluates the same windows, and each rank reads only its own. A
+validation set on the hub is streamed instead, each DP rank reading its own
+documents: its loss then depends on the DP degree, and an evaluation takes
+``validation.steps`` batches, since such a stream has no common end.
 
 The loss is the sum of the token cross-entropies over every evaluated token of every
 rank, divided by the number of those tokens: the mean token loss of the evaluated
@@ -41,7 +45,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import JobConfig
-from torchtitan.datasets import HeldOutSplit, PackedTextDataset, Tokenizer, build_validation_dataset, count_windows
+from torchtitan.datasets import HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
+from torchtitan.datasets.store_dataset import TokenStoreDataset
+from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 from torchtitan.distributed.utils import reduce_scalar
 
 logger = logging.getLogger(__name__)
@@ -57,7 +63,8 @@ def validation_batch_size(cfg: JobConfig) -> int:
     return cfg.validation.batch_size or cfg.training.batch_size
 
 
-def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> PackedTextDataset:
+def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int,
+                          dp_degree: int) -> TokenStoreDataset | ShardedStreamDataset:
     v, t = cfg.validation, cfg.training
     return build_validation_dataset(
         dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
@@ -67,17 +74,24 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp
 
 
 def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
-    """Problems with the validation data (empty when fine); reads it only as far as one global batch."""
-    v = cfg.validation
+    """Problems with the validation data (empty when fine); prepares its token store on first use."""
+    v, t = cfg.validation, cfg.training
     if not v.enable:
         return []
     batch = validation_batch_size(cfg)
     needed = batch * dp_degree
     try:
-        data = build_validation_data(cfg, tokenizer, dp_rank=0, dp_degree=dp_degree)
-        found = count_windows(data, needed)
-    except (OSError, ValueError) as e:
+        store = open_validation_store(dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
+                                      train_dataset_path=t.dataset_path, split=held_out_split(cfg), tokenizer=tokenizer)
+    except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"validation data: {e}"]
+    if store is None:  # streamed from the hub: endless per rank, so a pass has no end of its own
+        if v.steps == -1:
+            return ["--validation.steps=-1 (the whole split) needs validation data in a token store, but it is "
+                    "streamed from the hub, each DP rank reading its own documents; set --validation.steps=N "
+                    "(batches per evaluation), or prepare the data with scripts/prepare_data.py"]
+        return []
+    found = store.n_tokens // (t.seq_len + 1)
     if found >= needed:
         return []
     what = (f"the held-out {v.held_out_fraction:g} of the training documents" if v.held_out_fraction is not None
@@ -111,7 +125,7 @@ class Validator:
     def __init__(
         self,
         cfg: JobConfig,
-        data: PackedTextDataset,
+        data: TokenStoreDataset | ShardedStreamDataset,
         model_parts: list[torch.nn.Module],
         forward_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, int]],
         loss_mesh: DeviceMesh | None,
@@ -130,12 +144,7 @@ class Validator:
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.data.rewind()
-        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for sample in self.data:
-            batch.append(sample)
-            if len(batch) == self.data.local_batch_size:
-                yield torch.stack([s[0] for s in batch]), torch.stack([s[1] for s in batch])
-                batch = []
+        return iter(self.data)
 
     @torch.no_grad()
     def run(self) -> ValidationResult:

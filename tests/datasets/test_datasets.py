@@ -15,7 +15,6 @@ import torch
 from torchtitan.datasets import (
     DATASETS,
     HeldOutSplit,
-    PackedTextDataset,
     Tokenizer,
     build_dataloader,
     build_tokenizer,
@@ -195,19 +194,13 @@ def test_packing_matches_reference(corpus_path: str, tokenizer: Tokenizer) -> No
             assert labels[row].tolist() == window[1:]
 
 
-def test_packing_document_boundaries(tokenizer: Tokenizer) -> None:
+def test_packing_document_boundaries(tokenizer: Tokenizer, tmp_path: Path) -> None:
     documents = ["first document " * 5, "second one", "third document, a bit longer " * 4]
-    dataset = PackedTextDataset(
-        source=[{"text": doc} for doc in documents],
-        text_field="text",
-        tokenizer=tokenizer,
-        seq_len=8,
-        local_batch_size=1,
-        dp_rank=0,
-        dp_degree=1,
-        infinite=False,
-    )
-    samples = list(dataset)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents), encoding="utf-8")
+    loader = make_loader(tokenizer, batch=1, dataset_path=str(path), seq_len=8, infinite=False,
+                         cache_dir=str(tmp_path / "cache"))
+    samples = [(x[0], y[0]) for x, y in loader]
     inputs = [x.tolist() for x, _ in samples]
     labels = [y.tolist() for _, y in samples]
     # Labels are the inputs shifted by one within each window.
@@ -433,46 +426,36 @@ def test_missing_text_field_is_reported(tmp_path: Path, tokenizer: Tokenizer) ->
 # ------------------------------------------------------------- held-out split
 
 
-def _documents_of(dataset: PackedTextDataset) -> list[str]:
-    return list(dataset._documents())
-
-
-def _split_dataset(tokenizer: Tokenizer, documents: list[str], split: HeldOutSplit | None, held_out: bool,
-                   **layout) -> PackedTextDataset:
-    options = dict(local_batch_size=1, dp_rank=0, dp_degree=1)
+def _split_loader(tokenizer: Tokenizer, path: Path, split: HeldOutSplit | None, **layout):
+    options = dict(batch=1, dataset_path=str(path), seq_len=8, infinite=False, cache_dir=str(path.parent / "cache"))
     options.update(layout)
-    return PackedTextDataset(source=[{"text": d} for d in documents], text_field="text", tokenizer=tokenizer,
-                             seq_len=8, infinite=False, split=split, held_out=held_out, **options)
+    return make_loader(tokenizer, split=split, **options)
 
 
-def test_held_out_split_partitions_the_documents(tokenizer: Tokenizer) -> None:
+def test_held_out_split_is_a_function_of_the_text_and_the_seed() -> None:
     documents = [f"document {i}: " + "words " * (i % 7) for i in range(2000)]
     split = HeldOutSplit(0.1, seed=3)
-    train = _documents_of(_split_dataset(tokenizer, documents, split, held_out=False))
-    held = _documents_of(_split_dataset(tokenizer, documents, split, held_out=True))
-    assert not set(train) & set(held) and sorted(train + held) == sorted(documents)
+    held = {d for d in documents if split.held_out(d)}
     assert 0.08 < len(held) / len(documents) < 0.12  # independent draws: the fraction on average
-    # A function of the text and the seed only: another layout or order holds out the same documents,
-    # another seed others.
-    other_layout = _split_dataset(tokenizer, documents[::-1], split, held_out=True, local_batch_size=4, dp_rank=1,
-                                  dp_degree=2)
-    assert sorted(_documents_of(other_layout)) == sorted(held)
-    assert set(_documents_of(_split_dataset(tokenizer, documents, HeldOutSplit(0.1, seed=4), True))) != set(held)
+    assert {d for d in documents if HeldOutSplit(0.1, seed=3).held_out(d)} == held  # any process, any order
+    assert {d for d in documents if HeldOutSplit(0.1, seed=4).held_out(d)} != held  # another seed, others
+    assert all(split.validation_filter()(d) != split.training_filter()(d) for d in documents)
     for bad in (0.0, 1.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="fraction"):
             HeldOutSplit(bad)
 
 
-def test_resume_rejects_another_split(tokenizer: Tokenizer) -> None:
-    documents = [f"document {i} " * 20 for i in range(50)]
-    state = _split_dataset(tokenizer, documents, HeldOutSplit(0.1), held_out=False).state_dict()
+def test_resume_rejects_another_split(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)), encoding="utf-8")
+    state = _split_loader(tokenizer, path, HeldOutSplit(0.1)).dataset.state_dict()
     assert state["split"] == "held_out_fraction=0.1, split_seed=0"
-    _split_dataset(tokenizer, documents, HeldOutSplit(0.1), held_out=False).load_state_dict(state)
+    _split_loader(tokenizer, path, HeldOutSplit(0.1)).dataset.load_state_dict(state)
     for other in (None, HeldOutSplit(0.2), HeldOutSplit(0.1, seed=1)):
         with pytest.raises(ValueError, match="split"):
-            _split_dataset(tokenizer, documents, other, held_out=False).load_state_dict(state)
-    # Without a split the state is what it always was, so older checkpoints still load.
-    plain = _split_dataset(tokenizer, documents, None, held_out=False).state_dict()
+            _split_loader(tokenizer, path, other).dataset.load_state_dict(state)
+    # Without a split the state has no split entry, so checkpoints from before splits existed still load.
+    plain = _split_loader(tokenizer, path, None).dataset.state_dict()
     assert "split" not in plain
     with pytest.raises(ValueError, match="nothing held out"):
-        _split_dataset(tokenizer, documents, HeldOutSplit(0.1), held_out=False).load_state_dict(plain)
+        _split_loader(tokenizer, path, HeldOutSplit(0.1)).dataset.load_state_dict(plain)

@@ -259,6 +259,17 @@ def test_held_out_documents_never_reach_the_store(corpus, tokenizer, tmp_path):
     s = TokenStore(out)
     assert s.read(0, s.n_tokens).tolist() == reference_stream(tokenizer, kept)
     take(loader(out, tokenizer, split=split), 1)  # the matching run reads it
+    # The other side: a validation store of exactly the held-out documents, in source order.
+    held = tmp_path / "held"
+    prepare_main([str(path), str(held), "--workers", "1", "--held-out-fraction", "0.2", "--split-seed", "1",
+                  "--held-out-side", "--no-progress"])
+    h = TokenStore(held)
+    assert h.read(0, h.n_tokens).tolist() == reference_stream(tokenizer, [d for d in docs if split.held_out(d)])
+    assert h.index["split"] == "only the documents held out by held_out_fraction=0.2, split_seed=1"
+    with pytest.raises(TokenStoreError, match="held out"):  # never a training store, whatever its split
+        take(loader(held, tokenizer, split=split), 1)
+    with pytest.raises(SystemExit, match="give that fraction too"):
+        prepare_main([str(path), str(tmp_path / "x"), "--held-out-side", "--no-progress"])
 
 
 def test_first_use_prepares_once_under_a_lock(corpus, tokenizer, tmp_path, monkeypatch):

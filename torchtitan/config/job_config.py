@@ -178,8 +178,9 @@ class Validation:
     )
     held_out_fraction: float | None = opt(
         None,
-        "Fraction (0..1) of the training documents held out for validation, chosen by hashing each document "
-        "with split_seed; training never sees them, also while validation is disabled",
+        "Fraction (0..1) of the training documents held out, chosen by hashing each document with split_seed; "
+        "training never sees them, also while validation is disabled. Validation reads them unless dataset or "
+        "dataset_path is set",
     )
     split_seed: int = opt(0, "Seed of the held-out split (independent of training.seed)", min=0)
     batch_size: int | None = opt(None, "Local validation batch: sequences per data-parallel rank (unset = training's)",

@@ -1,9 +1,9 @@
-"""Data pipeline: embedded default corpus, tokenizers (SentencePiece, Llama 3 tiktoken, Hugging Face), packing dataloader."""
+"""Data pipeline: embedded default corpus, tokenizers (SentencePiece, Llama 3 tiktoken, Hugging Face), token stores and their loaders."""
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
 from torchtitan.datasets.hf_datasets import (
-    DATASETS, DatasetSpec, PackedTextDataset, build_dataloader, build_validation_dataset, check_training_data,
-    count_windows,
+    DATASETS, DatasetSpec, build_dataloader, build_validation_dataset, check_training_data,
+    open_validation_store,
 )
 from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer
@@ -12,12 +12,11 @@ __all__ = [
     "DATASETS",
     "DatasetSpec",
     "HeldOutSplit",
-    "PackedTextDataset",
     "Tokenizer",
     "build_dataloader",
     "build_validation_dataset",
     "check_training_data",
-    "count_windows",
+    "open_validation_store",
     "build_tokenizer",
     "ensure_embedded_corpus",
 ]

@@ -19,12 +19,10 @@ Data flow
    batches, and so does a run that accumulates gradients over several
    consecutive local batches.
 
-Training reads this stream from a token store (``token_store.py``,
+Training and validation read this stream from a token store (``token_store.py``,
 ``store_dataset.py``): the embedded corpus and local files are tokenized once
 into memory-mapped shards, on first use, and every rank reads only its own
-windows by index.  ``PackedTextDataset`` below builds the same stream on the fly
-(every rank tokenizes all of it and keeps its share); it serves the validation
-data, which is small.  Hub datasets (``c4``) are streamed per DP rank instead
+windows by index.  Hub datasets (``c4``) are streamed per DP rank instead
 (``stream_dataset.py``), which gives up the DP-degree-independent order.
 
 End of data
@@ -40,13 +38,10 @@ otherwise iteration stops.
 
 Checkpointing
 -------------
-``PackedTextDataset.state_dict()`` stores a position that does not depend on
-the DP degree: the epoch and the index of the first window of the next global
-batch.  Loading it into a dataset with another DP degree (or local batch
-size) continues the same global sample stream from that window.  Here
-resuming re-reads and re-tokenizes the documents before that window, linear in
-the position; the token store loader keeps the same state and resumes in
-constant time.
+The loader's ``state_dict()`` stores a position that does not depend on the DP
+degree: the epoch and the index of the first window of the next global batch.
+Loading it into a loader with another DP degree (or local batch size)
+continues the same global sample stream from that window, in constant time.
 
 Concurrency
 -----------
@@ -61,18 +56,18 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
 from torchtitan.datasets.split import HeldOutSplit
-from torchtitan.datasets.store_dataset import TokenStoreDataset, check_position_maps
+from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 from torchtitan.datasets.token_store import (
     SourceSpec, TokenStore, ensure_store, is_store, looks_like_store, source_files, source_fingerprint,
@@ -82,7 +77,6 @@ from torchtitan.datasets.tokenizer import Tokenizer
 __all__ = [
     "DATASETS",
     "DatasetSpec",
-    "PackedTextDataset",
     "build_dataloader",
     "load_local_dataset",
 ]
@@ -209,172 +203,6 @@ def _open_source(dataset_name: str, dataset_path: str | None) -> tuple[Iterable[
     return spec.load(), spec.text_field
 
 
-class PackedTextDataset(IterableDataset, Stateful):
-    """Packs documents into ``seq_len + 1`` windows and yields this DP rank's share.
-
-    Yields ``(inputs, labels)`` pairs of int64 tensors of shape ``[seq_len]``,
-    in blocks of ``local_batch_size`` consecutive windows (see the module
-    docstring for the layout).  Each ``iter()`` continues from the current
-    position, which ``state_dict``/``load_state_dict`` save and restore.
-    """
-
-    def __init__(
-        self,
-        *,
-        source: Iterable[dict[str, Any]],
-        text_field: str,
-        tokenizer: Tokenizer,
-        seq_len: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_degree: int,
-        infinite: bool = True,
-        name: str = "dataset",
-        split: HeldOutSplit | None = None,
-        held_out: bool = False,
-    ) -> None:
-        """``split``: keep only the documents it does not hold out (``held_out=False``) or only those it does."""
-        _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
-        self.source = source
-        self.text_field = text_field
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_degree = dp_degree
-        self.infinite = infinite
-        self.name = name
-        self.split = split
-        self.held_out = held_out
-
-        # Position, independent of the DP layout except for the mid-block
-        # counter (which is 0 whenever a whole local batch has been taken).
-        self._epoch = 0
-        # Index (within the epoch) of the first window of the next global
-        # batch this rank has not finished handing out.
-        self._next_window = 0
-        # Samples of this rank's block in that global batch already yielded.
-        self._taken_in_block = 0
-
-    # ------------------------------------------------------------------ data
-
-    def _documents(self) -> Iterator[str]:
-        for record in self.source:
-            try:
-                text = record[self.text_field]
-            except KeyError:
-                raise ValueError(
-                    f"{self.name}: record has no {self.text_field!r} field (fields: {sorted(record)})"
-                ) from None
-            # Empty documents would only contribute a BOS/EOS pair.
-            if text and (self.split is None or self.split.held_out(text) == self.held_out):
-                yield text
-
-    def _windows(self) -> Iterator[list[int]]:
-        """The epoch's token stream cut into consecutive ``seq_len + 1`` windows."""
-        window_len = self.seq_len + 1
-        buffer: list[int] = []
-        for text in self._documents():
-            buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
-            # Walk with an offset and trim once per document: repeatedly
-            # slicing the front off a long buffer would be quadratic.
-            start = 0
-            while len(buffer) - start >= window_len:
-                yield buffer[start : start + window_len]
-                start += window_len
-            del buffer[:start]
-
-    def _sample(self, window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.tensor(window, dtype=torch.long)
-        return tokens[:-1], tokens[1:]
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        local_batch = self.local_batch_size
-        global_batch = local_batch * self.dp_degree
-        my_offset = self.dp_rank * local_batch
-        while True:
-            # A pass starts at the saved position; the global batches of this
-            # pass are counted from there.  (With an unchanged B*D the
-            # position is always a multiple of B*D, so this is the same as
-            # counting from the start of the epoch.)
-            base = self._next_window
-            skip = self._taken_in_block
-            complete_batches = 0
-            pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for index, window in enumerate(self._windows()):
-                if index < base:
-                    continue  # consumed before the checkpoint we resumed from
-                batch_index, offset = divmod(index - base, global_batch)
-                if my_offset <= offset < my_offset + local_batch:
-                    pending.append(self._sample(window))
-                if offset != global_batch - 1:
-                    continue
-                # Global batch complete: hand out this rank's block.
-                complete_batches += 1
-                first = skip if batch_index == 0 else 0
-                for position in range(first, local_batch):
-                    # Update the position *before* yielding: the consumer may
-                    # checkpoint while this generator is suspended here.
-                    if position + 1 == local_batch:
-                        self._next_window = base + (batch_index + 1) * global_batch
-                        self._taken_in_block = 0
-                    else:
-                        self._taken_in_block = position + 1
-                    yield pending[position]
-                pending.clear()
-
-            if complete_batches == 0 and base == 0:
-                raise ValueError(
-                    f"{self.name}: the data holds fewer than one global batch "
-                    f"({global_batch} windows of {self.seq_len + 1} tokens); use a larger dataset "
-                    "or a smaller seq_len/batch size"
-                )
-            self._epoch += 1
-            self._next_window = 0
-            self._taken_in_block = 0
-            if not self.infinite:
-                logger.info("%s: end of data after epoch %d", self.name, self._epoch - 1)
-                return
-            logger.info("%s: end of data, starting epoch %d from the beginning", self.name, self._epoch)
-
-    def rewind(self) -> None:
-        """Back to the first window of the first epoch (a validation pass starts here every time)."""
-        self._epoch = self._next_window = self._taken_in_block = 0
-
-    # ------------------------------------------------------------ checkpoint
-
-    def _split_text(self) -> str | None:
-        return None if self.split is None else f"held_out_fraction={self.split.fraction}, split_seed={self.split.seed}"
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {
-            "epoch": self._epoch,
-            "next_window": self._next_window,
-            "taken_in_block": self._taken_in_block,
-            # Not part of the position; recorded to reject checkpoints that
-            # cannot be mapped onto this dataset.
-            "seq_len": self.seq_len,
-            "local_batch_size": self.local_batch_size,
-        }
-        if self.split is not None:
-            # Window indices count the documents this dataset keeps: another split is another stream.
-            # Only present with a split, so checkpoints without one keep their old layout.
-            state["split"] = self._split_text()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_position_maps(self.name, state_dict, self.seq_len, self._split_text())
-        taken = int(state_dict["taken_in_block"])
-        if taken and state_dict["local_batch_size"] != self.local_batch_size:
-            raise ValueError(
-                f"{self.name}: checkpoint was taken in the middle of a local batch of "
-                f"{state_dict['local_batch_size']}; it can only be resumed with the same local batch size"
-            )
-        self._epoch = int(state_dict["epoch"])
-        self._next_window = int(state_dict["next_window"])
-        self._taken_in_block = taken
-
-
 def _check_layout(*, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -384,14 +212,6 @@ def _check_layout(*, seq_len: int, local_batch_size: int, dp_rank: int, dp_degre
         raise ValueError(f"dp_degree must be positive, got {dp_degree}")
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}")
-
-
-def _collate_pairs(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    # The default collate would return a list; a tuple reads better at the
-    # call site (`inputs, labels = batch`) and is what the trainer expects.
-    inputs = torch.stack([sample[0] for sample in samples])
-    labels = torch.stack([sample[1] for sample in samples])
-    return inputs, labels
 
 
 def _store_source(dataset_name: str, dataset_path: str | None) -> SourceSpec | None:
@@ -410,16 +230,20 @@ def _store_source(dataset_name: str, dataset_path: str | None) -> SourceSpec | N
 
 def open_token_store(
     *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None,
-    cache_dir: str | None = None, prepare_workers: int = 1,
+    held_out: bool = False, cache_dir: str | None = None, prepare_workers: int = 1, any_split: bool = False,
 ) -> TokenStore | None:
     """The token store this run reads: the store at ``dataset_path``, or one prepared on first use in the cache.
 
-    None for hub datasets, which are streamed (see ``build_dataloader``).
+    With ``split`` the store holds the documents it does not hold out, or with
+    ``held_out`` only those it does. ``any_split`` accepts a prepared store whatever
+    split it was made with (a validation set of its own). None for hub datasets,
+    which are streamed (see ``build_dataloader``).
     """
     if dataset_path and is_store(os.path.expanduser(dataset_path)):
         store = TokenStore(os.path.expanduser(dataset_path))
         store.check_tokenizer(tokenizer.model_path, tokenizer.n_words)
-        store.check_split(split)
+        if not any_split:
+            store.check_split(split)
         return store
     if dataset_path and looks_like_store(Path(os.path.expanduser(dataset_path))):
         TokenStore(os.path.expanduser(dataset_path))  # raises: no index
@@ -428,7 +252,7 @@ def open_token_store(
     spec = _store_source(dataset_name, dataset_path)
     if spec is None:
         return None
-    path = ensure_store(spec, tokenizer_path=tokenizer.model_path, split=split,
+    path = ensure_store(spec, tokenizer_path=tokenizer.model_path, split=split, held_out=held_out,
                         cache_dir=cache_dir or default_cache_dir(), workers=prepare_workers)
     return TokenStore(path)
 
@@ -509,6 +333,34 @@ def build_dataloader(
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
 
 
+def open_validation_store(
+    *, dataset_name: str | None, dataset_path: str | None, train_dataset_name: str, train_dataset_path: str | None,
+    split: HeldOutSplit | None, tokenizer: Tokenizer, cache_dir: str | None = None,
+) -> TokenStore | None:
+    """The token store of the validation data; None when it is streamed from the hub.
+
+    The data is the named or local validation dataset, or else the documents ``split``
+    holds out of the training dataset, prepared (once, cached) into a store of their own.
+    """
+    if dataset_name is not None or dataset_path is not None:
+        store = open_token_store(dataset_name=dataset_name or "", dataset_path=dataset_path, tokenizer=tokenizer,
+                                 split=None, cache_dir=cache_dir, any_split=True)
+        if store is not None:
+            store.check_held_out_side(split)
+        return store
+    if split is None:
+        raise ValueError("validation needs a dataset or a held-out split of the training data")
+    if train_dataset_path and is_store(os.path.expanduser(train_dataset_path)):
+        raise ValueError(
+            f"--training.dataset_path={train_dataset_path} is a prepared token store, and the documents held out "
+            "for validation were left out of it; prepare them into a store of their own with scripts/prepare_data.py "
+            f"SOURCE OUT --held-out-fraction {split.fraction} --split-seed {split.seed} --held-out-side, and pass "
+            "OUT as --validation.dataset_path (keeping --validation.held_out_fraction for the training store)"
+        )
+    return open_token_store(dataset_name=train_dataset_name, dataset_path=train_dataset_path, tokenizer=tokenizer,
+                            split=split, held_out=True, cache_dir=cache_dir)
+
+
 def build_validation_dataset(
     *,
     dataset_name: str | None,
@@ -521,34 +373,33 @@ def build_validation_dataset(
     local_batch_size: int,
     dp_rank: int,
     dp_degree: int,
-) -> PackedTextDataset:
-    """This DP rank's share of the validation data: one pass, global batches dealt out as in training.
+    cache_dir: str | None = None,
+) -> TokenStoreDataset | ShardedStreamDataset:
+    """This DP rank's share of the validation data, in local batches; ``rewind()`` starts a pass again.
 
-    The data is the named/local validation dataset, or else the documents ``split``
-    holds out of the training dataset. Each evaluation starts again from the first
-    window (``rewind``); the last incomplete global batch is dropped on every rank
-    alike, so all ranks run out together.
+    From a token store (``open_validation_store``): one pass in window order, global
+    batches dealt out as in training, so every layout evaluates the same windows; the
+    last incomplete global batch is dropped on every rank alike, so all ranks run out
+    together. From the hub: each DP rank streams its own documents, endlessly, so the
+    ranks never run out at different batches; an evaluation then needs a number of
+    batches (``validation.steps``), which preflight asks for.
     """
-    if dataset_name is not None or dataset_path is not None:
+    store = open_validation_store(dataset_name=dataset_name, dataset_path=dataset_path,
+                                  train_dataset_name=train_dataset_name, train_dataset_path=train_dataset_path,
+                                  split=split, tokenizer=tokenizer, cache_dir=cache_dir)
+    own = dataset_name is not None or dataset_path is not None
+    name = (f"validation:{dataset_path or dataset_name}" if own
+            else f"validation:held-out {split.fraction:g} of {train_dataset_path or train_dataset_name}")
+    if store is not None:
+        # No read-ahead thread: an evaluation may stop after validation.steps batches.
+        return TokenStoreDataset(store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                                 dp_degree=dp_degree, infinite=False, shuffle=False, prefetch=0, name=name)
+    if own:
         source, text_field = _open_source(dataset_name or "", dataset_path)
-        name, split = f"validation:{dataset_path or dataset_name}", None
     else:
-        if split is None:
-            raise ValueError("validation needs a dataset or a held-out split of the training data")
         source, text_field = _open_source(train_dataset_name, train_dataset_path)
-        name = f"validation:held-out {split.fraction:g} of {train_dataset_path or train_dataset_name}"
-    return PackedTextDataset(
-        source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len,
-        local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, infinite=False, name=name,
-        split=split, held_out=True,
+    return ShardedStreamDataset(
+        source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
+        dp_rank=dp_rank, dp_degree=dp_degree, infinite=True, name=name, split=None if own else split,
+        held_out=not own,
     )
-
-
-def count_windows(dataset: PackedTextDataset, limit: int) -> int:
-    """How many ``seq_len + 1`` windows the dataset's stream holds, counting no further than ``limit``."""
-    count = 0
-    for _ in dataset._windows():
-        count += 1
-        if count >= limit:
-            break
-    return count

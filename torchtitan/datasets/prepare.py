@@ -8,7 +8,8 @@ The store is written atomically (see ``token_store``); rerunning the same
 command after a kill keeps the shards already finished.  Give the run's
 ``--validation.held_out_fraction``/``--validation.split_seed`` here too when the
 run holds documents out: they are left out of the store, and a run with other
-values refuses the store.
+values refuses the store. With ``--held-out-side`` the store holds only those
+documents instead: the run's validation data, for ``--validation.dataset_path``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="text per shard in MiB (one shard is one unit of work and of resume)")
     p.add_argument("--held-out-fraction", type=float, default=0.0, help="the run's --validation.held_out_fraction")
     p.add_argument("--split-seed", type=int, default=0, help="the run's --validation.split_seed")
+    p.add_argument("--held-out-side", action="store_true",
+                   help="keep only the held-out documents (a validation store for --validation.dataset_path)")
     p.add_argument("--hub-split", default="train", help="split of a hub dataset")
     p.add_argument("--text-field", default="text", help="record field holding the document text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     tokenizer = resolve_tokenizer_path(args.tokenizer)
     split = HeldOutSplit(args.held_out_fraction, args.split_seed) if args.held_out_fraction > 0 else None
+    if args.held_out_side and split is None:
+        raise SystemExit("--held-out-side keeps the documents --held-out-fraction holds out; give that fraction too")
     if args.source.startswith("hub:"):
         name, _, config = args.source[len("hub:"):].partition(":")
         fingerprint = hashlib.sha256(f"{name}:{config}:{args.hub_split}".encode()).hexdigest()
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> Path:
     out = prepare_store(
         documents=documents, out_dir=args.out, tokenizer_path=tokenizer,
         source={"label": args.source, "files": files, "fingerprint": fingerprint}, split=split,
-        workers=args.workers, shard_chars=int(args.shard_mb * 2**20), progress=not args.no_progress,
+        held_out=args.held_out_side, workers=args.workers, shard_chars=int(args.shard_mb * 2**20), progress=not args.no_progress,
     )
     print(out)
     return out

@@ -41,7 +41,8 @@ class ShardedStreamDataset(IterableDataset, Stateful):
 
     def __init__(self, *, source, text_field: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, infinite: bool = True, name: str = "dataset",
-                 split: HeldOutSplit | None = None) -> None:
+                 split: HeldOutSplit | None = None, held_out: bool = False) -> None:
+        """``split``: keep only the documents it does not hold out (``held_out=False``) or only those it does."""
         from datasets.distributed import split_dataset_by_node
 
         self.source = split_dataset_by_node(source, rank=dp_rank, world_size=dp_degree)
@@ -54,6 +55,7 @@ class ShardedStreamDataset(IterableDataset, Stateful):
         self.infinite = infinite
         self.name = name
         self.split = split
+        self.held_out = held_out
         self._epoch = 0
         self._buffer: list[int] = []
 
@@ -64,7 +66,7 @@ class ShardedStreamDataset(IterableDataset, Stateful):
             self.source.set_epoch(self._epoch)
             for record in self.source:
                 text = record.get(self.text_field)
-                if not text or (self.split is not None and self.split.held_out(text)):
+                if not text or (self.split is not None and self.split.held_out(text) != self.held_out):
                     continue
                 self._buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
                 while len(self._buffer) >= need:
@@ -77,6 +79,11 @@ class ShardedStreamDataset(IterableDataset, Stateful):
             if not self.infinite:
                 return
             logger.info("%s: DP rank %d: end of its documents, epoch %d", self.name, self.dp_rank, self._epoch)
+
+    def rewind(self) -> None:
+        """Back to the first document of this rank (a validation pass starts here every time)."""
+        self._epoch = 0
+        self._buffer.clear()
 
     def state_dict(self) -> dict[str, Any]:
         mine = {"epoch": self._epoch, "buffer": self._buffer, "source": self.source.state_dict()}

@@ -127,8 +127,12 @@ def source_fingerprint(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def split_text(split: HeldOutSplit | None) -> str | None:
-    return None if split is None else f"held_out_fraction={split.fraction}, split_seed={split.seed}"
+def split_text(split: HeldOutSplit | None, held_out: bool = False) -> str | None:
+    """How a store's documents were chosen: None (all), the training side of a split, or its held-out side."""
+    if split is None:
+        return None
+    text = f"held_out_fraction={split.fraction}, split_seed={split.seed}"
+    return f"only the documents held out by {text}" if held_out else text
 
 
 # ---------------------------------------------------------------------- reading source
@@ -280,6 +284,7 @@ def prepare_store(
     tokenizer_path: str,
     source: dict[str, Any],
     split: HeldOutSplit | None = None,
+    held_out: bool = False,
     workers: int = 1,
     shard_chars: int = DEFAULT_SHARD_CHARS,
     progress: bool = True,
@@ -287,7 +292,8 @@ def prepare_store(
     """Tokenize ``documents`` into a store at ``out_dir`` (atomically; resumes a ``.partial`` folder).
 
     ``source`` describes the data (it must contain a ``fingerprint``); it is recorded in the index.
-    With ``split`` the documents it holds out are left out of the store.
+    With ``split`` the documents it holds out are left out of the store, or, with
+    ``held_out``, only those are kept (a validation store).
     """
     from torchtitan.datasets.tokenizer import build_tokenizer
 
@@ -300,7 +306,7 @@ def prepare_store(
         "format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": tokenizer.n_words,
         "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
         "tokenizer": {"path": os.path.abspath(tokenizer_path), "sha256": tokenizer_fingerprint(tokenizer_path)},
-        "source": source, "split": split_text(split), "shard_chars": shard_chars,
+        "source": source, "split": split_text(split, held_out), "shard_chars": shard_chars,
     }
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     partial.mkdir(parents=True, exist_ok=True)
@@ -313,7 +319,7 @@ def prepare_store(
         _write_json(plan_file, header)
 
     if split is not None:
-        documents = (text for text in documents if not split.held_out(text))
+        documents = (text for text in documents if split.held_out(text) == held_out)
     shards: list[dict[str, Any]] = []
     kept = 0
 
@@ -461,6 +467,16 @@ class TokenStore:
                 "and --validation.split_seed"
             )
 
+    def check_held_out_side(self, split: HeldOutSplit | None) -> None:
+        """A store of held-out documents validates only the run that holds out those documents."""
+        theirs = self.index.get("split") or ""
+        if theirs.startswith("only the documents held out") and theirs != split_text(split, held_out=True):
+            raise TokenStoreError(
+                f"token store {self.path} holds {theirs}, but this run holds out {split_text(split) or 'nothing'}: "
+                "training would see some of the validation documents; give the run that split (or prepare the "
+                "held-out side of the run's split)"
+            )
+
     def _shard(self, number: int) -> np.ndarray:
         shard = self._maps.get(number)
         if shard is None:
@@ -604,17 +620,18 @@ def ensure_store(
     tokenizer_path: str,
     split: HeldOutSplit | None,
     cache_dir: str,
+    held_out: bool = False,
     workers: int = 1,
     lock_timeout_s: float = 3600.0,
 ) -> Path:
-    """The cached store of ``spec`` for this tokenizer and split, prepared under a file lock on first use.
+    """The cached store of ``spec`` for this tokenizer and split side, prepared under a file lock on first use.
 
     Every process calls this; the first one to take the lock prepares, the
     others wait for it and then find the finished store.  Several ranks (or
     several jobs sharing the cache) therefore never race and never prepare twice.
     """
     key_data = {"version": VERSION, "tokenizer": tokenizer_fingerprint(tokenizer_path), "source": spec.fingerprint,
-                "split": split_text(split)}
+                "split": split_text(split, held_out)}
     key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() / "token_stores"
     out = root / f"{spec.label}-{key}"
@@ -626,7 +643,7 @@ def ensure_store(
         return prepare_store(
             documents=spec.documents(), out_dir=out, tokenizer_path=tokenizer_path,
             source={"label": spec.label, "files": [str(p) for p in spec.files], "fingerprint": spec.fingerprint},
-            split=split, workers=workers, progress=False,
+            split=split, held_out=held_out, workers=workers, progress=False,
         )
 
 
