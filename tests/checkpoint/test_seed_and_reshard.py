@@ -97,6 +97,9 @@ def test_dp_degree_change_continues_the_global_stream(tmp_path):
     result = run_ranks(_first_batch_after_resume, 1, str(target), ["--training.batch_size=2", "--training.steps=4"])[0]
     assert result["next_window"] == 8
     assert result["first_batch"] == result["windows_8_9"]
+    # A position does not map onto another held-out split, in either direction: a clear error on load.
+    assert "taken with nothing held out but this run has held_out_fraction=0.1" in result["split_added"]
+    assert "taken with held_out_fraction=0.1, split_seed=0 but this run has nothing held out" in result["split_dropped"]
 
 
 def _first_batch_after_resume(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
@@ -115,7 +118,21 @@ def _first_batch_after_resume(rank: int, world_size: int, dump: str, overrides: 
                              tokenizer=build_tokenizer(str(REPO / "torchtitan/datasets/assets/tokenizer.model")),
                              seq_len=64, local_batch_size=10, dp_rank=0, dp_degree=1)
     first_ten, _ = next(iter(fresh))
-    return {"next_window": position, "first_batch": inputs.tolist(), "windows_8_9": first_ten[8:10].tolist()}
+    out = {"next_window": position, "first_batch": inputs.tolist(), "windows_8_9": first_ten[8:10].tolist()}
+
+    def load_error(folder: str, *more: str) -> str:
+        try:
+            make_trainer(folder, *overrides, *more).checkpointer.load()
+        except RuntimeError as e:
+            return str(e)
+        return "loaded"
+
+    split = "--validation.held_out_fraction=0.1"
+    out["split_added"] = load_error(dump, split)
+    with_split = f"{dump}_split"
+    make_trainer(with_split, *overrides, split, "--training.steps=2", "--checkpoint.interval=2").train()
+    out["split_dropped"] = load_error(with_split)
+    return out
 
 
 TP2_FSDP2 = ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",

@@ -370,7 +370,7 @@ class CheckpointManager:
         started = time.monotonic()
         error = None
         try:
-            state = self._load_template(wanted)
+            state = self._load_template(wanted, path)
             # DCP shares a failed read with every rank itself (its collectives carry exceptions).
             dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
@@ -428,8 +428,8 @@ class CheckpointManager:
             raise RuntimeError(f"ranks see different checkpoints in {self.folder}: {choices}; the checkpoint "
                                "folder must be one shared file system path")
 
-    def _load_template(self, wanted: list[str]) -> dict[str, Any]:
-        """What to load, shaped like this layout's state; DCP fills it in place."""
+    def _load_template(self, wanted: list[str], path: Path) -> dict[str, Any]:
+        """What to load, shaped like this layout's state (the data position: like the checkpoint's); DCP fills it."""
         state: dict[str, Any] = {}
         if "model" in wanted:
             state["model"] = self._model_state()
@@ -439,7 +439,7 @@ class CheckpointManager:
         if "lr_scheduler" in wanted:
             state["lr_scheduler"] = b""
         if "dataloader" in wanted:
-            state["dataloader"] = self.dataset.state_dict()
+            state["dataloader"] = _saved_data_position(path)
         if "train_state" in wanted:
             state["train_state"] = {"step": 0}
         if "rng" in wanted:
@@ -457,6 +457,28 @@ class CheckpointManager:
             self.dataset.load_state_dict(state["dataloader"])
         if "rng" in state:
             _set_rng_state(state["rng"][f"rank{self.rank}"])
+
+
+def _saved_data_position(path: Path) -> dict[str, Any]:
+    """A template of the data position with the checkpoint's keys, not this run's.
+
+    The keys differ between loaders and settings: a held-out split adds one, a
+    streamed hub dataset keeps one entry per DP rank. Shaped like the checkpoint, the
+    read always succeeds, and the dataset's ``load_state_dict`` then says in its own
+    words when the position does not map onto this run (shaped like this run, a
+    missing key was DCP's error, and an extra one in the checkpoint went unnoticed).
+    """
+    from torchtitan.checkpoint.store import read_dcp_metadata
+
+    template: dict[str, Any] = {}
+    for keys in read_dcp_metadata(path).planner_data.values():
+        if keys[0] != "dataloader":
+            continue
+        node = template
+        for key in keys[1:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = None
+    return template
 
 
 def read_model_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
