@@ -108,6 +108,9 @@ def test_preflight_rejects_validation_data_smaller_than_one_batch(tmp_path):
     # (Only the checks run here: nothing is downloaded.)
     error = _preflight_error(1, "--validation.dataset=c4")
     assert "--validation.steps=-1 (the whole split) needs validation data in a token store" in error
+    from torchtitan.preflight import preflight
+
+    preflight(_cfg("--validation.enable", "--validation.dataset=c4", "--validation.steps=3"), 1)
     # A prepared training store lacks the held-out documents: say how to prepare them.
     from torchtitan.datasets.prepare import main as prepare_main
 
@@ -119,8 +122,6 @@ def test_preflight_rejects_validation_data_smaller_than_one_batch(tmp_path):
     assert f"--training.dataset_path={store} is a prepared token store" in error and "--held-out-side" in error
     held = tmp_path / "held"
     prepare_main([docs, str(held), "--workers", "1", "--held-out-fraction", "0.1", "--held-out-side", "--no-progress"])
-    from torchtitan.preflight import preflight
-
     # Training reads the store without the held-out documents, validation the store of just those.
     both = ["--validation.enable", f"--training.dataset_path={store}", "--validation.held_out_fraction=0.1",
             "--training.seq_len=16"]
@@ -131,7 +132,5 @@ def test_preflight_rejects_validation_data_smaller_than_one_batch(tmp_path):
     error = _preflight_error(1, *both[1:], f"--validation.dataset_path={other}")
     assert "held out by held_out_fraction=0.2" in error and "this run holds out held_out_fraction=0.1" in error
     # Enough data: no error, and without --validation.enable the data is not read at all.
-    from torchtitan.preflight import preflight
-
     preflight(_cfg("--validation.enable", f"--validation.dataset_path={tiny}", "--training.seq_len=8"), 1)
     preflight(_cfg(f"--validation.dataset_path={tmp_path / 'missing'}"), 1)
