@@ -184,8 +184,8 @@ def test_bad_sources_are_config_errors_before_any_collective(hf_dir, tmp_path) -
     assert sorted(p.name for p in hf_dir.iterdir()) == sorted(p.name for p in (tmp_path / "wide").iterdir())
 
 
-def _tp_and_pp_losses(rank: int, world_size: int, dump: str, hf: str) -> dict:
-    """Several runs in one world: HF into TP 2 and PP 2, DCP into PP 2, and the run's own checkpoint winning."""
+def _two_rank_layout_losses(rank: int, world_size: int, dump: str, hf: str) -> dict:
+    """Several runs in one world: HF into TP 2, PP 2, CP 2 and DDP 2, DCP into PP 2, and the own checkpoint winning."""
     import logging
 
     from torchtitan.config import ConfigManager
@@ -209,6 +209,9 @@ def _tp_and_pp_losses(rank: int, world_size: int, dump: str, hf: str) -> dict:
     from_hf = [f"--checkpoint.initial_load_path={hf}"]
     out = {"tp2": run("tp2", *tp2, *from_hf, "--optimizer.lr=0", "--checkpoint.enable_checkpoint")[0],
            "pp2": run("pp2", *pp2, *from_hf)[0],
+           "cp2": run("cp2", "--parallelism.context_parallel_degree=2", *from_hf)[0],
+           "ddp2": run("ddp2", "--parallelism.data_parallel_replicate_degree=2",
+                       "--parallelism.data_parallel_shard_degree=1", *from_hf)[0],
            # The TP run trained at lr 0, so its checkpoint holds the HF weights: PP 2 starts from it as DCP.
            "pp2_from_dcp": run("dcp", *pp2, f"--checkpoint.initial_load_path={dump}/tp2/checkpoint",
                                "--checkpoint.initial_load_format=dcp")[0]}
@@ -218,16 +221,18 @@ def _tp_and_pp_losses(rank: int, world_size: int, dump: str, hf: str) -> dict:
     return out
 
 
-def test_loads_into_tp2_and_pp2_give_hf_step1_loss(hf_dir, tmp_path) -> None:
-    expected = hf_loss(hf_dir, BATCH)  # TP and PP have one data-parallel rank: the global batch is BATCH
-    results = run_ranks(_tp_and_pp_losses, 2, str(tmp_path), str(hf_dir), timeout=300)
-    for name in ("tp2", "pp2", "pp2_from_dcp"):
+def test_loads_into_tp2_pp2_cp2_ddp2_give_hf_step1_loss(hf_dir, tmp_path) -> None:
+    expected = hf_loss(hf_dir, BATCH)  # TP, PP and CP have one data-parallel rank: the global batch is BATCH
+    results = run_ranks(_two_rank_layout_losses, 2, str(tmp_path), str(hf_dir), timeout=300)
+    for name in ("tp2", "pp2", "pp2_from_dcp", "cp2", "ddp2"):
         assert results[0][name] == results[1][name]
-        assert results[0][name] == pytest.approx(expected, rel=1e-5), name
+        want = hf_loss(hf_dir, 2 * BATCH) if name == "ddp2" else expected
+        assert results[0][name] == pytest.approx(want, rel=1e-5), name
     assert results[0]["resumed_steps"] == 1
     log = "\n".join(results[0]["messages"])
-    # TP: every rank holds a slice of all 57 tensors; PP: rank 0 holds the embedding and layers 0-2 only.
-    assert log.count("loaded 57 tensors from") == 1 and log.count("loaded 28 tensors from") == 2, log
+    # TP, CP (FSDP over cp) and DDP: every rank reads all 57 tensors (a slice, a shard, a replica);
+    # PP: rank 0 holds the embedding and layers 0-2 only.
+    assert log.count("loaded 57 tensors from") == 3 and log.count("loaded 28 tensors from") == 2, log
     assert "holds this run's own checkpoint, which wins: --checkpoint.initial_load_path=" in log
 
 
