@@ -68,16 +68,16 @@ def test_shipped_defaults_pass():
 
 def test_gradient_accumulation_from_global_batch():
     cfg = parse("--training.batch_size=2", "--training.global_batch_size=16")
-    assert gradient_accumulation_steps(cfg, dp_degree=4) == 2
-    assert gradient_accumulation_steps(parse("--training.gradient_accumulation_steps=3"), dp_degree=4) == 3
-    with pytest.raises(ConfigError, match="not a multiple"):
-        gradient_accumulation_steps(cfg, dp_degree=3)
+    assert gradient_accumulation_steps(cfg, dp_degree=4) == (2, [])
+    assert gradient_accumulation_steps(parse("--training.gradient_accumulation_steps=3"), dp_degree=4) == (3, [])
+    _, (problem,) = gradient_accumulation_steps(cfg, dp_degree=3)
+    assert "is not a multiple of batch_size (2) x data-parallel degree (3) = 6" in problem
     bad = parse("--training.batch_size=2", "--training.global_batch_size=16", "--training.gradient_accumulation_steps=4")
-    with pytest.raises(ConfigError, match="contradicts"):
-        gradient_accumulation_steps(bad, dp_degree=4)
-    problems: list[str] = []
-    gradient_accumulation_steps(bad, dp_degree=4, problems=problems)
-    assert len(problems) == 1 and "contradicts" in problems[0]
+    _, (problem,) = gradient_accumulation_steps(bad, dp_degree=4)
+    assert "contradicts global_batch_size=16 (which implies 2)" in problem
+    # In preflight it is one problem among the others, before any process group.
+    with pytest.raises(ConfigError, match="not a multiple"):
+        preflight(parse("--job.config_file", DEBUG, "--training.global_batch_size=6"), 4)
 
 
 def test_validation_options():

@@ -71,7 +71,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         problems.append(str(e))
     _raise_if(problems)
 
-    grad_accum = gradient_accumulation_steps(cfg, dims.degree("dp"), problems)
+    grad_accum, found = gradient_accumulation_steps(cfg, dims.degree("dp"))
+    problems += found
     args = dataclasses.replace(
         model_flavors(cfg.model.name)[cfg.model.flavor], vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len
     )
@@ -176,14 +177,11 @@ def _validation_problems(cfg: JobConfig) -> list[str]:
 
 
 # ---- the config against the world size and the model ------------------------
-def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int, problems: list[str] | None = None) -> int:
-    """Micro-steps per optimizer step, from ``gradient_accumulation_steps`` or ``global_batch_size``.
-
-    A contradiction is appended to ``problems``, or raised as ``ConfigError`` when none is given.
-    """
+def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, list[str]]:
+    """Micro-steps per optimizer step, from ``gradient_accumulation_steps`` or ``global_batch_size``, and problems."""
     t = cfg.training
     if t.global_batch_size == -1:
-        return t.gradient_accumulation_steps
+        return t.gradient_accumulation_steps, []
     found: list[str] = []
     per_micro_step = t.batch_size * dp_degree
     accum, rest = divmod(t.global_batch_size, per_micro_step)
@@ -193,11 +191,7 @@ def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int, problems: list[s
     elif t.gradient_accumulation_steps not in (1, accum):
         found.append(f"--training.gradient_accumulation_steps={t.gradient_accumulation_steps} contradicts "
                      f"global_batch_size={t.global_batch_size} (which implies {accum}); set only one of them")
-    if problems is None:
-        _raise_if(found)
-    else:
-        problems += found
-    return max(accum, 1)
+    return max(accum, 1), found
 
 
 def check_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> list[str]:
