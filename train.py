@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         # then every process group destroyed while the interpreter is alive.
         del trainer  # the model and meshes hold the groups; let them go with them
         if "torch.distributed" in sys.modules:  # not imported: no group to leave (a config error stays fast)
-            from torchtitan.distributed.utils import shutdown_distributed
+            from torchtitan.distributed.lifecycle import shutdown_distributed
 
             _LEFT_A_GROUP = shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
     return status

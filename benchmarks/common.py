@@ -123,7 +123,7 @@ def end_worker(trainer) -> None:
     groups, then leave without the interpreter's teardown (see train.py)."""
     import logging
 
-    from torchtitan.distributed.utils import shutdown_distributed
+    from torchtitan.distributed.lifecycle import shutdown_distributed
 
     timeout = float(trainer.cfg.comm.train_timeout_seconds)
     trainer.close()

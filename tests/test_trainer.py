@@ -36,7 +36,7 @@ def _grads_after_one_backward(rank: int, world_size: int, dump: str, overrides: 
     trainer = make_trainer(dump, *overrides)
     data = iter(trainer.dataloader)
     batches = [next(data) for _ in range(n_micro)]
-    trainer.forward_backward(batches)
+    trainer.accumulate_gradients(batches)
     grads = {}
     for name, param in trainer.model_parts[0].named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad

@@ -16,8 +16,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.checkpoint import CheckpointManager
@@ -29,7 +27,10 @@ from torchtitan.distributed import (
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
-from torchtitan.distributed.utils import match_grad_placements, set_collective_timeout, start_sum
+from torchtitan.distributed.collectives import local_value, start_sum
+from torchtitan.distributed.grads import match_grad_placements
+from torchtitan.distributed.lifecycle import set_collective_timeout
+from torchtitan.loss import LossScale, count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models.llama3 import Transformer, flops_per_token
@@ -41,8 +42,6 @@ from torchtitan.validate import ValidationResult, Validator, build_validation_da
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-
-IGNORE_INDEX = -100
 
 
 class Trainer:
@@ -168,13 +167,7 @@ class Trainer:
 
     # ---- training -------------------------------------------------------------
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum (not mean) of the token cross-entropies of one micro-batch, in float32.
-
-        Under loss parallel the logits are a DTensor sharded over the vocabulary and
-        the result a replicated DTensor; ``train_context`` must be active.
-        """
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                               ignore_index=IGNORE_INDEX)
+        return cross_entropy_sum(logits, labels)
 
     def train_context(self) -> contextlib.AbstractContextManager:
         """Context that forward *and* backward of a micro-batch run under."""
@@ -187,67 +180,59 @@ class Trainer:
             inputs, labels = shard_sequence(inputs, cp_rank, cp_size), shard_sequence(labels, cp_rank, cp_size)
         return inputs.to(self.device), labels.to(self.device)
 
-    def forward_backward(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor | float, float]:
-        """Accumulate gradients over ``batches`` (the micro-batches); return (loss sum, global tokens).
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: LossScale) -> torch.Tensor:
+        """Accumulate ``loss sum * scale`` gradients over the micro-batches; return this rank's loss sum (float64).
 
-        The loss is the sum of token losses over every rank and micro-batch divided by
-        the global token count, so the gradient is the same whatever the DP degree and
-        the accumulation. FSDP averages gradients over the dp_cp ranks; multiplying by
-        that degree turns its average back into this sum.
-
-        The global token count is summed while the first forward runs (only backward needs
-        it), and the loss sum stays on the device (no host sync per micro-batch).
+        The loss sum stays on the device (no host sync per micro-batch). ``scale()`` is first
+        called after the first forward, so the token count is summed while that forward runs.
         """
-        batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        tokens_sum = start_sum(float(local_tokens), self.loss_mesh)
-        global_tokens = scale = None
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
             with self.train_context():
                 loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
-                if scale is None:
-                    global_tokens = tokens_sum()
-                    scale = (1 if self.loss_mesh is None else self.loss_mesh.size()) / global_tokens
-                (loss_sum * scale).backward()
-            if isinstance(loss_sum, DTensor):  # loss parallel: every TP rank holds the full value
-                loss_sum = loss_sum.to_local()
-            local_loss_sum += loss_sum.detach().double()
-        return local_loss_sum, global_tokens
+                (loss_sum * scale()).backward()
+            local_loss_sum += local_value(loss_sum).detach().double()
+        return local_loss_sum
 
-    def _pp_forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """``forward_backward`` through the pipeline schedule, with the same normalisation.
+    def pipeline_forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: LossScale) -> float:
+        """``forward_backward`` through the pipeline schedule: each local batch is one schedule step.
 
-        Each local batch is one schedule step (cut into ``pipeline_parallel_microbatches``);
-        the last stage back-propagates ``loss_fn * scale``. The loss sum lives on the last
-        stage, so it is summed over ``pp`` (other stages add 0) and every rank logs the true loss.
+        The loss sum lives on the last stage, so it is summed over ``pp`` (other stages add 0)
+        and every rank logs the true loss.
         """
-        batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = reduce_scalar(local_tokens, "sum", self.loss_mesh)
-        scale = (1 if self.loss_mesh is None else self.loss_mesh.size()) / global_tokens
         local_loss_sum = 0.0
         for inputs, labels in batches:
             with self.train_context():  # around forward and backward: the schedule interleaves them
-                local_loss_sum += self.pp_runner.step(inputs, labels, scale)
-        return reduce_scalar(local_loss_sum, "sum", self.dims.get_mesh("pp")), global_tokens
+                local_loss_sum += self.pp_runner.step(inputs, labels, scale())
+        return reduce_scalar(local_loss_sum, "sum", self.dims.get_mesh("pp"))
 
     def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, int]:
         """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
         and the tokens this rank scored."""
         inputs, labels = self.shard_batch(inputs, labels)
-        tokens = int((labels != IGNORE_INDEX).sum())
         with self.train_context():
             if self.pp_runner is None:
-                return self.loss_fn(self.model_parts[0](inputs), labels), tokens
-            return self.pp_runner.forward_only(inputs, labels, self.loss_fn), tokens
+                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+            else:
+                loss = self.pp_runner.forward_only(inputs, labels, self.loss_fn)
+        return (None if loss is None else local_value(loss)), count_tokens(labels)
+
+    def accumulate_gradients(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor | float, LossScale]:
+        """Count and scale the step's tokens once, then run forward and backward over every micro-batch
+        (plain or pipelined); return this rank's loss sum and the scale."""
+        batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
+        scale = LossScale(batches, self.loss_mesh)
+        run = self.forward_backward if self.pp_runner is None else self.pipeline_forward_backward
+        return run(batches, scale), scale
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over ``batches``; returns (global loss, global grad norm)."""
-        step_fn = self.forward_backward if self.pp_runner is None else self._pp_forward_backward
-        local_loss_sum, global_tokens = step_fn(batches)
+        """One optimizer step over ``batches`` (the micro-batches); returns (global loss, global grad norm).
+
+        ``accumulate_gradients``, then clipping by the global norm and the optimizer step.
+        """
+        local_loss_sum, scale = self.accumulate_gradients(batches)
         # Summed while clipping and the optimizer step run: nothing before the check needs it.
         loss_sum = start_sum(local_loss_sum, self.loss_mesh)
         params = [p for part in self.model_parts for p in part.parameters()]
@@ -256,7 +241,7 @@ class Trainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum() / global_tokens
+        loss = loss_sum() / scale.global_tokens
         if not math.isfinite(loss):
             # Every rank holds the same reduced loss, so every rank stops here together.
             raise FloatingPointError(

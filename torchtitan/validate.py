@@ -42,13 +42,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from torchtitan.config import JobConfig
 from torchtitan.datasets import HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
 from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
-from torchtitan.distributed.utils import reduce_scalar
+from torchtitan.distributed.collectives import reduce_scalar
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +172,6 @@ class Validator:
         for inputs, labels in self._batches():
             loss, tokens = self.forward_loss(inputs, labels)
             if loss is not None:
-                if isinstance(loss, DTensor):  # loss parallel: every TP rank holds the full value
-                    loss = loss.to_local()
                 local_sum += loss.double()
             local_tokens += tokens
             batches += 1

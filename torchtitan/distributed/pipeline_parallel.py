@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.tensor import DTensor
+
+from torchtitan.distributed.collectives import local_value
 
 # Our schedule name -> the class name in torch.distributed.pipelining.schedules.
 SCHEDULE_CLASS_NAMES = {
@@ -206,9 +207,7 @@ class PipelineRunner:
         # Only the first stage consumes the tokens; the schedule hands the labels to the last stage's loss.
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=labels, losses=losses)
-        # Under loss parallel each loss is a replicated DTensor: every TP rank holds the full value.
-        local = [loss.to_local() if isinstance(loss, DTensor) else loss for loss in losses]
-        return sum(float(loss.detach()) for loss in local) / scale if self.has_last else 0.0
+        return sum(float(local_value(loss).detach()) for loss in losses) / scale if self.has_last else 0.0
 
 
 def build_pipeline(

@@ -1,0 +1,50 @@
+"""The scalar collectives of a step (token counts, loss sums), and the value of a replicated loss."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def reduce_scalar(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
+    """Sum, max or mean a scalar over a 1-D mesh (identity when ``mesh`` is None)."""
+    tensor = torch.as_tensor(value, dtype=torch.float64)
+    if mesh is None or mesh.size() == 1:
+        return float(tensor)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    tensor = tensor.to(device)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.SUM}[op]
+    dist.all_reduce(tensor, op=reduce_op, group=mesh.get_group())
+    if op == "mean":
+        tensor = tensor / mesh.size()
+    return float(tensor)
+
+
+def start_sum(value: torch.Tensor | float, mesh: DeviceMesh | None) -> Callable[[], float]:
+    """Start summing a scalar over a 1-D mesh; the returned function waits and gives the sum.
+
+    The trainer starts the token-count and loss sums ahead of work that does not need them
+    (the forward; clipping and the optimizer step), so that no rank stops at a blocking
+    collective for one number (benchmarks/overhead.py measures this). A CPU value is summed
+    on the CPU (gloo), so it never waits for the accelerator; a device value stays there.
+    """
+    tensor = torch.as_tensor(value, dtype=torch.float64)
+    if mesh is None or mesh.size() == 1:
+        return lambda: float(tensor)
+    tensor = tensor.detach().clone()  # summed in place: never into the caller's tensor
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.get_group(), async_op=True)
+
+    def finish() -> float:
+        work.wait()
+        return float(tensor)
+
+    return finish
+
+
+def local_value(loss: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a loss; under loss parallel it is a replicated DTensor and every TP rank holds the full value."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss

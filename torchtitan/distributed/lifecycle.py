@@ -1,0 +1,118 @@
+"""Process-group lifecycle: join the job, shorten timeouts once it runs, leave it in order.
+
+``train.py`` calls ``init_distributed`` through the trainer and ``shutdown_distributed`` as
+the last thing a rank does, on success and on failure alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def device_type() -> str:
+    """The accelerator when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]:
+    """Join (or, for a plain ``python train.py``, create) the default process group.
+
+    Returns (rank, world_size, device). CUDA gets NCCL for its tensors plus gloo
+    for the occasional CPU tensor; a machine without GPUs gets gloo alone.
+    """
+    if "RANK" not in os.environ:
+        # A single process without torchrun: make a one-rank group so the code path is the same.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type() == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=init_timeout_seconds))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _store_barrier(name: str, timeout: timedelta) -> None:
+    """Wait until every rank of the default group got here, through the store, not a collective.
+
+    A collective here could pair up with a collective that a peer is still stuck in; the
+    store cannot. The rank hosting the store (rank 0 without torchrun's agent) waits until
+    every rank has seen the barrier open, so that no rank is left asking a store that is gone.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    # torchrun keeps its store across restarts of the workers: one key per attempt.
+    key = f"torchtitan/{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if store.add(f"{key}/arrived", 1) == world:
+        store.set(f"{key}/open", "1")
+    store.wait([f"{key}/open"], timeout)
+    left = store.add(f"{key}/left", 1)
+    if dist.get_rank() == 0:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while left < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = store.add(f"{key}/left", 0)
+
+
+def shutdown_distributed(ok: bool, timeout_seconds: float) -> bool:
+    """The last thing a rank does: meet the others (on success), then destroy every process group.
+
+    On success every rank waits, at most ``timeout_seconds``, until all ranks have finished
+    (their final save and metrics closed), so that no rank tears its connections down while
+    a peer still talks to it. Then every group is destroyed and collected while the
+    interpreter is fully alive: a gloo group left to the interpreter's own exit can take
+    the process down with SIGABRT ("terminate called without an active exception") when
+    its threads' last references go after Python's teardown has begun.
+
+    After a failure (``ok=False``) nothing waits for the peers, which may be stuck in a
+    collective this rank never joins; gloo groups are still destroyed (closing their
+    connections fails the peers' collectives at once), NCCL ones are not (destroying a
+    communicator while a peer uses it can block), and the launcher stops the rest.
+    Returns whether there was a process group to leave.
+    """
+    if not dist.is_initialized():
+        return False
+    if ok and dist.get_world_size() > 1:
+        try:
+            _store_barrier("shutdown", timedelta(seconds=timeout_seconds))
+        except RuntimeError as e:  # a timeout or a lost store (DistStoreError): leave anyway
+            logging.getLogger(__name__).warning(
+                "Shutdown: not every rank finished within %.0f s (%s); leaving anyway", timeout_seconds, e)
+    if ok or "nccl" not in str(dist.get_backend()):
+        dist.destroy_process_group()
+    gc.collect()  # the groups' last references go now, not during the interpreter's exit
+    return True
+
+
+def set_collective_timeout(seconds: int) -> int:
+    """Shorten the collective timeout of every process group this process belongs to; return how many.
+
+    Called once the slow first step is done, so that a dead or hung rank ends the job.
+    "Every group" is every group created so far, not only the root mesh's dims: the
+    flattened views (FSDP's ``dp_shard_cp``, the loss sums' ``dp_cp``), the unit-shard
+    mesh of DDP/TP layouts and the checkpoint group hang just as well as the default one.
+    """
+    timeout = timedelta(seconds=seconds)
+    groups = list(dist.distributed_c10d._world.pg_map)
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return len(groups)

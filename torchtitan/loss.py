@@ -1,0 +1,59 @@
+"""The loss and its one normalisation, shared by the training step (plain and pipelined) and evaluation.
+
+A step's loss is the sum of its token cross-entropies over every rank and micro-batch,
+divided by the step's global token count. Each rank back-propagates its own loss sum times
+``LossScale``: ``dp_cp`` ranks over global tokens. FSDP/DDP average gradients over those
+ranks, and the factor turns that average back into the sum, so the gradient is the same
+whatever the data-parallel degree, the context-parallel degree and the accumulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.distributed.collectives import start_sum
+
+IGNORE_INDEX = -100  # label of a position that is not scored
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the token cross-entropies of one micro-batch, in float32.
+
+    Under loss parallel the logits are a DTensor sharded over the vocabulary and the result
+    a replicated DTensor; the caller must be inside ``loss_parallel()``.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+def count_tokens(labels: torch.Tensor) -> int:
+    """The positions of ``labels`` that are scored."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+class LossScale:
+    """The factor a step's loss sums are multiplied by before backward: ``mesh.size() / global tokens``.
+
+    The global token count is summed in the background from construction on; calling the
+    scale waits for it. The plain step calls it after the first forward, so no rank stops
+    at a blocking collective for one number (benchmarks/overhead.py measures this).
+    """
+
+    def __init__(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], mesh: DeviceMesh | None):
+        local_tokens = sum(count_tokens(labels) for _, labels in batches)
+        self._tokens_sum = start_sum(float(local_tokens), mesh)
+        self._ranks = 1 if mesh is None else mesh.size()
+        self._global_tokens: float | None = None
+
+    @property
+    def global_tokens(self) -> float:
+        if self._global_tokens is None:
+            self._global_tokens = self._tokens_sum()
+        return self._global_tokens
+
+    def __call__(self) -> float:
+        return self._ranks / self.global_tokens
