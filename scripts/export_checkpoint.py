@@ -37,7 +37,7 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
     import torch
 
     from torchtitan.checkpoint.formats import check_export_target, export_hf as write_hf
-    from torchtitan.checkpoint.manager import read_model_weights
+    from torchtitan.checkpoint.formats import read_model_weights
     from torchtitan.config import ConfigManager
     from torchtitan.datasets import build_tokenizer
     from torchtitan.models import model_flavors

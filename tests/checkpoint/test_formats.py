@@ -289,7 +289,7 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
         assert torch.equal(back[name], t) and back[name].dtype == t.dtype, name
     # from_pretrained reads it, and its logits are the project's model's.
     args = dataclasses.replace(FLAVOR, max_seq_len=SEQ)
-    from torchtitan.checkpoint.manager import read_model_weights
+    from torchtitan.checkpoint.formats import read_model_weights
 
     ours = Transformer(args)
     ours.load_state_dict(read_model_weights(dump / "checkpoint" / "step-1"))

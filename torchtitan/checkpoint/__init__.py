@@ -1,6 +1,8 @@
 """Checkpointing: DCP save/load with resharding, async saves, seed checkpoints, exports, crash safety."""
 
-from torchtitan.checkpoint.manager import CheckpointManager, export_model_weights, model_view
+from torchtitan.checkpoint.formats import export_model_weights, read_model_weights
+from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.checkpoint.stage_view import model_view
 from torchtitan.checkpoint.selection import checkpoint_folder
 
-__all__ = ["CheckpointManager", "checkpoint_folder", "export_model_weights", "model_view"]
+__all__ = ["CheckpointManager", "checkpoint_folder", "export_model_weights", "model_view", "read_model_weights"]

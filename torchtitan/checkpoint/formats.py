@@ -24,11 +24,14 @@ import math
 import re
 import shutil
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
+from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.llama3 import convert
 
@@ -258,8 +261,6 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: ModelArgs, proc
     state = get_model_state_dict(model)
     where = Path(path).expanduser()
     if fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
-
         wrapped = {"model": state}
         dcp.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
         set_model_state_dict(model, wrapped["model"])
@@ -362,3 +363,39 @@ def _hf_order(name: str) -> tuple:
     if m:
         return (1, int(m.group(1)), name)
     return (0 if "embed" in name else 2, 0, name)
+
+
+# ---------------------------------------------------------------- single-process export
+
+def read_model_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The model of any checkpoint (any layout) as ``{fqn: full tensor}``, read on one process.
+
+    Needs no process group: DCP reads every shard itself.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(checkpoint_dir)
+    metadata = read_dcp_metadata(path)
+    template = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    if not template:
+        raise ValueError(f"checkpoint {path} holds no model weights")
+    with warnings.catch_warnings():
+        # DCP warns that it reads on a single process: that is the point here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    return {key[len("model."):]: value for key, value in template.items()}
+
+
+def export_model_weights(checkpoint_dir: str | Path, output_file: str | Path) -> dict[str, torch.Tensor]:
+    """Read the model of any checkpoint (any layout) on one process and ``torch.save`` it.
+
+    The output is a plain ``{fqn: tensor}`` state dict with full tensors, which
+    ``Transformer(args).load_state_dict(torch.load(output_file))`` accepts.
+    """
+    weights = read_model_weights(checkpoint_dir)
+    torch.save(weights, output_file)
+    return weights

@@ -28,10 +28,7 @@ import logging
 import pickle
 import random
 import shutil
-import signal
-import threading
 import time
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,52 +42,18 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
+from torchtitan.checkpoint.preemption import PreemptionWatch
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
-from torchtitan.checkpoint.store import commit, purge, scan, tmp_dir
+from torchtitan.checkpoint.stage_view import model_view
+from torchtitan.checkpoint.store import commit, purge, read_dcp_metadata, scan, tmp_dir
+from torchtitan.config.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Optimizer state keyed per parameter ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"). The
 # nested form keeps each param group as one list of FQNs, which differs between pipeline
 # ranks under one key; DCP would keep only one rank's list and the others could not load.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def model_view(parts: list[torch.nn.Module]) -> torch.nn.Module:
-    """One module whose ``named_parameters`` are the union of ``parts``, under their original FQNs.
-
-    Pipeline stages are pruned copies of one model (a stage keeps some of ``layers``
-    and sets the modules it lacks to None), so their FQNs never collide. The view
-    shares the parts' submodules, never copies them, which lets ``get_model_state_dict``
-    and ``get_optimizer_state_dict`` work on one module while the trainer keeps a
-    single optimizer over all stages. A single part is its own view.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    root = torch.nn.Module()
-    for part in parts:
-        _merge(root, part, "")
-    return root
-
-
-def _merge(dst: torch.nn.Module, src: torch.nn.Module, path: str) -> None:
-    if any(True for _ in src.named_parameters(recurse=False)):
-        raise ValueError(f"pipeline stages hold parameters directly on '{path or '<root>'}'; the checkpoint view "
-                         "can only merge stages whose parameters live in submodules")
-    for name, child in src.named_children():
-        mine = dst._modules.get(name)
-        if mine is None:
-            dst.add_module(name, child)
-        elif mine is not child:
-            if not getattr(mine, "_checkpoint_merged", False):
-                # Never add modules into a stage's own container: merge into a fresh one.
-                merged = torch.nn.Module()
-                merged._checkpoint_merged = True
-                _merge(merged, mine, f"{path}{name}.")
-                dst._modules[name] = merged
-                mine = merged
-            _merge(mine, child, f"{path}{name}.")
 
 
 def _rng_state() -> bytes:
@@ -154,8 +117,7 @@ class CheckpointManager:
                        "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
         self.loaded_step: int | None = None
         self._pending: _PendingSave | None = None
-        self._preempted = False
-        self._previous_handler: Any = None
+        self.preemption = PreemptionWatch()
         self._closed = False
         self.pg: dist.ProcessGroup | None = None
         if not self.active:
@@ -168,35 +130,7 @@ class CheckpointManager:
             timeout = timedelta(seconds=max(cfg.comm.init_timeout_seconds, 1800))
             self.pg = dist.new_group(backend="gloo", timeout=timeout)
         if self.enabled:
-            self._install_sigterm_handler()
-
-    # ---- preemption ------------------------------------------------------------
-    def _install_sigterm_handler(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning("Checkpoint: not on the main thread, so SIGTERM will not trigger a save")
-            return
-
-        def on_sigterm(signum, frame) -> None:
-            # Only note it: the save happens at the end of the current step, when every
-            # rank has agreed (see ``_preemption_agreed``).
-            self._preempted = True
-            logger.warning("SIGTERM received: saving a checkpoint at the end of this step, then exiting")
-
-        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _preemption_agreed(self) -> bool:
-        """True on every rank if any rank got SIGTERM: one tiny all-reduce per step.
-
-        A scheduler may signal only some ranks, or signal them a step apart. Taking the
-        max over all ranks after each step makes every rank take the same decision at
-        the same step, so they all enter the save together and none waits forever.
-        """
-        flag = torch.tensor([1 if self._preempted else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # The default group, from the training thread: the checkpoint group may be busy
-            # with an async save in its background thread.
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            self.preemption.install()
 
     # ---- the state -------------------------------------------------------------
     def _model_state(self) -> dict[str, Any]:
@@ -214,7 +148,7 @@ class CheckpointManager:
         }
 
     def _weights_state(self) -> dict[str, Any]:
-        dtype = _DTYPES[self.ck.export_dtype]
+        dtype = DTYPES[self.ck.export_dtype]
         model = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in self._model_state().items()}
         return {"model": model}
 
@@ -288,7 +222,7 @@ class CheckpointManager:
         if not self.enabled:
             return False
         self._finish_pending(block=False)  # make a finished async save visible early
-        preempted = self._preemption_agreed()
+        preempted = self.preemption.agreed()
         if step >= self.total_steps:
             kind = "weights_only" if self.ck.model_weights_only else "full"
             self.save(step, kind=kind, sync=True)
@@ -316,8 +250,7 @@ class CheckpointManager:
             if wait_for_peers:
                 self._barrier()
         finally:
-            if self._previous_handler is not None:
-                signal.signal(signal.SIGTERM, self._previous_handler)
+            self.preemption.uninstall()
 
     # ---- loading ---------------------------------------------------------------
     def load(self) -> int:
@@ -335,13 +268,7 @@ class CheckpointManager:
         if not self.enabled:
             self._load_initial()
             return 0
-        try:
-            listing = scan(self.folder)
-            path, manifest, problems = choose_checkpoint(self.cfg, None)
-            error = "; ".join(problems) if problems else None  # preflight checked this; the folder changed since
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
-            path, manifest, error = None, {}, f"{type(e).__name__}: {e}"
-        self._agree(error, "choosing the checkpoint", choice=None if path is None else path.name)
+        path, manifest = self._choose()
         if path is None:
             if self.initial_load:
                 self._load_initial()
@@ -352,22 +279,47 @@ class CheckpointManager:
             logger.info("Checkpoint: %s holds this run's own checkpoint, which wins: --checkpoint.initial_load_path="
                         "%s is not loaded", self.folder, self.ck.initial_load_path)
         step = int(manifest["step"])
+        wanted = self._states_to_load(manifest, path)
+        started = time.monotonic()
+        self._read_and_apply(path, wanted)
+        self.loaded_step = step
+        resumed = step if "train_state" in wanted else 0
         if self.rank == 0:
+            logger.info("Checkpoint: loaded %s (%s: %s) in %.2fs; continuing after step %d", path,
+                        manifest["kind"], ", ".join(wanted), time.monotonic() - started, resumed)
+        return resumed
+
+    def _choose(self) -> tuple[Path | None, dict[str, Any]]:
+        """The checkpoint to resume from (None: none), chosen alike on every rank; warns of interrupted saves."""
+        try:
+            listing = scan(self.folder)
+            path, manifest, problems = choose_checkpoint(self.cfg, None)
+            error = "; ".join(problems) if problems else None  # preflight checked this; the folder changed since
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
+            path, manifest, error = None, {}, f"{type(e).__name__}: {e}"
+        self._agree(error, "choosing the checkpoint", choice=None if path is None else path.name)
+        if path is not None and self.rank == 0:
             for leftover_step, leftovers in sorted(listing.partial.items()):
                 for leftover in leftovers:
                     logger.warning("Checkpoint: skipping %s: an incomplete save (interrupted or still being "
                                    "written)", leftover)
+        return path, manifest
+
+    def _states_to_load(self, manifest: dict[str, Any], path: Path) -> list[str]:
+        """The checkpoint's states this run takes: not the excluded ones, nor the RNG states of another layout."""
         if manifest["kind"] != "full" and self.rank == 0:
             logger.warning("Checkpoint %s is a %s checkpoint: it holds the model only, so the optimizer, LR "
                            "schedule and data start fresh at step 0", path, manifest["kind"].replace("_", "-"))
         wanted = [k for k in manifest["states"] if k not in self.ck.exclude_from_loading]
-        same_layout = manifest.get("layout") == self.layout
-        if "rng" in wanted and not same_layout:
+        if "rng" in wanted and manifest.get("layout") != self.layout:
             wanted.remove("rng")
             if self.rank == 0:
                 logger.info("Checkpoint: layout changed (%s -> %s); RNG states are per rank and not restored",
                             manifest.get("layout"), self.layout)
-        started = time.monotonic()
+        return wanted
+
+    def _read_and_apply(self, path: Path, wanted: list[str]) -> None:
+        """Read ``wanted`` from ``path`` into this layout, then set it; a failure on any rank fails every rank."""
         error = None
         try:
             state = self._load_template(wanted, path)
@@ -381,12 +333,6 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = f"{type(e).__name__}: {e}"
         self._agree(error, f"applying {path}")
-        self.loaded_step = step
-        resumed = step if "train_state" in wanted else 0
-        if self.rank == 0:
-            logger.info("Checkpoint: loaded %s (%s: %s) in %.2fs; continuing after step %d", path,
-                        manifest["kind"], ", ".join(wanted), time.monotonic() - started, resumed)
-        return resumed
 
     def _load_initial(self) -> None:
         """Start from ``initial_load_path`` (checked in preflight): each rank reads what it holds."""
@@ -468,8 +414,6 @@ def _saved_data_position(path: Path) -> dict[str, Any]:
     words when the position does not map onto this run (shaped like this run, a
     missing key was DCP's error, and an extra one in the checkpoint went unnoticed).
     """
-    from torchtitan.checkpoint.store import read_dcp_metadata
-
     template: dict[str, Any] = {}
     for keys in read_dcp_metadata(path).planner_data.values():
         if keys[0] != "dataloader":
@@ -479,39 +423,3 @@ def _saved_data_position(path: Path) -> dict[str, Any]:
             node = node.setdefault(key, {})
         node[keys[-1]] = None
     return template
-
-
-def read_model_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The model of any checkpoint (any layout) as ``{fqn: full tensor}``, read on one process.
-
-    Needs no process group: DCP reads every shard itself.
-    """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from torchtitan.checkpoint.store import read_dcp_metadata
-
-    path = Path(checkpoint_dir)
-    metadata = read_dcp_metadata(path)
-    template = {
-        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
-    }
-    if not template:
-        raise ValueError(f"checkpoint {path} holds no model weights")
-    with warnings.catch_warnings():
-        # DCP warns that it reads on a single process: that is the point here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, checkpoint_id=str(path), no_dist=True)
-    return {key[len("model."):]: value for key, value in template.items()}
-
-
-def export_model_weights(checkpoint_dir: str | Path, output_file: str | Path) -> dict[str, torch.Tensor]:
-    """Read the model of any checkpoint (any layout) on one process and ``torch.save`` it.
-
-    The output is a plain ``{fqn: tensor}`` state dict with full tensors, which
-    ``Transformer(args).load_state_dict(torch.load(output_file))`` accepts.
-    """
-    weights = read_model_weights(checkpoint_dir)
-    torch.save(weights, output_file)
-    return weights

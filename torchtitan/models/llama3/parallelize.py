@@ -27,12 +27,12 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan.config import JobConfig
+from torchtitan.config.dtypes import DTYPES
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_attention, local_positions
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> torch.nn.Module:
@@ -208,7 +208,7 @@ def mixed_precision(cfg: JobConfig, device_type: str) -> MixedPrecisionPolicy:
     if param == "auto":
         # bf16 compute is the norm on GPUs; CPUs run bf16 matmuls slowly, so they default to float32.
         param = "bfloat16" if device_type == "cuda" else "float32"
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[param], reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce])
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
 
 
 def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
