@@ -12,18 +12,13 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torchtitan.distributed.lifecycle import free_port
 
 
 def _child(fn, rank, world_size, port, args, results, collective_timeout):
@@ -47,7 +42,7 @@ def _child(fn, rank, world_size, port, args, results, collective_timeout):
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, collective_timeout: int = 60) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, collective_timeout), daemon=True)
         for r in range(world_size)

@@ -49,7 +49,7 @@ def _install_slow_preempted_save(seconds: float) -> None:
     real_write, real_save = dcp.FileSystemWriter.write_data, CheckpointManager.save
 
     def save(self, step, **kw):
-        if self._preempted:
+        if self.preemption.signalled:
             def write_then_hang(writer, plan, planner):
                 future = real_write(writer, plan, planner)
                 future.wait()

@@ -39,7 +39,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -55,6 +54,8 @@ except ImportError:  # Python 3.10
 REPO = Path(__file__).resolve().parents[1]
 # The feature probe imports the trainer in-process; the launched runs find it on their own.
 sys.path.insert(0, str(REPO))
+from torchtitan.distributed.lifecycle import free_port  # noqa: E402  (after the path)
+
 LAUNCHER = REPO / "run_llama_train.sh"
 CI_CONFIG = REPO / "train_configs" / "debug_model_ci.toml"
 GPU_CONFIG = REPO / "train_configs" / "debug_model.toml"
@@ -397,12 +398,6 @@ class Result:
             if run.losses:
                 return run.losses[max(run.losses)]
         return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_losses(tb_dir: Path) -> dict[int, float]:

@@ -17,13 +17,12 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 ENTRY = str(REPO / "tests" / "fault_entry.py")
 
@@ -72,12 +71,6 @@ HSDP_2X2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.dat
 COMMON = ["--training.steps=4", "--checkpoint.enable_checkpoint", "--checkpoint.interval=1",
           f"--comm.train_timeout_seconds={TIMEOUT_S}", "--comm.init_timeout_seconds=900",
           "--metrics.enable_tensorboard=false"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(dump: Path, ranks: int, overrides: list[str], log: Path, env: dict[str, str],
@@ -149,7 +142,7 @@ def _last_complete_step(dump: Path) -> int:
     return max(steps)
 
 
-def test_a_dead_peer_ends_the_job_and_a_restart_resumes(tmp_path):
+def test_a_dead_peer_ends_the_job_and_a_restart_resumes(tmp_path, free_port):
     scenarios = {"fsdp_cp_stop": FSDP_CP, "hsdp_cp_stop": HSDP_CP, "node_killed": HSDP_2X2}
     procs: dict[str, list[subprocess.Popen]] = {}
     for name, overrides in scenarios.items():
@@ -157,7 +150,7 @@ def test_a_dead_peer_ends_the_job_and_a_restart_resumes(tmp_path):
         exits.mkdir(parents=True)
         env = {"FAULT_EXITS": str(exits), "FAULT_FILE": str(dump / "stopped_at")}
         if name == "node_killed":
-            port = _free_port()
+            port = free_port()
             procs[name] = [_torchrun(dump, 4, overrides, dump / f"agent{n}.log", env, node=(n, port)) for n in (0, 1)]
         else:
             # FSDP x CP: rank 1 stops as step 3 begins; the others wait in FSDP's first all-gather

@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from integration_tests import read_losses
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 LAYOUTS = {
     "hsdp_2x2": ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2",
@@ -62,12 +61,6 @@ def _two_hosts():
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)  # takes its veth end along
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(dump: Path, log: Path, overrides: list[str], env: dict[str, str], prefix: list[str] = ()):
     full_env = {**os.environ, "CONFIG_FILE": CONFIG, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env}
@@ -78,7 +71,7 @@ def _launch(dump: Path, log: Path, overrides: list[str], env: dict[str, str], pr
                             start_new_session=True)
 
 
-def test_two_nodes_train_bitwise_what_one_node_trains(tmp_path):
+def test_two_nodes_train_bitwise_what_one_node_trains(tmp_path, free_port):
     with _two_hosts() as hosts:
         runs = {}
         for index, (name, overrides) in enumerate(LAYOUTS.items()):
@@ -87,7 +80,7 @@ def test_two_nodes_train_bitwise_what_one_node_trains(tmp_path):
             two.mkdir(parents=True)
             runs[(name, "one")] = [_launch(one, one / "node0.log", overrides, {"NGPU": "4"})]
             if hosts is None:
-                master, port, prefixes, ifaces = "127.0.0.1", str(_free_port()), [[], []], [None, None]
+                master, port, prefixes, ifaces = "127.0.0.1", str(free_port()), [[], []], [None, None]
             else:  # every namespace has its own ports: no collision with anything else on the machine
                 master, port = hosts[0][2], str(29500 + index)
                 prefixes = [["ip", "netns", "exec", ns] for ns, _, _ in hosts]

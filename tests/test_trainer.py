@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from dist_harness import run_ranks
 from torchtitan.config import ConfigManager
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from dist_harness import run_ranks
 from torchtitan.config import ConfigError, ConfigManager
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 SEQ, BATCH = 16, 2
 

@@ -10,14 +10,13 @@ the last test here does it on 2 real gloo ranks.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from conftest import REPO
 from torchtitan.config import ConfigManager
 
-REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 for folder in ("scripts", "benchmarks"):
     if str(REPO / folder) not in sys.path:

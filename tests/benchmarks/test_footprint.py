@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_footprint_tp2_and_pp2_meet_the_targets(tmp_path):

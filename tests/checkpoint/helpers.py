@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import ConfigManager
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 
 FSDP2 = ["--parallelism.data_parallel_shard_degree=2", "--training.batch_size=2"]

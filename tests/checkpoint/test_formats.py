@@ -27,10 +27,9 @@ from torchtitan.checkpoint.formats import check_source, export_hf, load_into
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
 from torchtitan.models.llama3.model import ffn_hidden_dim
+from conftest import REPO, SHIPPED_TOKENIZER
 
-REPO = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
-TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"  # SentencePiece, 2048 words
 SEQ, BATCH = 32, 2
 FLAVOR = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=2048)
 
@@ -64,7 +63,7 @@ def reference_batch(global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first global batch the trainer sees (the stream does not depend on the DP degree)."""
     from torchtitan.datasets import build_dataloader, build_tokenizer
 
-    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(TOKENIZER),
+    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
                               seq_len=SEQ, local_batch_size=global_batch, dp_rank=0, dp_degree=1)
     return next(iter(loader))
 

@@ -136,9 +136,9 @@ def _model_args():
 
     from torchtitan.datasets import build_tokenizer
     from torchtitan.models.llama3 import llama3_flavors
-    from helpers import REPO
+    from conftest import SHIPPED_TOKENIZER
 
-    tokenizer = build_tokenizer(str(REPO / "torchtitan/datasets/assets/tokenizer.model"))
+    tokenizer = build_tokenizer(SHIPPED_TOKENIZER)
     return dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=tokenizer.n_words, max_seq_len=64)
 
 

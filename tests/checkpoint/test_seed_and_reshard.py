@@ -17,6 +17,7 @@ from dist_harness import run_ranks
 from helpers import (
     DDP2, FSDP2, HSDP4, REPO, checkpoint_digests, copy_checkpoint, resume_and_inspect, train,
 )
+from conftest import SHIPPED_TOKENIZER
 
 PARITY = 1e-4  # relative, as in tests/distributed/test_layout_parity.py
 
@@ -103,8 +104,6 @@ def test_dp_degree_change_continues_the_global_stream(tmp_path):
 
 
 def _first_batch_after_resume(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
-    import torch
-
     from helpers import make_trainer
 
     trainer = make_trainer(dump, *overrides)
@@ -115,7 +114,7 @@ def _first_batch_after_resume(rank: int, world_size: int, dump: str, overrides: 
     from torchtitan.datasets import build_dataloader, build_tokenizer
 
     fresh = build_dataloader(dataset_name="embedded", dataset_path=None,
-                             tokenizer=build_tokenizer(str(REPO / "torchtitan/datasets/assets/tokenizer.model")),
+                             tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
                              seq_len=64, local_batch_size=10, dp_rank=0, dp_degree=1)
     first_ten, _ = next(iter(fresh))
     out = {"next_window": position, "first_batch": inputs.tolist(), "windows_8_9": first_ten[8:10].tolist()}

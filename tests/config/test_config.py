@@ -11,8 +11,8 @@ import pytest
 
 from torchtitan.config import ConfigError, ConfigManager, to_toml
 from torchtitan.config.manager import tomllib
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str):

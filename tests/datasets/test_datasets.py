@@ -26,7 +26,6 @@ from torchtitan.datasets import embedded_corpus
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
 SEQ_LEN = 32
-SHIPPED_TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"
 
 
 # ---------------------------------------------------------------- fixtures
@@ -42,8 +41,8 @@ def corpus_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def tokenizer() -> Tokenizer:
-    return build_tokenizer(SHIPPED_TOKENIZER)
+def tokenizer(shipped_tokenizer) -> Tokenizer:
+    return build_tokenizer(shipped_tokenizer)
 
 
 def make_loader(tokenizer: Tokenizer, *, batch: int, rank: int = 0, degree: int = 1, **kwargs):
@@ -161,7 +160,8 @@ def test_tokenizer_requires_explicit_bos_eos(tokenizer: Tokenizer) -> None:
 
 def test_tokenizer_path_resolves_against_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert build_tokenizer(SHIPPED_TOKENIZER).n_words == 2048
+    # Relative on purpose: the path the configs ship, read from elsewhere than the checkout.
+    assert build_tokenizer("torchtitan/datasets/assets/tokenizer.model").n_words == 2048
 
 
 def test_tokenizer_errors(tmp_path: Path) -> None:

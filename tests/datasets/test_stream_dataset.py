@@ -7,7 +7,6 @@ starts a validation pass again; a checkpoint resumes exactly, and only at its DP
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +16,15 @@ from torchtitan.datasets.hf_datasets import load_local_dataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-TOKENIZER = str(Path(__file__).resolve().parents[2] / "torchtitan/datasets/assets/tokenizer.model")
 SEQ, BATCH = 16, 2
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, shipped_tokenizer):
     documents = [f"streamed document {i}: " + "tokens of text " * (3 + i % 5) for i in range(120)]
     path = tmp_path_factory.mktemp("stream") / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents), encoding="utf-8")
-    return str(path), documents, build_tokenizer(TOKENIZER)
+    return str(path), documents, build_tokenizer(shipped_tokenizer)
 
 
 def _stream(setup, rank: int, degree: int, **kw) -> ShardedStreamDataset:

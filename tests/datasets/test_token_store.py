@@ -17,13 +17,12 @@ from torchtitan.datasets import token_store
 from torchtitan.datasets.prepare import main as prepare_main
 from torchtitan.datasets.token_store import TokenStore, TokenStoreError, WindowPermutation
 
-TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"
 SEQ = 16
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer(TOKENIZER)
+def tokenizer(shipped_tokenizer):
+    return build_tokenizer(shipped_tokenizer)
 
 
 @pytest.fixture(scope="module")

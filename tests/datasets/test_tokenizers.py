@@ -129,8 +129,8 @@ def test_hf_tokenizer_json_matches_tokenizers(files) -> None:
         assert tok.encode(text, bos=False, eos=False) == tiktoken_tok.encode(text, bos=False, eos=False), text
 
 
-def test_shipped_sentencepiece_still_picked() -> None:
-    assert isinstance(build_tokenizer("torchtitan/datasets/assets/tokenizer.model"), SentencePieceTokenizer)
+def test_shipped_sentencepiece_still_picked(shipped_tokenizer) -> None:
+    assert isinstance(build_tokenizer(shipped_tokenizer), SentencePieceTokenizer)
 
 
 def test_unknown_or_broken_tokenizers_name_the_formats(files, tmp_path) -> None:

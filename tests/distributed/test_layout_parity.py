@@ -10,7 +10,6 @@ one process's too, and validating must leave training bitwise unchanged.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from dist_harness import run_ranks
 from torchtitan.config import ConfigManager
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 30
 

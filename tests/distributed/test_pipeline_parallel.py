@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +31,8 @@ from torchtitan.distributed.pipeline_parallel import (
     SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan, prune_to_stage,
 )
 from torchtitan.preflight import plan_pipeline
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 4
 RUN = [f"--training.steps={STEPS}", "--training.seq_len=32", "--validation.enable",

@@ -15,7 +15,6 @@ def _forward_calls(mode: str, option: str) -> tuple[list[int], dict[str, torch.T
     torch.manual_seed(0)
     model = Transformer(ARGS)
     model.init_weights()
-    names = [n for n, _ in model.named_parameters()]
     apply_activation_checkpointing(model, mode, option) if mode != "none" else None
     calls = [0] * ARGS.n_layers
     for i, block in enumerate(model.layers.values()):

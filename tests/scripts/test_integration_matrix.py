@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("integration_tests", REPO / "tests" / "integration_tests.py")
 it = importlib.util.module_from_spec(_spec)
 sys.modules["integration_tests"] = it  # dataclasses look their module up while the class is built

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("loss_compare", REPO / "scripts" / "loss_compare.py")
 loss_compare = importlib.util.module_from_spec(_spec)
 sys.modules["loss_compare"] = loss_compare  # dataclasses look their module up while the class is built

@@ -22,7 +22,8 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this host (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -37,7 +38,7 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
     if "RANK" not in os.environ:
         # A single process without torchrun: make a one-rank group so the code path is the same.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type() == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
