@@ -78,6 +78,8 @@ def describe(key: SplitKey | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class HeldOutSplit:
+    """Holds out a ``fraction`` of the documents, chosen by a hash keyed with ``seed``."""
+
     fraction: float  # in (0, 1)
     seed: int = 0
 
