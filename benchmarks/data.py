@@ -43,9 +43,9 @@ def _stream_loader(tokenizer, *, seq, batch, rank, degree):
     from torch.utils.data import DataLoader
 
     from packed_baseline import EveryRankPacks, collate_pairs
-    from torchtitan.datasets.hf_datasets import _open_source
+    from torchtitan.datasets.sources import open_source
 
-    source, field = _open_source("embedded", None)
+    source, field = open_source("embedded", None)
     data = EveryRankPacks(source=source, text_field=field, tokenizer=tokenizer, seq_len=seq, local_batch_size=batch,
                           dp_rank=rank, dp_degree=degree)
     return DataLoader(data, batch_size=batch, collate_fn=collate_pairs, num_workers=0, drop_last=True), data
@@ -91,13 +91,14 @@ def _first_batch_seconds(make, state: dict) -> float:
 
 
 def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
+    from torchtitan.datasets.prepare import write_synthetic_store
     from torchtitan.datasets.store_dataset import TokenStoreDataset
-    from torchtitan.datasets.token_store import TokenStore, write_synthetic_store
+    from torchtitan.datasets.token_store import TokenStore
 
     loader = _store_loader(tokenizer, cache, seq=seq, batch=batch, rank=0, degree=1)
     n = loader.dataset.n_windows
     end = (n // batch - 1) * batch
-    base = {"epoch": 0, "taken_in_block": 0, "seq_len": seq, "local_batch_size": batch, "shuffle": 0}
+    base = {"epoch": 0, "seq_len": seq, "local_batch_size": batch, "shuffle": 0}
     print(f"\n## time to the first batch after a resume (seq {seq}, batch {batch}; embedded store: {n} windows)")
     print("| position | token store s | streaming packer s |")
     print("|---|---|---|")
@@ -128,7 +129,9 @@ def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
 
 def bench_prepare(workers_list: list[int], copies: int) -> None:
     from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
-    from torchtitan.datasets.token_store import TokenStore, iter_local_documents, prepare_store
+    from torchtitan.datasets.prepare import prepare_store
+    from torchtitan.datasets.sources import iter_local_documents
+    from torchtitan.datasets.token_store import TokenStore
 
     text = Path(ensure_embedded_corpus()).read_text()
     corpus = Path(tempfile.mkdtemp()) / "corpus.jsonl"

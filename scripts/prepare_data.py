@@ -1,16 +1,98 @@
 #!/usr/bin/env python
-"""Tokenize a corpus into a token store folder; see torchtitan/datasets/prepare.py.
+"""Tokenize a corpus into a token store folder for training.
 
     python scripts/prepare_data.py data/my_corpus/ /data/stores/my_corpus --workers 16
     python train.py ... --training.dataset_path /data/stores/my_corpus
+
+Sources: a local json/jsonl/parquet/txt file or folder, ``embedded`` (the
+corpus shipped with the project), or ``hub:<name>[:<config>]`` for a dataset on
+the Hugging Face hub, streamed with ``datasets`` (``--hub-split`` picks the split).
+
+The store is written atomically (``torchtitan/datasets/prepare.py``); rerunning
+the same command after a kill keeps the shards already finished.  Give the run's
+``--validation.held_out_fraction``/``--validation.split_seed`` here too when the
+run holds documents out: they are left out of the store, and a run with other
+values refuses the store. With ``--held-out-side`` the store holds only those
+documents instead: the run's validation data, for ``--validation.dataset_path``.
 """
 
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torchtitan.datasets.prepare import main  # noqa: E402
+from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus  # noqa: E402
+from torchtitan.datasets.prepare import DEFAULT_SHARD_CHARS, prepare_store  # noqa: E402
+from torchtitan.datasets.sources import iter_local_documents, source_files, source_fingerprint  # noqa: E402
+from torchtitan.datasets.split import HeldOutSplit  # noqa: E402
+from torchtitan.datasets.tokenizer import resolve_tokenizer_path  # noqa: E402
+
+DEFAULT_TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"
+
+
+def _hub_documents(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
+    import datasets
+
+    for record in datasets.load_dataset(name, name=config, split=split, streaming=True):
+        text = record.get(text_field)
+        if text:
+            yield text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Tokenize a corpus into a token store folder for training.")
+    p.add_argument("source", help="local file or folder (json/jsonl/parquet/txt), 'embedded', or hub:<name>[:<config>]")
+    p.add_argument("out", help="store folder to create (pass it to train.py as --training.dataset_path)")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="SentencePiece tokenizer.model the run uses")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)")
+    p.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_CHARS / 2**20,
+                   help="text per shard in MiB (one shard is one unit of work and of resume)")
+    p.add_argument("--held-out-fraction", type=float, default=0.0, help="the run's --validation.held_out_fraction")
+    p.add_argument("--split-seed", type=int, default=0, help="the run's --validation.split_seed")
+    p.add_argument("--held-out-side", action="store_true",
+                   help="keep only the held-out documents (a validation store for --validation.dataset_path)")
+    p.add_argument("--hub-split", default="train", help="split of a hub dataset")
+    p.add_argument("--text-field", default="text", help="record field holding the document text")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    tokenizer = resolve_tokenizer_path(args.tokenizer)
+    split = HeldOutSplit(args.held_out_fraction, args.split_seed) if args.held_out_fraction > 0 else None
+    if args.held_out_side and split is None:
+        raise SystemExit("--held-out-side keeps the documents --held-out-fraction holds out; give that fraction too")
+    if args.source.startswith("hub:"):
+        name, _, config = args.source[len("hub:"):].partition(":")
+        fingerprint = hashlib.sha256(f"{name}:{config}:{args.hub_split}".encode()).hexdigest()
+        documents: Iterator[str] = _hub_documents(name, config or None, args.hub_split, args.text_field)
+        files: list[str] = []
+    else:
+        if args.source == "embedded":
+            paths = [Path(ensure_embedded_corpus())]
+        else:
+            paths = source_files(args.source)
+            if not paths:
+                raise SystemExit(f"{args.source}: no json/jsonl/parquet/txt files in it")
+        fingerprint, files = source_fingerprint(paths), [str(p) for p in paths]
+        documents = iter_local_documents(paths, args.text_field)
+    out = prepare_store(
+        documents=documents, out_dir=args.out, tokenizer_path=tokenizer,
+        source={"label": args.source, "files": files, "fingerprint": fingerprint}, split=split,
+        held_out=args.held_out_side, workers=args.workers, shard_chars=int(args.shard_mb * 2**20), progress=not args.no_progress,
+    )
+    print(out)
+    return out
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main() and 0)

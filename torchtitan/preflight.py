@@ -32,7 +32,7 @@ import torch
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint, model_shapes, own_checkpoint_exists
 from torchtitan.checkpoint.store import STATE_KEYS, scan
 from torchtitan.config import ConfigError, JobConfig
-from torchtitan.datasets import DATASETS, Tokenizer, build_tokenizer, check_training_data
+from torchtitan.datasets import DATASETS, HeldOutSplit, Tokenizer, build_tokenizer, check_training_data
 from torchtitan.distributed import MESH_DIM_NAMES, ParallelDims
 from torchtitan.distributed.pipeline_parallel import (
     DEFAULT_STAGES_PER_RANK, SCHEDULE_CLASS_NAMES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES,
@@ -42,7 +42,7 @@ from torchtitan.models import model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import ffn_hidden_dim
 from torchtitan.optim.lr_scheduler import validate_schedule
-from torchtitan.validate import check_validation_data, held_out_split
+from torchtitan.evaluate import check_validation_data
 
 _PP = "--parallelism.pipeline_parallel_"
 
@@ -89,7 +89,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
-                                    split=held_out_split(cfg), seq_len=t.seq_len,
+                                    split=HeldOutSplit.from_config(cfg.validation), seq_len=t.seq_len,
                                     global_batch=t.batch_size * dims.degree("dp"))
     _raise_if(problems)
     return Plan(dims, grad_accum, args, tokenizer, pipeline)
@@ -159,9 +159,10 @@ def _schedule_problems(cfg: JobConfig) -> list[str]:
 def _validation_problems(cfg: JobConfig) -> list[str]:
     """The ``[validation]`` options; whether its data holds one batch is checked with the data."""
     v, problems = cfg.validation, []
-    if v.held_out_fraction is not None and not 0.0 < v.held_out_fraction < 1.0:
-        problems.append(f"--validation.held_out_fraction={v.held_out_fraction}: give a fraction strictly between 0 "
-                        "and 1 (e.g. 0.01), or leave it unset to hold nothing out")
+    try:
+        HeldOutSplit.from_config(v)
+    except ValueError as e:
+        problems.append(f"--validation.{e}")
     if v.steps == 0 or v.steps < -1:
         problems.append(f"--validation.steps={v.steps}: give a number of batches >= 1, or -1 for the whole split")
     has_dataset = v.dataset is not None or v.dataset_path is not None

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config import JobConfig, to_toml
-from torchtitan.datasets import build_dataloader
+from torchtitan.datasets import HeldOutSplit, build_dataloader
 from torchtitan.distributed import (
     clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
 )
@@ -37,7 +37,7 @@ from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preflight import Plan, preflight
-from torchtitan.validate import ValidationResult, Validator, build_validation_data, held_out_split
+from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
 
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
@@ -72,7 +72,7 @@ class Trainer:
         self.dataloader = build_dataloader(
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
-            dp_rank=dp_rank, dp_degree=dp_degree, split=held_out_split(cfg),
+            dp_rank=dp_rank, dp_degree=dp_degree, split=HeldOutSplit.from_config(cfg.validation),
             shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
         )
         if cfg.validation.held_out_fraction is not None and self.rank == 0:

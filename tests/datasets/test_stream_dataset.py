@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchtitan.datasets import HeldOutSplit, build_tokenizer
-from torchtitan.datasets.hf_datasets import load_local_dataset
+from torchtitan.datasets.sources import load_local_dataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

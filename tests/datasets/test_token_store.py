@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import re
 import threading
@@ -13,9 +14,16 @@ import pytest
 import torch
 
 from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer
-from torchtitan.datasets import token_store
-from torchtitan.datasets.prepare import main as prepare_main
-from torchtitan.datasets.token_store import TokenStore, TokenStoreError, WindowPermutation
+from torchtitan.datasets import prepare, store_cache
+from torchtitan.datasets.sources import TokenStoreError
+from torchtitan.datasets.token_store import TokenStore
+from torchtitan.datasets.window_order import WindowPermutation
+
+_spec = importlib.util.spec_from_file_location(
+    "prepare_data", Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py")
+_prepare_data = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_prepare_data)
+prepare_main = _prepare_data.main
 
 SEQ = 16
 
@@ -77,7 +85,7 @@ def test_store_holds_the_packed_stream(store, corpus, tokenizer):
     ends = np.concatenate([np.load(str(f).replace(".bin", ".docs.npy")) + s.starts[i]
                            for i, f in enumerate(s.shard_files)])
     assert ends.tolist() == np.cumsum([len(tokenizer.encode(d, bos=True, eos=True)) for d in docs]).tolist()
-    assert token_store._dtype_for(70000) == np.uint32
+    assert prepare._dtype_for(70000) == np.uint32
     # Unshuffled, the loader gives the plain windows in order.
     window = SEQ + 1
     got = [x[0].tolist() for x, _ in take(loader(store, tokenizer, batch=1, shuffle=False), 5)]
@@ -112,7 +120,7 @@ def test_shuffled_stream_is_independent_of_dp_degree_and_accumulation(store, tok
 
 
 def synthetic(tmp_path_factory_or_path, n_tokens, **kw):
-    return TokenStore(token_store.write_synthetic_store(tmp_path_factory_or_path, n_tokens, shard_tokens=1000))
+    return TokenStore(prepare.write_synthetic_store(tmp_path_factory_or_path, n_tokens, shard_tokens=1000))
 
 
 def window_ids(batch: torch.Tensor) -> list[int]:
@@ -180,7 +188,7 @@ def test_prefetch_errors_reach_the_training_thread(store, tokenizer, monkeypatch
 def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_path, monkeypatch, store):
     path, _ = corpus
     out = tmp_path / "s"
-    real_write = token_store._write_array
+    real_write = prepare._write_array
     calls = {"n": 0}
 
     def full_disk(target, array):
@@ -190,7 +198,7 @@ def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_
                 raise OSError(errno.ENOSPC, "No space left on device", str(target))
         real_write(target, array)
 
-    monkeypatch.setattr(token_store, "_write_array", full_disk)
+    monkeypatch.setattr(prepare, "_write_array", full_disk)
     args = [str(path), str(out), "--workers", "1", "--shard-mb", "0.001", "--no-progress"]
     with pytest.raises(OSError, match="No space left on device") as info:
         prepare_main(args)
@@ -201,9 +209,9 @@ def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_
         loader(tmp_path / "s.partial", tokenizer)
 
     tokenized = []
-    real_shard = token_store._tokenize_shard
-    monkeypatch.setattr(token_store, "_write_array", real_write)
-    monkeypatch.setattr(token_store, "_tokenize_shard", lambda task: tokenized.append(task[0]) or real_shard(task))
+    real_shard = prepare._tokenize_shard
+    monkeypatch.setattr(prepare, "_write_array", real_write)
+    monkeypatch.setattr(prepare, "_tokenize_shard", lambda task: tokenized.append(task[0]) or real_shard(task))
     prepare_main(args)
     assert tokenized[0] == 2  # shards 0 and 1 were kept
     resumed, clean = TokenStore(out), TokenStore(store)
@@ -264,7 +272,7 @@ def test_held_out_documents_never_reach_the_store(corpus, tokenizer, tmp_path):
                   "--held-out-side", "--no-progress"])
     h = TokenStore(held)
     assert h.read(0, h.n_tokens).tolist() == reference_stream(tokenizer, [d for d in docs if split.held_out(d)])
-    assert h.index["split"] == "only the documents held out by held_out_fraction=0.2, split_seed=1"
+    assert h.index["split"] == {"fraction": 0.2, "seed": 1, "side": "held_out"}
     with pytest.raises(TokenStoreError, match="held out"):  # never a training store, whatever its split
         take(loader(held, tokenizer, split=split), 1)
     with pytest.raises(SystemExit, match="give that fraction too"):
@@ -275,8 +283,8 @@ def test_first_use_prepares_once_under_a_lock(corpus, tokenizer, tmp_path, monke
     """Ranks starting together: one prepares, the others wait and reuse; a held lock times out clearly."""
     path, _ = corpus
     prepared = []
-    real = token_store.prepare_store
-    monkeypatch.setattr(token_store, "prepare_store", lambda **kw: prepared.append(1) or real(**kw))
+    real = store_cache.prepare_store
+    monkeypatch.setattr(store_cache, "prepare_store", lambda **kw: prepared.append(1) or real(**kw))
     results: list = []
 
     def rank(r):
@@ -293,9 +301,9 @@ def test_first_use_prepares_once_under_a_lock(corpus, tokenizer, tmp_path, monke
     assert len(stores) == 1 and (stores[0] / "index.json").exists()
 
     lock = tmp_path / "token_stores" / "held.lock"
-    with token_store._file_lock(lock, 5, "x"):
+    with store_cache._file_lock(lock, 5, "x"):
         with pytest.raises(TimeoutError, match="waited 0 s.*held.lock"):
-            with token_store._file_lock(lock, 0.3, "token store y"):
+            with store_cache._file_lock(lock, 0.3, "token store y"):
                 pass
 
 
@@ -347,3 +355,95 @@ def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp
     cfg.training.batch_size = 10**4
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         preflight(cfg, 1)
+
+
+# ----------------------------------------------- stores and positions from before split keys
+# Before split keys, a store's index, the cache folder name and the saved data position held the
+# split as a sentence: "held_out_fraction=F, split_seed=S", prefixed with "only the documents held
+# out by " for the held-out side. These tests write them that way and check they are still used.
+
+LEGACY_TRAINING = "held_out_fraction=0.2, split_seed=1"
+LEGACY_HELD_OUT = "only the documents held out by held_out_fraction=0.2, split_seed=1"
+
+
+def _as_legacy(folder: Path, sentence: str) -> Path:
+    index = json.loads((folder / "index.json").read_text())
+    index["split"] = sentence
+    (folder / "index.json").write_text(json.dumps(index, indent=1))
+    return folder
+
+
+def test_a_store_prepared_before_split_keys_is_still_used(corpus, tokenizer, tmp_path):
+    from torchtitan.datasets import open_validation_store
+
+    path, _ = corpus
+    split = HeldOutSplit(0.2, seed=1)
+    train, held = tmp_path / "train", tmp_path / "held"
+    for out, side in ((train, []), (held, ["--held-out-side"])):
+        prepare_main([str(path), str(out), "--workers", "1", "--held-out-fraction", "0.2", "--split-seed", "1",
+                      *side, "--no-progress"])
+    _as_legacy(train, LEGACY_TRAINING)
+    _as_legacy(held, LEGACY_HELD_OUT)
+    dl = loader(train, tokenizer, split=split)
+    take(dl, 1)
+    assert dl.dataset.state_dict()["split"] == {"fraction": 0.2, "seed": 1, "side": "training"}
+    with pytest.raises(TokenStoreError, match="split_seed=1, but this run holds out .*split_seed=2"):
+        loader(train, tokenizer, split=HeldOutSplit(0.2, seed=2))  # and another split is still refused
+    with pytest.raises(TokenStoreError, match="held out"):  # a legacy held-out store never trains
+        loader(held, tokenizer, split=split)
+    kw = dict(dataset_name=None, dataset_path=str(held), train_dataset_name="x", train_dataset_path=str(train),
+              tokenizer=tokenizer)
+    assert open_validation_store(split=split, **kw).path == held
+    with pytest.raises(TokenStoreError, match="this run holds out held_out_fraction=0.1"):
+        open_validation_store(split=HeldOutSplit(0.1, seed=1), **kw)
+
+
+def test_a_cached_store_prepared_before_split_keys_is_still_used(corpus, tokenizer, tmp_path, monkeypatch, caplog):
+    """The cache folder was named by a hash of the sentence: that folder is found and read, not prepared again."""
+    import hashlib
+    import logging
+
+    from torchtitan.datasets.sources import source_fingerprint, tokenizer_fingerprint
+
+    path, docs = corpus
+    split = HeldOutSplit(0.2, seed=1)
+    legacy_key = {"version": 1, "tokenizer": tokenizer_fingerprint(tokenizer.model_path),
+                  "source": source_fingerprint([path]), "split": LEGACY_TRAINING}
+    name = "docs-" + hashlib.sha256(json.dumps(legacy_key, sort_keys=True).encode()).hexdigest()[:16]
+    legacy = tmp_path / "token_stores" / name
+    prepare_main([str(path), str(legacy), "--workers", "1", "--held-out-fraction", "0.2", "--split-seed", "1",
+                  "--no-progress"])
+    _as_legacy(legacy, LEGACY_TRAINING)
+
+    def no_preparation(**kw):
+        raise AssertionError("the legacy cached store should have been used")
+
+    monkeypatch.setattr(store_cache, "prepare_store", no_preparation)
+    with caplog.at_level(logging.INFO, logger="torchtitan.datasets.store_cache"):
+        dl = loader(path, tokenizer, split=split, cache_dir=str(tmp_path), shuffle=False, infinite=False)
+    assert dl.dataset.store.path == legacy
+    assert any("prepared before split keys" in r.getMessage() for r in caplog.records)
+    kept = [d for d in docs if not split.held_out(d)]
+    window = SEQ + 1
+    assert next(iter(dl))[0][0].tolist() == reference_stream(tokenizer, kept)[: window - 1]
+
+
+def test_a_position_saved_before_split_keys_still_loads(corpus, tokenizer, tmp_path):
+    """The data position of a checkpoint from before: the split as a sentence, and a taken_in_block of 0."""
+    path, _ = corpus
+    out = tmp_path / "train"
+    prepare_main([str(path), str(out), "--workers", "1", "--held-out-fraction", "0.2", "--split-seed", "1",
+                  "--no-progress"])
+    old = {"epoch": 0, "next_window": 4, "taken_in_block": 0, "seq_len": SEQ, "local_batch_size": 2, "shuffle": 0,
+           "split": LEGACY_TRAINING}
+    reference = loader(out, tokenizer, split=HeldOutSplit(0.2, seed=1))
+    expected = take(reference, 3)[2][0]
+    resumed = loader(out, tokenizer, split=HeldOutSplit(0.2, seed=1))
+    resumed.dataset.load_state_dict(old)
+    assert torch.equal(take(resumed, 1)[0][0], expected)  # window 4 is the third batch of 2
+    other = dict(old, split="held_out_fraction=0.1, split_seed=1")  # an old checkpoint of another split
+    with pytest.raises(ValueError, match="checkpoint was taken with held_out_fraction=0.1, split_seed=1 but this "
+                                         "run has held_out_fraction=0.2, split_seed=1"):
+        loader(out, tokenizer, split=HeldOutSplit(0.2, seed=1)).dataset.load_state_dict(other)
+    with pytest.raises(ValueError, match="unrecognised held-out split"):
+        loader(out, tokenizer, split=HeldOutSplit(0.2, seed=1)).dataset.load_state_dict(dict(old, split="half"))

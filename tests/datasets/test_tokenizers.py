@@ -177,7 +177,9 @@ def test_export_copies_hf_and_tiktoken_tokenizers(files, tmp_path) -> None:
 def test_token_store_prepares_with_every_backend(files, tmp_path) -> None:
     """The store holds each document as the backend encodes it (BOS + text + EOS), and
     a Hugging Face folder is fingerprinted by its files, so a changed tokenizer is refused."""
-    from torchtitan.datasets.token_store import TokenStore, TokenStoreError, prepare_store
+    from torchtitan.datasets.prepare import prepare_store
+    from torchtitan.datasets.sources import TokenStoreError
+    from torchtitan.datasets.token_store import TokenStore
 
     docs = [t for t in CORPUS if t]
     for name in ("tiktoken", "hf"):

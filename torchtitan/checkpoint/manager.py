@@ -10,7 +10,7 @@ What a full checkpoint holds (top-level keys of the DCP state dict):
 - ``lr_scheduler``: the scheduler's state, pickled (a few numbers; identical on all ranks).
 - ``dataloader``: the *global* position of the sample stream (epoch, next window),
   which is the same on every rank and independent of the DP degree; see
-  ``torchtitan/datasets/hf_datasets.py``. A run with another DP degree continues the
+  ``torchtitan/datasets/loaders.py``. A run with another DP degree continues the
   same global stream from there.
 - ``train_state``: the step.
 - ``rng``: each rank's Python/NumPy/torch generator states, under ``rank<r>``. They are

@@ -1,10 +1,17 @@
-"""Data pipeline: embedded default corpus, tokenizers (SentencePiece, Llama 3 tiktoken, Hugging Face), token stores and their loaders."""
+"""Data pipeline: embedded default corpus, tokenizers (SentencePiece, Llama 3 tiktoken, Hugging Face), token stores and their loaders.
+
+Modules, each importing only those before it: ``split`` and ``tokenizer``
+(leaves), ``sources`` (registry, local readers, fingerprints), ``token_store``
+(reading a prepared store), ``prepare`` (writing one), ``store_cache`` (prepare on
+first use, under a lock), ``window_order``, the two datasets (``store_dataset``,
+``stream_dataset``) and ``loaders``, the run's entry points.
+"""
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
-from torchtitan.datasets.hf_datasets import (
-    DATASETS, DatasetSpec, build_dataloader, build_validation_dataset, check_training_data,
-    open_validation_store,
+from torchtitan.datasets.loaders import (
+    build_dataloader, build_validation_dataset, check_training_data, open_validation_store,
 )
+from torchtitan.datasets.sources import DATASETS, DatasetSpec, TokenStoreError
 from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer
 
@@ -12,6 +19,7 @@ __all__ = [
     "DATASETS",
     "DatasetSpec",
     "HeldOutSplit",
+    "TokenStoreError",
     "Tokenizer",
     "build_dataloader",
     "build_validation_dataset",

@@ -1,94 +1,285 @@
-"""Command line of ``scripts/prepare_data.py``: tokenize a corpus into a token store folder.
+"""Writing a token store: tokenize documents into shards, with a pool of worker processes.
 
-Sources: a local json/jsonl/parquet/txt file or folder, ``embedded`` (the
-corpus shipped with the project), or ``hub:<name>[:<config>]`` for a dataset on
-the Hugging Face hub, streamed with ``datasets`` (``--hub-split`` picks the split).
+Writing is atomic. A store is prepared in ``<folder>.partial``; every finished
+shard is published there with ``os.replace`` and a marker file written last. The
+index is written only when every shard is done, and the folder is then renamed
+to its final name, so a folder with an ``index.json`` is always whole. After a
+kill (or a full disk) the next preparation keeps the finished shards.
 
-The store is written atomically (see ``token_store``); rerunning the same
-command after a kill keeps the shards already finished.  Give the run's
-``--validation.held_out_fraction``/``--validation.split_seed`` here too when the
-run holds documents out: they are left out of the store, and a run with other
-values refuses the store. With ``--held-out-side`` the store holds only those
-documents instead: the run's validation data, for ``--validation.dataset_path``.
+The held-out split (``split.py``) is applied while preparing: the documents it
+holds out never enter the store (or, for a validation store, only they do), and
+the store records the split's key, so a run with another split cannot read it by
+mistake. The folder layout is described in ``token_store.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
+import contextlib
+import errno
+import json
 import logging
 import os
-import sys
-from collections.abc import Iterator
+import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
-from torchtitan.datasets.split import HeldOutSplit
-from torchtitan.datasets.token_store import (
-    DEFAULT_SHARD_CHARS, iter_local_documents, prepare_store, source_files, source_fingerprint,
-)
-from torchtitan.datasets.tokenizer import resolve_tokenizer_path
+import numpy as np
 
-DEFAULT_TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"
+from torchtitan.datasets.sources import tokenizer_fingerprint
+from torchtitan.datasets.split import HeldOutSplit, side_key
+from torchtitan.datasets.token_store import FORMAT, INDEX_NAME, PLAN_NAME, VERSION
 
+__all__ = ["DEFAULT_SHARD_CHARS", "prepare_store", "write_synthetic_store"]
 
-def _hub_documents(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
-    import datasets
+logger = logging.getLogger(__name__)
 
-    for record in datasets.load_dataset(name, name=config, split=split, streaming=True):
-        text = record.get(text_field)
-        if text:
-            yield text
+PARTIAL_SUFFIX = ".partial"
+DEFAULT_SHARD_CHARS = 64 << 20  # ~16M tokens per shard for English text
 
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Tokenize a corpus into a token store folder for training.")
-    p.add_argument("source", help="local file or folder (json/jsonl/parquet/txt), 'embedded', or hub:<name>[:<config>]")
-    p.add_argument("out", help="store folder to create (pass it to train.py as --training.dataset_path)")
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="SentencePiece tokenizer.model the run uses")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)")
-    p.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_CHARS / 2**20,
-                   help="text per shard in MiB (one shard is one unit of work and of resume)")
-    p.add_argument("--held-out-fraction", type=float, default=0.0, help="the run's --validation.held_out_fraction")
-    p.add_argument("--split-seed", type=int, default=0, help="the run's --validation.split_seed")
-    p.add_argument("--held-out-side", action="store_true",
-                   help="keep only the held-out documents (a validation store for --validation.dataset_path)")
-    p.add_argument("--hub-split", default="train", help="split of a hub dataset")
-    p.add_argument("--text-field", default="text", help="record field holding the document text")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+_Task = tuple[int, list[str], str, str]  # shard number, texts, folder, dtype name
 
 
-def main(argv: list[str] | None = None) -> Path:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    tokenizer = resolve_tokenizer_path(args.tokenizer)
-    split = HeldOutSplit(args.held_out_fraction, args.split_seed) if args.held_out_fraction > 0 else None
-    if args.held_out_side and split is None:
-        raise SystemExit("--held-out-side keeps the documents --held-out-fraction holds out; give that fraction too")
-    if args.source.startswith("hub:"):
-        name, _, config = args.source[len("hub:"):].partition(":")
-        fingerprint = hashlib.sha256(f"{name}:{config}:{args.hub_split}".encode()).hexdigest()
-        documents: Iterator[str] = _hub_documents(name, config or None, args.hub_split, args.text_field)
-        files: list[str] = []
-    else:
-        if args.source == "embedded":
-            from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
+def _dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
-            paths = [Path(ensure_embedded_corpus())]
+
+def _write_array(path: Path, array: np.ndarray) -> None:
+    """Write to a temporary name and publish with ``os.replace``: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if path.suffix == ".npy":
+            np.save(f, array)
         else:
-            paths = source_files(args.source)
-            if not paths:
-                raise SystemExit(f"{args.source}: no json/jsonl/parquet/txt files in it")
-        fingerprint, files = source_fingerprint(paths), [str(p) for p in paths]
-        documents = iter_local_documents(paths, args.text_field)
-    out = prepare_store(
-        documents=documents, out_dir=args.out, tokenizer_path=tokenizer,
-        source={"label": args.source, "files": files, "fingerprint": fingerprint}, split=split,
-        held_out=args.held_out_side, workers=args.workers, shard_chars=int(args.shard_mb * 2**20), progress=not args.no_progress,
-    )
-    print(out)
+            f.write(array.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------- one shard
+
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _WORKER_TOKENIZER
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    _WORKER_TOKENIZER = build_tokenizer(tokenizer_path)
+
+
+def _tokenize_shard(task: _Task) -> dict[str, Any]:
+    """Tokenize one shard's documents and publish its files (runs in a worker or in-process)."""
+    number, texts, folder, dtype = task
+    tok = _WORKER_TOKENIZER
+    pieces = tok.encode_plain_batch(texts)
+    lengths = np.fromiter((len(p) + 2 for p in pieces), dtype=np.int64, count=len(pieces))
+    ends = np.cumsum(lengths)
+    tokens = np.empty(int(ends[-1]) if len(ends) else 0, dtype=dtype)
+    start = 0
+    for p, end in zip(pieces, ends):
+        tokens[start] = tok.bos_id
+        tokens[start + 1 : end - 1] = p
+        tokens[end - 1] = tok.eos_id
+        start = int(end)
+    base = Path(folder) / f"shard_{number:05d}"
+    _write_array(base.with_suffix(".bin"), tokens)
+    _write_array(base.with_suffix(".docs.npy"), ends.astype(np.uint64))
+    meta = {"file": base.name + ".bin", "tokens": int(tokens.size), "documents": len(texts)}
+    _write_json(base.with_suffix(".done.json"), meta)  # last: marks the shard finished
+    return meta
+
+
+def _chunks(documents: Iterable[str], shard_chars: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for text in documents:
+        chunk.append(text)
+        size += len(text)
+        if size >= shard_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _finished_shard(folder: Path, number: int, dtype: np.dtype) -> dict[str, Any] | None:
+    base = folder / f"shard_{number:05d}"
+    try:
+        meta = json.loads(base.with_suffix(".done.json").read_text())
+        if base.with_suffix(".bin").stat().st_size == meta["tokens"] * dtype.itemsize:
+            return meta
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+# ------------------------------------------------------------ a whole store
+
+
+def prepare_store(
+    *,
+    documents: Iterable[str],
+    out_dir: str | os.PathLike,
+    tokenizer_path: str,
+    source: dict[str, Any],
+    split: HeldOutSplit | None = None,
+    held_out: bool = False,
+    workers: int = 1,
+    shard_chars: int = DEFAULT_SHARD_CHARS,
+    progress: bool = True,
+) -> Path:
+    """Tokenize ``documents`` into a store at ``out_dir`` (atomically; resumes a ``.partial`` folder).
+
+    ``source`` describes the data (it must contain a ``fingerprint``); it is recorded in the index.
+    With ``split`` the documents it holds out are left out of the store, or, with
+    ``held_out``, only those are kept (a validation store).
+    """
+    out = Path(out_dir)
+    if (out / INDEX_NAME).exists():
+        return out
+    header = _header(tokenizer_path, source, split, held_out, shard_chars)
+    partial = _partial_folder(out, header)
+    if split is not None:
+        documents = (text for text in documents if split.held_out(text) == held_out)
+    shards = _tokenize_shards(documents, out, partial, header, tokenizer_path, workers, progress)
+    _publish(out, partial, header, shards)
     return out
 
 
-if __name__ == "__main__":
-    sys.exit(main() and 0)
+def _header(tokenizer_path: str, source: dict[str, Any], split: HeldOutSplit | None, held_out: bool,
+            shard_chars: int) -> dict[str, Any]:
+    """Everything the index records except its shards: also the plan an interrupted preparation resumes."""
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(tokenizer_path)
+    key = side_key(split, held_out)
+    return {
+        "format": FORMAT, "version": VERSION, "dtype": _dtype_for(tokenizer.n_words).name,
+        "vocab_size": tokenizer.n_words, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
+        "tokenizer": {"path": os.path.abspath(tokenizer_path), "sha256": tokenizer_fingerprint(tokenizer_path)},
+        "source": source, "split": None if key is None else key.to_dict(), "shard_chars": shard_chars,
+    }
+
+
+def _partial_folder(out: Path, header: dict[str, Any]) -> Path:
+    """``<out>.partial``, kept when an interrupted preparation had the same plan, else emptied."""
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
+    partial.mkdir(parents=True, exist_ok=True)
+    plan_file = partial / PLAN_NAME
+    if plan_file.exists() and json.loads(plan_file.read_text()) != header:
+        logger.warning("%s: left by a preparation with other settings; starting it again", partial)
+        shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    if not plan_file.exists():
+        _write_json(plan_file, header)
+    return partial
+
+
+def _tokenize_shards(documents: Iterable[str], out: Path, partial: Path, header: dict[str, Any],
+                     tokenizer_path: str, workers: int, progress: bool) -> list[dict[str, Any]]:
+    """Every shard's entry, in order: the finished ones of an interrupted run kept, the others tokenized."""
+    dtype = np.dtype(header["dtype"])
+    shards: list[dict[str, Any]] = []
+
+    def tasks() -> Iterator[_Task]:
+        for number, texts in enumerate(_chunks(documents, header["shard_chars"])):
+            done = _finished_shard(partial, number, dtype)
+            shards.append(done or {"pending": number})  # in order: finished shards never go to a worker
+            if done is None:
+                yield number, texts, str(partial), dtype.name
+
+    bar = _progress(progress, str(out))
+    tokenized = 0
+    try:
+        # closing: an error here still ends the worker pool at once, not when the generator is collected.
+        with contextlib.closing(_run_tasks(tasks(), tokenizer_path, workers)) as results:
+            for meta in results:
+                shards[int(meta["file"][len("shard_"):-len(".bin")])] = meta
+                tokenized += 1
+                bar.update(meta["tokens"])
+    except OSError as e:
+        cause = "free disk space" if e.errno == errno.ENOSPC else "fix the cause"
+        raise OSError(
+            e.errno, f"preparing token store {out}: {e.strerror or e} ({e.filename or partial}); "
+            f"the unfinished store in {partial} is not used; {cause} and rerun: finished shards are kept"
+        ) from e
+    finally:
+        bar.close()
+    if len(shards) > tokenized:
+        logger.info("%s: kept %d finished shard(s) from an interrupted preparation", out, len(shards) - tokenized)
+    return shards
+
+
+def _run_tasks(tasks: Iterator[_Task], tokenizer_path: str, workers: int) -> Iterator[dict[str, Any]]:
+    """Each task's result, in order: in this process, or on a pool of ``workers`` processes."""
+    if workers <= 1:
+        _init_worker(tokenizer_path)
+        yield from map(_tokenize_shard, tasks)
+        return
+    import multiprocessing as mp
+
+    # fork: a worker starts in milliseconds (spawn would re-import torch in each one).  The workers run
+    # only SentencePiece and NumPy, so no lock another thread holds at the fork is ever touched.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    pool = mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,))
+    try:
+        yield from pool.imap(_tokenize_shard, tasks)
+        pool.close()
+        pool.join()
+    except BaseException:
+        pool.terminate()
+        raise
+
+
+def _publish(out: Path, partial: Path, header: dict[str, Any], shards: list[dict[str, Any]]) -> None:
+    """Write the index, then give the folder its final name: a folder with an index is always whole."""
+    index = dict(header, shards=shards, total_tokens=sum(s["tokens"] for s in shards),
+                 total_documents=sum(s["documents"] for s in shards))
+    _write_json(partial / INDEX_NAME, index)
+    (partial / PLAN_NAME).unlink()
+    os.replace(partial, out)
+    logger.info("Prepared token store %s: %s tokens, %s documents, %d shard(s)", out,
+                f"{index['total_tokens']:,}", f"{index['total_documents']:,}", len(shards))
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(enabled: bool, label: str):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(desc=f"tokenizing -> {label}", unit=" tok", unit_scale=True, mininterval=1.0)
+
+
+def write_synthetic_store(out_dir: str | os.PathLike, n_tokens: int, *, shard_tokens: int = 1 << 24) -> Path:
+    """A store whose token ``t`` is ``t`` (uint32), for tests and benchmarks: a window's first token names it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for number, start in enumerate(range(0, n_tokens, shard_tokens)):
+        tokens = np.arange(start, min(start + shard_tokens, n_tokens), dtype=np.uint32)
+        _write_array(out / f"shard_{number:05d}.bin", tokens)
+        shards.append({"file": f"shard_{number:05d}.bin", "tokens": int(tokens.size), "documents": 1})
+    index = {"format": FORMAT, "version": VERSION, "dtype": "uint32", "vocab_size": 2**32, "bos_id": 0, "eos_id": 0,
+             "tokenizer": {"path": "synthetic", "sha256": "synthetic"}, "source": {"fingerprint": "synthetic"},
+             "split": None, "shard_chars": 0, "shards": shards, "total_tokens": n_tokens, "total_documents": len(shards)}
+    _write_json(out / INDEX_NAME, index)
+    return out

@@ -2,10 +2,10 @@
 
 Global window ``i`` of an epoch is store window ``order(i)``: the identity
 without shuffling, else a seeded permutation that depends on (store, seq_len,
-seed, epoch) only (``WindowPermutation``).  Global batch ``s`` of a pass is
-windows ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` gets ``[s*B*D + r*B, ...)``,
-exactly as in the streaming loader (``hf_datasets``), so every layout and
-every accumulation split sees the same global batches, and the saved position
+seed, epoch) only (``window_order.WindowPermutation``).  Global batch ``s`` of a
+pass is windows ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` gets ``[s*B*D + r*B, ...)``
+(the dealing described in ``loaders.py``), so every layout and every
+accumulation split sees the same global batches, and the saved position
 (epoch, first window of the next global batch) resumes at any DP degree.
 Finding a window is arithmetic, so a resume costs what a start costs, and a
 rank reads only its own ``B`` windows per step.
@@ -28,7 +28,9 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
-from torchtitan.datasets.token_store import TokenStore, TokenStoreError, WindowPermutation
+from torchtitan.datasets.split import SplitKey, describe
+from torchtitan.datasets.token_store import TokenStore
+from torchtitan.datasets.window_order import WindowPermutation
 
 __all__ = ["TokenStoreDataset"]
 
@@ -37,18 +39,21 @@ logger = logging.getLogger(__name__)
 _END = object()
 
 
-def check_position_maps(name: str, state_dict: dict[str, Any], seq_len: int, split_text: str | None) -> None:
-    """A saved (epoch, window) position names the same windows only with the same seq_len and held-out split."""
+def check_position_maps(name: str, state_dict: dict[str, Any], seq_len: int, split: SplitKey | None) -> None:
+    """A saved (epoch, window) position names the same windows only with the same seq_len and held-out split.
+
+    Checkpoints taken before split keys existed saved the split in words; ``SplitKey.parse`` reads those too.
+    """
     if state_dict["seq_len"] != seq_len:
         raise ValueError(
             f"{name}: checkpoint was taken with seq_len={state_dict['seq_len']}, "
             f"but this run uses seq_len={seq_len}; window positions cannot be mapped"
         )
-    theirs = state_dict.get("split")
-    if theirs != split_text:
+    theirs = SplitKey.parse(state_dict.get("split"))
+    if theirs != split:
         raise ValueError(
-            f"{name}: checkpoint was taken with {theirs or 'nothing held out'} but this run has "
-            f"{split_text or 'nothing held out'}; its data position does not map onto another split: resume "
+            f"{name}: checkpoint was taken with {describe(theirs)} but this run has "
+            f"{describe(split)}; its data position does not map onto another split: resume "
             "with the checkpoint's --validation.held_out_fraction and --validation.split_seed"
         )
 
@@ -69,7 +74,6 @@ class TokenStoreDataset(IterableDataset, Stateful):
         seed: int = 0,
         prefetch: int = 2,
         name: str = "dataset",
-        split_text: str | None = None,
     ) -> None:
         self.store = store
         self.seq_len = seq_len
@@ -81,15 +85,12 @@ class TokenStoreDataset(IterableDataset, Stateful):
         self.seed = seed
         self.prefetch = prefetch
         self.name = name
-        self.split_text = split_text
+        self.split = store.split_key  # which documents the windows count in: part of the saved position
         self.n_windows = store.n_tokens // (seq_len + 1)
-        global_batch = local_batch_size * dp_degree
-        if self.n_windows < global_batch:
-            raise TokenStoreError(
-                f"{name}: token store {store.path} holds {self.n_windows} window(s) of {seq_len + 1} tokens "
-                f"({store.n_tokens:,} tokens), fewer than one global batch ({global_batch} windows); use more data "
-                "or a smaller seq_len/batch size"
-            )
+        try:
+            store.check_fits(seq_len, local_batch_size * dp_degree)
+        except ValueError as e:
+            raise type(e)(f"{name}: {e}") from None
         self._epoch = 0
         self._next_window = 0
 
@@ -112,7 +113,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
         mine = np.arange(local, dtype=np.int64) + self.dp_rank * local
         while True:
             order = self._order(epoch)
-            # A pass counts its global batches from the position it starts at (see hf_datasets).
+            # A pass counts its global batches from the position it starts at (see loaders.py).
             start = base
             while start + global_batch <= self.n_windows:
                 yield epoch, start + global_batch, self._batch(order(start + mine))
@@ -186,17 +187,16 @@ class TokenStoreDataset(IterableDataset, Stateful):
         state = {
             "epoch": self._epoch,
             "next_window": self._next_window,
-            "taken_in_block": 0,
             "seq_len": self.seq_len,
             "local_batch_size": self.local_batch_size,
             "shuffle": self.seed if self.shuffle else None,
         }
-        if self.split_text is not None:
-            state["split"] = self.split_text
+        if self.split is not None:
+            state["split"] = self.split.to_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_position_maps(self.name, state_dict, self.seq_len, self.split_text)
+        check_position_maps(self.name, state_dict, self.seq_len, self.split)
         mine = self.seed if self.shuffle else None
         if "shuffle" in state_dict and state_dict["shuffle"] != mine:
             def say(s: Any) -> str:
@@ -204,11 +204,6 @@ class TokenStoreDataset(IterableDataset, Stateful):
             raise ValueError(
                 f"{self.name}: checkpoint was taken with {say(state_dict['shuffle'])}, this run uses {say(mine)}; "
                 "the window order would differ: resume with the checkpoint's --training.shuffle and --training.shuffle_seed"
-            )
-        if int(state_dict.get("taken_in_block", 0)):
-            raise ValueError(
-                f"{self.name}: checkpoint was taken in the middle of a local batch; the token store loader resumes "
-                "only at local batch boundaries"
             )
         self._epoch = int(state_dict["epoch"])
         self._next_window = int(state_dict["next_window"])

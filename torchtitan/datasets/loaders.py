@@ -1,4 +1,8 @@
-"""Text datasets, packing into fixed-length samples, and the stateful dataloader.
+"""The run's data loaders: training batches, validation batches, and the data checks preflight runs.
+
+The top of the data chain: it picks the source (``sources``), opens or prepares
+its token store (``token_store``, ``store_cache``) and deals it out
+(``store_dataset``), or streams a hub dataset per DP rank (``stream_dataset``).
 
 Data flow
 ---------
@@ -39,168 +43,51 @@ otherwise iteration stops.
 Checkpointing
 -------------
 The loader's ``state_dict()`` stores a position that does not depend on the DP
-degree: the epoch and the index of the first window of the next global batch.
+degree: the epoch and the index of the first window of the next global batch
+(with the seq_len and the held-out split's key, which the window numbers depend on).
 Loading it into a loader with another DP degree (or local batch size)
 continues the same global sample stream from that window, in constant time.
 
 Concurrency
 -----------
-All local files, including the embedded corpus, are opened with
-``datasets.load_dataset(..., streaming=True)``.  Streaming reads the files
-directly and writes no Arrow cache, so eight ranks opening the same file at
-the same moment cannot corrupt or race on a shared cache (``datasets`` only
-touches a small lock file).
+Every rank opens the same token store. The first process to need a cached
+store prepares it under a file lock while the others wait (``store_cache``);
+once finished, a store is read-only, and each rank memory-maps only the shards
+its windows fall in, so any number of ranks read it at once without
+coordination. Hub datasets are streamed with ``datasets``
+(``streaming=True``), which writes no Arrow cache that ranks could race on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
+from torchtitan.datasets.sources import (
+    DATASETS, SourceSpec, load_local_dataset, open_source, source_files, source_fingerprint,
+)
 from torchtitan.datasets.split import HeldOutSplit
+from torchtitan.datasets.store_cache import ensure_store
 from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
-from torchtitan.datasets.token_store import (
-    SourceSpec, TokenStore, ensure_store, is_store, looks_like_store, source_files, source_fingerprint,
-)
+from torchtitan.datasets.token_store import TokenStore, is_store, looks_like_store
 from torchtitan.datasets.tokenizer import Tokenizer
 
 __all__ = [
-    "DATASETS",
-    "DatasetSpec",
     "build_dataloader",
-    "load_local_dataset",
+    "build_validation_dataset",
+    "check_training_data",
+    "open_token_store",
+    "open_validation_store",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """How to open a named dataset.
-
-    ``load`` returns an iterable of records (re-iterable: every ``iter()``
-    starts again from the first record); ``text_field`` names the record key
-    holding the document text.
-    """
-
-    load: Callable[[], Iterable[dict[str, Any]]]
-    text_field: str = "text"
-    description: str = ""
-
-
-# `datasets` is imported inside the loaders: it takes about a second to
-# import, and code that only needs the tokenizer should not pay for it.
-
-
-def _load_embedded() -> Iterable[dict[str, Any]]:
-    # Treated like any local JSON-lines file; see the module docstring for
-    # why it is streamed.
-    import datasets
-
-    return datasets.load_dataset("json", data_files=ensure_embedded_corpus(), split="train", streaming=True)
-
-
-def _load_c4() -> Iterable[dict[str, Any]]:
-    # Needs network access to the Hugging Face hub (or a populated HF cache).
-    import datasets
-
-    return datasets.load_dataset("allenai/c4", name="en", split="train", streaming=True)
-
-
-def _load_c4_validation() -> Iterable[dict[str, Any]]:
-    import datasets
-
-    return datasets.load_dataset("allenai/c4", name="en", split="validation", streaming=True)
-
-
-DATASETS: dict[str, DatasetSpec] = {
-    "embedded": DatasetSpec(
-        load=_load_embedded,
-        description="CPython documentation shipped with Python (offline default, ~1.4 MB)",
-    ),
-    "c4": DatasetSpec(
-        load=_load_c4,
-        description="allenai/c4 'en' train split, streamed from the Hugging Face hub",
-    ),
-    "c4_validation": DatasetSpec(
-        load=_load_c4_validation,
-        description="allenai/c4 'en' validation split, streamed from the Hugging Face hub",
-    ),
-}
-
-# Local file suffix -> `datasets` packaged builder.
-_BUILDER_BY_SUFFIX: dict[str, str] = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-    ".txt": "text",
-}
-
-
-def _builder_for(path: Path) -> str | None:
-    return _BUILDER_BY_SUFFIX.get(path.suffix.lower())
-
-
-def load_local_dataset(path: str) -> Iterable[dict[str, Any]]:
-    """Stream a local ``.json``/``.jsonl``/``.parquet``/``.txt`` file, or a directory of them.
-
-    Records must have a "text" field (JSON and Parquet); plain-text files are
-    split into documents at blank lines (``sample_by="paragraph"``).  Files in
-    a directory are read in sorted path order, and all of them must share one
-    format.
-    """
-    import datasets
-
-    root = Path(os.path.expanduser(path))
-    if not root.exists():
-        raise FileNotFoundError(f"dataset_path {path!r} does not exist")
-    if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file() and _builder_for(p) is not None)
-        if not files:
-            known = ", ".join(sorted(_BUILDER_BY_SUFFIX))
-            raise ValueError(f"dataset_path {path!r} is a directory without any {known} files")
-        builders = {_builder_for(p) for p in files}
-        if len(builders) > 1:
-            raise ValueError(
-                f"dataset_path {path!r} mixes file formats ({', '.join(sorted(builders))}); "
-                "put each format in its own directory"
-            )
-        builder = builders.pop()
-    else:
-        builder = _builder_for(root)
-        if builder is None:
-            known = ", ".join(sorted(_BUILDER_BY_SUFFIX))
-            raise ValueError(f"dataset_path {path!r} has an unsupported suffix; expected one of {known}")
-        files = [root]
-
-    data_files = [str(p) for p in files]
-    extra: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True, **extra)
-
-
-def _open_source(dataset_name: str, dataset_path: str | None) -> tuple[Iterable[dict[str, Any]], str]:
-    """Return (records, text_field) for the configured dataset."""
-    if dataset_path:
-        # An explicit path wins; the name then only labels the data in logs.
-        return load_local_dataset(dataset_path), "text"
-    spec = DATASETS.get(dataset_name)
-    if spec is None:
-        known = ", ".join(sorted(DATASETS))
-        raise ValueError(
-            f"Unknown dataset {dataset_name!r}. Known datasets: {known}; "
-            "or set dataset_path to a local .json/.jsonl/.parquet/.txt file or directory."
-        )
-    return spec.load(), spec.text_field
 
 
 def _check_layout(*, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
@@ -248,7 +135,7 @@ def open_token_store(
     if dataset_path and looks_like_store(Path(os.path.expanduser(dataset_path))):
         TokenStore(os.path.expanduser(dataset_path))  # raises: no index
     if not dataset_path and dataset_name not in DATASETS:
-        _open_source(dataset_name, dataset_path)  # raises the unknown-dataset error
+        open_source(dataset_name, dataset_path)  # raises the unknown-dataset error
     spec = _store_source(dataset_name, dataset_path)
     if spec is None:
         return None
@@ -271,12 +158,10 @@ def check_training_data(
     try:
         store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer,
                                  split=split)
+        if store is not None:
+            store.check_fits(seq_len, global_batch)
     except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"{what}: {e}"]
-    if store is not None and store.n_tokens // (seq_len + 1) < global_batch:
-        return [f"{what}: token store {store.path} holds {store.n_tokens // (seq_len + 1)} window(s) of "
-                f"{seq_len + 1} tokens, fewer than one global batch ({global_batch}); use more data or a smaller "
-                "--training.seq_len/--training.batch_size"]
     return []
 
 
@@ -318,12 +203,11 @@ def build_dataloader(
         dataset: IterableDataset = TokenStoreDataset(
             store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
             infinite=infinite, shuffle=shuffle, seed=seed, prefetch=prefetch, name=name,
-            split_text=store.index.get("split"),
         )
         # The dataset yields whole batches, and reads them ahead itself.
         return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
     # A hub dataset: streamed, each DP rank reading its own documents (the order then depends on D).
-    source, text_field = _open_source(dataset_name, dataset_path)
+    source, text_field = open_source(dataset_name, dataset_path)
     logger.info("%s: streamed per DP rank (no token store): the sample order depends on the DP degree %d",
                 name, dp_degree)
     dataset = ShardedStreamDataset(
@@ -395,9 +279,9 @@ def build_validation_dataset(
         return TokenStoreDataset(store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                                  dp_degree=dp_degree, infinite=False, shuffle=False, prefetch=0, name=name)
     if own:
-        source, text_field = _open_source(dataset_name or "", dataset_path)
+        source, text_field = open_source(dataset_name or "", dataset_path)
     else:
-        source, text_field = _open_source(train_dataset_name, train_dataset_path)
+        source, text_field = open_source(train_dataset_name, train_dataset_path)
     return ShardedStreamDataset(
         source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, infinite=True, name=name, split=None if own else split,

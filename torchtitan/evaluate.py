@@ -52,12 +52,6 @@ from torchtitan.distributed.collectives import reduce_scalar
 logger = logging.getLogger(__name__)
 
 
-def held_out_split(cfg: JobConfig) -> HeldOutSplit | None:
-    """The split of the training data that ``[validation]`` asks for (also while validation is disabled)."""
-    v = cfg.validation
-    return None if v.held_out_fraction is None else HeldOutSplit(v.held_out_fraction, v.split_seed)
-
-
 def validation_batch_size(cfg: JobConfig) -> int:
     return cfg.validation.batch_size or cfg.training.batch_size
 
@@ -67,7 +61,7 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int,
     v, t = cfg.validation, cfg.training
     return build_validation_dataset(
         dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
-        train_dataset_path=t.dataset_path, split=held_out_split(cfg), tokenizer=tokenizer, seq_len=t.seq_len,
+        train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, seq_len=t.seq_len,
         local_batch_size=validation_batch_size(cfg), dp_rank=dp_rank, dp_degree=dp_degree,
     )
 
@@ -81,7 +75,8 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
     needed = batch * dp_degree
     try:
         store = open_validation_store(dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
-                                      train_dataset_path=t.dataset_path, split=held_out_split(cfg), tokenizer=tokenizer)
+                                      train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v),
+                                      tokenizer=tokenizer)
     except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"validation data: {e}"]
     if store is None:  # streamed from the hub: endless per rank, so a pass has no end of its own
