@@ -6,7 +6,6 @@ not disturb training" are checked inside the layout runs of tests/distributed/.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -17,17 +16,10 @@ import torch.nn.functional as F
 
 from dist_harness import run_ranks
 from torchtitan.config import ConfigError, ConfigManager
-from conftest import REPO
+from conftest import REPO, load_script
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 SEQ, BATCH = 16, 2
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cfg(*overrides: str):
@@ -120,7 +112,7 @@ def test_preflight_rejects_validation_data_smaller_than_one_batch(tmp_path):
 
     preflight(_cfg("--validation.enable", "--validation.dataset=c4", "--validation.steps=3"), 1)
     # A prepared training store lacks the held-out documents: say how to prepare them.
-    prepare_main = _load_script("prepare_data").main
+    prepare_main = load_script("scripts/prepare_data.py").main
 
     docs = _write_jsonl(tmp_path / "docs.jsonl", [f"document {i} " * 40 for i in range(200)])
     store = tmp_path / "store"

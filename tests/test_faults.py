@@ -13,7 +13,6 @@ every launch uses the CI config (tiny model, 32-token sequences).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -21,14 +20,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from conftest import REPO
+from conftest import REPO, load_script
 
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 ENTRY = str(REPO / "tests" / "fault_entry.py")
 
-_spec = importlib.util.spec_from_file_location("stress_exit", REPO / "scripts" / "stress_exit.py")
-stress_exit = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(stress_exit)
+stress_exit = load_script("scripts/stress_exit.py")
 
 
 def test_every_rank_exits_zero_run_after_run(tmp_path):

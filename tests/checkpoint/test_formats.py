@@ -27,7 +27,7 @@ from torchtitan.checkpoint.formats import check_source, export_hf, load_into
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
 from torchtitan.models.llama3.model import ffn_hidden_dim
-from conftest import REPO, SHIPPED_TOKENIZER
+from conftest import REPO, SHIPPED_TOKENIZER, load_script
 
 DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
 SEQ, BATCH = 32, 2
@@ -237,12 +237,7 @@ def test_loads_into_tp2_pp2_cp2_ddp2_give_hf_step1_loss(hf_dir, tmp_path) -> Non
 
 def _export_script():
     """scripts/export_checkpoint.py as a module (called in-process: no second interpreter start)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("export_checkpoint", REPO / "scripts" / "export_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/export_checkpoint.py")
 
 
 def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys) -> None:

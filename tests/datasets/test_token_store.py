@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import re
 import threading
@@ -13,17 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import load_script
 from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer
 from torchtitan.datasets import prepare, store_cache
 from torchtitan.datasets.sources import TokenStoreError
 from torchtitan.datasets.token_store import TokenStore
 from torchtitan.datasets.window_order import WindowPermutation
 
-_spec = importlib.util.spec_from_file_location(
-    "prepare_data", Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py")
-_prepare_data = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_prepare_data)
-prepare_main = _prepare_data.main
+prepare_main = load_script("scripts/prepare_data.py").main
 
 SEQ = 16
 

@@ -7,20 +7,15 @@ global batch does not follow from its own overrides, and checks that could never
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
-from conftest import REPO
+from conftest import load_script
 
-_spec = importlib.util.spec_from_file_location("integration_tests", REPO / "tests" / "integration_tests.py")
-it = importlib.util.module_from_spec(_spec)
-sys.modules["integration_tests"] = it  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(it)
+it = load_script("tests/integration_tests.py")
 
 FLAVORS = it.build_flavors()
 TRAINING = [(f, i, p) for f in FLAVORS if f.expect_error is None for i, p in enumerate(f.phases)]

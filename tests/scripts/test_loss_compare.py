@@ -7,18 +7,13 @@ process, two steps) to cover the launch path.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import load_script
 
-_spec = importlib.util.spec_from_file_location("loss_compare", REPO / "scripts" / "loss_compare.py")
-loss_compare = importlib.util.module_from_spec(_spec)
-sys.modules["loss_compare"] = loss_compare  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(loss_compare)
+loss_compare = load_script("scripts/loss_compare.py")
 
 CONTROL = [8.0, 7.5, 7.0, 6.8, 6.5]
 
