@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.checkpoint.store import read_dcp_metadata
+from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.llama3 import convert
 
@@ -50,6 +51,7 @@ _META_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file; ValueError when it is missing, unreadable or truncated."""
+    check_not_lfs_pointer(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -136,6 +138,8 @@ class MetaSource:
         self.files = sorted(folder.glob("consolidated.*.pth"))
         if not self.files:
             raise ValueError(f"{folder} holds no consolidated.*.pth")
+        for file in self.files:
+            check_not_lfs_pointer(file)
         self._parts: list[dict[str, torch.Tensor]] | None = None
 
     def parts(self) -> list[dict[str, torch.Tensor]]:
@@ -158,6 +162,8 @@ class MetaSource:
         return out
 
     def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        if fqn == "output.weight" and fqn not in self.parts()[0]:
+            fqn = "tok_embeddings.weight"  # a release that stores a tied output once
         pieces = [p[fqn] for p in self.parts()]
         dim = _META_SPLIT_DIM.get(fqn.split(".")[-2])
         full = pieces[0] if len(pieces) == 1 or dim is None else torch.cat(pieces, dim=dim)
