@@ -12,7 +12,8 @@ only ``config.json``/``params.json``, file headers and sizes, and names every pr
 holds (safetensors slices; DCP's own sharded reads), so no rank reads the whole model
 unless it holds it (Meta's pickled files are memory-mapped, so only the touched pages are read).
 
-Out: ``export_hf`` writes safetensors shards, their index, ``config.json`` and the tokenizer files.
+Out: ``export_hf`` writes safetensors shards, their index, ``config.json``, ``generation_config.json``
+and the tokenizer files (Meta's tiktoken file also converted to ``tokenizer.json``).
 The name and layout mapping itself is ``torchtitan/models/llama3/convert.py``.
 """
 
@@ -314,8 +315,12 @@ def check_export_target(out_dir: Path) -> str | None:
 
 
 def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *, tokenizer=None,
-              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write ``state`` (our FQNs, full tensors) as a Hugging Face ``LlamaForCausalLM`` folder; returns the files."""
+              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[Path]:
+    """Write ``state`` (our FQNs, full tensors) as a Hugging Face ``LlamaForCausalLM`` folder; returns the files.
+
+    ``dtype``: of the written weights (None: as ``state`` holds them). A tied model writes the
+    embedding only. ``generation_config.json`` carries the tokenizer's BOS/EOS.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -323,7 +328,7 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Pa
     if problem:
         raise ValueError(problem)
     hf = convert.state_dict_to_hf(state, args)
-    hf = {name: hf[name] for name in sorted(hf, key=_hf_order)}
+    hf = {name: hf[name] if dtype is None else hf[name].to(dtype) for name in sorted(hf, key=_hf_order)}
     dtypes = {t.dtype for t in hf.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     out.mkdir(parents=True, exist_ok=True)
@@ -341,10 +346,33 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Pa
         bos, eos = tokenizer.bos_id, tokenizer.eos_id
     (out / "config.json").write_text(json.dumps(convert.hf_config(args, bos_id=bos, eos_id=eos, dtype=dtype),
                                                 indent=2))
-    written += [out / INDEX_FILE, out / "config.json"]
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))
+    written += [out / INDEX_FILE, out / "config.json", out / "generation_config.json"]
     if tokenizer is not None:
         written += copy_tokenizer_files(tokenizer, out)
+        if tokenizer.kind == "tiktoken":
+            from torchtitan.checkpoint.hf_tokenizer import write_hf_tokenizer
+
+            written += write_hf_tokenizer(tokenizer, out, model_max_length=args.max_seq_len)
     return written
+
+
+def release_dtype(path: str | Path, fmt: str) -> torch.dtype | None:
+    """The dtype of the weights in a Hugging Face or Meta release (None: not one, or mixed)."""
+    folder = Path(path).expanduser()
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    try:
+        if fmt == "hf":
+            source = HFSource(folder)
+            found = {entry["dtype"] for file in set(source.file_of.values())
+                     for entry in safetensors_header(folder / file).values()}
+            return names.get(found.pop()) if len(found) == 1 else None
+        if fmt == "meta":
+            found = {t.dtype for t in MetaSource(folder).parts()[0].values()}
+            return found.pop() if len(found) == 1 else None
+    except (ValueError, OSError):
+        return None
+    return None
 
 
 def copy_tokenizer_files(tokenizer, out: Path) -> list[Path]:
