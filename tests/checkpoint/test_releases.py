@@ -261,3 +261,46 @@ def test_torchrun_tied_release_round_trip(releases, tmp_path, capsys) -> None:
     with torch.no_grad():
         diff = (theirs(tokens).logits - original(tokens).logits).abs().max().item()
     assert diff <= 1e-5, diff
+
+
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 2471645608\n"
+
+
+def _launch(*overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NGPU": "2", "CONFIG_FILE": DEBUG_TOML}
+    return subprocess.run(["bash", str(REPO / "run_llama_train.sh"), *overrides], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_bad_releases_through_the_launcher_exit_2_one_line_each(releases, tmp_path) -> None:
+    import shutil
+
+    mistral = write_json(tmp_path / "mistral", "config.json", {**PUBLISHED["3.1-8B"], "model_type": "mistral",
+                                                                "architectures": ["MistralForCausalLM"]})
+    tokenizer = tmp_path / "release" / "original" / "tokenizer.model"
+    tokenizer.parent.mkdir(parents=True)
+    tokenizer.write_text(LFS_POINTER)
+    out = _launch(f"--model.flavor={mistral}", f"--model.tokenizer_path={tokenizer.parent.parent}",
+                  f"--job.dump_folder={tmp_path / 'dump'}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(lines) == 2 and all(line.startswith("config error: ") for line in lines), out.stderr
+    assert "architecture ['MistralForCausalLM'] is not supported" in lines[0]
+    assert lines[1].endswith(f"{tokenizer} is a Git LFS pointer, not the file itself: run `git lfs pull` or "
+                             "download it again")
+    # Weights: a safetensors file that is a pointer, through the launcher; Meta's .pth in preflight's check.
+    broken = tmp_path / "broken"
+    shutil.copytree(releases["3.2-1B"], broken)
+    (broken / "model.safetensors").write_text(LFS_POINTER)
+    out = _launch(f"--model.flavor={broken}", f"--checkpoint.initial_load_path={broken}",
+                  "--checkpoint.initial_load_format=hf", f"--job.dump_folder={tmp_path / 'dump'}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.endswith(f"{broken / 'model.safetensors'} is a Git LFS pointer, not the file itself: run "
+                         "`git lfs pull` or download it again"), line
+    meta = write_json(tmp_path / "meta", "params.json", {"dim": 256, "n_layers": 2, "n_heads": 32})
+    (meta / "consolidated.00.pth").write_text(LFS_POINTER)
+    (problem,) = check_source(str(meta), "meta", model_args("llama3", str(releases["3.2-1B"])))
+    assert problem.endswith(f"{meta / 'consolidated.00.pth'} is a Git LFS pointer, not the file itself: run "
+                            "`git lfs pull` or download it again"), problem
+    assert not (tmp_path / "dump").exists()
