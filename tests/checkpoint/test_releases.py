@@ -168,8 +168,9 @@ def _release_runs(rank: int, world_size: int, dump: str, runs: dict[str, list[st
 
     out = {}
     for name, overrides in runs.items():
+        folder = name.removesuffix(" resumed")  # resumes that run from its own checkpoint
         cfg = ConfigManager().parse_args([
-            "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}/{name}", "--job.print_args=false",
+            "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}/{folder}", "--job.print_args=false",
             "--metrics.enable_tensorboard=false", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH}",
             "--training.steps=2", "--lr_scheduler.warmup_steps=0", *overrides])
         trainer = Trainer(cfg)
@@ -190,7 +191,8 @@ def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> N
         return [f"--model.flavor={releases[name]}", f"--checkpoint.initial_load_path={releases[name]}",
                 "--checkpoint.initial_load_format=hf"]
 
-    runs = {"1B tp2": [*hf("3.2-1B"), "--parallelism.tensor_parallel_degree=2"],
+    tp2 = [*hf("3.2-1B"), "--parallelism.tensor_parallel_degree=2", "--checkpoint.enable_checkpoint"]
+    runs = {"1B tp2": tp2, "1B tp2 resumed": [*tp2, "--training.steps=3"],
             "1B fsdp2": [*hf("3.2-1B"), "--parallelism.data_parallel_shard_degree=2"],
             "3B meta fsdp2": [f"--model.flavor={meta_3b}", f"--checkpoint.initial_load_path={meta_3b}",
                               "--checkpoint.initial_load_format=meta", "--parallelism.data_parallel_shard_degree=2"],
@@ -204,8 +206,9 @@ def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> N
         dp = 2 if "fsdp2" in name else 1
         assert got["losses"][0] == pytest.approx(hf_loss(releases[release], dp * BATCH), rel=1e-5), name
         assert got["losses"][1] != got["losses"][0], name  # it trains
-    for name in ("1B tp2", "1B fsdp2", "3B meta fsdp2"):
+    for name in ("1B tp2", "1B tp2 resumed", "1B fsdp2", "3B meta fsdp2"):
         assert results[0][name]["tied"] and results[1][name]["tied"], name
+    assert len(results[0]["1B tp2 resumed"]["losses"]) == 1  # its own tied checkpoint (both names) loads
     # The tied parameter count, as transformers counts the same release.
     hf_1b = transformers.LlamaForCausalLM.from_pretrained(releases["3.2-1B"])
     assert results[0]["1B fsdp2"]["n_params"] == hf_1b.num_parameters()

@@ -191,7 +191,8 @@ def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = Transformer(args)
-    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+    # Every name a state dict holds: a tied weight is loaded under both of its names.
+    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
 
 
 def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
@@ -231,6 +232,8 @@ def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
             saved = {k: v for k, v in source.shapes().items()
                      if k in expected or (k.startswith("layers.") and k.endswith(".weight"))}
+            if args.tie_word_embeddings and "output.weight" not in saved and "tok_embeddings.weight" in saved:
+                saved["output.weight"] = saved["tok_embeddings.weight"]  # stored once; read() maps it
             return shape_problems(where, saved, expected)
         ckpt = dcp_checkpoint_path(where)
         problems, manifest = verify(ckpt, expected)
