@@ -183,7 +183,7 @@ def _release_runs(rank: int, world_size: int, dump: str, runs: dict[str, list[st
 
 
 def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> None:
-    """One two-rank world: 3.2 1B-shaped (tied) into TP 2 and FSDP 2 from HF, 3.2 3B-shaped (tied) into FSDP 2
+    """One two-rank world: 3.2 1B-shaped (tied) into TP 2 (and resumed), FSDP 2 and CP 2 from HF, 3.2 3B-shaped (tied) into FSDP 2
     from Meta's layout, 3.1 8B-shaped into PP 2: step-1 loss = transformers' loss on the same batch."""
     meta_3b = meta_release(tmp_path / "meta-3B", releases["3.2-3B"])
 
@@ -194,19 +194,20 @@ def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> N
     tp2 = [*hf("3.2-1B"), "--parallelism.tensor_parallel_degree=2", "--checkpoint.enable_checkpoint"]
     runs = {"1B tp2": tp2, "1B tp2 resumed": [*tp2, "--training.steps=3"],
             "1B fsdp2": [*hf("3.2-1B"), "--parallelism.data_parallel_shard_degree=2"],
+            "1B cp2": [*hf("3.2-1B"), "--parallelism.context_parallel_degree=2"],
             "3B meta fsdp2": [f"--model.flavor={meta_3b}", f"--checkpoint.initial_load_path={meta_3b}",
                               "--checkpoint.initial_load_format=meta", "--parallelism.data_parallel_shard_degree=2"],
             "8B pp2": [*hf("3.1-8B"), "--parallelism.pipeline_parallel_degree=2",
                        "--parallelism.pipeline_parallel_schedule=GPipe"]}
     results = run_ranks(_release_runs, 2, str(tmp_path / "dump"), runs, timeout=300)
-    source = {"1B tp2": "3.2-1B", "1B fsdp2": "3.2-1B", "3B meta fsdp2": "3.2-3B", "8B pp2": "3.1-8B"}
+    source = {"1B tp2": "3.2-1B", "1B fsdp2": "3.2-1B", "1B cp2": "3.2-1B", "3B meta fsdp2": "3.2-3B", "8B pp2": "3.1-8B"}
     for name, release in source.items():
         got = results[0][name]
         assert got["losses"] == results[1][name]["losses"], name
         dp = 2 if "fsdp2" in name else 1
         assert got["losses"][0] == pytest.approx(hf_loss(releases[release], dp * BATCH), rel=1e-5), name
         assert got["losses"][1] != got["losses"][0], name  # it trains
-    for name in ("1B tp2", "1B tp2 resumed", "1B fsdp2", "3B meta fsdp2"):
+    for name in ("1B tp2", "1B tp2 resumed", "1B fsdp2", "1B cp2", "3B meta fsdp2"):
         assert results[0][name]["tied"] and results[1][name]["tied"], name
     assert len(results[0]["1B tp2 resumed"]["losses"]) == 1  # its own tied checkpoint (both names) loads
     # The tied parameter count, as transformers counts the same release.

@@ -102,10 +102,11 @@ class HFSource:
                                  f"{absent[0]} in {weight_map[absent[0]]}")
 
     def tensor_for(self, fqn: str) -> str:
-        name = convert.to_hf_name(fqn)
-        if name not in self.shapes and fqn == "output.weight" and self.config.get("tie_word_embeddings"):
-            return convert.to_hf_name("tok_embeddings.weight")  # tied: the output projection is the embedding
-        return name
+        if fqn == "output.weight" and self.config.get("tie_word_embeddings"):
+            # Tied: the output projection is the embedding, as transformers reads it (an lm_head.weight
+            # some exports carry beside it is ignored there too).
+            return convert.to_hf_name("tok_embeddings.weight")
+        return convert.to_hf_name(fqn)
 
     def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         """Our tensor ``fqn`` (our layout), or the ``region`` (start, stop per dim) of it; reads only that region.
@@ -163,8 +164,8 @@ class MetaSource:
         return out
 
     def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
-        if fqn == "output.weight" and fqn not in self.parts()[0]:
-            fqn = "tok_embeddings.weight"  # a release that stores a tied output once
+        if fqn == "output.weight" and (args.tie_word_embeddings or fqn not in self.parts()[0]):
+            fqn = "tok_embeddings.weight"  # tied: one weight, whether the release stores it once or twice
         pieces = [p[fqn] for p in self.parts()]
         dim = _META_SPLIT_DIM.get(fqn.split(".")[-2])
         full = pieces[0] if len(pieces) == 1 or dim is None else torch.cat(pieces, dim=dim)
