@@ -146,7 +146,7 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
     if kind in (None, "default"):
         return float(theta), None
     if kind != "llama3":
-        raise ValueError(f"config.json: rope type {kind!r} is not supported (only none/'default' and 'llama3' "
+        raise ValueError(f"rope type {kind!r} is not supported (only none/'default' and 'llama3' "
                          "scaling, as Llama 3 releases use)")
     return float(theta), {"factor": float(scaling["factor"]), "low_freq_factor": float(scaling["low_freq_factor"]),
                           "high_freq_factor": float(scaling["high_freq_factor"]),

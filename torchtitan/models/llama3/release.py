@@ -44,7 +44,8 @@ def args_from_release(path: str | Path, base: ModelArgs | None = None) -> ModelA
     try:
         if "hidden_size" in config or "architectures" in config or "model_type" in config:
             archs = config.get("architectures") or []
-            if config.get("model_type", "llama") != "llama" or not any(a in HF_ARCHITECTURES for a in archs):
+            if config.get("model_type", "llama") != "llama" or (archs and not any(a in HF_ARCHITECTURES
+                                                                                   for a in archs)):
                 raise ValueError(f"{file}: architecture {archs or config.get('model_type')} is not supported; "
                                  f"only {', '.join(HF_ARCHITECTURES)} (Llama 3) releases are")
             fields = convert.fields_from_hf_config(config)
@@ -53,10 +54,10 @@ def args_from_release(path: str | Path, base: ModelArgs | None = None) -> ModelA
         else:
             raise ValueError(f"{file}: neither a Hugging Face config.json (hidden_size, ...) nor Meta's params.json "
                              "(dim, n_heads, ...)")
+        args = convert.args_with_fields(base or ModelArgs(), fields)
     except KeyError as e:
         raise ValueError(f"{file} lacks the entry {e}") from None
-    except ValueError as e:
-        raise ValueError(str(e) if str(file) in str(e) else f"{file}: {e}") from None
-    args = convert.args_with_fields(base or ModelArgs(), fields)
+    except ValueError as e:  # the file is named once, at the front
+        raise ValueError(str(e) if str(e).startswith(str(file)) else f"{file}: {e}") from None
     max_pos = config.get("max_position_embeddings")
     return dataclasses.replace(args, max_seq_len=max_pos) if isinstance(max_pos, int) else args
