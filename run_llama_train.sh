@@ -38,5 +38,9 @@ else
     launch+=(--local_addr="$LOCAL_ADDR")
   fi
 fi
+# Check the job once before any rank starts: a config problem exits 2 here with one line per
+# problem, not inside torchrun's report of failed ranks. Each rank still checks for itself.
+WORLD_SIZE=$((NGPU * NNODES)) python3 "$here/train.py" --preflight_only --job.config_file "$CONFIG_FILE" "$@" \
+  || exit $?
 exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" \
   "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"

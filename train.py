@@ -1,6 +1,7 @@
 """Entry point: ``torchrun --nproc_per_node N train.py --job.config_file FILE [--section.key=value ...]``.
 
-Also runs as a single process (``python train.py ...``). A config problem prints one
+Also runs as a single process (``python train.py ...``); ``python train.py --preflight_only ...``
+only checks the job (``run_llama_train.sh`` does so once before starting torchrun). A config problem prints one
 line per problem and exits with status 2 on every rank, before any process group
 exists; a failure during training is logged and exits with status 1, which makes
 torchrun stop the other ranks rather than leave them waiting.
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(manager.help_text())
         return 0
+    if argv[:1] == ["--preflight_only"]:
+        return preflight_only(manager, argv[1:])
     trainer, status = None, 1
     shutdown_timeout = 60.0
     try:
@@ -56,6 +59,24 @@ def main(argv: list[str] | None = None) -> int:
 
             _LEFT_A_GROUP = shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
     return status
+
+
+def preflight_only(manager: ConfigManager, argv: list[str]) -> int:
+    """Check the job as each rank will, with no process group: 0 when sound, else 2 and one line per problem.
+
+    ``run_llama_train.sh`` runs this once before torchrun, so a config error exits 2 with its
+    lines alone rather than inside torchrun's report of failed ranks. WORLD_SIZE is the job's.
+    """
+    try:
+        cfg = manager.parse_args(argv)
+        from torchtitan.preflight import preflight
+
+        preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"config error: {problem}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

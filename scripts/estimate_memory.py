@@ -88,9 +88,12 @@ def _join_fake_world(world_size: int) -> None:
 
 def _model_args(cfg):
     from torchtitan.datasets import build_tokenizer
-    from torchtitan.models import model_flavors
+    from torchtitan.models import model_args, model_flavors
 
-    args = model_flavors(cfg.model.name)[cfg.model.flavor]
+    args = model_args(cfg.model.name, cfg.model.flavor)
+    if cfg.model.flavor not in model_flavors(cfg.model.name):  # a release states its own vocabulary
+        return dataclasses.replace(args, max_seq_len=cfg.training.seq_len), f"vocabulary {args.vocab_size} from " \
+            f"{cfg.model.flavor}"
     try:
         vocab = build_tokenizer(cfg.model.tokenizer_path).n_words
         note = f"vocabulary {vocab} from {cfg.model.tokenizer_path}"

@@ -4,8 +4,11 @@
     python scripts/export_checkpoint.py outputs/checkpoint/step-1000 llama3.pt
 
 ``--format hf`` writes safetensors shards with their index, a ``config.json`` for
-``LlamaForCausalLM`` and the tokenizer files (Hugging Face ones beside the weights, Meta's
-tiktoken file as ``original/tokenizer.model``), into a new or empty folder. The model
+``LlamaForCausalLM``, a ``generation_config.json`` (BOS/EOS) and the tokenizer files (Hugging
+Face ones beside the weights; Meta's tiktoken file as ``original/tokenizer.model`` and, converted,
+as ``tokenizer.json`` + ``tokenizer_config.json``), into a new or empty folder. ``--dtype
+bfloat16|float32`` sets the weights' dtype; by default it is that of the release the run started
+from (``checkpoint.initial_load_path``), else bfloat16. A tied model writes no ``lm_head.weight``. The model
 config (flavor, tokenizer) is the run's ``config.toml``, found next to the checkpoint
 folder (``<dump_folder>/config.toml``) or given with ``--config``.
 
@@ -32,15 +35,32 @@ def find_run_config(checkpoint: Path) -> Path | None:
     return None
 
 
+def export_dtype(choice: str | None, cfg):
+    """``--dtype``, else the dtype of the release the run started from (initial_load_path), else bfloat16."""
+    import torch
+
+    from torchtitan.checkpoint.formats import release_dtype
+    from torchtitan.config.dtypes import DTYPES
+
+    if choice is not None:
+        return DTYPES[choice]
+    ck = cfg.checkpoint
+    if ck.initial_load_path and ck.initial_load_format in ("hf", "meta"):
+        found = release_dtype(ck.initial_load_path, ck.initial_load_format)
+        if found is not None:
+            return found
+    return torch.bfloat16
+
+
 def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_path: str | None,
-              max_shard_gib: float) -> str:
+              max_shard_gib: float, dtype: str | None = None) -> str:
     import torch
 
     from torchtitan.checkpoint.formats import check_export_target, export_hf as write_hf
     from torchtitan.checkpoint.formats import read_model_weights
     from torchtitan.config import ConfigManager
     from torchtitan.datasets import build_tokenizer
-    from torchtitan.models import model_flavors
+    from torchtitan.preflight import configured_model_args
 
     problem = check_export_target(output)
     if problem:
@@ -51,7 +71,9 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
     cfg = ConfigManager().parse_args(["--job.config_file", str(config)])
     tokenizer = build_tokenizer(tokenizer_path or cfg.model.tokenizer_path)
     weights = read_model_weights(checkpoint)
-    args = dataclasses.replace(model_flavors(cfg.model.name)[cfg.model.flavor], vocab_size=tokenizer.n_words)
+    args, _ = configured_model_args(cfg, tokenizer)  # its problems (the run's layout) do not matter here
+    if args.tie_word_embeddings:
+        weights.pop("output.weight", None)  # the checkpoint names the one tied tensor twice
     from torchtitan.models.llama3 import Transformer
 
     with torch.device("meta"):
@@ -62,7 +84,8 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
         raise ValueError(f"{checkpoint} does not hold a {cfg.model.flavor} model with the vocabulary of "
                          f"{tokenizer.model_path} ({len(differ)} tensors differ, e.g. {differ[0]}: "
                          f"{found.get(differ[0])} vs {expected.get(differ[0])}); pass the run's --config")
-    files = write_hf(weights, args, output, tokenizer=tokenizer, max_shard_bytes=int(max_shard_gib * 2**30))
+    files = write_hf(weights, args, output, tokenizer=tokenizer, max_shard_bytes=int(max_shard_gib * 2**30),
+                     dtype=export_dtype(dtype, cfg))
     total = sum(t.numel() for t in weights.values())
     return f"wrote {output}: {len(files)} files, {len(weights)} tensors, {total:,} parameters"
 
@@ -75,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=None,
                         help="the run's config.toml (default: the one in the dump folder above the checkpoint)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the config's)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="--format hf: dtype of the weights (default: that of the release the run started "
+                             "from, else bfloat16)")
     parser.add_argument("--max_shard_gib", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
     try:
         if args.format == "hf":
             print(export_hf(Path(args.checkpoint), Path(args.output), args.config, args.tokenizer,
-                            args.max_shard_gib))
+                            args.max_shard_gib, args.dtype))
             return 0
         from torchtitan.checkpoint import export_model_weights
 

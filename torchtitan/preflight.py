@@ -38,7 +38,7 @@ from torchtitan.distributed.pipeline_parallel import (
     DEFAULT_STAGES_PER_RANK, SCHEDULE_CLASS_NAMES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES, PipelinePlan, even_layer_starts,
 )
-from torchtitan.models import model_flavors
+from torchtitan.models import model_args, model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import ffn_hidden_dim
 from torchtitan.optim.lr_scheduler import validate_schedule
@@ -73,9 +73,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
 
     grad_accum, found = gradient_accumulation_steps(cfg, dims.degree("dp"))
     problems += found
-    args = dataclasses.replace(
-        model_flavors(cfg.model.name)[cfg.model.flavor], vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len
-    )
+    args, found = configured_model_args(cfg, tokenizer)
+    problems += found
     problems += check_parallelism(args, dims, cfg)
     pipeline = None
     if dims.pp_enabled:
@@ -93,6 +92,27 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                                     global_batch=t.batch_size * dims.degree("dp"))
     _raise_if(problems)
     return Plan(dims, grad_accum, args, tokenizer, pipeline)
+
+
+def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[ModelArgs, list[str]]:
+    """The model to build, and problems with it. A named flavor takes the tokenizer's vocabulary; a
+    release keeps its own, which must hold every token id of the tokenizer."""
+    args = model_args(cfg.model.name, cfg.model.flavor)
+    problems: list[str] = []
+    if cfg.model.flavor not in model_flavors(cfg.model.name):  # a release: model_args read it
+        if tokenizer.n_words > args.vocab_size:
+            problems.append(f"--model.tokenizer_path={cfg.model.tokenizer_path}: {tokenizer.n_words} tokens, more than "
+                            f"the vocabulary of --model.flavor={cfg.model.flavor} ({args.vocab_size}); use the "
+                            "release's own tokenizer")
+        args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
+    else:
+        args = dataclasses.replace(args, vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
+    if args.tie_word_embeddings and cfg.parallelism.pipeline_parallel_degree > 1:
+        # The embedding and the output live on the first and last stage; nothing keeps two copies equal.
+        problems.append(f"--model.flavor={cfg.model.flavor} ties the output projection to the embedding, which "
+                        "pipeline parallelism does not support (they live on different stages); use "
+                        "--parallelism.pipeline_parallel_degree=1 (FSDP, HSDP, DDP, TP and CP all train it tied)")
+    return args, problems
 
 
 def _raise_if(problems: list[str]) -> None:
@@ -119,11 +139,10 @@ def check_config(cfg: JobConfig) -> list[str]:
                         f"choose from {', '.join(MESH_DIM_NAMES)}")
     if len(set(t.seed_sharded_dims)) != len(t.seed_sharded_dims):
         problems.append(f"--training.seed_sharded_dims={','.join(t.seed_sharded_dims)}: a dim is listed twice")
-    flavors = model_flavors(cfg.model.name)
-    if cfg.model.flavor not in flavors:
-        problems.append(
-            f"--model.flavor={cfg.model.flavor}: unknown for {cfg.model.name}; choose one of {', '.join(flavors)}"
-        )
+    try:
+        model_args(cfg.model.name, cfg.model.flavor)
+    except ValueError as e:
+        problems.append(str(e))
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op" and not _positive_int(ac.selective_ac_option):
         problems.append(f"--activation_checkpoint.selective_ac_option={ac.selective_ac_option}: use 'op' (save "

@@ -172,6 +172,55 @@ def test_export_copies_hf_and_tiktoken_tokenizers(files, tmp_path) -> None:
         config = json.loads((out / "config.json").read_text())
         assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (tok.bos_id, tok.eos_id,
                                                                                           tok.n_words)
+        if name == "tiktoken":  # (the HF fixture's config spells eos as a dict, which transformers 5 refuses)
+            _assert_autotokenizer_encodes_like(out, tok)
+
+
+def _assert_autotokenizer_encodes_like(folder: Path, tok) -> None:
+    """transformers opens the export (Meta's file converted to tokenizer.json) and encodes/decodes as we do."""
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(folder)
+    assert (theirs.bos_token_id, theirs.eos_token_id, len(theirs)) == (tok.bos_id, tok.eos_id, tok.n_words)
+    for text in TEXTS:
+        if "<|" in text:  # transformers reads special-token text as the token; this project as text
+            continue
+        ids = tok.encode(text, bos=True, eos=True)
+        assert theirs(text)["input_ids"] == ids[:-1], text  # BOS added, as the releases do
+        assert theirs.encode(text, add_special_tokens=False) == ids[1:-1], text
+        assert theirs.decode(ids, skip_special_tokens=True) == tok.decode(ids) == text
+
+
+def test_release_folders_and_declared_specials(files, tmp_path) -> None:
+    """A release's original/ folder or the release folder is a tokenizer path; specials that only
+    tokenizer_config.json declares decode to nothing; a Git LFS pointer is named as such."""
+    release = files["root"]  # holds original/tokenizer.model and no tokenizer.json
+    for path in (release, release / "original"):
+        tok = build_tokenizer(str(path))
+        assert isinstance(tok, TiktokenTokenizer) and tok.model_path == str(release / "original" / "tokenizer.model")
+    # The specials are plain added tokens in tokenizer.json; only tokenizer_config.json says they are special.
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_file(str(files["hf"] / "tokenizer.json"))
+    data = json.loads(plain.to_str())
+    for entry in data["added_tokens"]:
+        entry["special"] = False
+    folder = tmp_path / "unmarked"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+        "added_tokens_decoder": {str(files["n_ranks"] + 9): {"content": "<|eot_id|>", "special": True}}}))
+    tok = build_tokenizer(str(folder))
+    n = files["n_ranks"]
+    assert tok.decode([n, *tok.encode("hi there", bos=False, eos=False), n + 9, n + 1]) == "hi there"
+    pointer = tmp_path / "lfs" / "tokenizer.model"
+    pointer.parent.mkdir()
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 2183982\n")
+    with pytest.raises(ValueError) as e:
+        build_tokenizer(str(pointer.parent))
+    assert str(e.value) == (f"{pointer} is a Git LFS pointer, not the file itself: run `git lfs pull` or download "
+                            "it again")
 
 
 def test_token_store_prepares_with_every_backend(files, tmp_path) -> None:

@@ -67,6 +67,26 @@ def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str],
     if train:
         out["losses"] = trainer.train()
         out["validation"] = trainer.validation_losses
+        out["tied"] = _tied_run(rank, dump, overrides)
+    return out
+
+
+TIED_STEPS = 3
+
+
+def _tied_run(rank: int, dump: str, overrides: list[str]) -> dict:
+    """The tied flavor in the same world: one parameter for embedding and output, the same init and losses."""
+    from torchtitan.distributed.layout_init import gather_full_state_dict
+
+    trainer = make_trainer(f"{dump}/tied", *overrides, "--model.flavor=debugmodel_tied",
+                           f"--training.steps={TIED_STEPS}")
+    model = trainer.model_parts[0]
+    tied = model.output.weight is model.tok_embeddings.weight
+    full = gather_full_state_dict(model)
+    out = {"tied": tied, "n_params": sum(p.numel() for p in model.parameters())}
+    if rank == 0:
+        out["full"] = {fqn: _digest(t) for fqn, t in full.items()}
+    out["losses"] = trainer.train()
     return out
 
 
@@ -126,6 +146,21 @@ def test_loss_parity_across_layouts(layouts, control):
         assert max(rel) <= 1e-4, (name, max(rel))
         assert_validation_parity(name, results, control)
     assert reference[-1] < reference[0] - 1.0  # and the model does learn
+
+
+def test_tied_flavor_trains_tied_and_alike_in_every_layout(layouts, control):
+    reference = control["tied"]
+    assert reference["tied"] and "output.weight" not in reference["full"]  # one parameter, named once
+    untied = {k: v for k, v in control["full"].items() if k != "output.weight"}
+    differ = [k for k in untied if untied[k] != reference["full"][k]]
+    assert differ == ["tok_embeddings.weight"], differ  # only it changes: it takes the output's init rule
+    for name, results in layouts.items():
+        tied = results[0]["tied"]
+        assert all(r["tied"]["tied"] for r in results), name  # one parameter after FSDP/HSDP/DDP
+        assert tied["full"] == reference["full"], name
+        assert all(r["tied"]["losses"] == tied["losses"] for r in results), name
+        rel = [abs(a - b) / b for a, b in zip(tied["losses"], reference["losses"])]
+        assert rel[0] <= 1e-6 and max(rel) <= 1e-5, (name, rel)
 
 
 def assert_validation_parity(name: str, results: list[dict], control: dict) -> None:

@@ -154,9 +154,10 @@ def test_positions_argument():
     assert not torch.allclose(shifted, ref)
 
 
-# Published counts (Llama 3.2 1B released tied: 1,235,814,400; we add an untied output of 128256 * 2048).
+# Published counts; Llama 3.2 1B and 3B are tied (the output projection is the embedding).
 PUBLISHED = {
-    "1B": 1_235_814_400 + 128256 * 2048,
+    "1B": 1_235_814_400,
+    "3B": 3_212_749_824,
     "8B": 8_030_261_248,
     "70B": 70_553_706_496,
     "405B": 405_853_388_800,
@@ -169,8 +170,7 @@ def test_param_counts(flavor):
         model = Transformer(llama3_flavors[flavor])
     assert model.num_params() == PUBLISHED[flavor]
     assert model.num_params(exclude_embedding=True) == PUBLISHED[flavor] - 128256 * llama3_flavors[flavor].dim
-    if flavor == "1B":
-        assert PUBLISHED["1B"] == 1_498_482_688
+    assert (model.output.weight is model.tok_embeddings.weight) == (flavor in ("1B", "3B"))
 
 
 def test_meta_init():

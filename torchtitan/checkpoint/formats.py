@@ -12,7 +12,8 @@ only ``config.json``/``params.json``, file headers and sizes, and names every pr
 holds (safetensors slices; DCP's own sharded reads), so no rank reads the whole model
 unless it holds it (Meta's pickled files are memory-mapped, so only the touched pages are read).
 
-Out: ``export_hf`` writes safetensors shards, their index, ``config.json`` and the tokenizer files.
+Out: ``export_hf`` writes safetensors shards, their index, ``config.json``, ``generation_config.json``
+and the tokenizer files (Meta's tiktoken file also converted to ``tokenizer.json``).
 The name and layout mapping itself is ``torchtitan/models/llama3/convert.py``.
 """
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.checkpoint.store import read_dcp_metadata
+from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.llama3 import convert
 
@@ -50,6 +52,7 @@ _META_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file; ValueError when it is missing, unreadable or truncated."""
+    check_not_lfs_pointer(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -99,10 +102,11 @@ class HFSource:
                                  f"{absent[0]} in {weight_map[absent[0]]}")
 
     def tensor_for(self, fqn: str) -> str:
-        name = convert.to_hf_name(fqn)
-        if name not in self.shapes and fqn == "output.weight" and self.config.get("tie_word_embeddings"):
-            return convert.to_hf_name("tok_embeddings.weight")  # tied: the output projection is the embedding
-        return name
+        if fqn == "output.weight" and self.config.get("tie_word_embeddings"):
+            # Tied: the output projection is the embedding, as transformers reads it (an lm_head.weight
+            # some exports carry beside it is ignored there too).
+            return convert.to_hf_name("tok_embeddings.weight")
+        return convert.to_hf_name(fqn)
 
     def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         """Our tensor ``fqn`` (our layout), or the ``region`` (start, stop per dim) of it; reads only that region.
@@ -136,6 +140,8 @@ class MetaSource:
         self.files = sorted(folder.glob("consolidated.*.pth"))
         if not self.files:
             raise ValueError(f"{folder} holds no consolidated.*.pth")
+        for file in self.files:
+            check_not_lfs_pointer(file)
         self._parts: list[dict[str, torch.Tensor]] | None = None
 
     def parts(self) -> list[dict[str, torch.Tensor]]:
@@ -158,6 +164,8 @@ class MetaSource:
         return out
 
     def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        if fqn == "output.weight" and (args.tie_word_embeddings or fqn not in self.parts()[0]):
+            fqn = "tok_embeddings.weight"  # tied: one weight, whether the release stores it once or twice
         pieces = [p[fqn] for p in self.parts()]
         dim = _META_SPLIT_DIM.get(fqn.split(".")[-2])
         full = pieces[0] if len(pieces) == 1 or dim is None else torch.cat(pieces, dim=dim)
@@ -184,7 +192,8 @@ def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = Transformer(args)
-    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+    # Every name a state dict holds: a tied weight is loaded under both of its names.
+    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
 
 
 def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
@@ -224,6 +233,8 @@ def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
             saved = {k: v for k, v in source.shapes().items()
                      if k in expected or (k.startswith("layers.") and k.endswith(".weight"))}
+            if args.tie_word_embeddings and "output.weight" not in saved and "tok_embeddings.weight" in saved:
+                saved["output.weight"] = saved["tok_embeddings.weight"]  # stored once; read() maps it
             return shape_problems(where, saved, expected)
         ckpt = dcp_checkpoint_path(where)
         problems, manifest = verify(ckpt, expected)
@@ -308,8 +319,12 @@ def check_export_target(out_dir: Path) -> str | None:
 
 
 def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *, tokenizer=None,
-              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write ``state`` (our FQNs, full tensors) as a Hugging Face ``LlamaForCausalLM`` folder; returns the files."""
+              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[Path]:
+    """Write ``state`` (our FQNs, full tensors) as a Hugging Face ``LlamaForCausalLM`` folder; returns the files.
+
+    ``dtype``: of the written weights (None: as ``state`` holds them). A tied model writes the
+    embedding only. ``generation_config.json`` carries the tokenizer's BOS/EOS.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -317,7 +332,7 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Pa
     if problem:
         raise ValueError(problem)
     hf = convert.state_dict_to_hf(state, args)
-    hf = {name: hf[name] for name in sorted(hf, key=_hf_order)}
+    hf = {name: hf[name] if dtype is None else hf[name].to(dtype) for name in sorted(hf, key=_hf_order)}
     dtypes = {t.dtype for t in hf.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     out.mkdir(parents=True, exist_ok=True)
@@ -335,10 +350,33 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Pa
         bos, eos = tokenizer.bos_id, tokenizer.eos_id
     (out / "config.json").write_text(json.dumps(convert.hf_config(args, bos_id=bos, eos_id=eos, dtype=dtype),
                                                 indent=2))
-    written += [out / INDEX_FILE, out / "config.json"]
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))
+    written += [out / INDEX_FILE, out / "config.json", out / "generation_config.json"]
     if tokenizer is not None:
         written += copy_tokenizer_files(tokenizer, out)
+        if tokenizer.kind == "tiktoken":
+            from torchtitan.checkpoint.hf_tokenizer import write_hf_tokenizer
+
+            written += write_hf_tokenizer(tokenizer, out, model_max_length=args.max_seq_len)
     return written
+
+
+def release_dtype(path: str | Path, fmt: str) -> torch.dtype | None:
+    """The dtype of the weights in a Hugging Face or Meta release (None: not one, or mixed)."""
+    folder = Path(path).expanduser()
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    try:
+        if fmt == "hf":
+            source = HFSource(folder)
+            found = {entry["dtype"] for file in set(source.file_of.values())
+                     for entry in safetensors_header(folder / file).values()}
+            return names.get(found.pop()) if len(found) == 1 else None
+        if fmt == "meta":
+            found = {t.dtype for t in MetaSource(folder).parts()[0].values()}
+            return found.pop() if len(found) == 1 else None
+    except (ValueError, OSError):
+        return None
+    return None
 
 
 def copy_tokenizer_files(tokenizer, out: Path) -> list[Path]:

@@ -25,7 +25,8 @@ def model_shapes(model_factory: Callable[[], torch.nn.Module]) -> dict[str, tupl
     """Parameter FQN -> shape of the model the config describes (built on the meta device: no memory)."""
     with torch.device("meta"):
         model = model_factory()
-    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+    # Every name a state dict holds: a tied weight is saved under both of its names.
+    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
 
 
 def choose_checkpoint(

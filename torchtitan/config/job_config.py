@@ -32,7 +32,9 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "Model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "Model size within the family (debugmodel, 1B, 8B, 70B, 405B)")
+    flavor: str = opt("debugmodel", "Model size within the family (debugmodel, debugmodel_tied, 1B, 3B, 8B, 70B, 405B), or a release to "
+                      "read the shape from: a folder holding a Hugging Face config.json or Meta's params.json, or "
+                      "the file itself")
     tokenizer_path: str = opt(
         "torchtitan/datasets/assets/tokenizer.model",
         "Tokenizer: SentencePiece or Llama 3 tiktoken tokenizer.model, or a Hugging Face tokenizer.json (file or "

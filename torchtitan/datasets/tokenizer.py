@@ -6,7 +6,11 @@
   BPE file, one ``base64-token rank`` pair per line. The 256 special tokens follow the
   ranks, so the vocabulary is ranks + 256 (128,256 for Llama 3).
 - Hugging Face ``tokenizer.json``, given as the file or its folder; ``tokenizer_config.json``
-  beside it names BOS and EOS.
+  beside it names BOS and EOS (and the special tokens, which decode to nothing).
+
+A release folder is accepted as the path too: its ``tokenizer.json``, else its
+``tokenizer.model`` or ``original/tokenizer.model``. A Git LFS pointer in place of the file
+is named as such.
 
 BOS/EOS are never added implicitly: callers must say what they want, because forgetting
 (or doubling) them silently changes what the model learns. Text that spells a special
@@ -21,6 +25,8 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+
+from torchtitan.lfs import check_not_lfs_pointer
 
 __all__ = [
     "Tokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "HFTokenizer", "build_tokenizer",
@@ -218,6 +224,19 @@ class HFTokenizer(Tokenizer):
         pad_id = self._tok.token_to_id(pad) if pad is not None else None
         self.pad_id = -1 if pad_id is None else pad_id
         self.n_words = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special_ids = self._declared_special_ids(config)
+
+    def _declared_special_ids(self, config: dict) -> set[int]:
+        """Ids of the special tokens tokenizer_config.json declares: BOS/EOS/pad/unk, the additional
+        ones and every ``added_tokens_decoder`` entry marked special. tokenizer.json alone may leave them
+        unmarked, and ``skip_special_tokens`` skips only what it marks."""
+        names = [_token_content(config.get(f"{role}_token")) for role in ("bos", "eos", "pad", "unk")]
+        names += [_token_content(t) for t in config.get("additional_special_tokens") or []]
+        ids = {self._tok.token_to_id(n) for n in names if n is not None}
+        for key, entry in (config.get("added_tokens_decoder") or {}).items():
+            if isinstance(entry, dict) and entry.get("special") and str(key).isdigit():
+                ids.add(int(key))
+        return {i for i in ids if i is not None}
 
     def _encode_plain(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -226,7 +245,8 @@ class HFTokenizer(Tokenizer):
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        return self._tok.decode([i for i in (int(i) for i in ids) if i not in self._special_ids],
+                                skip_special_tokens=True)
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -242,6 +262,10 @@ def resolve_tokenizer_path(path: str) -> str:
     for candidate in candidates:
         if candidate.is_file() or (candidate / "tokenizer.json").is_file():
             return str(candidate)
+        # A release's original/ folder, or the release folder holding only Meta's file there.
+        for inner in (candidate / "tokenizer.model", candidate / "original" / "tokenizer.model"):
+            if inner.is_file():
+                return str(inner)
     tried = ", ".join(repr(str(c)) for c in candidates)
     raise FileNotFoundError(f"Tokenizer {path!r} not found (tried {tried}). {_HOW_TO_FIX}")
 
@@ -273,4 +297,5 @@ _BACKENDS = {"huggingface": HFTokenizer, "tiktoken": TiktokenTokenizer, "sentenc
 def build_tokenizer(path: str) -> Tokenizer:
     """The tokenizer at ``path`` (see ``resolve_tokenizer_path``), its backend chosen by content."""
     resolved = resolve_tokenizer_path(path)
+    check_not_lfs_pointer(resolved if Path(resolved).is_file() else Path(resolved) / "tokenizer.json")
     return _BACKENDS[tokenizer_format(resolved)](resolved)

@@ -1,5 +1,6 @@
 """Hyper-parameters of the Llama 3 family and the named model sizes ("flavors")."""
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -14,6 +15,9 @@ class ModelArgs:
     # The SwiGLU hidden size is rounded up to a multiple of this (kernel-friendly shapes).
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    # The SwiGLU hidden size as a release states it (HF intermediate_size); None: derived from
+    # dim, ffn_dim_multiplier and multiple_of as Meta's params.json describe it.
+    ffn_hidden_size: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     # Llama 3.1 long-context frequency scaling: frequencies whose wavelength exceeds
@@ -26,6 +30,8 @@ class ModelArgs:
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
+    # One parameter serves as the embedding and the output projection (Llama 3.2 1B and 3B).
+    tie_word_embeddings: bool = False
     # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)).
     # False: every layer uses 0.02 / sqrt(2 * n_layers).
     depth_init: bool = True
@@ -57,6 +63,7 @@ class ModelArgs:
 
 llama3_flavors: dict[str, ModelArgs] = {
     # Tiny model for tests and smoke runs; n_kv_heads < n_heads so GQA is exercised.
+    # "debugmodel_tied" (below) is the same with tied embeddings.
     "debugmodel": ModelArgs(
         dim=256,
         n_layers=6,
@@ -67,9 +74,7 @@ llama3_flavors: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         max_seq_len=2048,
     ),
-    # Llama 3.2 1B. The release ties the output projection to the embedding; we keep
-    # them separate, so num_params() reports the untied count (1,498,482,688 rather
-    # than the released 1,235,814,400).
+    # Llama 3.2 1B: the output projection is the embedding (1,235,814,400 parameters).
     "1B": ModelArgs(
         dim=2048,
         n_layers=16,
@@ -82,6 +87,21 @@ llama3_flavors: dict[str, ModelArgs] = {
         rope_scaling=True,
         rope_scaling_factor=32.0,  # 3.2 1B/3B use 32 (3.1 uses 8)
         max_seq_len=131072,
+        tie_word_embeddings=True,
+    ),
+    # Llama 3.2 3B (3,212,749,824 parameters, tied like 1B).
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden_size=8192,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        rope_scaling_factor=32.0,
+        max_seq_len=131072,
+        tie_word_embeddings=True,
     ),
     "8B": ModelArgs(
         dim=4096,
@@ -120,3 +140,5 @@ llama3_flavors: dict[str, ModelArgs] = {
         max_seq_len=131072,
     ),
 }
+
+llama3_flavors["debugmodel_tied"] = dataclasses.replace(llama3_flavors["debugmodel"], tie_word_embeddings=True)

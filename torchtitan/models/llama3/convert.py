@@ -86,9 +86,13 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names and layout (no copies beyond the q/k permutation)."""
+    """Our full state dict -> Hugging Face names and layout (no copies beyond the q/k permutation).
+
+    A tied model writes no ``lm_head.weight``."""
     out = {}
     for fqn, t in state.items():
+        if fqn == "output.weight" and args.tie_word_embeddings:
+            continue  # tied: the release holds the embedding only (tie_word_embeddings in config.json)
         heads = rotary_heads(fqn, args)
         out[to_hf_name(fqn)] = permute_to_hf(t, heads).contiguous() if heads else t
     return out
@@ -115,8 +119,11 @@ FIELD_HELP = {
     "dim": "model width", "n_layers": "layers", "n_heads": "attention heads", "n_kv_heads": "key/value heads",
     "head_dim": "head width",
     "ffn_dim": "FFN width", "rope_theta": "rope theta", "rope_scaling": "rope scaling", "norm_eps": "norm eps",
-    "vocab_size": "vocabulary",
+    "vocab_size": "vocabulary", "tie_word_embeddings": "tied embeddings",
 }
+# Llama 3.2 text models, as (dim, n_layers): Meta's params.json states neither their rope
+# scaling factor (32, where 3.1 has 8) nor that their output is the embedding.
+_LLAMA32_SHAPES = {(2048, 16), (3072, 28)}
 
 
 def model_fields(args: ModelArgs) -> dict[str, Any]:
@@ -125,7 +132,8 @@ def model_fields(args: ModelArgs) -> dict[str, Any]:
     return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
             "head_dim": args.head_dim, "ffn_dim": ffn_hidden_dim(args), "rope_theta": float(args.rope_theta),
             "rope_scaling": None if scaling is None else {k: float(v) for k, v in scaling.items()},
-            "norm_eps": float(args.norm_eps), "vocab_size": args.vocab_size}
+            "norm_eps": float(args.norm_eps), "vocab_size": args.vocab_size,
+            "tie_word_embeddings": args.tie_word_embeddings}
 
 
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
@@ -138,7 +146,8 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
     if kind in (None, "default"):
         return float(theta), None
     if kind != "llama3":
-        raise ValueError(f"config.json: rope type {kind!r} is not supported (only 'llama3' scaling)")
+        raise ValueError(f"rope type {kind!r} is not supported (only none/'default' and 'llama3' "
+                         "scaling, as Llama 3 releases use)")
     return float(theta), {"factor": float(scaling["factor"]), "low_freq_factor": float(scaling["low_freq_factor"]),
                           "high_freq_factor": float(scaling["high_freq_factor"]),
                           "original_context": float(scaling["original_max_position_embeddings"])}
@@ -154,18 +163,26 @@ def fields_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
             "head_dim": head_dim,
             "n_kv_heads": config.get("num_key_value_heads") or n_heads, "ffn_dim": config["intermediate_size"],
             "rope_theta": theta, "rope_scaling": scaling, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-            "vocab_size": config["vocab_size"]}
+            "vocab_size": config["vocab_size"],
+            # transformers' LlamaConfig leaves the output untied unless the config says so.
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
 
 
-def fields_from_meta_params(params: dict[str, Any], flavor: ModelArgs) -> dict[str, Any]:
+def fields_from_meta_params(params: dict[str, Any], flavor: ModelArgs | None = None) -> dict[str, Any]:
     """``model_fields`` as Meta's ``params.json`` states them.
 
-    params.json says only whether scaling is on (``use_scaled_rope``); the factors come
-    from ``rope_scaling_factor`` etc. when present, else they are the configured flavor's.
+    params.json says only whether scaling is on (``use_scaled_rope``), and nothing about
+    tied embeddings. Keys ``rope_scaling_factor`` (etc.) and ``tie_word_embeddings`` win when
+    present; else the values are the configured ``flavor``'s, or with no flavor those of the
+    published release of that shape (3.2 1B/3B: factor 32, tied; others: factor 8, untied).
     """
     n_heads = params["n_heads"]
     probe = ModelArgs(dim=params["dim"], n_layers=1, n_heads=n_heads, n_kv_heads=params.get("n_kv_heads"),
                       multiple_of=params.get("multiple_of", 256), ffn_dim_multiplier=params.get("ffn_dim_multiplier"))
+    llama32 = (params["dim"], params["n_layers"]) in _LLAMA32_SHAPES
+    if flavor is None:
+        flavor = ModelArgs(rope_scaling=True, rope_scaling_factor=32.0 if llama32 else 8.0,
+                           tie_word_embeddings=llama32)
     scaling = None
     if params.get("use_scaled_rope"):
         ours = flavor.rope_scaling_params() or ModelArgs(rope_scaling=True).rope_scaling_params()
@@ -176,7 +193,8 @@ def fields_from_meta_params(params: dict[str, Any], flavor: ModelArgs) -> dict[s
             "head_dim": params["dim"] // n_heads, "n_kv_heads": params.get("n_kv_heads") or n_heads,
             "ffn_dim": ffn_hidden_dim(probe),
             "rope_theta": float(params.get("rope_theta", 500000.0)), "rope_scaling": scaling,
-            "norm_eps": float(params.get("norm_eps", 1e-5)), "vocab_size": params["vocab_size"]}
+            "norm_eps": float(params.get("norm_eps", 1e-5)), "vocab_size": params["vocab_size"],
+            "tie_word_embeddings": bool(params.get("tie_word_embeddings", flavor.tie_word_embeddings))}
 
 
 def field_differences(expected: dict[str, Any], found: dict[str, Any], source: str) -> list[str]:
@@ -199,30 +217,25 @@ def hf_config(args: ModelArgs, *, bos_id: int | None, eos_id: int | None, dtype:
             "high_freq_factor": scaling["high_freq_factor"],
             "original_max_position_embeddings": int(scaling["original_context"])},
         "vocab_size": args.vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id,
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": args.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
     }
 
 
 def args_with_fields(base: ModelArgs, fields: dict[str, Any]) -> ModelArgs:
-    """``base`` with the shapes of ``fields`` (used by tests and the export to describe foreign releases)."""
+    """``base`` with the shapes of ``fields`` (a flavor read from a release; tests)."""
+    if fields["head_dim"] * fields["n_heads"] != fields["dim"]:
+        raise ValueError(f"head width {fields['head_dim']} x {fields['n_heads']} heads differs from the model width "
+                         f"{fields['dim']}; this model needs head_dim = dim / n_heads (as every Llama 3 release has)")
     scaling = fields["rope_scaling"]
-    hidden = fields["ffn_dim"]
-    args = dataclasses.replace(
+    return dataclasses.replace(
         base, dim=fields["dim"], n_layers=fields["n_layers"], n_heads=fields["n_heads"],
         n_kv_heads=fields["n_kv_heads"], vocab_size=fields["vocab_size"], norm_eps=fields["norm_eps"],
-        rope_theta=fields["rope_theta"], ffn_dim_multiplier=None, multiple_of=1,
+        rope_theta=fields["rope_theta"], ffn_hidden_size=fields["ffn_dim"],
+        tie_word_embeddings=fields.get("tie_word_embeddings", False),
         rope_scaling=scaling is not None,
         **({} if scaling is None else {
             "rope_scaling_factor": scaling["factor"], "rope_low_freq_factor": scaling["low_freq_factor"],
             "rope_high_freq_factor": scaling["high_freq_factor"],
             "rope_original_max_seq_len": int(scaling["original_context"])}),
     )
-    # ffn_hidden_dim(args) = int(2 * 4 * dim / 3) rounded up to multiple_of: pick a multiplier hitting `hidden`.
-    base_hidden = int(2 * (4 * args.dim) / 3)
-    args = dataclasses.replace(args, ffn_dim_multiplier=hidden / base_hidden)
-    if ffn_hidden_dim(args) != hidden:
-        args = dataclasses.replace(args, ffn_dim_multiplier=(hidden + 0.5) / base_hidden)
-    if ffn_hidden_dim(args) != hidden:
-        raise ValueError(f"cannot express FFN width {hidden} for dim {args.dim}")
-    return args

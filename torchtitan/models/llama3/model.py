@@ -135,8 +135,10 @@ class Attention(nn.Module):
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:
-    """SwiGLU width: 2/3 of 4*dim (keeps params equal to a 4x GELU MLP), optionally
-    scaled, then rounded up to a multiple of `multiple_of`."""
+    """SwiGLU width: as the release states it (``ffn_hidden_size``), else 2/3 of 4*dim (keeps
+    params equal to a 4x GELU MLP), optionally scaled, then rounded up to a multiple of `multiple_of`."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
     hidden = int(2 * (4 * args.dim) / 3)
     if args.ffn_dim_multiplier is not None:
         hidden = int(args.ffn_dim_multiplier * hidden)
@@ -179,8 +181,26 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
         # Non-persistent: it is derived from args, so it stays out of checkpoints.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``, make the output projection's weight the embedding's (one parameter).
+
+        Called again wherever a step may have given the two modules separate copies: tensor
+        parallelism distributes each module's weight on its own, and ``to_empty`` of plain
+        tensors allocates per module. Both modules shard the vocabulary dim (rows) under TP,
+        so the embedding's placement serves the output too. A pipeline stage holding only
+        one of them has nothing to tie.
+        """
+        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Transformer":
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
         a = self.args
@@ -192,7 +212,9 @@ class Transformer(nn.Module):
         Scheme: embeddings normal(0, 1); norm weights ones; wq/wk/wv/w1/w3
         trunc_normal(std 0.02, cut at +-2 std); wo/w2 trunc_normal(cut at +-2 std) with
         std 0.02 / sqrt(2 * (layer_id + 1)) if depth_init else 0.02 / sqrt(2 * n_layers);
-        output trunc_normal(std dim**-0.5, cut at +-3 std).
+        output trunc_normal(std dim**-0.5, cut at +-3 std). A tied embedding/output takes the
+        output's rule: it sets the scale of the logits, while the first norm rescales whatever
+        the embedding holds.
         Specs are attached by parameter identity and then named through
         named_parameters(), so wrappers (FSDP, activation checkpointing) keep working.
         """
@@ -212,7 +234,7 @@ class Transformer(nn.Module):
                     by_param[id(lin.weight)] = out_spec
         if self.tok_embeddings is not None:
             by_param[id(self.tok_embeddings.weight)] = InitSpec("normal", std=1.0)
-        if self.output is not None:
+        if self.output is not None:  # after the embedding: a tied weight takes the output's rule
             by_param[id(self.output.weight)] = trunc_normal_spec(args.dim**-0.5, 3.0)
 
         specs: dict[str, InitSpec] = {}
@@ -254,7 +276,7 @@ class Transformer(nn.Module):
         return h
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
+        n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once
         if exclude_embedding and self.tok_embeddings is not None:
             n -= self.tok_embeddings.weight.numel()
         return n

@@ -87,6 +87,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+        # Each style distributed its module's weight on its own; both are Shard(0) (the vocabulary
+        # rows), so a tied model keeps one of them for both modules.
+        model.tie_weights()
 
     for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {
