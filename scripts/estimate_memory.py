@@ -108,9 +108,9 @@ def _stage_modules(cfg, dims, whole: torch.nn.Module) -> list[list[torch.nn.Modu
     if not dims.pp_enabled:
         return [[whole]]
     from torchtitan.distributed.pipeline_parallel import prune_to_stage
-    from torchtitan.preflight import plan_pipeline
+    from torchtitan.distributed.pipeline_plan import PipelinePlan
 
-    plan = plan_pipeline(cfg, whole.args.n_layers)
+    plan = PipelinePlan.from_config(cfg, whole.args.n_layers)
     return [[prune_to_stage(whole, plan, s) for s in plan.stage_ids(r)] for r in range(dims.pp)]
 
 

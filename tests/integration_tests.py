@@ -20,10 +20,8 @@ Bad-config flavors must instead stop quickly with a config error (a rank exits w
 status 2, the others exit the same way or are stopped by torchrun), print the expected
 ``config error:`` line, and never start training.
 
-Flavors whose feature has not landed yet (the trainer rejects their config with
-"not implemented yet") are reported as GATED, with the trainer's own message; flavors
-needing more ranks than ``--ngpu`` are reported as SKIPPED. Neither is silent, and
-``--require-all`` turns both into failures. The exit status is 1 if any flavor failed.
+Flavors needing more ranks than ``--ngpu`` are reported as SKIPPED, never silently, and
+``--require-all`` turns that into a failure. The exit status is 1 if any flavor failed.
 
 On a CPU-only machine the default config is ``train_configs/debug_model_ci.toml`` (tiny
 sizes for CI); with GPUs it is ``train_configs/debug_model.toml`` with 2048-token
@@ -65,11 +63,8 @@ GPU_STEPS, GPU_SEQ_LEN = 20, 2048
 # micro-steps together), so their step-1 losses are comparable with the control's.
 GLOBAL_BATCH = 8
 CONTROL = "fsdp"
-# The trainer's wording for a feature that has not landed; such a flavor is gated, not failed.
-GATE_RE = re.compile(r"not implemented yet|not supported yet")
-STEP_RE = re.compile(r"\[rank(\d+)\] \S+ INFO step: (\d+)\s+loss: (\S+)")
-VALIDATION_RE = re.compile(r"\[rank(\d+)\] \S+ INFO validation step: (\d+)\s+loss: (\S+)")
-MESH_RE = re.compile(r"\[rank(\d+)\] \S+ INFO World mesh (\{.*?\})")
+# The trainer's console lines, read with the patterns the package declares next to their formats.
+from torchtitan.metrics.logger import MESH_LINE as MESH_RE, STEP_LINE as STEP_RE, VALIDATION_LINE as VALIDATION_RE  # noqa: E402,E501
 # A curve compared with another over several steps (resume into another layout) drifts by
 # float32 summation order; docs/determinism.md measured <= 3.7e-7 over 30 steps.
 CURVE_RTOL_CPU = 1e-5
@@ -128,15 +123,12 @@ class Flavor:
     name: str
     description: str
     phases: tuple[Phase, ...]
-    requires: tuple[str, ...] = ()  # features it exercises (for --list; gating is by the trainer's answer)
+    requires: tuple[str, ...] = ()  # features it exercises (for --list)
     parity_phase: int | None = 0  # phase whose step-1 loss must equal the control's; None = not eligible
     parity_rtol: float | None = None  # None = the device default
     expect_error: str | None = None  # bad config: regex every rank must print, exit 2, fast
     compare: tuple[int, int, float] | None = None  # (phase a, phase b, rtol): equal losses on common steps
     checks: tuple[Check, ...] = ()
-    # A bug found by this flavor and not fixed yet: its failure is reported as KNOWN BUG with
-    # this text instead of failing the matrix, and passing becomes a failure (remove the note).
-    known_bug: str | None = None
 
     @property
     def ranks(self) -> int:
@@ -382,11 +374,11 @@ def build_flavors() -> list[Flavor]:
 @dataclasses.dataclass
 class Result:
     flavor: Flavor
-    status: str = "PENDING"  # PASS, FAIL, GATED, SKIPPED
+    status: str = "PENDING"  # PASS, FAIL, SKIPPED
     seconds: float = 0.0
     runs: list[Run] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
-    reason: str = ""  # why GATED or SKIPPED
+    reason: str = ""  # why SKIPPED
 
     @property
     def cpu_seconds(self) -> float:
@@ -488,10 +480,6 @@ class Matrix:
         for i, phase in enumerate(flavor.phases):
             run = self.run_phase(flavor, phase, i, devices)
             result.runs.append(run)
-            gate = _gate_from_output(run) if flavor.expect_error is None else None
-            if gate:
-                result.status, result.reason = "GATED", gate
-                break
             if flavor.expect_error:
                 result.problems += check_bad_config(flavor, run, self.args.fail_fast_s)
             else:
@@ -499,7 +487,7 @@ class Matrix:
             if result.problems:
                 break  # later phases depend on this one
         result.seconds = time.monotonic() - start
-        if result.status != "GATED" and not result.problems:
+        if not result.problems:
             if flavor.compare:
                 a, b, rtol = flavor.compare
                 rtol = rtol if not self.cuda else max(rtol, self.step1_rtol(flavor))
@@ -550,14 +538,6 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def _gate_from_output(run: Run) -> str | None:
-    """The trainer refused the config because a feature has not landed: return its message."""
-    if not _config_error_exit(run):
-        return None
-    lines = sorted({m.strip() for m in re.findall(r"config error: (.*)", run.log) if GATE_RE.search(m)})
-    return "; ".join(lines) or None
 
 
 def config_steps(dump: Path) -> int | None:
@@ -653,39 +633,6 @@ def compare_curves(a: Run, b: Run, rtol: float) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------
-# Gating: ask the trainer's own preflight, without starting any process
-# ---------------------------------------------------------------------------------------
-def probe_gates(flavors: list[Flavor], config: Path) -> dict[str, str]:
-    """flavor name -> the trainer's "not implemented yet" messages for its config.
-
-    ``preflight`` validates a config for a world size without touching the network, so
-    asking it costs milliseconds, where launching 8 ranks only to be refused costs tens of
-    seconds. If the trainer's API cannot be used here, the flavors simply run, and a
-    refusal in their output gates them just the same (``_gate_from_output``).
-    """
-    try:
-        from torchtitan.config import ConfigError, ConfigManager
-        from torchtitan.preflight import preflight
-    except Exception as e:  # noqa: BLE001 - fall back to gating on the runs' output
-        print(f"note: cannot probe features in-process ({e!r}); gating on the runs' output instead")
-        return {}
-    gates = {}
-    for flavor in flavors:
-        for phase in flavor.phases:
-            try:
-                cfg = ConfigManager().parse_args(["--job.config_file", str(config), *phase.overrides])
-                preflight(cfg, phase.ranks)
-            except ConfigError as e:
-                reasons = sorted({p for p in e.problems if GATE_RE.search(p)})
-                if reasons:
-                    gates[flavor.name] = "; ".join(reasons)
-                    break
-            except Exception:  # noqa: BLE001 - the run will show the real error
-                pass
-    return gates
-
-
-# ---------------------------------------------------------------------------------------
 # Scheduling and the summary
 # ---------------------------------------------------------------------------------------
 def run_matrix(matrix: Matrix, flavors: list[Flavor], results: dict[str, Result], jobs: int) -> None:
@@ -701,9 +648,7 @@ def run_matrix(matrix: Matrix, flavors: list[Flavor], results: dict[str, Result]
             matrix.run_flavor(flavor, result, devices)
         except Exception as e:  # noqa: BLE001 - report, keep the matrix going
             result.problems.append(f"runner error: {e!r}")
-        if result.status != "GATED":
-            result.status = "FAIL" if result.problems else "PASS"
-            settle_known_bug(result)
+        result.status = "FAIL" if result.problems else "PASS"
         _print_result(result)
         with cond:
             free.extend(devices)
@@ -733,18 +678,6 @@ def _print_result(result: Result) -> None:
         print("    " + problem.replace("\n", "\n    "), flush=True)
 
 
-def settle_known_bug(result: Result) -> None:
-    """A flavor with a known bug: failing is expected (and reported); passing means the note is stale."""
-    bug = result.flavor.known_bug
-    if bug is None or result.status not in ("PASS", "FAIL", "KNOWN BUG"):
-        return
-    if result.status == "PASS":
-        result.status = "FAIL"
-        result.problems.append(f"known bug no longer shows ({bug}): remove known_bug from the flavor")
-    else:
-        result.status, result.reason = "KNOWN BUG", bug
-
-
 def check_parity(matrix: Matrix, results: dict[str, Result]) -> None:
     control = results.get(CONTROL)
     control_loss = None
@@ -764,7 +697,6 @@ def check_parity(matrix: Matrix, results: dict[str, Result]) -> None:
         if not rel <= rtol:
             result.problems.append(f"step-1 loss {loss!r} vs control {control_loss!r}: rel {rel:.2e} > {rtol:g}")
             result.status = "FAIL"
-            settle_known_bug(result)
 
 
 def print_summary(results: list[Result], wall: float) -> None:
@@ -776,16 +708,10 @@ def print_summary(results: list[Result], wall: float) -> None:
         cpu = f"{r.cpu_seconds:.0f}" if r.runs else "-"
         print(f"{r.flavor.name:<24} {r.flavor.ranks:>5} {secs:>8} {cpu:>6} {loss:>11}  {r.status}"
               + (f" ({r.reason})" if r.reason else ""))
-    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "GATED", "SKIPPED", "KNOWN BUG")}
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIPPED")}
     cpu = sum(r.cpu_seconds for r in results)
-    print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['KNOWN BUG']} known bug(s), "
-          f"{counts['GATED']} gated (feature not landed), {counts['SKIPPED']} skipped; {wall:.0f} s wall, "
+    print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIPPED']} skipped; {wall:.0f} s wall, "
           f"{cpu:.0f} CPU s")
-    for r in results:
-        if r.status == "KNOWN BUG":
-            print(f"\nKNOWN BUG {r.flavor.name}: {r.reason}")
-            for problem in r.problems:
-                print("    " + problem.replace("\n", "\n    "))
     for r in results:
         if r.status == "FAIL":
             print(f"\nFAIL {r.flavor.name} (logs in the dump folder):")
@@ -823,7 +749,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-fast-s", type=float, default=120, help="seconds a bad-config flavor may take to exit")
     p.add_argument("--parity-rtol", type=float, help="step-1 parity tolerance (default: 1e-6 on CPU, 1e-3 on GPU)")
     p.add_argument("--require-all", action="store_true",
-                   help="gated, skipped and known-bug flavors count as failures")
+                   help="skipped flavors count as failures")
     args = p.parse_args(argv)
     cuda = _cuda_count() > 0
     if args.config is None:
@@ -843,10 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     flavors = build_flavors()
     chosen = select(flavors, args.test, args.exclude)
     if args.list:
-        gates = probe_gates(chosen, args.config)
         for f in chosen:
-            state = (f"skipped: needs {f.ranks} ranks" if f.ranks > args.ngpu
-                     else f"gated: {gates[f.name]}" if f.name in gates else "runs")
+            state = f"skipped: needs {f.ranks} ranks" if f.ranks > args.ngpu else "runs"
             print(f"{f.name:<24} {f.ranks:>2} ranks  {f.description}  [{state}]")
         return 0
     # Parity needs the control's step-1 loss: run it first, even when not asked for.
@@ -858,23 +782,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"config {args.config}; {args.ngpu} ranks; {len(chosen)} flavors; "
           f"{'GPU' if _cuda_count() else 'CPU'}; up to {args.jobs} side by side", flush=True)
     results = {f.name: Result(f) for f in chosen}
-    gates = probe_gates(chosen, args.config)
     runnable = []
     for f in chosen:
         if f.ranks > args.ngpu:
             results[f.name].status, results[f.name].reason = "SKIPPED", f"needs {f.ranks} ranks, --ngpu {args.ngpu}"
-        elif f.name in gates:
-            results[f.name].status, results[f.name].reason = "GATED", gates[f.name]
+            _print_result(results[f.name])
         else:
             runnable.append(f)
-            continue
-        _print_result(results[f.name])
     start = time.monotonic()
     run_matrix(Matrix(args), runnable, results, args.jobs)
     check_parity(Matrix(args), results)
     ordered = list(results.values())
     print_summary(ordered, time.monotonic() - start)
-    bad = {"FAIL", "GATED", "SKIPPED", "KNOWN BUG"} if args.require_all else {"FAIL"}
+    bad = {"FAIL", "SKIPPED"} if args.require_all else {"FAIL"}
     return 1 if any(r.status in bad for r in ordered) else 0
 
 

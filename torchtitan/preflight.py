@@ -33,18 +33,16 @@ from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.store import STATE_KEYS, scan
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.datasets import DATASETS, HeldOutSplit, Tokenizer, build_tokenizer, check_training_data
-from torchtitan.distributed import MESH_DIM_NAMES, ParallelDims
-from torchtitan.distributed.pipeline_parallel import (
-    DEFAULT_STAGES_PER_RANK, SCHEDULE_CLASS_NAMES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES, PipelinePlan, even_layer_starts,
-)
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.parallel_dims import dp_shard_problem
+from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.distributed.seeding import sharded_dims_problem
 from torchtitan.models import model_args, model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import ffn_hidden_dim
+from torchtitan.models.llama3.parallelize import selective_ac_interval
 from torchtitan.optim.lr_scheduler import validate_schedule
 from torchtitan.evaluate import check_validation_data
-
-_PP = "--parallelism.pipeline_parallel_"
 
 
 @dataclasses.dataclass
@@ -79,7 +77,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     pipeline = None
     if dims.pp_enabled:
         try:
-            pipeline = plan_pipeline(cfg, args.n_layers)
+            pipeline = PipelinePlan.from_config(cfg, args.n_layers)
         except ConfigError as e:
             problems += e.problems
     problems += check_checkpoint(cfg, world_size, lambda: Transformer(args), model_args=args)
@@ -125,38 +123,33 @@ def check_config(cfg: JobConfig) -> list[str]:
     """Problems visible in the config alone: values a type cannot express, and options that contradict."""
     problems: list[str] = []
     p, t = cfg.parallelism, cfg.training
-    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
-        problems.append(f"--parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree}: "
-                        "use -1 (the ranks left over) or a degree >= 1")
+    problem = dp_shard_problem(p.data_parallel_shard_degree)
+    if problem:
+        problems.append(f"--parallelism.data_parallel_shard_degree={p.data_parallel_shard_degree}: {problem}")
     if t.global_batch_size == 0 or t.global_batch_size < -1:
         problems.append(f"--training.global_batch_size={t.global_batch_size}: use -1 (derived) or a positive size")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
         problems.append(f"--optimizer.betas={cfg.optimizer.betas}: give two values in [0, 1), e.g. 0.9,0.95")
     problems += _schedule_problems(cfg)
-    unknown = [d for d in t.seed_sharded_dims if d not in MESH_DIM_NAMES]
-    if unknown:
-        problems.append(f"--training.seed_sharded_dims: unknown dim(s) {', '.join(unknown)}; "
-                        f"choose from {', '.join(MESH_DIM_NAMES)}")
-    if len(set(t.seed_sharded_dims)) != len(t.seed_sharded_dims):
-        problems.append(f"--training.seed_sharded_dims={','.join(t.seed_sharded_dims)}: a dim is listed twice")
+    problem = sharded_dims_problem(t.seed_sharded_dims)
+    if problem:
+        problems.append(f"--training.seed_sharded_dims={','.join(t.seed_sharded_dims)}: {problem}")
     try:
         model_args(cfg.model.name, cfg.model.flavor)
     except ValueError as e:
         problems.append(str(e))
     ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op" and not _positive_int(ac.selective_ac_option):
-        problems.append(f"--activation_checkpoint.selective_ac_option={ac.selective_ac_option}: use 'op' (save "
-                        "matmul outputs) or a positive integer N (checkpoint every N-th block)")
+    if ac.mode == "selective":
+        try:
+            selective_ac_interval(ac.selective_ac_option)
+        except ValueError as e:
+            problems.append(f"--activation_checkpoint.{e}")
     if t.dataset_path is None and t.dataset not in DATASETS:
         problems.append(f"--training.dataset={t.dataset}: unknown; choose one of {', '.join(DATASETS)} "
                         "or give --training.dataset_path")
     if t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
         problems.append(f"--training.dataset_path={t.dataset_path}: no such file or folder")
     return problems + _validation_problems(cfg)
-
-
-def _positive_int(text: str) -> bool:
-    return text.isdigit() and int(text) >= 1
 
 
 def _schedule_problems(cfg: JobConfig) -> list[str]:
@@ -248,120 +241,6 @@ def check_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> li
                                   else "")
         problems.append(f"--training.seq_len={seq_len} must be divisible by {' x '.join(parts)} = {seq_shards}; {fix}")
     return problems
-
-
-# ---- the pipeline -----------------------------------------------------------
-def plan_pipeline(cfg: JobConfig, n_layers: int) -> PipelinePlan:
-    """The pipeline's stages and microbatches; raise ``ConfigError`` listing every problem with them."""
-    p = cfg.parallelism
-    pp, problems = p.pipeline_parallel_degree, []
-    schedule = {n.lower(): n for n in SCHEDULES}.get(p.pipeline_parallel_schedule.lower())
-    if schedule is None:
-        missing = [n for n in SCHEDULE_CLASS_NAMES if n not in SCHEDULES]
-        note = f" ({', '.join(missing)} need a newer torch than {torch.__version__})" if missing else ""
-        raise ConfigError([
-            f"{_PP}schedule={p.pipeline_parallel_schedule}: unknown; choose one of {', '.join(SCHEDULES)}{note}"
-        ])
-    single = schedule in SINGLE_STAGE_SCHEDULES
-
-    # How many stages, and which layers each one holds.
-    v_flag = p.pipeline_parallel_stages_per_rank
-    if p.pipeline_parallel_split_points:
-        starts = _parse_split_points(p.pipeline_parallel_split_points, n_layers, problems)
-        _raise_if(problems)
-        num_stages = len(starts) - 1
-        if num_stages % pp:
-            raise ConfigError([
-                f"{_PP}split_points: {len(starts) - 2} split points make {num_stages} stages, which do not divide "
-                f"evenly over pipeline_parallel_degree={pp} ranks; give pp * stages_per_rank - 1 points"
-            ])
-        v = num_stages // pp
-        if v_flag is not None and v_flag != v:
-            problems.append(f"{_PP}stages_per_rank={v_flag} contradicts the split points, which make {v} stage(s) "
-                            "per rank; leave stages_per_rank unset")
-    else:
-        v = v_flag if v_flag is not None else (1 if single else DEFAULT_STAGES_PER_RANK)
-        num_stages = pp * v
-        e, o = p.pipeline_parallel_embedding_weight, p.pipeline_parallel_output_weight
-        if n_layers + e + o < num_stages:
-            raise ConfigError([
-                f"pipeline: {num_stages} stages ({pp} ranks x {v} per rank) but the model has only {n_layers} "
-                f"layers{f' (+{e + o} for embedding/output weights)' if e or o else ''}; lower "
-                f"pipeline_parallel_degree or stages_per_rank, or count the embedding/output as layers with "
-                f"{_PP}embedding_weight / {_PP}output_weight"
-            ])
-        starts = even_layer_starts(n_layers, num_stages, e, o)
-        empty = [s for s in range(1, num_stages - 1) if starts[s + 1] == starts[s]]
-        if empty:
-            problems.append(
-                f"pipeline: an even split of {n_layers} layers over {num_stages} stages with embedding weight {e} and "
-                f"output weight {o} leaves stage(s) {empty} without layers; lower the weights or give "
-                f"{_PP}split_points"
-            )
-    if single and v != 1:
-        problems.append(
-            f"{_PP}schedule={schedule} runs one stage per rank, but the config asks for {v}; use one of "
-            f"{', '.join(n for n in SCHEDULES if n not in SINGLE_STAGE_SCHEDULES)} for several stages per rank"
-        )
-    if not single and v < 2:
-        problems.append(
-            f"{_PP}schedule={schedule} is a multi-stage schedule and needs >= 2 stages per rank (got {v}); "
-            f"use {' or '.join(SINGLE_STAGE_SCHEDULES)} for one stage per rank"
-        )
-    if schedule in V_SHAPED_SCHEDULES and v != 2:
-        problems.append(f"{_PP}schedule={schedule} needs exactly 2 stages per rank (got {v})")
-
-    # Microbatches.
-    m = p.pipeline_parallel_microbatches or num_stages
-    batch = cfg.training.batch_size
-    if batch % m:
-        problems.append(
-            f"pipeline: local batch --training.batch_size={batch} is not divisible by {m} microbatches"
-            f"{'' if p.pipeline_parallel_microbatches else ' (the default: one per stage)'}; set "
-            f"{_PP}microbatches to a divisor of the batch size or change the batch size"
-        )
-    if schedule == "1F1B" and m < num_stages:
-        problems.append(f"{_PP}schedule=1F1B needs at least as many microbatches as stages ({num_stages}); got {m}")
-    if not single:
-        rounds = max(1, m // pp)
-        if m < pp:
-            problems.append(f"{_PP}schedule={schedule} needs at least pipeline_parallel_degree={pp} microbatches; "
-                            f"got {m}")
-        elif schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
-            problems.append(
-                f"{_PP}schedule={schedule}: {m} microbatches is not a multiple of the number of rounds "
-                f"({rounds} = microbatches // pipeline_parallel_degree); use a multiple of {pp}"
-            )
-    if schedule in ZERO_BUBBLE_SCHEDULES and cfg.training.compile:
-        problems.append(
-            f"{_PP}schedule={schedule} splits backward into input and weight passes, which torch does not support "
-            "on compiled blocks; turn off --training.compile or choose another schedule"
-        )
-    ac = cfg.activation_checkpoint
-    if schedule in ZERO_BUBBLE_SCHEDULES and ac.mode == "selective" and ac.selective_ac_option == "op":
-        problems.append(
-            f"{_PP}schedule={schedule} runs backward through each block twice (input, then weight gradients), "
-            "which op-level selective activation checkpointing forbids; use --activation_checkpoint.mode=full, "
-            "selective with a block interval (selective_ac_option=N), or another schedule"
-        )
-    _raise_if(problems)
-    return PipelinePlan(schedule=schedule, pp=pp, microbatches=m, layer_starts=starts)
-
-
-def _parse_split_points(points: list[str], n_layers: int, problems: list[str]) -> tuple[int, ...]:
-    indices = []
-    for point in points:
-        prefix, _, index = point.partition(".")
-        if prefix != "layers" or not index.isdigit() or not 0 <= int(index) < n_layers:
-            problems.append(f"{_PP}split_points: '{point}' is not a layer FQN of this model; "
-                            f"use layers.N with 0 <= N < {n_layers}")
-            return ()
-        indices.append(int(index))
-    if any(b <= a for a, b in zip(indices, indices[1:])):
-        problems.append(f"{_PP}split_points={','.join(points)}: list the layers in increasing order, each once "
-                        "(every stage between two split points needs at least one layer)")
-        return ()
-    return (0, *indices, n_layers)
 
 
 # ---- checkpoints ------------------------------------------------------------

@@ -32,6 +32,7 @@ from torchtitan.distributed.grads import match_grad_placements
 from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.loss import LossScale, count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
+from torchtitan.metrics.logger import format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -63,7 +64,7 @@ class Trainer:
         cfg = self.cfg
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loss_mesh = self.dims.get_mesh("dp_cp")  # the ranks that see different tokens
-        logger.info("World mesh %s", dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)))
+        logger.info(format_mesh_line(self.mesh.mesh_dim_names, tuple(self.mesh.shape)))
         self._write_config()
         self._seed()
         set_determinism(cfg.training.deterministic)
@@ -328,9 +329,8 @@ class Trainer:
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
                    "validation/tokens": result.tokens, "validation/train_tokens_seen": trained}
         if self.rank == 0:
-            logger.info("validation step: %d  loss: %.5g  perplexity: %.5g  tokens: %s (%d batch(es))  trained on: %s "
-                        "tokens", self.step, result.loss, result.perplexity, f"{result.tokens:,}", result.batches,
-                        f"{trained:,}")
+            logger.info(format_validation_line(self.step, result.loss, result.perplexity, result.tokens,
+                                               result.batches, trained))
         self.metrics_logger.log(self.step, metrics)
         self.validation_losses[self.step] = result.loss
         return result

@@ -27,11 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from dist_harness import run_ranks
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.distributed.pipeline_parallel import (
-    SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan, prune_to_stage,
-)
-from torchtitan.preflight import plan_pipeline
 from conftest import REPO
+from torchtitan.distributed.pipeline_parallel import prune_to_stage
+from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 4
@@ -222,7 +220,7 @@ def test_bad_configs_fail_on_every_rank_without_a_collective(runs):
 
 
 def _plan(*overrides: str, n_layers: int = 6) -> PipelinePlan:
-    return plan_pipeline(ConfigManager().parse_args(list(overrides)), n_layers)
+    return PipelinePlan.from_config(ConfigManager().parse_args(list(overrides)), n_layers)
 
 
 def _plan_error(*overrides: str, n_layers: int = 6) -> str:

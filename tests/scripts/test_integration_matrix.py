@@ -119,21 +119,3 @@ def test_bad_config_passes_on_a_clean_config_error(tmp_path):
 def test_bad_config_catches(tmp_path, log, rc, expected):
     problems = it.check_bad_config(BAD_FLAVOR, _run(tmp_path, log, {}, rc=rc), 60)
     assert any(expected in p for p in problems), problems
-
-
-def test_a_not_implemented_refusal_gates_instead_of_failing(tmp_path):
-    refused = _run(tmp_path, "config error: --parallelism.foo=2: not implemented yet in this version\n"
-                   + TORCHRUN_TAIL, {}, rc=1)
-    assert "not implemented yet" in it._gate_from_output(refused)
-    crashed = _run(tmp_path, "RuntimeError: not implemented yet\n", {}, rc=1)  # no config error: a failure
-    assert it._gate_from_output(crashed) is None
-
-
-def test_a_known_bug_is_reported_while_it_fails_and_flagged_once_it_passes():
-    flavor = it.Flavor("x", "", (it.Phase(("--x",), 2),), known_bug="bug 1")
-    failing = it.Result(flavor, status="FAIL", problems=["exit status 1"])
-    it.settle_known_bug(failing)
-    assert (failing.status, failing.reason) == ("KNOWN BUG", "bug 1")
-    fixed = it.Result(flavor, status="PASS")
-    it.settle_known_bug(fixed)
-    assert fixed.status == "FAIL" and "remove known_bug" in fixed.problems[0]

@@ -22,6 +22,13 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # The mesh dimension names, in the order the world mesh lays them out.
+def dp_shard_problem(dp_shard: int) -> str | None:
+    """What is wrong with a dp_shard degree on its own (before the world size is known), or None."""
+    if dp_shard == 0 or dp_shard < -1:
+        return "use -1 (the ranks left over) or a degree >= 1"
+    return None
+
+
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Flattened view name -> the mesh dims it spans (in mesh order).
 FLATTENED_VIEWS = {
@@ -66,11 +73,9 @@ class ParallelDims:
                     f"ParallelDims: {name}={value} is invalid; every degree but dp_shard must be >= 1 "
                     f"({self._degrees_text()})"
                 )
-        if self.dp_shard == 0 or self.dp_shard < -1:
-            raise ValueError(
-                f"ParallelDims: dp_shard={self.dp_shard} is invalid; use -1 (the ranks left over) or >= 1 "
-                f"({self._degrees_text()})"
-            )
+        problem = dp_shard_problem(self.dp_shard)
+        if problem:
+            raise ValueError(f"ParallelDims: dp_shard={self.dp_shard} is invalid; {problem} ({self._degrees_text()})")
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:

@@ -2,10 +2,10 @@
 
 Three parts, each usable on its own:
 
-- ``PipelinePlan`` says how many stages there are, which layers each holds and how
-  many microbatches a local batch is cut into. ``torchtitan/preflight.py`` works it
-  out from the config (``plan_pipeline``), with the checks that the schedule
-  accepts all of that, before any process group exists.
+- ``PipelinePlan`` (``pipeline_plan.py``) says how many stages there are, which layers
+  each holds and how many microbatches a local batch is cut into, worked out from the
+  config with the checks that the schedule accepts all of that; preflight calls it
+  before any process group exists.
 - ``prune_to_stage`` turns a copy of the whole (meta-device) model into one stage.
   The stage is still a ``Transformer``: the layers it does not own are dropped from
   the ``layers`` ModuleDict (keyed by original index) and the embedding, final norm
@@ -32,96 +32,15 @@ reduces once per schedule step.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from torchtitan.distributed.collectives import local_value
-
-# Our schedule name -> the class name in torch.distributed.pipelining.schedules.
-SCHEDULE_CLASS_NAMES = {
-    "GPipe": "ScheduleGPipe",
-    "1F1B": "Schedule1F1B",
-    "Interleaved1F1B": "ScheduleInterleaved1F1B",
-    "LoopedBFS": "ScheduleLoopedBFS",
-    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
-    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
-}
-# Only what the installed torch provides is offered.
-SCHEDULES: dict[str, type] = {
-    name: getattr(torch_schedules, cls) for name, cls in SCHEDULE_CLASS_NAMES.items() if hasattr(torch_schedules, cls)
-}
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-# These split backward into input and weight passes, which torch does not support on compiled modules.
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
-V_SHAPED_SCHEDULES = ("ZBVZeroBubble",)
-DEFAULT_STAGES_PER_RANK = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelinePlan:
-    """The stage layout of a pipeline, worked out from the config alone."""
-
-    schedule: str  # canonical name, a key of SCHEDULES
-    pp: int  # pipeline ranks
-    microbatches: int  # per local batch
-    layer_starts: tuple[int, ...]  # stage s holds layers [layer_starts[s], layer_starts[s + 1])
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.layer_starts) - 1
-
-    @property
-    def stages_per_rank(self) -> int:
-        return self.num_stages // self.pp
-
-    @property
-    def v_shaped(self) -> bool:
-        return self.schedule in V_SHAPED_SCHEDULES
-
-    def stage_ids(self, pp_rank: int) -> list[int]:
-        """The stages pp rank ``pp_rank`` holds, in ascending order."""
-        if self.v_shaped:
-            return sorted({pp_rank, self.num_stages - 1 - pp_rank})
-        return list(range(pp_rank, self.num_stages, self.pp))
-
-    def stage_owner(self, stage_id: int) -> int:
-        """The pp rank that holds stage ``stage_id``."""
-        if self.v_shaped:
-            return stage_id if stage_id < self.pp else self.num_stages - 1 - stage_id
-        return stage_id % self.pp
-
-    def describe(self) -> str:
-        parts = []
-        for s in range(self.num_stages):
-            lo, hi = self.layer_starts[s], self.layer_starts[s + 1]
-            held = ["embedding"] if s == 0 else []
-            held += [f"layers {lo}-{hi - 1}" if hi - lo > 1 else f"layer {lo}"] if hi > lo else []
-            held += ["norm+output"] if s == self.num_stages - 1 else []
-            parts.append(f"stage {s}: {', '.join(held)}")
-        return "; ".join(parts)
-
-
-def even_layer_starts(n_layers: int, num_stages: int, embed_weight: int, output_weight: int) -> tuple[int, ...]:
-    """Layer boundaries that balance (embedding weight + layers + output weight) over the stages.
-
-    The embedding is pinned to the first stage and the output to the last; a weight
-    makes those stages take correspondingly fewer layers.
-    """
-    total = n_layers + embed_weight + output_weight
-    starts = [0]
-    for s in range(1, num_stages):
-        boundary = math.floor(s * total / num_stages + 0.5) - embed_weight  # round half up, deterministically
-        starts.append(min(max(boundary, starts[-1]), n_layers))
-    starts.append(n_layers)
-    return tuple(starts)
-
+from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
 
 def prune_to_stage(whole: torch.nn.Module, plan: PipelinePlan, stage_id: int) -> torch.nn.Module:
     """A copy of ``whole`` (a meta-device Transformer) holding only stage ``stage_id``; FQNs unchanged."""

@@ -38,15 +38,21 @@ def sharded_offset(coords: Sequence[int], sizes: Sequence[int]) -> int:
     return offset
 
 
+def sharded_dims_problem(sharded_dims: Sequence[str], known: Sequence[str] = MESH_DIM_NAMES) -> str | None:
+    """What is wrong with a list of sharded dims (names among ``known``, each once), or None."""
+    unknown = [d for d in sharded_dims if d not in known]
+    if unknown:
+        return f"unknown dim(s) {', '.join(unknown)}; choose from {', '.join(known)}"
+    if len(set(sharded_dims)) != len(sharded_dims):
+        return "a dim is listed twice"
+    return None
+
+
 def _mesh_coords(mesh: DeviceMesh, sharded_dims: Sequence[str]) -> tuple[list[int], list[int]]:
     own = list(mesh.mesh_dim_names or ())
-    unknown = [d for d in sharded_dims if d not in own and d not in MESH_DIM_NAMES]
-    if unknown:
-        raise ValueError(
-            f"manual_seed: sharded dim(s) {unknown} are not in the mesh {own} nor known dims {list(MESH_DIM_NAMES)}"
-        )
-    if len(set(sharded_dims)) != len(sharded_dims):
-        raise ValueError(f"manual_seed: sharded_dims {list(sharded_dims)} lists a dim twice")
+    problem = sharded_dims_problem(sharded_dims, known=[*own, *(d for d in MESH_DIM_NAMES if d not in own)])
+    if problem:
+        raise ValueError(f"manual_seed: sharded_dims {list(sharded_dims)}: {problem}")
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError("manual_seed: this rank is not part of the given mesh")

@@ -1,11 +1,24 @@
-"""Metric sinks: TensorBoard scalars and the one-line console summary."""
+"""Metric sinks: TensorBoard scalars and the console lines, with the patterns that read those lines.
+
+The console lines are an interface: ``tests/integration_tests.py`` reads the step, the
+validation and the mesh lines of every run with ``STEP_LINE``, ``VALIDATION_LINE`` and
+``MESH_LINE`` (each match gives the rank and then the fields). Change a format and its
+pattern together; tests/metrics/test_log_lines.py checks that they agree.
+"""
 
 import logging
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
+from torchtitan.logging_setup import LINE_PREFIX_RE
+
 logger = logging.getLogger(__name__)
+
+STEP_LINE = re.compile(LINE_PREFIX_RE + r"step: (\d+)\s+loss: (\S+)")  # rank, step, loss
+VALIDATION_LINE = re.compile(LINE_PREFIX_RE + r"validation step: (\d+)\s+loss: (\S+)")  # rank, step, loss
+MESH_LINE = re.compile(LINE_PREFIX_RE + r"World mesh (\{.*?\})")  # rank, {dim: size} as a Python literal
 
 
 class MetricsLogger:
@@ -84,6 +97,15 @@ def _memory_field(metrics: Mapping[str, float | None]) -> str | None:
     if peak_rss is not None:
         return f"memory: {peak_rss:.2f}GiB rss"
     return None
+
+
+def format_mesh_line(dim_names: tuple[str, ...], shape: tuple[int, ...]) -> str:
+    return f"World mesh {dict(zip(dim_names, shape))}"
+
+
+def format_validation_line(step: int, loss: float, perplexity: float, tokens: int, batches: int, trained: int) -> str:
+    return (f"validation step: {step}  loss: {loss:.5g}  perplexity: {perplexity:.5g}  tokens: {tokens:,} "
+            f"({batches} batch(es))  trained on: {trained:,} tokens")
 
 
 def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:

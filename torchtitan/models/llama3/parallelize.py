@@ -174,6 +174,16 @@ def _checkpoint_forward(module: torch.nn.Module, context_fn: Callable | None) ->
     module.forward = forward
 
 
+def selective_ac_interval(option: str) -> int | None:
+    """The N of selective AC every N-th block, None for 'op'; ValueError for anything else."""
+    if option == "op":
+        return None
+    if not (option.isdigit() and int(option) >= 1):
+        raise ValueError(f"selective_ac_option={option}: use 'op' or a positive integer N ('op' keeps matmul "
+                         "outputs, N checkpoints every N-th block)")
+    return int(option)
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_option: str) -> None:
     """full: recompute every block; selective 'op': keep matmul outputs; selective N: every N-th block."""
     blocks = list(model.layers.values())
@@ -183,14 +193,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_
         chosen = blocks
         context_fn = partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
     else:
-        try:
-            every = int(selective_option)
-        except ValueError:
-            every = 0
-        if every < 1:
-            raise ValueError(
-                f"activation_checkpoint.selective_ac_option='{selective_option}': use 'op' or a positive integer N"
-            )
+        every = selective_ac_interval(selective_option)
         chosen, context_fn = blocks[every - 1 :: every], None
     for block in chosen:
         _checkpoint_forward(block, context_fn)
