@@ -38,6 +38,7 @@ from torchtitan.distributed.pipeline_parallel import (
     DEFAULT_STAGES_PER_RANK, SCHEDULE_CLASS_NAMES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES, PipelinePlan, even_layer_starts,
 )
+from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.models import model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import ffn_hidden_dim
@@ -71,7 +72,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         problems.append(str(e))
     _raise_if(problems)
 
-    grad_accum, found = gradient_accumulation_steps(cfg, dims.degree("dp"))
+    problems += check_fault_tolerance(cfg, dims)
+    data_degree = data_parallel_degree(cfg, dims)
+    grad_accum, found = gradient_accumulation_steps(cfg, data_degree)
     problems += found
     args = dataclasses.replace(
         model_flavors(cfg.model.name)[cfg.model.flavor], vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len
@@ -90,9 +93,15 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
                                     split=held_out_split(cfg), seq_len=t.seq_len,
-                                    global_batch=t.batch_size * dims.degree("dp"))
+                                    global_batch=t.batch_size * data_degree)
     _raise_if(problems)
     return Plan(dims, grad_accum, args, tokenizer, pipeline)
+
+
+def data_parallel_degree(cfg: JobConfig, dims: ParallelDims) -> int:
+    """Ranks reading different data in the whole job: every replica group's under fault tolerance."""
+    ft = cfg.fault_tolerance
+    return dims.degree("dp") * (ft.num_replica_groups if ft.enable else 1)
 
 
 def _raise_if(problems: list[str]) -> None:

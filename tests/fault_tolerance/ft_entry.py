@@ -1,0 +1,93 @@
+"""``train.py`` for the fault-tolerance tests: records every committed step, and can crash or throttle.
+
+After each committed step every rank appends one JSON line to ``$FT_RECORD.<rank>``: the
+step, the exact loss, a hash of this rank's weights, Adam state and learning rate, the
+groups that took part, and how many steps it discarded and heals it took so far.
+
+- ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
+  after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
+- ``$FT_START_TOGETHER=DIR:N``: on torchrun's first round, wait before the first step until N
+  ranks (of all groups) got there, so that no group trains a step alone while another still
+  starts up.
+- ``$FT_THROTTLE_ALONE=S``: sleep S seconds after each step committed without another
+  group, so that a survivor is still training when the dead group comes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _local_bytes(t: torch.Tensor) -> bytes:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_hash(trainer) -> str:
+    """A hash of this rank's shards of the weights and of Adam's state, and of the learning rate."""
+    h = hashlib.sha256()
+    for part in trainer.model_parts:
+        for name, p in part.named_parameters():
+            h.update(name.encode())
+            h.update(_local_bytes(p))
+            for key, value in sorted(trainer.optimizer.state[p].items()):
+                h.update(key.encode())
+                h.update(_local_bytes(value))
+    h.update(repr([g["lr"] for g in trainer.optimizer.param_groups]).encode())
+    return h.hexdigest()
+
+
+def _install() -> None:
+    from torchtitan.trainer import Trainer
+
+    real = Trainer.train_step
+    record = Path(f"{os.environ['FT_RECORD']}.{os.environ.get('RANK', '0')}")
+    crash_at = int(os.environ.get("FT_CRASH_AT_STEP", "0"))
+    first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    throttle = float(os.environ.get("FT_THROTTLE_ALONE", "0"))
+
+    together = os.environ.get("FT_START_TOGETHER")
+
+    def train_step(self, batches):
+        nonlocal together
+        if together and first_round:
+            folder, count = together.rsplit(":", 1)
+            Path(folder, f"{self.cfg.fault_tolerance.replica_id}.{os.environ.get('RANK', '0')}").touch()
+            while len(list(Path(folder).iterdir())) < int(count):
+                time.sleep(0.05)
+            together = None
+        loss, grad_norm = real(self, batches)
+        ft = self.ft
+        line = {"step": self.step, "loss": loss, "state": state_hash(self), "time": time.time(),
+                "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
+                "heals": ft.heals if ft else 0,
+                "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+        with record.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        if first_round and self.step == crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if throttle and ft is not None and ft.participants == 1:
+            time.sleep(throttle)
+        return loss, grad_norm
+
+    Trainer.train_step = train_step
+
+
+if __name__ == "__main__":
+    if "FT_PIDS" in os.environ:  # torchrun starts workers in sessions of their own: the test kills them by pid
+        Path(os.environ["FT_PIDS"], str(os.getpid())).touch()
+    _install()
+    import train
+
+    sys.exit(train.main(sys.argv[1:]))

@@ -1,0 +1,165 @@
+"""Fault-tolerant HSDP end to end: two replica groups (FSDP 2 each, torchrun) and a lighthouse.
+
+One shared run answers every question, to keep CI short:
+
+- group 0 trains all the way (the survivor); group 1 SIGKILLs both its ranks right after
+  step 3 and torchrun (``--max-restarts 1``) starts it again: the stale-key path, since
+  torchrun's store still holds the dead manager's address;
+- the survivor keeps training alone, discarding at most one step;
+- the restarted group heals from the survivor on its first step, and from then on its
+  weights, Adam state and learning rate are bitwise the survivor's and it logs the same loss;
+- while both groups are healthy (steps 1-3) the loss equals a single process training
+  the same global batch (4 sequences), within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRY = str(Path(__file__).with_name("ft_entry.py"))
+CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+STEPS, CRASH_AT = 16, 3
+HEARTBEAT_MS = 1000
+COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", "--metrics.log_freq=1",
+          "--metrics.enable_tensorboard=false", "--training.batch_size=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(record: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FT_RECORD": str(record),
+            "FT_PIDS": str(record.parent / "pids"),
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], restarts: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           f"--max-restarts={restarts}", ENTRY, *COMMON, f"--job.dump_folder={tmp / f'g{replica_id}'}",
+           "--parallelism.data_parallel_shard_degree=2", "--fault_tolerance.enable",
+           f"--fault_tolerance.replica_id={replica_id}", "--fault_tolerance.num_replica_groups=2",
+           f"--fault_tolerance.lighthouse={lighthouse}", "--fault_tolerance.timeout_seconds=10",
+           "--fault_tolerance.quorum_timeout_seconds=60", "--comm.train_timeout_seconds=30"]
+    return subprocess.Popen(cmd, env=env, stdout=open(tmp / f"g{replica_id}.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    codes = {}
+    try:
+        for name, p in procs.items():
+            codes[name] = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp.glob("*.log")))
+        pytest.fail(f"fault-tolerance run did not finish in {timeout:.0f} s\n{logs}")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for pid in (tmp / "pids").iterdir():  # workers left behind by a killed torchrun agent
+            try:
+                os.kill(int(pid.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return codes
+
+
+@pytest.fixture(scope="module")
+def ft_run(tmp_path_factory):
+    if shutil.which("torchft_lighthouse") is None:
+        pytest.skip("torchft is not installed (scripts/install.sh installs it)")
+    tmp = tmp_path_factory.mktemp("ft")
+    port = _free_port()
+    lighthouse = subprocess.Popen(
+        ["torchft_lighthouse", "--min_replicas=1", f"--bind=[::]:{port}", f"--heartbeat_timeout_ms={HEARTBEAT_MS}",
+         "--join_timeout_ms=1000", "--quorum_tick_ms=50"],
+        stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://localhost:{port}"
+    (tmp / "start").mkdir()
+    (tmp / "pids").mkdir()
+    together = {"FT_START_TOGETHER": f"{tmp / 'start'}:4"}
+    try:
+        procs = {
+            "g0": _group(tmp, 0, address, _env(tmp / "g0", FT_THROTTLE_ALONE="1", **together), restarts=0),
+            "g1": _group(tmp, 1, address, _env(tmp / "g1", FT_CRASH_AT_STEP=str(CRASH_AT), **together), restarts=1),
+            # The same global batch (4 sequences), one process, no fault tolerance.
+            "ref": subprocess.Popen(
+                [sys.executable, ENTRY, *COMMON, "--training.batch_size=4",
+                 f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref"), stdout=open(tmp / "ref.log", "w"),
+                stderr=subprocess.STDOUT, start_new_session=True),
+        }
+        codes = _wait(procs, tmp, timeout=150)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    records = {name: {rank: _records(tmp / f"{name}.{rank}") for rank in (0, 1)} for name in ("g0", "g1")}
+    return tmp, codes, records, _records(tmp / "ref.0")
+
+
+def _by_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records}
+
+
+def test_both_groups_finish(ft_run):
+    tmp, codes, records, _ = ft_run
+    assert codes == {"g0": 0, "g1": 0, "ref": 0}, (codes, (tmp / "g1.log").read_text()[-3000:])
+    for rank in (0, 1):
+        assert [r["step"] for r in records["g0"][rank]] == list(range(1, STEPS + 1)), "survivor skipped or redid a step"
+        assert records["g1"][rank][-1]["step"] == STEPS
+
+
+def test_survivor_trains_alone_and_loses_at_most_one_step(ft_run):
+    _, _, records, _ = ft_run
+    survivor = records["g0"][0]
+    alone = [r["step"] for r in survivor if r["participants"] == 1]
+    assert alone and min(alone) > CRASH_AT, f"survivor never trained alone after the crash: {survivor}"
+    assert survivor[-1]["discarded"] <= 1, f"survivor discarded {survivor[-1]['discarded']} steps"
+    by_step = _by_step(survivor)
+    stall = by_step[CRASH_AT + 1]["time"] - by_step[CRASH_AT]["time"]
+    # The dead group is noticed by the failed all-reduce or the lighthouse's heartbeat timeout.
+    assert stall < HEARTBEAT_MS / 1000 + 10, f"survivor stalled {stall:.1f} s after the crash"
+
+
+def test_rejoined_group_heals_and_matches_survivor_bitwise(ft_run):
+    _, _, records, _ = ft_run
+    for rank in (0, 1):
+        before = [r for r in records["g1"][rank] if r["restart"] == "0"]
+        after = [r for r in records["g1"][rank] if r["restart"] == "1"]
+        assert [r["step"] for r in before] == list(range(1, CRASH_AT + 1))
+        assert after, "the restarted group committed no step"
+        assert after[0]["heals"] == 1 and after[0]["step"] > CRASH_AT + 1, after[0]
+        survivor = _by_step(records["g0"][rank])
+        for r in after:
+            s = survivor[r["step"]]
+            assert r["state"] == s["state"], f"rank {rank} step {r['step']}: weights/Adam state differ from survivor"
+            assert r["loss"] == s["loss"], f"rank {rank} step {r['step']}: loss {r['loss']} != {s['loss']}"
+
+
+def test_healthy_groups_match_one_process_with_the_same_global_batch(ft_run):
+    _, _, records, ref = ft_run
+    assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    for step in range(1, CRASH_AT + 1):
+        losses = {(g, rank): _by_step(records[g][rank])[step]["loss"] for g in ("g0", "g1") for rank in (0, 1)}
+        assert len(set(losses.values())) == 1, f"step {step}: groups log different losses {losses}"
+        assert _by_step(records["g0"][0])[step]["participants"] == 2
+        expected = ref[step - 1]["loss"]
+        assert abs(losses["g0", 0] - expected) <= 1e-5 * abs(expected), (step, losses["g0", 0], expected)
