@@ -1,7 +1,7 @@
 """``train.py`` for the fault-tolerance tests: records every committed step, and can crash or throttle.
 
 After each committed step every rank appends one JSON line to ``$FT_RECORD.<rank>``: the
-step, the exact loss, a hash of this rank's weights, Adam state and learning rate, the
+step, the exact loss, the torchft all-reduces it took, a hash of this rank's weights, Adam state and learning rate, the
 groups that took part, and how many steps it discarded and heals it took so far.
 
 - ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
@@ -59,8 +59,20 @@ def _install() -> None:
 
     together = os.environ.get("FT_START_TOGETHER")
 
+    calls = {"n": 0}
+
+    def counting(real_allreduce):
+        def allreduce(*args, **kwargs):
+            calls["n"] += 1
+            return real_allreduce(*args, **kwargs)
+        return allreduce
+
     def train_step(self, batches):
         nonlocal together
+        if self.ft is not None and not calls.get("wrapped"):
+            self.ft.manager.allreduce = counting(self.ft.manager.allreduce)
+            calls["wrapped"] = True
+        calls["n"] = 0
         if together and first_round:
             folder, count = together.rsplit(":", 1)
             Path(folder, f"{self.cfg.fault_tolerance.replica_id}.{os.environ.get('RANK', '0')}").touch()
@@ -71,7 +83,7 @@ def _install() -> None:
         ft = self.ft
         line = {"step": self.step, "loss": loss, "state": state_hash(self), "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
-                "heals": ft.heals if ft else 0,
+                "heals": ft.heals if ft else 0, "allreduces": calls["n"],
                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
         with record.open("a") as f:
             f.write(json.dumps(line) + "\n")

@@ -9,7 +9,9 @@ One shared run answers every question, to keep CI short:
 - the restarted group heals from the survivor on its first step, and from then on its
   weights, Adam state and learning rate are bitwise the survivor's and it logs the same loss;
 - while both groups are healthy (steps 1-3) the loss equals a single process training
-  the same global batch (4 sequences), within 1e-5 relative.
+  the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative;
+- with gradient accumulation a step takes one cross-group all-reduce per FSDP unit, not
+  one per micro-batch (plus one for the token count and one for the loss).
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ ENTRY = str(Path(__file__).with_name("ft_entry.py"))
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 STEPS, CRASH_AT = 16, 3
 HEARTBEAT_MS = 1000
+ACCUM = 2
 COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", "--metrics.log_freq=1",
-          "--metrics.enable_tensorboard=false", "--training.batch_size=1"]
+          "--metrics.enable_tensorboard=false", "--training.batch_size=1",
+          f"--training.gradient_accumulation_steps={ACCUM}"]
+FSDP_UNITS = 7  # the debug model's 6 blocks and the root
 
 
 def _free_port() -> int:
@@ -101,7 +106,7 @@ def ft_run(tmp_path_factory):
         procs = {
             "g0": _group(tmp, 0, address, _env(tmp / "g0", FT_THROTTLE_ALONE="1", **together), restarts=0),
             "g1": _group(tmp, 1, address, _env(tmp / "g1", FT_CRASH_AT_STEP=str(CRASH_AT), **together), restarts=1),
-            # The same global batch (4 sequences), one process, no fault tolerance.
+            # The same global batch (4 sequences x 2 micro-batches), one process, no fault tolerance.
             "ref": subprocess.Popen(
                 [sys.executable, ENTRY, *COMMON, "--training.batch_size=4",
                  f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref"), stdout=open(tmp / "ref.log", "w"),
@@ -163,3 +168,10 @@ def test_healthy_groups_match_one_process_with_the_same_global_batch(ft_run):
         assert _by_step(records["g0"][0])[step]["participants"] == 2
         expected = ref[step - 1]["loss"]
         assert abs(losses["g0", 0] - expected) <= 1e-5 * abs(expected), (step, losses["g0", 0], expected)
+
+
+def test_one_cross_group_all_reduce_per_unit_per_step(ft_run):
+    _, _, records, _ = ft_run
+    for rank in (0, 1):
+        counts = {r["allreduces"] for r in records["g0"][rank] if r["discarded"] == 0}
+        assert counts == {FSDP_UNITS + 2}, f"torchft all-reduces per step with {ACCUM} micro-batches: {counts}"
