@@ -12,6 +12,10 @@ One shared run answers every question, to keep CI short:
   the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative;
 - with gradient accumulation a step takes one cross-group all-reduce per FSDP unit, not
   one per micro-batch (plus one for the token count and one for the loss).
+
+A second, shorter run has TP 2 inside each group (no data parallelism in a group, where
+FSDP would otherwise not be applied and no hook installed): the groups stay bitwise equal
+and match one process training their global batch.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", "--metrics
           "--metrics.enable_tensorboard=false", "--training.batch_size=1",
           f"--training.gradient_accumulation_steps={ACCUM}"]
 FSDP_UNITS = 7  # the debug model's 6 blocks and the root
+TP_STEPS = 4
 
 
 def _free_port() -> int:
@@ -52,10 +57,11 @@ def _env(record: Path, **extra: str) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
 
 
-def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], restarts: int) -> subprocess.Popen:
+def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], restarts: int,
+           layout: tuple[str, ...] = ("--parallelism.data_parallel_shard_degree=2",)) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            f"--max-restarts={restarts}", ENTRY, *COMMON, f"--job.dump_folder={tmp / f'g{replica_id}'}",
-           "--parallelism.data_parallel_shard_degree=2", "--fault_tolerance.enable",
+           *layout, "--fault_tolerance.enable",
            f"--fault_tolerance.replica_id={replica_id}", "--fault_tolerance.num_replica_groups=2",
            f"--fault_tolerance.lighthouse={lighthouse}", "--fault_tolerance.timeout_seconds=10",
            "--fault_tolerance.quorum_timeout_seconds=60", "--comm.train_timeout_seconds=30"]
@@ -88,19 +94,23 @@ def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> dict
     return codes
 
 
-@pytest.fixture(scope="module")
-def ft_run(tmp_path_factory):
+def _lighthouse(tmp: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
     if shutil.which("torchft_lighthouse") is None:
         pytest.skip("torchft is not installed (scripts/install.sh installs it)")
-    tmp = tmp_path_factory.mktemp("ft")
     port = _free_port()
     lighthouse = subprocess.Popen(
-        ["torchft_lighthouse", "--min_replicas=1", f"--bind=[::]:{port}", f"--heartbeat_timeout_ms={HEARTBEAT_MS}",
-         "--join_timeout_ms=1000", "--quorum_tick_ms=50"],
+        ["torchft_lighthouse", f"--min_replicas={min_replicas}", f"--bind=[::]:{port}",
+         f"--heartbeat_timeout_ms={HEARTBEAT_MS}", "--join_timeout_ms=1000", "--quorum_tick_ms=50"],
         stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://localhost:{port}"
-    (tmp / "start").mkdir()
     (tmp / "pids").mkdir()
+    return lighthouse, f"http://localhost:{port}"
+
+
+@pytest.fixture(scope="module")
+def ft_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ft")
+    lighthouse, address = _lighthouse(tmp, min_replicas=1)
+    (tmp / "start").mkdir()
     together = {"FT_START_TOGETHER": f"{tmp / 'start'}:4"}
     try:
         procs = {
@@ -175,3 +185,34 @@ def test_one_cross_group_all_reduce_per_unit_per_step(ft_run):
     for rank in (0, 1):
         counts = {r["allreduces"] for r in records["g0"][rank] if r["discarded"] == 0}
         assert counts == {FSDP_UNITS + 2}, f"torchft all-reduces per step with {ACCUM} micro-batches: {counts}"
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """Two healthy groups of TP 2 (no data parallelism inside a group) and one process with their global batch."""
+    tmp = tmp_path_factory.mktemp("ft_tp")
+    # A quorum needs both groups: neither trains a step alone while the other starts up.
+    lighthouse, address = _lighthouse(tmp, min_replicas=2)
+    tp = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+          "--fault_tolerance.min_replicas=2", f"--training.steps={TP_STEPS}")
+    try:
+        procs = {f"g{g}": _group(tmp, g, address, _env(tmp / f"g{g}"), restarts=0, layout=tp) for g in (0, 1)}
+        procs["ref"] = subprocess.Popen(
+            [sys.executable, ENTRY, *COMMON, "--training.batch_size=2", f"--training.steps={TP_STEPS}",
+             f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref"), stdout=open(tmp / "ref.log", "w"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+        codes = _wait(procs, tmp, timeout=120)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert codes == {"g0": 0, "g1": 0, "ref": 0}, codes
+    return {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "ref")}
+
+
+def test_tp_groups_stay_equal_and_match_one_process(tp_run):
+    """Without FSDP a TP-only group would install no hook and the groups would drift apart silently."""
+    g0, g1, ref = tp_run["g0"], tp_run["g1"], tp_run["ref"]
+    assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, TP_STEPS + 1))
+    for a, b, r in zip(g0, g1, ref):
+        assert a["state"] == b["state"] and a["loss"] == b["loss"], f"step {a['step']}: the TP groups differ"
+        assert abs(a["loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (a["step"], a["loss"], r["loss"])
