@@ -6,6 +6,8 @@ groups that took part, and how many steps it discarded and heals it took so far.
 
 - ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
   after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
+- ``$FT_CORRUPT_AT_STEP=N``: rank 0 nudges one of its weights as step N begins (silent data
+  corruption in one group), which the replica check must catch.
 - ``$FT_START_TOGETHER=DIR:N``: on torchrun's first round, wait before the first step until N
   ranks (of all groups) got there, so that no group trains a step alone while another still
   starts up.
@@ -58,6 +60,7 @@ def _install() -> None:
     throttle = float(os.environ.get("FT_THROTTLE_ALONE", "0"))
 
     together = os.environ.get("FT_START_TOGETHER")
+    corrupt_at = int(os.environ.get("FT_CORRUPT_AT_STEP", "0"))
 
     calls = {"n": 0}
 
@@ -73,6 +76,10 @@ def _install() -> None:
             self.ft.manager.allreduce = counting(self.ft.manager.allreduce)
             calls["wrapped"] = True
         calls["n"] = 0
+        if self.step == corrupt_at and os.environ.get("RANK", "0") == "0":
+            with torch.no_grad():
+                p = next(self.model_parts[0].parameters())
+                (p.to_local() if isinstance(p, DTensor) else p).view(-1)[0] += 1e-3
         if together and first_round:
             folder, count = together.rsplit(":", 1)
             Path(folder, f"{self.cfg.fault_tolerance.replica_id}.{os.environ.get('RANK', '0')}").touch()

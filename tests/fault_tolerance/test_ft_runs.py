@@ -11,11 +11,14 @@ One shared run answers every question, to keep CI short:
 - while both groups are healthy (steps 1-3) the loss equals a single process training
   the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative;
 - with gradient accumulation a step takes one cross-group all-reduce per FSDP unit, not
-  one per micro-batch (plus one for the token count and one for the loss).
+  one per micro-batch (plus the token count, the loss and the replica check).
+
+The replica check runs every step of that run (and passes, also right after the heal).
 
 A second, shorter run has TP 2 inside each group (no data parallelism in a group, where
 FSDP would otherwise not be applied and no hook installed): the groups stay bitwise equal
-and match one process training their global batch.
+and match one process training their global batch. At its last step one weight of group 1
+is nudged, and the replica check stops both groups, naming the step.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], res
            f"--max-restarts={restarts}", ENTRY, *COMMON, f"--job.dump_folder={tmp / f'g{replica_id}'}",
            *layout, "--fault_tolerance.enable",
            f"--fault_tolerance.replica_id={replica_id}", "--fault_tolerance.num_replica_groups=2",
+           "--fault_tolerance.replica_check_freq=1",
            f"--fault_tolerance.lighthouse={lighthouse}", "--fault_tolerance.timeout_seconds=10",
            "--fault_tolerance.quorum_timeout_seconds=60", "--comm.train_timeout_seconds=30"]
     return subprocess.Popen(cmd, env=env, stdout=open(tmp / f"g{replica_id}.log", "w"), stderr=subprocess.STDOUT,
@@ -184,7 +188,8 @@ def test_one_cross_group_all_reduce_per_unit_per_step(ft_run):
     _, _, records, _ = ft_run
     for rank in (0, 1):
         counts = {r["allreduces"] for r in records["g0"][rank] if r["discarded"] == 0}
-        assert counts == {FSDP_UNITS + 2}, f"torchft all-reduces per step with {ACCUM} micro-batches: {counts}"
+        # One per unit, plus the token count, the loss and the replica check (every step here).
+        assert counts == {FSDP_UNITS + 3}, f"torchft all-reduces per step with {ACCUM} micro-batches: {counts}"
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +201,9 @@ def tp_run(tmp_path_factory):
     tp = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
           "--fault_tolerance.min_replicas=2", f"--training.steps={TP_STEPS}")
     try:
-        procs = {f"g{g}": _group(tmp, g, address, _env(tmp / f"g{g}"), restarts=0, layout=tp) for g in (0, 1)}
+        procs = {"g0": _group(tmp, 0, address, _env(tmp / "g0"), restarts=0, layout=tp),
+                 "g1": _group(tmp, 1, address, _env(tmp / "g1", FT_CORRUPT_AT_STEP=str(TP_STEPS)), restarts=0,
+                              layout=tp)}
         procs["ref"] = subprocess.Popen(
             [sys.executable, ENTRY, *COMMON, "--training.batch_size=2", f"--training.steps={TP_STEPS}",
              f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref"), stdout=open(tmp / "ref.log", "w"),
@@ -205,14 +212,23 @@ def tp_run(tmp_path_factory):
     finally:
         lighthouse.kill()
         lighthouse.wait()
-    assert codes == {"g0": 0, "g1": 0, "ref": 0}, codes
-    return {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "ref")}
+    logs = {g: (tmp / f"{g}.log").read_text() for g in ("g0", "g1")}
+    return codes, logs, {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "ref")}
 
 
 def test_tp_groups_stay_equal_and_match_one_process(tp_run):
     """Without FSDP a TP-only group would install no hook and the groups would drift apart silently."""
-    g0, g1, ref = tp_run["g0"], tp_run["g1"], tp_run["ref"]
-    assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, TP_STEPS + 1))
+    codes, _, records = tp_run
+    g0, g1, ref = records["g0"], records["g1"], records["ref"]
+    assert codes["ref"] == 0 and len(ref) == TP_STEPS
+    assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, TP_STEPS))
     for a, b, r in zip(g0, g1, ref):
         assert a["state"] == b["state"] and a["loss"] == b["loss"], f"step {a['step']}: the TP groups differ"
         assert abs(a["loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (a["step"], a["loss"], r["loss"])
+
+
+def test_replica_check_stops_both_groups_on_a_corrupted_weight(tp_run):
+    codes, logs, _ = tp_run
+    assert codes["g0"] != 0 and codes["g1"] != 0, codes
+    for g in ("g0", "g1"):
+        assert f"replica check failed at step {TP_STEPS}" in logs[g], logs[g][-3000:]

@@ -139,3 +139,18 @@ def test_a_parameter_outside_every_hooked_unit_is_refused():
     (errors,) = run_ranks(_hook_coverage, 1, timeout=120)
     assert len(errors) == 1
     assert "2 parameter(s) sit in no FSDP unit" in errors[0] and "1.weight" in errors[0], errors
+
+
+def test_fingerprint_sees_one_flipped_bit_and_a_swap():
+    from torchtitan.fault_tolerance.replica_check import fingerprint
+
+    a, b = torch.randn(5, 3), torch.randn(7)
+    base = fingerprint([a, b])
+    assert fingerprint([a.clone(), b.clone()]) == base
+    flipped = a.clone()
+    flipped.view(torch.int32).view(-1)[4] ^= 1  # the lowest mantissa bit of one element
+    assert fingerprint([flipped, b]) != base
+    assert fingerprint([b, a]) != base
+    swapped = a.clone().reshape(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert fingerprint([swapped.reshape(5, 3), b]) != base

@@ -82,9 +82,6 @@ def _not_built_problems(cfg: JobConfig) -> list[str]:
             problems.append(f"{FT}sync_steps={ft.sync_steps} is not divisible by num_fragments={ft.num_fragments}")
         problems.append(f"{FT}semi_sync_method={ft.semi_sync_method} is not supported yet: use none "
                         "(a cross-group all-reduce every step)")
-    if ft.replica_check_freq:
-        problems.append(f"{FT}replica_check_freq={ft.replica_check_freq}: the cross-group replica check is not "
-                        "built yet; set 0")
     if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.create_seed_checkpoint:
         problems.append(f"{FT}enable with checkpoints is not supported yet: set --checkpoint.enable_checkpoint=false "
                         "(a restarted group heals from a live peer instead)")

@@ -2,7 +2,8 @@
 
     refresh the heal state -> start the quorum -> forward/backward (the FSDP hooks all-reduce
     gradients across groups on the last micro-batch) -> global loss -> clip -> should_commit?
-      yes: optimizer, LR scheduler step; the trainer's step counts
+      yes: optimizer, LR scheduler step; the trainer's step counts; every replica_check_freq
+           steps the groups compare fingerprints of their weights and optimizer state
       no:  drop the gradients and run the same batches again
 
 Token counts and loss sums are summed over the live groups too, so the gradient is the
@@ -22,6 +23,7 @@ from torchtitan.distributed import clip_grad_norm_
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.distributed.grads import match_grad_placements
 from torchtitan.fault_tolerance.data import RepositionableBatches
+from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint, model_and_optimizer_tensors
 from torchtitan.fault_tolerance.state import HealState
 from torchtitan.loss import LossScale
 
@@ -85,11 +87,18 @@ class FaultTolerantStep:
                 trainer.optimizer.step()
                 trainer.lr_scheduler.step()
                 trainer.optimizer.zero_grad(set_to_none=True)
+                self._maybe_check_replicas(trainer)
                 return loss_sum / scale.global_tokens, float(grad_norm)
             trainer.optimizer.zero_grad(set_to_none=True)
             self.discarded += 1
             logger.warning("Fault tolerance: step %d discarded (%s); retrying the same batches", trainer.step,
                            self.manager.errored() or "too few live groups")
+
+    def _maybe_check_replicas(self, trainer: Trainer) -> None:
+        ft = trainer.cfg.fault_tolerance
+        if ft.replica_check_freq and trainer.step % ft.replica_check_freq == 0:
+            value = fingerprint(model_and_optimizer_tensors(trainer.model_parts, trainer.optimizer))
+            check_replicas(self.manager, ft.replica_id, ft.num_replica_groups, value, trainer.step)
 
     def trainer_state(self, trainer: Trainer) -> dict[str, Any]:
         """The step being taken and the data position after its batches: what a healed group continues from."""
