@@ -15,6 +15,9 @@ One shared run answers every question, to keep CI short:
 
 The replica check runs every step of that run (and passes, also right after the heal).
 
+A third run (one rank per group) loses its lighthouse for 5 s mid-run: with
+``quorum_retries`` both groups wait and carry on.
+
 A second, shorter run has TP 2 inside each group (no data parallelism in a group, where
 FSDP would otherwise not be applied and no hook installed): the groups stay bitwise equal
 and match one process training their global batch. At its last step one weight of group 1
@@ -98,14 +101,18 @@ def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> dict
     return codes
 
 
+def _start_lighthouse(tmp: Path, min_replicas: int, port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["torchft_lighthouse", f"--min_replicas={min_replicas}", f"--bind=[::]:{port}",
+         f"--heartbeat_timeout_ms={HEARTBEAT_MS}", "--join_timeout_ms=1000", "--quorum_tick_ms=50"],
+        stdout=open(tmp / "lighthouse.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def _lighthouse(tmp: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
     if shutil.which("torchft_lighthouse") is None:
         pytest.skip("torchft is not installed (scripts/install.sh installs it)")
     port = _free_port()
-    lighthouse = subprocess.Popen(
-        ["torchft_lighthouse", f"--min_replicas={min_replicas}", f"--bind=[::]:{port}",
-         f"--heartbeat_timeout_ms={HEARTBEAT_MS}", "--join_timeout_ms=1000", "--quorum_tick_ms=50"],
-        stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    lighthouse = _start_lighthouse(tmp, min_replicas, port)
     (tmp / "pids").mkdir()
     return lighthouse, f"http://localhost:{port}"
 
@@ -232,3 +239,46 @@ def test_replica_check_stops_both_groups_on_a_corrupted_weight(tp_run):
     assert codes["g0"] != 0 and codes["g1"] != 0, codes
     for g in ("g0", "g1"):
         assert f"replica check failed at step {TP_STEPS}" in logs[g], logs[g][-3000:]
+
+
+OUTAGE_STEPS, OUTAGE_AT, OUTAGE_S = 16, 5, 5.0
+
+
+@pytest.fixture(scope="module")
+def outage_run(tmp_path_factory):
+    """Two one-rank groups (plain ``python``, no torchrun); the lighthouse is down for 5 s after step 5."""
+    tmp = tmp_path_factory.mktemp("ft_outage")
+    lighthouse, address = _lighthouse(tmp, min_replicas=1)
+    port = int(address.rsplit(":", 1)[1])
+    (tmp / "start").mkdir()
+    args = [*COMMON, f"--training.steps={OUTAGE_STEPS}", "--fault_tolerance.enable",
+            "--fault_tolerance.num_replica_groups=2", f"--fault_tolerance.lighthouse={address}",
+            "--fault_tolerance.quorum_retries=5", "--comm.train_timeout_seconds=60"]
+    procs = {f"g{g}": subprocess.Popen(
+        [sys.executable, ENTRY, *args, f"--fault_tolerance.replica_id={g}", f"--job.dump_folder={tmp / f'g{g}'}"],
+        env=_env(tmp / f"g{g}", FT_START_TOGETHER=f"{tmp / 'start'}:2"), stdout=open(tmp / f"g{g}.log", "w"),
+        stderr=subprocess.STDOUT, start_new_session=True) for g in (0, 1)}
+    try:
+        deadline = time.monotonic() + 90
+        while len(_records(tmp / "g0.0")) < OUTAGE_AT and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lighthouse.kill()
+        lighthouse.wait()
+        down = time.time()
+        time.sleep(OUTAGE_S)
+        lighthouse = _start_lighthouse(tmp, 1, port)
+        codes = _wait(procs, tmp, timeout=120)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    return codes, down, {g: _records(tmp / f"{g}.0") for g in ("g0", "g1")}
+
+
+def test_both_groups_survive_a_lighthouse_outage(outage_run):
+    codes, down, records = outage_run
+    assert codes == {"g0": 0, "g1": 0}, codes
+    for g in ("g0", "g1"):
+        assert [r["step"] for r in records[g]] == list(range(1, OUTAGE_STEPS + 1))
+        # The outage fell inside the run: some step waited for the lighthouse to come back.
+        assert any(r["time"] > down + OUTAGE_S for r in records[g][:-1]), "the run ended before the outage"
+    assert all(a["state"] == b["state"] for a, b in zip(records["g0"], records["g1"]))
