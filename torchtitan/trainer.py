@@ -75,6 +75,7 @@ class Trainer:
         ft = cfg.fault_tolerance
         data_rank, data_degree = (data_slot(ft.replica_id, ft.num_replica_groups, dp_rank, dp_degree) if ft.enable
                                   else (dp_rank, dp_degree))
+        self.data_degree = data_degree  # local batches per micro-step in the whole job
         self.dataloader = build_dataloader(
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
@@ -260,13 +261,16 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_sum() / scale.global_tokens
+        self.check_finite(loss)
+        return loss, float(grad_norm)
+
+    def check_finite(self, loss: float) -> None:
         if not math.isfinite(loss):
             # Every rank holds the same reduced loss, so every rank stops here together.
             raise FloatingPointError(
                 f"loss is {loss} at step {self.step}: training diverged; lower --optimizer.lr, raise "
                 f"--lr_scheduler.warmup_steps or check the data"
             )
-        return loss, float(grad_norm)
 
     def train(self) -> list[float]:
         """Train to ``training.steps`` (or until preempted); then close the checkpointer and the metrics."""
@@ -347,7 +351,7 @@ class Trainer:
         """Evaluate on the validation data now; log and record the result at the current step."""
         result = self.validator.run()
         t = self.cfg.training
-        trained = self.step * self.grad_accum * t.batch_size * self.dims.degree("dp") * t.seq_len
+        trained = self.step * self.grad_accum * t.batch_size * self.data_degree * t.seq_len
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
                    "validation/tokens": result.tokens, "validation/train_tokens_seen": trained}
         if self.rank == 0:

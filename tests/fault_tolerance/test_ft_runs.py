@@ -6,8 +6,9 @@ One shared run answers every question, to keep CI short:
   step 3 and torchrun (``--max-restarts 1``) starts it again: the stale-key path, since
   torchrun's store still holds the dead manager's address;
 - the survivor keeps training alone, discarding at most one step;
-- the restarted group heals from the survivor on its first step, and from then on its
-  weights, Adam state and learning rate are bitwise the survivor's and it logs the same loss;
+- the restarted group heals from the survivor on its first step (during the LR warmup), and
+  from then on its weights, Adam state and learning rate are bitwise the survivor's and it
+  logs the same loss;
 - while both groups are healthy (steps 1-3) the loss equals a single process training
   the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative;
 - with gradient accumulation a step takes one cross-group all-reduce per FSDP unit, not
@@ -44,7 +45,9 @@ CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 STEPS, CRASH_AT = 16, 3
 HEARTBEAT_MS = 1000
 ACCUM = 2
-COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", "--metrics.log_freq=1",
+WARMUP = 12  # the restarted group heals during the warmup, while the learning rate changes fastest
+COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", f"--lr_scheduler.warmup_steps={WARMUP}",
+          "--metrics.log_freq=1",
           "--metrics.enable_tensorboard=false", "--training.batch_size=1",
           f"--training.gradient_accumulation_steps={ACCUM}"]
 FSDP_UNITS = 7  # the debug model's 6 blocks and the root
@@ -173,6 +176,7 @@ def test_rejoined_group_heals_and_matches_survivor_bitwise(ft_run):
         assert [r["step"] for r in before] == list(range(1, CRASH_AT + 1))
         assert after, "the restarted group committed no step"
         assert after[0]["heals"] == 1 and after[0]["step"] > CRASH_AT + 1, after[0]
+        assert after[0]["step"] <= WARMUP, f"healed at step {after[0]['step']}, after the warmup"
         survivor = _by_step(records["g0"][rank])
         for r in after:
             s = survivor[r["step"]]
@@ -206,13 +210,14 @@ def tp_run(tmp_path_factory):
     # A quorum needs both groups: neither trains a step alone while the other starts up.
     lighthouse, address = _lighthouse(tmp, min_replicas=2)
     tp = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
-          "--fault_tolerance.min_replicas=2", f"--training.steps={TP_STEPS}")
+          "--fault_tolerance.min_replicas=2", f"--training.steps={TP_STEPS}", "--lr_scheduler.warmup_steps=1")
     try:
         procs = {"g0": _group(tmp, 0, address, _env(tmp / "g0"), restarts=0, layout=tp),
                  "g1": _group(tmp, 1, address, _env(tmp / "g1", FT_CORRUPT_AT_STEP=str(TP_STEPS)), restarts=0,
                               layout=tp)}
         procs["ref"] = subprocess.Popen(
             [sys.executable, ENTRY, *COMMON, "--training.batch_size=2", f"--training.steps={TP_STEPS}",
+             "--lr_scheduler.warmup_steps=1",
              f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref"), stdout=open(tmp / "ref.log", "w"),
             stderr=subprocess.STDOUT, start_new_session=True)
         codes = _wait(procs, tmp, timeout=120)

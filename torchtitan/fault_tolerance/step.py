@@ -88,7 +88,9 @@ class FaultTolerantStep:
                 trainer.lr_scheduler.step()
                 trainer.optimizer.zero_grad(set_to_none=True)
                 self._maybe_check_replicas(trainer)
-                return loss_sum / scale.global_tokens, float(grad_norm)
+                loss = loss_sum / scale.global_tokens  # the same in every live group: they all stop together
+                trainer.check_finite(loss)
+                return loss, float(grad_norm)
             trainer.optimizer.zero_grad(set_to_none=True)
             self.discarded += 1
             logger.warning("Fault tolerance: step %d discarded (%s); retrying the same batches", trainer.step,
