@@ -91,7 +91,7 @@ def _install() -> None:
         line = {"step": self.step, "loss": loss, "state": state_hash(self), "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
                 "heals": ft.heals if ft else 0, "allreduces": calls["n"],
-                "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+                "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}
         with record.open("a") as f:
             f.write(json.dumps(line) + "\n")
         if first_round and self.step == crash_at:

@@ -16,8 +16,9 @@ One shared run answers every question, to keep CI short:
 
 The replica check runs every step of that run (and passes, also right after the heal).
 
-A third run (one rank per group) loses its lighthouse for 5 s mid-run: with
-``quorum_retries`` both groups wait and carry on.
+A third run (one rank per group, plain ``python``) loses its lighthouse for 5 s mid-run
+(with ``quorum_retries`` both groups wait and carry on); then group 1 is SIGKILLed and
+started again by hand, and heals on its first step.
 
 A second, shorter run has TP 2 inside each group (no data parallelism in a group, where
 FSDP would otherwise not be applied and no hook installed): the groups stay bitwise equal
@@ -104,10 +105,10 @@ def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> dict
     return codes
 
 
-def _start_lighthouse(tmp: Path, min_replicas: int, port: int) -> subprocess.Popen:
+def _start_lighthouse(tmp: Path, min_replicas: int, port: int, join_timeout_ms: int = 1000) -> subprocess.Popen:
     return subprocess.Popen(
         ["torchft_lighthouse", f"--min_replicas={min_replicas}", f"--bind=[::]:{port}",
-         f"--heartbeat_timeout_ms={HEARTBEAT_MS}", "--join_timeout_ms=1000", "--quorum_tick_ms=50"],
+         f"--heartbeat_timeout_ms={HEARTBEAT_MS}", f"--join_timeout_ms={join_timeout_ms}", "--quorum_tick_ms=50"],
         stdout=open(tmp / "lighthouse.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -246,12 +247,18 @@ def test_replica_check_stops_both_groups_on_a_corrupted_weight(tp_run):
         assert f"replica check failed at step {TP_STEPS}" in logs[g], logs[g][-3000:]
 
 
-OUTAGE_STEPS, OUTAGE_AT, OUTAGE_S = 16, 5, 5.0
+OUTAGE_STEPS, OUTAGE_AT, OUTAGE_S, KILL_AT = 24, 5, 5.0, 10
+
+
+def _wait_for_step(record: Path, step: int, deadline: float) -> None:
+    while len(_records(record)) < step and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def outage_run(tmp_path_factory):
-    """Two one-rank groups (plain ``python``, no torchrun); the lighthouse is down for 5 s after step 5."""
+    """Two one-rank groups (plain ``python``): the lighthouse is down for 5 s after step 5, then group 1
+    is SIGKILLed after step 10 and started again by hand."""
     tmp = tmp_path_factory.mktemp("ft_outage")
     lighthouse, address = _lighthouse(tmp, min_replicas=1)
     port = int(address.rsplit(":", 1)[1])
@@ -259,31 +266,59 @@ def outage_run(tmp_path_factory):
     args = [*COMMON, f"--training.steps={OUTAGE_STEPS}", "--fault_tolerance.enable",
             "--fault_tolerance.num_replica_groups=2", f"--fault_tolerance.lighthouse={address}",
             "--fault_tolerance.quorum_retries=5", "--comm.train_timeout_seconds=60"]
-    procs = {f"g{g}": subprocess.Popen(
-        [sys.executable, ENTRY, *args, f"--fault_tolerance.replica_id={g}", f"--job.dump_folder={tmp / f'g{g}'}"],
-        env=_env(tmp / f"g{g}", FT_START_TOGETHER=f"{tmp / 'start'}:2"), stdout=open(tmp / f"g{g}.log", "w"),
-        stderr=subprocess.STDOUT, start_new_session=True) for g in (0, 1)}
+
+    def launch(g: int, **env: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, ENTRY, *args, f"--fault_tolerance.replica_id={g}", f"--job.dump_folder={tmp / f'g{g}'}"],
+            env=_env(tmp / f"g{g}", FT_START_TOGETHER=f"{tmp / 'start'}:2", **env),
+            stdout=open(tmp / f"g{g}.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    procs = {"g0": launch(0, FT_THROTTLE_ALONE="1"), "g1": launch(1)}
     try:
-        deadline = time.monotonic() + 90
-        while len(_records(tmp / "g0.0")) < OUTAGE_AT and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        _wait_for_step(tmp / "g0.0", OUTAGE_AT, deadline)
         lighthouse.kill()
         lighthouse.wait()
         down = time.time()
         time.sleep(OUTAGE_S)
-        lighthouse = _start_lighthouse(tmp, 1, port)
+        # A fresh lighthouse knows nobody: without time for the second group to ask, the first would
+        # form a quorum alone and the two live groups would train apart (README, Fault-tolerant HSDP).
+        lighthouse = _start_lighthouse(tmp, 1, port, join_timeout_ms=10_000)
+        _wait_for_step(tmp / "g1.0", KILL_AT, deadline)
+        os.killpg(procs["g1"].pid, signal.SIGKILL)
+        assert procs["g1"].wait() == -signal.SIGKILL
+        procs["g1"] = launch(1)
         codes = _wait(procs, tmp, timeout=120)
     finally:
         lighthouse.kill()
         lighthouse.wait()
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
     return codes, down, {g: _records(tmp / f"{g}.0") for g in ("g0", "g1")}
 
 
 def test_both_groups_survive_a_lighthouse_outage(outage_run):
     codes, down, records = outage_run
     assert codes == {"g0": 0, "g1": 0}, codes
-    for g in ("g0", "g1"):
-        assert [r["step"] for r in records[g]] == list(range(1, OUTAGE_STEPS + 1))
-        # The outage fell inside the run: some step waited for the lighthouse to come back.
-        assert any(r["time"] > down + OUTAGE_S for r in records[g][:-1]), "the run ended before the outage"
-    assert all(a["state"] == b["state"] for a, b in zip(records["g0"], records["g1"]))
+    assert [r["step"] for r in records["g0"]] == list(range(1, OUTAGE_STEPS + 1))
+    first_life = [r for r in records["g1"] if r["pid"] == records["g1"][0]["pid"]]
+    assert [r["step"] for r in first_life][:KILL_AT] == list(range(1, KILL_AT + 1))
+    # The outage fell inside the run: steps were still taken after the lighthouse came back.
+    assert any(r["time"] > down + OUTAGE_S for r in first_life), "group 1 was killed before the outage ended"
+    survivor = _by_step(records["g0"])
+    assert all(r["state"] == survivor[r["step"]]["state"] for r in first_life)
+
+
+def test_a_killed_and_relaunched_group_heals_on_its_first_step(outage_run):
+    _, _, records = outage_run
+    pid = records["g1"][0]["pid"]
+    first_life = [r for r in records["g1"] if r["pid"] == pid]
+    second_life = [r for r in records["g1"] if r["pid"] != pid]
+    assert second_life and second_life[0]["heals"] == 1 and second_life[0]["step"] > first_life[-1]["step"]
+    assert second_life[-1]["step"] == OUTAGE_STEPS
+    survivor = _by_step(records["g0"])
+    for r in second_life:
+        assert r["state"] == survivor[r["step"]]["state"] and r["loss"] == survivor[r["step"]]["loss"], r["step"]
+    assert any(r["participants"] == 1 for r in records["g0"] if r["step"] > first_life[-1]["step"]), \
+        "the survivor never trained alone while group 1 was down"
