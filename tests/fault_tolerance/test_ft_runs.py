@@ -1,6 +1,7 @@
-"""Fault-tolerant HSDP end to end: two replica groups (FSDP 2 each, torchrun) and a lighthouse.
+"""Fault-tolerant HSDP end to end: replica groups as real processes, and a lighthouse.
 
-One shared run answers every question, to keep CI short:
+Three runs, each answering several questions, to keep CI short. The main one (two groups,
+FSDP 2 each, under torchrun):
 
 - group 0 trains all the way (the survivor); group 1 SIGKILLs both its ranks right after
   step 3 and torchrun (``--max-restarts 1``) starts it again: the stale-key path, since
@@ -12,18 +13,17 @@ One shared run answers every question, to keep CI short:
 - while both groups are healthy (steps 1-3) the loss equals a single process training
   the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative;
 - with gradient accumulation a step takes one cross-group all-reduce per FSDP unit, not
-  one per micro-batch (plus the token count, the loss and the replica check).
-
-The replica check runs every step of that run (and passes, also right after the heal).
-
-A third run (one rank per group, plain ``python``) loses its lighthouse for 5 s mid-run
-(with ``quorum_retries`` both groups wait and carry on); then group 1 is SIGKILLed and
-started again by hand, and heals on its first step.
+  one per micro-batch (plus the token count, the loss and the replica check);
+- the replica check runs every step (and passes, also right after the heal).
 
 A second, shorter run has TP 2 inside each group (no data parallelism in a group, where
 FSDP would otherwise not be applied and no hook installed): the groups stay bitwise equal
 and match one process training their global batch. At its last step one weight of group 1
 is nudged, and the replica check stops both groups, naming the step.
+
+A third run (one rank per group, plain ``python``) loses its lighthouse for 5 s mid-run
+(with ``quorum_retries`` both groups wait and carry on); then group 1 is SIGKILLed and
+started again by hand, and heals on its first step.
 """
 
 from __future__ import annotations
