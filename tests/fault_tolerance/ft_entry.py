@@ -8,6 +8,9 @@ groups that took part, and how many steps it discarded and heals it took so far.
   after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
 - ``$FT_CORRUPT_AT_STEP=N``: rank 0 nudges one of its weights as step N begins (silent data
   corruption in one group), which the replica check must catch.
+- ``$FT_SLOW_RESTARTED_RANK0=S``: after a torchrun restart, rank 0 waits S seconds before
+  creating its torchft manager, so the other ranks look up the manager's address first: with
+  a dead manager's address left in torchrun's store they would take that one.
 - ``$FT_START_TOGETHER=DIR:N``: on torchrun's first round, wait before the first step until N
   ranks (of all groups) got there, so that no group trains a step alone while another still
   starts up.
@@ -50,8 +53,24 @@ def state_hash(trainer) -> str:
     return h.hexdigest()
 
 
+def _slow_restarted_rank0(seconds: float) -> None:
+    import torchft.manager
+
+    real_init = torchft.manager.Manager.__init__
+
+    def init(self, *args, **kwargs):
+        time.sleep(seconds)
+        real_init(self, *args, **kwargs)
+
+    torchft.manager.Manager.__init__ = init
+
+
 def _install() -> None:
     from torchtitan.trainer import Trainer
+
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if "FT_SLOW_RESTARTED_RANK0" in os.environ and restarted and os.environ.get("RANK") == "0":
+        _slow_restarted_rank0(float(os.environ["FT_SLOW_RESTARTED_RANK0"]))
 
     real = Trainer.train_step
     record = Path(f"{os.environ['FT_RECORD']}.{os.environ.get('RANK', '0')}")

@@ -5,7 +5,8 @@ FSDP 2 each, under torchrun):
 
 - group 0 trains all the way (the survivor); group 1 SIGKILLs both its ranks right after
   step 3 and torchrun (``--max-restarts 1``) starts it again: the stale-key path, since
-  torchrun's store still holds the dead manager's address;
+  torchrun's store still holds the dead manager's address (the restarted rank 0 creates its
+  manager 1 s late, so rank 1 would read that address if it were not deleted);
 - the survivor keeps training alone, discarding at most one step;
 - the restarted group heals from the survivor on its first step (during the LR warmup), and
   from then on its weights, Adam state and learning rate are bitwise the survivor's and it
@@ -129,8 +130,9 @@ def ft_run(tmp_path_factory):
     together = {"FT_START_TOGETHER": f"{tmp / 'start'}:4"}
     try:
         procs = {
-            "g0": _group(tmp, 0, address, _env(tmp / "g0", FT_THROTTLE_ALONE="1", **together), restarts=0),
-            "g1": _group(tmp, 1, address, _env(tmp / "g1", FT_CRASH_AT_STEP=str(CRASH_AT), **together), restarts=1),
+            "g0": _group(tmp, 0, address, _env(tmp / "g0", FT_THROTTLE_ALONE="2", **together), restarts=0),
+            "g1": _group(tmp, 1, address, _env(tmp / "g1", FT_CRASH_AT_STEP=str(CRASH_AT), FT_SLOW_RESTARTED_RANK0="1",
+                                                     **together), restarts=1),
             # The same global batch (4 sequences x 2 micro-batches), one process, no fault tolerance.
             "ref": subprocess.Popen(
                 [sys.executable, ENTRY, *COMMON, "--training.batch_size=4",
