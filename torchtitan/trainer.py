@@ -292,7 +292,7 @@ class Trainer:
             self.checkpointer.save_seed()
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
-        data_iter = self.ft.batches if self.ft is not None else iter(self.dataloader)
+        data_iter = self.ft.start(self.step) if self.ft is not None else iter(self.dataloader)
         logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
                     cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,
                     self.dims.degree("dp"))

@@ -43,7 +43,7 @@ def test_a_sound_group_passes_and_disabled_checks_nothing(monkeypatch):
         (2, ["--comm.train_timeout_seconds=20"], "timeouts out of order"),
         (2, ["--fault_tolerance.timeout_seconds=5", "--comm.train_timeout_seconds=400"], "timeouts out of order"),
         (2, ["--fault_tolerance.semi_sync_method=diloco"], "semi_sync_method=diloco is not supported yet"),
-        (2, ["--checkpoint.enable_checkpoint"], "with checkpoints is not supported yet"),
+        (2, ["--checkpoint.create_seed_checkpoint"], "write the seed checkpoint with a plain run"),
         (2, ["--training.dataset=c4"], "needs a token store: --training.dataset=c4 is streamed"),
     ],
 )

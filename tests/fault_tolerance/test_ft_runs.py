@@ -1,6 +1,6 @@
 """Fault-tolerant HSDP end to end: replica groups as real processes, and a lighthouse.
 
-Three runs, each answering several questions, to keep CI short. The main one (two groups,
+Four runs, each answering several questions, to keep CI short. The main one (two groups,
 FSDP 2 each, under torchrun):
 
 - group 0 trains all the way (the survivor); group 1 SIGKILLs both its ranks right after
@@ -22,7 +22,12 @@ FSDP would otherwise not be applied and no hook installed): the groups stay bitw
 and match one process training their global batch. At its last step one weight of group 1
 is nudged, and the replica check stops both groups, naming the step.
 
-A third run (one rank per group, plain ``python``) loses its lighthouse for 5 s mid-run
+A checkpoint run (one rank per group): the two groups save at steps 3 and 6, each
+checkpoint written by one group only; from step 3, a whole-job restart retrains steps 4-6
+bitwise as before, and one plain process with their global batch resumes with the same
+losses (1e-5).
+
+A last run (one rank per group, plain ``python``) loses its lighthouse for 5 s mid-run
 (with ``quorum_retries`` both groups wait and carry on); then group 1 is SIGKILLed and
 started again by hand, and heals on its first step.
 """
@@ -324,3 +329,66 @@ def test_a_killed_and_relaunched_group_heals_on_its_first_step(outage_run):
         assert r["state"] == survivor[r["step"]]["state"] and r["loss"] == survivor[r["step"]]["loss"], r["step"]
     assert any(r["participants"] == 1 for r in records["g0"] if r["step"] > first_life[-1]["step"]), \
         "the survivor never trained alone while group 1 was down"
+
+
+CKPT_STEPS, CKPT_AT = 6, 3
+
+
+def _ckpt_args(folder: Path) -> list[str]:
+    return [*COMMON, f"--training.steps={CKPT_STEPS}", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable_checkpoint",
+            f"--checkpoint.folder={folder}", f"--checkpoint.interval={CKPT_AT}"]
+
+
+def _ft_groups(tmp: Path, name: str, args: list[str], address: str) -> dict[str, subprocess.Popen]:
+    ft = ["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2", "--fault_tolerance.min_replicas=2",
+          f"--fault_tolerance.lighthouse={address}"]
+    return {f"{name}{g}": subprocess.Popen(
+        [sys.executable, ENTRY, *args, *ft, f"--fault_tolerance.replica_id={g}", f"--job.dump_folder={tmp / f'{name}{g}'}"],
+        env=_env(tmp / f"{name}{g}"), stdout=open(tmp / f"{name}{g}.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True) for g in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def ckpt_run(tmp_path_factory):
+    """Two one-rank groups save at steps 3 and 6 into one folder; then, from copies of its step 3,
+    the two groups again (a whole-job restart) and one plain process with their global batch."""
+    tmp = tmp_path_factory.mktemp("ft_ckpt")
+    lighthouse, address = _lighthouse(tmp, min_replicas=2)  # no group takes a step alone
+    try:
+        codes = _wait(_ft_groups(tmp, "g", _ckpt_args(tmp / "ckpt"), address), tmp, timeout=120)
+        shutil.copytree(tmp / "ckpt", tmp / "ckpt_ft")
+        shutil.copytree(tmp / "ckpt", tmp / "ckpt_plain")
+        procs = _ft_groups(tmp, "r", [*_ckpt_args(tmp / "ckpt_ft"), f"--checkpoint.load_step={CKPT_AT}"], address)
+        procs["plain"] = subprocess.Popen(
+            [sys.executable, ENTRY, *_ckpt_args(tmp / "ckpt_plain"), f"--checkpoint.load_step={CKPT_AT}",
+             "--training.batch_size=2", f"--job.dump_folder={tmp / 'plain'}"], env=_env(tmp / "plain"),
+            stdout=open(tmp / "plain.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        codes.update(_wait(procs, tmp, timeout=120))
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    records = {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "r0", "r1", "plain")}
+    logs = {name: (tmp / f"{name}.log").read_text() for name in ("g0", "g1")}
+    return tmp, codes, records, logs
+
+
+def test_one_group_writes_each_checkpoint(ckpt_run):
+    tmp, codes, _, logs = ckpt_run
+    assert set(codes.values()) == {0}, codes
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == [f"step-{CKPT_AT}", f"step-{CKPT_STEPS}"]
+    for step in (CKPT_AT, CKPT_STEPS):
+        writers = [g for g, log in logs.items() if f"Checkpoint step {step} saved" in log]
+        assert len(writers) == 1, f"step {step} written by {writers}"
+
+
+def test_whole_job_and_plain_run_resume_at_the_saved_step(ckpt_run):
+    _, _, records, _ = ckpt_run
+    first = _by_step(records["g0"])
+    for name in ("r0", "r1", "plain"):
+        assert [r["step"] for r in records[name]] == list(range(CKPT_AT + 1, CKPT_STEPS + 1)), name
+    for r0, r1 in zip(records["r0"], records["r1"]):
+        # The restarted groups retrain steps 4-6 exactly as the first time.
+        assert r0["state"] == r1["state"] == first[r0["step"]]["state"] and r0["loss"] == first[r0["step"]]["loss"]
+    for r in records["plain"]:
+        expected = first[r["step"]]["loss"]
+        assert abs(r["loss"] - expected) <= 1e-5 * abs(expected), (r["step"], r["loss"], expected)

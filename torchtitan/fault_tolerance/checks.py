@@ -82,9 +82,9 @@ def _not_built_problems(cfg: JobConfig) -> list[str]:
             problems.append(f"{FT}sync_steps={ft.sync_steps} is not divisible by num_fragments={ft.num_fragments}")
         problems.append(f"{FT}semi_sync_method={ft.semi_sync_method} is not supported yet: use none "
                         "(a cross-group all-reduce every step)")
-    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.create_seed_checkpoint:
-        problems.append(f"{FT}enable with checkpoints is not supported yet: set --checkpoint.enable_checkpoint=false "
-                        "(a restarted group heals from a live peer instead)")
+    if cfg.checkpoint.create_seed_checkpoint:
+        problems.append(f"{FT}enable with --checkpoint.create_seed_checkpoint: write the seed checkpoint with a plain "
+                        "run (one process), then start the groups from it")
     t = cfg.training
     if t.dataset_path is None and t.dataset != "embedded":
         problems.append(f"{FT}enable needs a token store: --training.dataset={t.dataset} is streamed from the hub, "

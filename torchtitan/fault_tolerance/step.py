@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.distributed.collectives import start_sum
@@ -61,12 +62,23 @@ class CrossGroupLossScale:
 class FaultTolerantStep:
     """Runs a trainer's steps under torchft: only committed steps count."""
 
-    def __init__(self, manager: Any, state: HealState, batches: RepositionableBatches):
-        self.manager, self.state, self.batches = manager, state, batches
+    def __init__(self, manager: Any, state: HealState, dataloader: StatefulDataLoader):
+        self.manager, self.state, self.dataloader = manager, state, dataloader
+        self.batches: RepositionableBatches | None = None  # made by start(), after a checkpoint is loaded
         self.discarded = 0  # steps thrown away (a group died or joined mid-step), for logs and tests
         self.heals = 0  # times this group took a peer's state
         self.lr = 0.0  # the learning rate of the last committed step (a healed group's is its peer's)
         self.participants = 0  # the groups the last committed step was averaged over
+
+    def start(self, step: int) -> RepositionableBatches:
+        """Begin training after ``step`` (0, or a loaded checkpoint's): the batches from the loaded position on.
+
+        torchft's step counter follows the trainer's, so a group resumed from an older checkpoint
+        (or none) than its peers heals from them instead of training on beside them.
+        """
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.batches = RepositionableBatches(self.dataloader)
+        return self.batches
 
     def global_scale(self, group_scale: LossScale) -> CrossGroupLossScale:
         return CrossGroupLossScale(group_scale, self.manager)
