@@ -111,10 +111,11 @@ def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> dict
     return codes
 
 
-def _start_lighthouse(tmp: Path, min_replicas: int, port: int, join_timeout_ms: int = 1000) -> subprocess.Popen:
+def _start_lighthouse(tmp: Path, min_replicas: int, port: int, join_timeout_ms: int = 1000,
+                      heartbeat_ms: int = HEARTBEAT_MS) -> subprocess.Popen:
     return subprocess.Popen(
         ["torchft_lighthouse", f"--min_replicas={min_replicas}", f"--bind=[::]:{port}",
-         f"--heartbeat_timeout_ms={HEARTBEAT_MS}", f"--join_timeout_ms={join_timeout_ms}", "--quorum_tick_ms=50"],
+         f"--heartbeat_timeout_ms={heartbeat_ms}", f"--join_timeout_ms={join_timeout_ms}", "--quorum_tick_ms=50"],
         stdout=open(tmp / "lighthouse.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -288,9 +289,10 @@ def outage_run(tmp_path_factory):
         lighthouse.wait()
         down = time.time()
         time.sleep(OUTAGE_S)
-        # A fresh lighthouse knows nobody: without time for the second group to ask, the first would
-        # form a quorum alone and the two live groups would train apart (README, Fault-tolerant HSDP).
-        lighthouse = _start_lighthouse(tmp, 1, port, join_timeout_ms=10_000)
+        # A fresh lighthouse knows nobody, and the groups' heartbeats come back irregularly: with short
+        # timeouts the first group to ask forms a quorum alone and the two live groups train apart
+        # (README, Fault-tolerant HSDP). The README's timeouts: 5 s heartbeat, 10 s join.
+        lighthouse = _start_lighthouse(tmp, 1, port, join_timeout_ms=10_000, heartbeat_ms=5_000)
         _wait_for_step(tmp / "g1.0", KILL_AT, deadline)
         os.killpg(procs["g1"].pid, signal.SIGKILL)
         assert procs["g1"].wait() == -signal.SIGKILL
