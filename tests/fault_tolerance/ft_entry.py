@@ -65,6 +65,16 @@ def _slow_restarted_rank0(seconds: float) -> None:
     torchft.manager.Manager.__init__ = init
 
 
+def _wait_for_group_records(step: int, timeout: float = 30.0) -> None:
+    """Until every rank of this group has recorded ``step``."""
+    files = [Path(f"{os.environ['FT_RECORD']}.{r}") for r in range(int(os.environ.get("WORLD_SIZE", "1")))]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(f.exists() and f'"step": {step},' in f.read_text() for f in files):
+            return
+        time.sleep(0.02)
+
+
 def _install() -> None:
     from torchtitan.trainer import Trainer
 
@@ -114,6 +124,7 @@ def _install() -> None:
         with record.open("a") as f:
             f.write(json.dumps(line) + "\n")
         if first_round and self.step == crash_at:
+            _wait_for_group_records(crash_at)  # torchrun stops the others as soon as one rank dies
             os.kill(os.getpid(), signal.SIGKILL)
         if throttle and ft is not None and ft.participants == 1:
             time.sleep(throttle)
