@@ -6,5 +6,6 @@
 - ``state``:   what a rejoining group receives from a live peer (cached references);
 - ``data``:    batches that a heal can move to the peer's position;
 - ``step``:    the step protocol (quorum, commit or retry, global loss);
+- ``replica_check``: the groups compare fingerprints of their weights and optimizer state;
 - ``setup``:   wiring it all into a built trainer.
 """
