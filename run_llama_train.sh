@@ -4,6 +4,8 @@
 #   NGPU           processes to start on this node (default: the number of GPUs, or 8 without one)
 #   CONFIG_FILE    TOML config (default: train_configs/debug_model.toml)
 #   LOG_RANK       local ranks whose output is shown, comma-separated (default: 0)
+#   MAX_RESTARTS   times torchrun restarts the workers after a failure (default: 0); with
+#                  --fault_tolerance.enable a restarted group heals from its live peers
 # Several nodes (run this script once on each; see README "Multi-node"):
 #   NNODES         nodes in the job (default: 1, which runs torchrun --standalone)
 #   NODE_RANK      this node's index, 0..NNODES-1 (default: 0); node 0 hosts the rendezvous
@@ -42,5 +44,5 @@ fi
 # problem, not inside torchrun's report of failed ranks. Each rank still checks for itself.
 WORLD_SIZE=$((NGPU * NNODES)) python3 "$here/train.py" --preflight_only --job.config_file "$CONFIG_FILE" "$@" \
   || exit $?
-exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter "$LOG_RANK" \
+exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
   "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"

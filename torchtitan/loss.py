@@ -50,6 +50,11 @@ class LossScale:
         self._global_tokens: float | None = None
 
     @property
+    def ranks(self) -> int:
+        """The ranks of the loss mesh, over which the gradients are averaged."""
+        return self._ranks
+
+    @property
     def global_tokens(self) -> float:
         if self._global_tokens is None:
             self._global_tokens = self._tokens_sum()

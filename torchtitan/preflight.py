@@ -37,6 +37,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.parallel_dims import dp_shard_problem
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.distributed.seeding import sharded_dims_problem
+from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.models import model_args, model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import ffn_hidden_dim
@@ -69,7 +70,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         problems.append(str(e))
     _raise_if(problems)
 
-    grad_accum, found = gradient_accumulation_steps(cfg, dims.degree("dp"))
+    problems += check_fault_tolerance(cfg, dims)
+    data_degree = data_parallel_degree(cfg, dims)
+    grad_accum, found = gradient_accumulation_steps(cfg, data_degree)
     problems += found
     args, found = configured_model_args(cfg, tokenizer)
     problems += found
@@ -87,7 +90,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
                                     split=HeldOutSplit.from_config(cfg.validation), seq_len=t.seq_len,
-                                    global_batch=t.batch_size * dims.degree("dp"))
+                                    global_batch=t.batch_size * data_degree)
     _raise_if(problems)
     return Plan(dims, grad_accum, args, tokenizer, pipeline)
 
@@ -111,6 +114,12 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[ModelAr
                         "pipeline parallelism does not support (they live on different stages); use "
                         "--parallelism.pipeline_parallel_degree=1 (FSDP, HSDP, DDP, TP and CP all train it tied)")
     return args, problems
+
+
+def data_parallel_degree(cfg: JobConfig, dims: ParallelDims) -> int:
+    """Ranks reading different data in the whole job: every replica group's under fault tolerance."""
+    ft = cfg.fault_tolerance
+    return dims.degree("dp") * (ft.num_replica_groups if ft.enable else 1)
 
 
 def _raise_if(problems: list[str]) -> None:

@@ -30,6 +30,8 @@ from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipel
 from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.grads import match_grad_placements
 from torchtitan.distributed.lifecycle import set_collective_timeout
+from torchtitan.fault_tolerance.checks import data_slot
+from torchtitan.fault_tolerance.hooks import set_gradient_sync
 from torchtitan.loss import LossScale, count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.logger import format_mesh_line, format_validation_line
@@ -70,10 +72,15 @@ class Trainer:
         set_determinism(cfg.training.deterministic)
 
         dp_rank, dp_degree = self.dims.rank_and_size("dp")
+        # Under fault tolerance each group reads its own slots of the job's global batch.
+        ft = cfg.fault_tolerance
+        data_rank, data_degree = (data_slot(ft.replica_id, ft.num_replica_groups, dp_rank, dp_degree) if ft.enable
+                                  else (dp_rank, dp_degree))
+        self.data_degree = data_degree  # local batches per micro-step in the whole job
         self.dataloader = build_dataloader(
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
-            dp_rank=dp_rank, dp_degree=dp_degree, split=HeldOutSplit.from_config(cfg.validation),
+            dp_rank=data_rank, dp_degree=data_degree, split=HeldOutSplit.from_config(cfg.validation),
             shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
         )
         if cfg.validation.held_out_fraction is not None and self.rank == 0:
@@ -105,6 +112,11 @@ class Trainer:
             cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dims=self.dims, rank=self.rank, model_args=self.model_args,
         )
+        self.ft = None  # the fault-tolerant step protocol, when this job is one replica group of several
+        if ft.enable:
+            from torchtitan.fault_tolerance.setup import enable_fault_tolerance  # imports torchft
+
+            self.ft = enable_fault_tolerance(self)
 
     # ---- set-up -------------------------------------------------------------
     def _write_config(self) -> None:
@@ -188,7 +200,9 @@ class Trainer:
         called after the first forward, so the token count is summed while that forward runs.
         """
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, labels in batches:
+        for i, (inputs, labels) in enumerate(batches):
+            if self.ft is not None:  # one cross-group all-reduce per step: FSDP reduces on the last micro-batch
+                set_gradient_sync(self.model_parts, i == len(batches) - 1)
             with self.train_context():
                 loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
                 (loss_sum * scale()).backward()
@@ -225,14 +239,19 @@ class Trainer:
         (plain or pipelined); return this rank's loss sum and the scale."""
         batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
         scale = LossScale(batches, self.loss_mesh)
+        if self.ft is not None:
+            scale = self.ft.global_scale(scale)
         run = self.forward_backward if self.pp_runner is None else self.pipeline_forward_backward
         return run(batches, scale), scale
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over ``batches`` (the micro-batches); returns (global loss, global grad norm).
 
-        ``accumulate_gradients``, then clipping by the global norm and the optimizer step.
+        ``accumulate_gradients``, then clipping by the global norm and the optimizer step; under fault
+        tolerance the step protocol of ``fault_tolerance/step.py`` (commit or retry) instead.
         """
+        if self.ft is not None:
+            return self.ft.train_step(self, batches)
         local_loss_sum, scale = self.accumulate_gradients(batches)
         # Summed while clipping and the optimizer step run: nothing before the check needs it.
         loss_sum = start_sum(local_loss_sum, self.loss_mesh)
@@ -243,13 +262,16 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_sum() / scale.global_tokens
+        self.check_finite(loss)
+        return loss, float(grad_norm)
+
+    def check_finite(self, loss: float) -> None:
         if not math.isfinite(loss):
             # Every rank holds the same reduced loss, so every rank stops here together.
             raise FloatingPointError(
                 f"loss is {loss} at step {self.step}: training diverged; lower --optimizer.lr, raise "
                 f"--lr_scheduler.warmup_steps or check the data"
             )
-        return loss, float(grad_norm)
 
     def train(self) -> list[float]:
         """Train to ``training.steps`` (or until preempted); then close the checkpointer and the metrics."""
@@ -271,7 +293,7 @@ class Trainer:
             self.checkpointer.save_seed()
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
-        data_iter = iter(self.dataloader)
+        data_iter = self.ft.start(self.step) if self.ft is not None else iter(self.dataloader)
         logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
                     cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,
                     self.dims.degree("dp"))
@@ -291,7 +313,10 @@ class Trainer:
         (a failure) skips the checkpoint group's barrier: the other ranks may never get there.
         """
         checkpointer = getattr(self, "checkpointer", None)
+        ft = getattr(self, "ft", None)
         try:
+            if ft is not None:
+                ft.close(wait=wait_for_peers)
             if checkpointer is not None:
                 checkpointer.close(wait_for_peers=wait_for_peers)
         finally:
@@ -308,6 +333,8 @@ class Trainer:
         self.throughput.data_loaded()
         lr = self.lr_scheduler.get_last_lr()[0]
         loss, grad_norm = self.train_step(batches)
+        if self.ft is not None:
+            lr = self.ft.lr  # a step that healed ran at its peer's learning rate
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
         self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches) / self.dims.non_data_parallel_size)
@@ -325,7 +352,7 @@ class Trainer:
         """Evaluate on the validation data now; log and record the result at the current step."""
         result = self.validator.run()
         t = self.cfg.training
-        trained = self.step * self.grad_accum * t.batch_size * self.dims.degree("dp") * t.seq_len
+        trained = self.step * self.grad_accum * t.batch_size * self.data_degree * t.seq_len
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
                    "validation/tokens": result.tokens, "validation/train_tokens_seen": trained}
         if self.rank == 0:

@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,11 @@ class CheckpointManager:
         self.preemption = PreemptionWatch()
         self._closed = False
         self.pg: dist.ProcessGroup | None = None
+        # Fault tolerance: one live replica group writes the job's checkpoints (``writes`` says whether
+        # this one does, per save), each group into a temporary folder of its own.
+        ft = cfg.fault_tolerance
+        self.tmp_tag = f"-group{ft.replica_id}" if ft.enable else ""
+        self.writes: Callable[[], bool] = lambda: True
         if not self.active:
             return
         self._view = model_view(model_parts)
@@ -159,7 +164,7 @@ class CheckpointManager:
 
     def _write(self, step: int, kind: str, state: dict[str, Any], sync: bool) -> None:
         self._finish_pending()
-        tmp = tmp_dir(self.folder, step)
+        tmp = tmp_dir(self.folder, step, self.tmp_tag)
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -188,7 +193,7 @@ class CheckpointManager:
         manifest = {"kind": kind, "states": self._states_of(kind), "layout": self.layout,
                     "dtype": self.ck.export_dtype if kind == "weights_only" else "as trained",
                     "torch_version": torch.__version__}
-        path = commit(self.folder, step, manifest)
+        path = commit(self.folder, step, manifest, self.tmp_tag)
         logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
         # Never the checkpoint this run loaded, nor the one just written (an older run may have left higher steps).
         protected = {step} | ({self.loaded_step} if self.loaded_step is not None else set())
@@ -223,6 +228,8 @@ class CheckpointManager:
             return False
         self._finish_pending(block=False)  # make a finished async save visible early
         preempted = self.preemption.agreed()
+        if not self.writes():  # another replica group writes this job's checkpoints
+            return preempted
         if step >= self.total_steps:
             kind = "weights_only" if self.ck.model_weights_only else "full"
             self.save(step, kind=kind, sync=True)

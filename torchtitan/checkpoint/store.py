@@ -55,8 +55,10 @@ def step_dir(folder: Path, step: int) -> Path:
     return folder / f"step-{step}"
 
 
-def tmp_dir(folder: Path, step: int) -> Path:
-    return folder / f"step-{step}.tmp"
+def tmp_dir(folder: Path, step: int, tag: str = "") -> Path:
+    """Where a save of ``step`` is written before its commit; ``tag`` keeps concurrent writers apart
+    (fault-tolerant replica groups: ``step-N.tmp-group1``)."""
+    return folder / f"step-{step}.tmp{tag}"
 
 
 def scan(folder: Path) -> Listing:
@@ -159,13 +161,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(folder: Path, step: int, manifest: dict[str, Any]) -> Path:
+def commit(folder: Path, step: int, manifest: dict[str, Any], tag: str = "") -> Path:
     """Rank 0, after every rank's files and DCP's metadata are written: manifest, then rename.
 
     A committed ``step-N`` that already exists (a run resumed from an older step saves
     step N again) is moved aside first and deleted only after the new one is in place.
     """
-    tmp, final = tmp_dir(folder, step), step_dir(folder, step)
+    tmp, final = tmp_dir(folder, step, tag), step_dir(folder, step)
     manifest = {**manifest, "format": FORMAT_VERSION, "step": step, "files": file_sizes(tmp),
                 "committed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with open(tmp / MANIFEST, "w") as f:

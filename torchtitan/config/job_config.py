@@ -197,6 +197,34 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = opt(False, "Fault-tolerant HSDP with torchft: this torchrun job is one replica group of several")
+    replica_id: int = opt(0, "This group's id, 0 <= replica_id < num_replica_groups; fixes its data slots", min=0)
+    num_replica_groups: int = opt(
+        1, "The most replica groups the job may have; the data is laid out for all of them", min=1)
+    min_replicas: int = opt(1, "Fewest live groups a step may commit with", min=1)
+    lighthouse: str | None = opt(
+        None, "torchft lighthouse address, e.g. http://host:29510; unset = $TORCHFT_LIGHTHOUSE")
+    timeout_seconds: int = opt(
+        30, "torchft timeout of the cross-group all-reduce, commit vote and heal transfer; keep it below "
+        "--comm.train_timeout_seconds", min=1)
+    quorum_timeout_seconds: int = opt(60, "How long a step waits for the quorum of live groups", min=1)
+    connect_timeout_seconds: int = opt(10, "Timeout of connecting to the lighthouse and a peer's manager", min=1)
+    quorum_retries: int = opt(3, "Quorum attempts retried before a group gives up (a restarted lighthouse)", min=0)
+    replica_check_freq: int = opt(
+        0, "Compare a fingerprint of weights and optimizer state across groups every N steps (0 = off)", min=0)
+    semi_sync_method: str = opt(
+        "none", "Cross-group synchronisation: none (all-reduce every step), diloco or local_sgd",
+        choices=("none", "diloco", "local_sgd"))
+    sync_steps: int = opt(20, "diloco/local_sgd: inner steps between two synchronisations", min=1)
+    num_fragments: int = opt(1, "diloco: model fragments synchronised in turn", min=1)
+    fragment_sync_delay: int = opt(0, "diloco: steps a fragment's synchronisation may overlap", min=0)
+    fragment_update_alpha: float = opt(0.0, "diloco: weight of the local parameters when merging a fragment", min=0.0)
+    outer_lr: float = opt(0.7, "diloco: learning rate of the outer (Nesterov SGD) optimizer", min=0.0)
+    outer_momentum: float = opt(0.9, "diloco: momentum of the outer optimizer", min=0.0)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -210,6 +238,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

@@ -48,8 +48,25 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=init_timeout_seconds))
+        timeout = timedelta(seconds=init_timeout_seconds)
+        dist.init_process_group(backend=backend, timeout=timeout, **_restart_round_store(timeout))
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _restart_round_store(timeout: timedelta) -> dict:
+    """After a ``torchrun --max-restarts`` restart, the default group's keys under a prefix of that round.
+
+    torchrun's agent keeps its store across rounds, and the group's keys (gloo's rank
+    addresses among them) have fixed names: a restarted rank could read a dead rank's
+    address and fail to connect. The first round keeps the plain ``env://`` set-up.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"torchtitan/round_{restart}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _store_barrier(name: str, timeout: timedelta) -> None:

@@ -40,7 +40,10 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     # Without data parallelism (one device, TP, PP, or both) FSDP2 still goes on, on a one-rank
     # mesh, when compute is not float32: it is what applies the mixed-precision policy, so
     # every layout computes in the same dtype. Its TP parameters must share that mesh's root.
-    unit_dp = not (dims.dp_enabled or dims.fsdp_enabled) and mixed_precision(cfg, device_type).param_dtype != torch.float32
+    # Under fault tolerance too: FSDP units carry the cross-group all-reduce hook, so every
+    # parameter must sit in one (fault_tolerance/hooks.py).
+    unit_dp = not (dims.dp_enabled or dims.fsdp_enabled) and (
+        mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
     if dims.tp_enabled:
         apply_tp(
             model, dims.tp_mesh(unit_dp=unit_dp),

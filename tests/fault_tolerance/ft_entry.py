@@ -1,0 +1,142 @@
+"""``train.py`` for the fault-tolerance tests: records every committed step, and can crash or throttle.
+
+After each committed step every rank appends one JSON line to ``$FT_RECORD.<rank>``: the
+step, the exact loss, the torchft all-reduces it took, a hash of this rank's weights, Adam state and learning rate, the
+groups that took part, and how many steps it discarded and heals it took so far.
+
+- ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
+  after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
+- ``$FT_CORRUPT_AT_STEP=N``: rank 0 nudges one of its weights as step N begins (silent data
+  corruption in one group), which the replica check must catch.
+- ``$FT_SLOW_RESTARTED_RANK0=S``: after a torchrun restart, rank 0 waits S seconds before
+  creating its torchft manager, so the other ranks look up the manager's address first: with
+  a dead manager's address left in torchrun's store they would take that one.
+- ``$FT_START_TOGETHER=DIR:N``: on torchrun's first round, wait before the first step until N
+  ranks (of all groups) got there, so that no group trains a step alone while another still
+  starts up.
+- ``$FT_THROTTLE_ALONE=S``: sleep S seconds after each step committed without another
+  group, so that a survivor is still training when the dead group comes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _local_bytes(t: torch.Tensor) -> bytes:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_hash(trainer) -> str:
+    """A hash of this rank's shards of the weights and of Adam's state, and of the learning rate."""
+    h = hashlib.sha256()
+    for part in trainer.model_parts:
+        for name, p in part.named_parameters():
+            h.update(name.encode())
+            h.update(_local_bytes(p))
+            for key, value in sorted(trainer.optimizer.state[p].items()):
+                h.update(key.encode())
+                h.update(_local_bytes(value))
+    h.update(repr([g["lr"] for g in trainer.optimizer.param_groups]).encode())
+    return h.hexdigest()
+
+
+def _slow_restarted_rank0(seconds: float) -> None:
+    import torchft.manager
+
+    real_init = torchft.manager.Manager.__init__
+
+    def init(self, *args, **kwargs):
+        time.sleep(seconds)
+        real_init(self, *args, **kwargs)
+
+    torchft.manager.Manager.__init__ = init
+
+
+def _wait_for_group_records(step: int, timeout: float = 30.0) -> None:
+    """Until every rank of this group has recorded ``step``."""
+    files = [Path(f"{os.environ['FT_RECORD']}.{r}") for r in range(int(os.environ.get("WORLD_SIZE", "1")))]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(f.exists() and f'"step": {step},' in f.read_text() for f in files):
+            return
+        time.sleep(0.02)
+
+
+def _install() -> None:
+    from torchtitan.trainer import Trainer
+
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if "FT_SLOW_RESTARTED_RANK0" in os.environ and restarted and os.environ.get("RANK") == "0":
+        _slow_restarted_rank0(float(os.environ["FT_SLOW_RESTARTED_RANK0"]))
+
+    real = Trainer.train_step
+    record = Path(f"{os.environ['FT_RECORD']}.{os.environ.get('RANK', '0')}")
+    crash_at = int(os.environ.get("FT_CRASH_AT_STEP", "0"))
+    first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    throttle = float(os.environ.get("FT_THROTTLE_ALONE", "0"))
+
+    together = os.environ.get("FT_START_TOGETHER")
+    corrupt_at = int(os.environ.get("FT_CORRUPT_AT_STEP", "0"))
+
+    calls = {"n": 0}
+
+    def counting(real_allreduce):
+        def allreduce(*args, **kwargs):
+            calls["n"] += 1
+            return real_allreduce(*args, **kwargs)
+        return allreduce
+
+    def train_step(self, batches):
+        nonlocal together
+        if self.ft is not None and not calls.get("wrapped"):
+            self.ft.manager.allreduce = counting(self.ft.manager.allreduce)
+            calls["wrapped"] = True
+        calls["n"] = 0
+        if self.step == corrupt_at and os.environ.get("RANK", "0") == "0":
+            with torch.no_grad():
+                p = next(self.model_parts[0].parameters())
+                (p.to_local() if isinstance(p, DTensor) else p).view(-1)[0] += 1e-3
+        if together and first_round:
+            folder, count = together.rsplit(":", 1)
+            Path(folder, f"{self.cfg.fault_tolerance.replica_id}.{os.environ.get('RANK', '0')}").touch()
+            while len(list(Path(folder).iterdir())) < int(count):
+                time.sleep(0.05)
+            together = None
+        loss, grad_norm = real(self, batches)
+        ft = self.ft
+        line = {"step": self.step, "loss": loss, "state": state_hash(self), "time": time.time(),
+                "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
+                "heals": ft.heals if ft else 0, "allreduces": calls["n"],
+                "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}
+        with record.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        if first_round and self.step == crash_at:
+            _wait_for_group_records(crash_at)  # torchrun stops the others as soon as one rank dies
+            os.kill(os.getpid(), signal.SIGKILL)
+        if throttle and ft is not None and ft.participants == 1:
+            time.sleep(throttle)
+        return loss, grad_norm
+
+    Trainer.train_step = train_step
+
+
+if __name__ == "__main__":
+    if "FT_PIDS" in os.environ:  # torchrun starts workers in sessions of their own: the test kills them by pid
+        Path(os.environ["FT_PIDS"], str(os.getpid())).touch()
+    _install()
+    import train
+
+    sys.exit(train.main(sys.argv[1:]))

@@ -1,0 +1,94 @@
+"""The [fault_tolerance] checks preflight runs: one line each, naming the option and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.fault_tolerance.checks import check_fault_tolerance, data_slot
+from torchtitan.preflight import preflight
+
+CI = str(Path(__file__).resolve().parents[2] / "train_configs" / "debug_model_ci.toml")
+FT = ["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
+      "--fault_tolerance.lighthouse=http://localhost:29510"]
+
+
+def _problems(world_size: int, *overrides: str) -> list[str]:
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, *overrides])
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    return check_fault_tolerance(cfg, dims)
+
+
+def test_a_sound_group_passes_and_disabled_checks_nothing(monkeypatch):
+    assert _problems(2) == []
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, "--parallelism.data_parallel_replicate_degree=2"])
+    assert check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 2)) == []
+    # The lighthouse may come from the environment instead.
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, "--fault_tolerance.enable"])
+    assert check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 1)) == []
+
+
+@pytest.mark.parametrize(
+    "world, overrides, needle",
+    [
+        (2, ["--fault_tolerance.replica_id=2"], "replica_id=2 is out of range: give 0 <= replica_id < "),
+        (2, ["--fault_tolerance.min_replicas=3"], "min_replicas=3 exceeds num_replica_groups=2"),
+        (4, ["--parallelism.data_parallel_replicate_degree=2"], "needs --parallelism.data_parallel_replicate_degree=1"),
+        (2, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"],
+         "does not support pipeline parallelism"),
+        (2, ["--comm.train_timeout_seconds=20"], "timeouts out of order"),
+        (2, ["--fault_tolerance.timeout_seconds=5", "--comm.train_timeout_seconds=400"], "timeouts out of order"),
+        (2, ["--fault_tolerance.semi_sync_method=diloco"], "semi_sync_method=diloco is not supported yet"),
+        (2, ["--checkpoint.create_seed_checkpoint"], "write the seed checkpoint with a plain run"),
+        (2, ["--training.dataset=c4"], "needs a token store: --training.dataset=c4 is streamed"),
+    ],
+)
+def test_each_problem_names_its_fix(world, overrides, needle):
+    problems = _problems(world, *overrides)
+    assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_diloco_fragments_must_divide_sync_steps():
+    problems = _problems(2, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.sync_steps=5",
+                         "--fault_tolerance.num_fragments=2")
+    assert any("sync_steps=5 is not divisible by num_fragments=2" in p for p in problems), problems
+
+
+def test_missing_lighthouse_and_seed(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, "--fault_tolerance.enable"])
+    cfg.training.seed = None
+    problems = check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 1))
+    assert any("needs a lighthouse" in p and "torchft_lighthouse" in p for p in problems), problems
+    assert any("needs --training.seed" in p and "different weights" in p for p in problems), problems
+
+
+def test_missing_torchft_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    (line,) = _problems(2)
+    assert "needs torchft" in line and "pip install torchft" in line
+
+
+def test_preflight_reports_ft_problems_and_counts_every_group_in_the_global_batch():
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, "--fault_tolerance.replica_id=5"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, 1)
+    assert any("replica_id=5 is out of range" in p for p in info.value.problems)
+    # 2 groups x 1 rank x batch 1: a global batch of 4 means 2 micro-steps per step.
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, "--training.global_batch_size=4"])
+    assert preflight(cfg, 1).grad_accum == 2
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, "--training.global_batch_size=3"])
+    with pytest.raises(ConfigError, match="data-parallel degree \\(2\\)"):
+        preflight(cfg, 1)
+
+
+def test_data_slots_of_the_groups_tile_the_global_batch():
+    slots = [data_slot(g, 3, r, 2) for g in range(3) for r in range(2)]
+    assert slots == [(i, 6) for i in range(6)]

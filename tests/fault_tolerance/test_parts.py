@@ -1,0 +1,156 @@
+"""The pieces of fault tolerance on their own: stale store keys, Adam's state from step 0,
+the heal state's round trip and the check that every parameter sits in a hooked FSDP unit."""
+
+from __future__ import annotations
+
+import copy
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_ranks
+from torchtitan.fault_tolerance.state import HealState, init_optimizer_state
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stale_manager_keys_are_deleted(monkeypatch):
+    pytest.importorskip("torchft")
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    from torchtitan.fault_tolerance.manager import clear_stale_manager_keys
+
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    server.set(MANAGER_ADDR_KEY, "http://dead-manager:1234")
+    server.set(REPLICA_ID_KEY, "replica_group_1:dead")
+    server.set("unrelated", "kept")
+    assert sorted(clear_stale_manager_keys(5)) == sorted([MANAGER_ADDR_KEY, REPLICA_ID_KEY])
+    assert not server.check([MANAGER_ADDR_KEY]) and not server.check([REPLICA_ID_KEY])
+    assert server.get("unrelated") == b"kept"
+    assert clear_stale_manager_keys(5) == []  # a first round finds nothing to delete
+
+
+def _model_and_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+
+
+def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
+    for i in range(n):
+        torch.manual_seed(100 + i)
+        model(torch.randn(3, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_adam_state_from_step_zero_changes_nothing():
+    lazy_model, lazy = _model_and_adamw()
+    eager_model, eager = _model_and_adamw()
+    init_optimizer_state(eager)
+    assert all(float(eager.state[p]["step"]) == 0 and not eager.state[p]["exp_avg"].any()
+               for p in eager_model.parameters())
+    _steps(lazy_model, lazy, 3)
+    _steps(eager_model, eager, 3)
+    for a, b in zip(lazy_model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+        assert all(torch.equal(lazy.state[a][k], eager.state[b][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+class _Position:
+    def __init__(self):
+        self.value = {"step": 0, "data": {"next_window": 0}}
+
+    def get(self):
+        return self.value
+
+    def set(self, value):
+        self.value = copy.deepcopy(value)
+
+
+def _heal_state(model, optimizer, position: _Position) -> tuple[HealState, torch.optim.lr_scheduler.LRScheduler]:
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    return HealState([model], optimizer, scheduler, position.get, position.set), scheduler
+
+
+def test_heal_state_hands_over_references_and_loads_bitwise():
+    peer_model, peer_opt = _model_and_adamw()
+    init_optimizer_state(peer_opt)
+    peer_pos = _Position()
+    peer, peer_sched = _heal_state(peer_model, peer_opt, peer_pos)
+    _steps(peer_model, peer_opt, 2)
+    peer_sched.step()
+    peer_sched.step()
+    peer_pos.value = {"step": 2, "data": {"next_window": 16}}
+    peer.refresh()
+    handed = peer.state_dict()
+    # References, not copies: nothing is read from the modules on the quorum thread.
+    assert handed["model"]["0.0.weight"].data_ptr() == peer_model[0].weight.data_ptr()
+
+    model, opt = _model_and_adamw()
+    torch.manual_seed(5)
+    for p in model.parameters():
+        p.data.normal_()
+    init_optimizer_state(opt)
+    pos = _Position()
+    mine, sched = _heal_state(model, opt, pos)
+    mine.load_state_dict(copy.deepcopy(handed))
+    for a, b in zip(peer_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+        assert all(torch.equal(peer_opt.state[a][k], opt.state[b][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert sched.last_epoch == peer_sched.last_epoch and opt.param_groups[0]["lr"] == peer_opt.param_groups[0]["lr"]
+    assert pos.value == {"step": 2, "data": {"next_window": 16}}
+    _steps(peer_model, peer_opt, 1)
+    _steps(model, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(peer_model.parameters(), model.parameters()))
+
+
+def _hook_coverage(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torchtitan.fault_tolerance.hooks import check_every_parameter_hooked, install_cross_group_hooks
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)  # the second layer sits in no unit: the silent-divergence trap
+    errors = []
+    try:
+        install_cross_group_hooks([model], manager=None)
+    except RuntimeError as e:
+        errors.append(str(e))
+    fully_shard(model, mesh=mesh)
+    install_cross_group_hooks([model], manager=None)
+    check_every_parameter_hooked([model])  # now every parameter is covered
+    return errors
+
+
+def test_a_parameter_outside_every_hooked_unit_is_refused():
+    (errors,) = run_ranks(_hook_coverage, 1, timeout=120)
+    assert len(errors) == 1
+    assert "2 parameter(s) sit in no FSDP unit" in errors[0] and "1.weight" in errors[0], errors
+
+
+def test_fingerprint_sees_one_flipped_bit_and_a_swap():
+    from torchtitan.fault_tolerance.replica_check import fingerprint
+
+    a, b = torch.randn(5, 3), torch.randn(7)
+    base = fingerprint([a, b])
+    assert fingerprint([a.clone(), b.clone()]) == base
+    flipped = a.clone()
+    flipped.view(torch.int32).view(-1)[4] ^= 1  # the lowest mantissa bit of one element
+    assert fingerprint([flipped, b]) != base
+    assert fingerprint([b, a]) != base
+    swapped = a.clone().reshape(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert fingerprint([swapped.reshape(5, 3), b]) != base

@@ -1,0 +1,11 @@
+"""Fault-tolerant HSDP with torchft: each replica group is one torchrun job; groups die and rejoin.
+
+- ``checks``:  the config checks preflight runs (no torchft import);
+- ``manager``: the torchft manager, after clearing a dead manager's keys in torchrun's store;
+- ``hooks``:   the cross-group gradient all-reduce in every FSDP unit, and the check that none is missed;
+- ``state``:   what a rejoining group receives from a live peer (cached references);
+- ``data``:    batches that a heal can move to the peer's position;
+- ``step``:    the step protocol (quorum, commit or retry, global loss);
+- ``replica_check``: the groups compare fingerprints of their weights and optimizer state;
+- ``setup``:   wiring it all into a built trainer.
+"""

@@ -1,0 +1,93 @@
+"""Config checks of fault-tolerant HSDP, run by preflight before any process group exists.
+
+Each replica group is its own torchrun job, so these checks see one group's config; what
+must agree between groups (the layout, the seed, num_replica_groups) is stated in the
+README and, where a mismatch would corrupt training, caught at run time by torchft (a heal
+whose shapes differ fails its copy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+
+FT = "--fault_tolerance."
+INSTALL = "pip install torchft==0.2.0 (scripts/install.sh installs it)"
+
+
+def lighthouse_address(cfg: JobConfig) -> str | None:
+    """The lighthouse this group reports to: the config's, else ``$TORCHFT_LIGHTHOUSE``."""
+    return cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+
+
+def data_slot(replica_id: int, num_replica_groups: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """This rank's data-parallel (rank, degree) in the job: the groups' data ranks side by side.
+
+    Every group reads its own slots of the same global window order, so a dead group's
+    windows are skipped (nobody reads them), never replayed by a survivor.
+    """
+    return replica_id * dp_degree + dp_rank, num_replica_groups * dp_degree
+
+
+def check_fault_tolerance(cfg: JobConfig, dims: ParallelDims) -> list[str]:
+    """One line per problem of the ``[fault_tolerance]`` section; none when it is disabled."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return []
+    problems: list[str] = []
+    if importlib.util.find_spec("torchft") is None:
+        problems.append(f"{FT}enable needs torchft, which is not installed: {INSTALL}")
+    if not 0 <= ft.replica_id < ft.num_replica_groups:
+        problems.append(f"{FT}replica_id={ft.replica_id} is out of range: give 0 <= replica_id < "
+                        f"num_replica_groups ({ft.num_replica_groups}), one id per group")
+    if ft.min_replicas > ft.num_replica_groups:
+        problems.append(f"{FT}min_replicas={ft.min_replicas} exceeds num_replica_groups={ft.num_replica_groups}: "
+                        "no step could ever commit")
+    if lighthouse_address(cfg) is None:
+        problems.append(f"{FT}enable needs a lighthouse: set {FT}lighthouse=http://HOST:PORT or $TORCHFT_LIGHTHOUSE, "
+                        "and start one with `torchft_lighthouse --min_replicas 1` (README, Fault-tolerant HSDP)")
+    if dims.dp_replicate != 1:
+        problems.append(f"{FT}enable needs --parallelism.data_parallel_replicate_degree=1 (got {dims.dp_replicate}): "
+                        "the replica groups are separate torchrun jobs; set num_replica_groups instead")
+    if dims.pp_enabled:
+        problems.append(f"{FT}enable does not support pipeline parallelism inside a group yet: "
+                        "set --parallelism.pipeline_parallel_degree=1")
+    if cfg.training.seed is None and cfg.checkpoint.initial_load_path is None:
+        problems.append(f"{FT}enable needs --training.seed (or --checkpoint.initial_load_path): otherwise the groups "
+                        "start from different weights")
+    problems += _timeout_problems(cfg)
+    problems += _not_built_problems(cfg)
+    return problems
+
+
+def _timeout_problems(cfg: JobConfig) -> list[str]:
+    """torchft's timeout < the train timeout < the init timeout: the inner failure must surface first."""
+    ft, comm = cfg.fault_tolerance, cfg.comm
+    if ft.timeout_seconds < comm.train_timeout_seconds < comm.init_timeout_seconds:
+        return []
+    return [f"timeouts out of order: need {FT}timeout_seconds ({ft.timeout_seconds}) < "
+            f"--comm.train_timeout_seconds ({comm.train_timeout_seconds}) < --comm.init_timeout_seconds "
+            f"({comm.init_timeout_seconds}), so that a dead group fails torchft's all-reduce (a retried step) "
+            "before it fails a group's own collectives (a crash)"]
+
+
+def _not_built_problems(cfg: JobConfig) -> list[str]:
+    """Parts of fault tolerance this project does not have yet: refused, never silently ignored."""
+    ft, problems = cfg.fault_tolerance, []
+    if ft.semi_sync_method != "none":
+        if ft.sync_steps % ft.num_fragments:
+            problems.append(f"{FT}sync_steps={ft.sync_steps} is not divisible by num_fragments={ft.num_fragments}")
+        problems.append(f"{FT}semi_sync_method={ft.semi_sync_method} is not supported yet: use none "
+                        "(a cross-group all-reduce every step)")
+    if cfg.checkpoint.create_seed_checkpoint:
+        problems.append(f"{FT}enable with --checkpoint.create_seed_checkpoint: write the seed checkpoint with a plain "
+                        "run (one process), then start the groups from it")
+    t = cfg.training
+    if t.dataset_path is None and t.dataset != "embedded":
+        problems.append(f"{FT}enable needs a token store: --training.dataset={t.dataset} is streamed from the hub, "
+                        "whose order depends on the data-parallel degree; prepare it with scripts/prepare_data.py "
+                        "and pass --training.dataset_path")
+    return problems

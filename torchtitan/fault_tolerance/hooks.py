@@ -1,0 +1,64 @@
+"""The cross-group gradient all-reduce, hooked into every FSDP unit.
+
+Inside a group FSDP reduce-scatters over its own (gloo/NCCL) mesh; the hook then averages
+each unit's reduced shard over the live groups through torchft. A parameter outside every
+hooked unit would keep its group's own gradient and the groups would silently drift apart,
+so ``check_every_parameter_hooked`` refuses to train then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+
+def _param_groups(unit: FSDPModule) -> list[Any]:
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13
+    if groups is None:  # torch 2.11/2.12: one group per unit
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return list(groups)
+
+
+def fsdp_units(model_parts: list[torch.nn.Module]) -> list[FSDPModule]:
+    return [m for part in model_parts for m in part.modules() if isinstance(m, FSDPModule)]
+
+
+def install_cross_group_hooks(model_parts: list[torch.nn.Module], manager: Any) -> int:
+    """Average every FSDP unit's reduced gradient over the live groups; return the number of units hooked."""
+
+    def all_reduce_across_groups(reduced: torch.Tensor) -> None:
+        # AVG over the participants; a healing group sends zeros and receives the others' mean.
+        # A failure is recorded by the manager and makes should_commit() discard the step.
+        manager.allreduce(reduced).wait()
+
+    units = fsdp_units(model_parts)
+    for unit in units:
+        unit.set_all_reduce_hook(all_reduce_across_groups)
+    check_every_parameter_hooked(model_parts)
+    return len(units)
+
+
+def check_every_parameter_hooked(model_parts: list[torch.nn.Module]) -> None:
+    """Raise naming the parameters whose gradients no cross-group hook would reduce."""
+    hooked: set[int] = set()
+    for unit in fsdp_units(model_parts):
+        for group in _param_groups(unit):
+            if group._all_reduce_hook is not None:
+                hooked.update(id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params)
+    missing = [name for part in model_parts for name, p in part.named_parameters() if id(p) not in hooked]
+    if missing:
+        raise RuntimeError(
+            f"fault tolerance: {len(missing)} parameter(s) sit in no FSDP unit with the cross-group all-reduce "
+            f"hook ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); their groups would drift apart. "
+            "FSDP must wrap every parameter in fault-tolerant mode (parallelize_llama does so)."
+        )
+
+
+def set_gradient_sync(model_parts: list[torch.nn.Module], enabled: bool) -> None:
+    """Let FSDP reduce (and so the hook run) only on a step's last micro-batch: one cross-group all-reduce per step."""
+    for part in model_parts:
+        if isinstance(part, FSDPModule):
+            part.set_requires_gradient_sync(enabled)
