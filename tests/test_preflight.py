@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO, SHIPPED_TOKENIZER
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.datasets import build_tokenizer
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.llama3.model import ffn_hidden_dim
 from torchtitan.preflight import check_config, gradient_accumulation_steps, preflight
 
-DEBUG = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml")
+DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 
 
 def parse(*argv: str):
@@ -106,13 +109,17 @@ def _problems(world_size: int, *overrides: str) -> list[str]:
 
 
 def test_tp_degree_must_divide_heads_dim_and_vocab():
-    # Debug model: 16 heads, 8 KV heads, dim 256, FFN 768, vocab 2048.
+    # The debug model's sizes, and the vocabulary its config's tokenizer gives it.
+    debug, vocab = llama3_flavors["debugmodel"], build_tokenizer(SHIPPED_TOKENIZER).n_words
     problems = _problems(3, "--parallelism.tensor_parallel_degree=3", "--parallelism.data_parallel_shard_degree=1",
                          "--training.seq_len=63")
     text = "\n".join(problems)
-    for what in ("n_heads (16)", "n_kv_heads (8)", "dim (256)", "vocab size 2048"):
-        assert what in text, what
-    assert "FFN hidden size" not in text  # 768 is divisible by 3
+    sizes = {f"n_heads ({debug.n_heads})": debug.n_heads, f"n_kv_heads ({debug.n_kv_heads})": debug.n_kv_heads,
+             f"dim ({debug.dim})": debug.dim, f"vocab size {vocab}": vocab,
+             f"FFN hidden size ({ffn_hidden_dim(debug)})": ffn_hidden_dim(debug)}
+    assert any(size % 3 for size in sizes.values()), "the debug model no longer exercises this check"
+    for what, size in sizes.items():
+        assert (what in text) == bool(size % 3), what  # named exactly when 3 does not divide it
     assert all("tensor_parallel_degree=3" in p or "seq_len" in p for p in problems)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from dist_harness import run_ranks
 from helpers import DEBUG, REPO, train
+from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.config import ConfigError, ConfigManager
 
 HERE = Path(__file__).resolve().parent
@@ -123,11 +124,16 @@ def test_model_shape_mismatch_names_the_parameters(saved, tmp_path):
     problems = _preflight(dump, "--model.flavor=1B")
     text = "\n".join(problems)
     assert str(dump / "checkpoint" / "step-2") in problems[0]
-    # The debug model (dim 256, 6 layers) against the 1B config (dim 2048, 16 layers).
-    assert "shape differs: layers.0.attention.wk.weight is [128, 256] in the checkpoint, [512, 2048] in this " \
+    # The debug model against the 1B config, sizes from the flavor table.
+    debug, big = llama3_flavors["debugmodel"], llama3_flavors["1B"]
+    assert debug.n_layers < big.n_layers
+    saved_wk = [debug.n_kv_heads * debug.dim // debug.n_heads, debug.dim]
+    wanted_wk = [big.n_kv_heads * big.dim // big.n_heads, big.dim]
+    assert f"shape differs: layers.0.attention.wk.weight is {saved_wk} in the checkpoint, {wanted_wk} in this " \
            "config;" in text
     assert "... and 52 more" in text  # long lists are cut, with a count
-    assert "parameters the checkpoint lacks: layers.10.attention.wk.weight;" in text
+    first_lacking = min(f"layers.{i}.attention.wk.weight" for i in range(debug.n_layers, big.n_layers))  # by name
+    assert f"parameters the checkpoint lacks: {first_lacking};" in text
     assert "parameters this model lacks" not in text
     # Not loading the model (e.g. to reuse only the data position) skips the comparison.
     assert _preflight(dump, "--model.flavor=1B", "--checkpoint.exclude_from_loading=model,optimizer") == []

@@ -22,15 +22,14 @@ import transformers
 
 from dist_harness import run_ranks
 from torchtitan.checkpoint.formats import check_source, load_into
+from conftest import REPO, SHIPPED_TOKENIZER
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models import model_args
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import model_fields
 from torchtitan.preflight import preflight
 
-REPO = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
-TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"  # the default: SentencePiece, 2048 words
 SEQ, BATCH, VOCAB = 32, 2, 2048
 _ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
          "rope_type": "llama3"}
@@ -150,7 +149,7 @@ def reference_batch(global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first global batch the trainer sees (the stream does not depend on the DP degree)."""
     from torchtitan.datasets import build_dataloader, build_tokenizer
 
-    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(TOKENIZER),
+    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
                               seq_len=SEQ, local_batch_size=global_batch, dp_rank=0, dp_degree=1)
     return next(iter(loader))
 

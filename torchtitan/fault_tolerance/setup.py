@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from torchtitan.fault_tolerance.hooks import install_cross_group_hooks
 from torchtitan.fault_tolerance.manager import build_manager
 from torchtitan.fault_tolerance.state import HealState, init_optimizer_state
-from torchtitan.fault_tolerance.step import FaultTolerantStep
-
-if TYPE_CHECKING:
-    from torchtitan.trainer import Trainer
+from torchtitan.fault_tolerance.step import FaultTolerantStep, Trainer
 
 logger = logging.getLogger(__name__)
 

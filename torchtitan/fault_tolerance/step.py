@@ -14,7 +14,7 @@ every rank of every group logs the same loss.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
@@ -28,8 +28,30 @@ from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint
 from torchtitan.fault_tolerance.state import HealState
 from torchtitan.loss import LossScale
 
-if TYPE_CHECKING:
-    from torchtitan.trainer import Trainer
+
+class Trainer(Protocol):
+    """What the fault-tolerant step and its set-up use of the trainer that runs them.
+
+    A protocol, so this package stays below the trainer: the trainer imports it, not the reverse.
+    """
+
+    cfg: Any
+    step: int
+    device: torch.device
+    model_parts: list[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    loss_mesh: Any
+    dataloader: StatefulDataLoader
+    checkpointer: Any
+
+    def accumulate_gradients(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor | float, LossScale]:
+        ...
+
+    def check_finite(self, loss: float) -> None:
+        ...
 
 logger = logging.getLogger(__name__)
 
