@@ -5,7 +5,7 @@
     python benchmarks/overhead.py -- --metrics.log_freq=10  # config overrides for the trainer
 
 Both loops run in the same processes, on the same debug model, data, layout, FSDP policy
-(last block and root kept gathered after forward), optimizer (AdamW, foreach) and gradient
+(last block and root kept gathered after forward), optimizer (AdamW, fused, as the trainer picks on CPU and CUDA) and gradient
 clipping. They take turns step by step in an ABBA order, so a change in the machine's load
 hits both alike. Before each step every rank waits at a barrier; a step's time is the
 slowest rank's. After the warm-up steps, the script prints the median step time of each
@@ -65,7 +65,7 @@ class ReferenceLoop:
         self.model = model
         o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=True)
+                                           weight_decay=o.weight_decay, fused=True)
         warmup, total = s.warmup_steps, t.steps
 
         def schedule(step: int) -> float:

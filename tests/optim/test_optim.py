@@ -162,8 +162,38 @@ def test_optimizer_choice(name, cls):
     assert group["lr"] == PEAK_LR
     assert group["betas"] == (0.9, 0.95)
     assert group["weight_decay"] == 0.1
-    assert group["foreach"] is True
-    assert not group["fused"]
+    assert group["fused"] is True  # torch has a fused CPU kernel for float32
+    assert not group["foreach"]
+
+
+def test_foreach_where_no_fused_kernel_fits():
+    """A device without fused kernels, or a dtype they do not take, keeps foreach."""
+    for params, device_type in (([torch.nn.Parameter(torch.zeros(3))], "meta"),
+                                ([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))], "cpu")):
+        group = build_optimizer(params, name="AdamW", lr=1e-3, eps=1e-8, weight_decay=0.0, betas=(0.9, 0.95),
+                                device_type=device_type).param_groups[0]
+        assert group["foreach"] is True and not group["fused"], (device_type, params[0].dtype)
+
+
+def test_fused_and_foreach_agree_to_rounding():
+    """The fused step is the same update as foreach: equal to float32 rounding after 5 steps."""
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(5)]
+    results = {}
+    for impl in ("fused", "foreach"):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, **{impl: True})
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            optimizer.step()
+        results[impl] = params
+    built = build_optimizer([torch.nn.Parameter(start[0].clone())], name="AdamW", lr=1e-2, eps=1e-8,
+                            weight_decay=0.1, betas=(0.9, 0.95), device_type="cpu")
+    assert built.param_groups[0]["fused"] is True
+    for a, b in zip(results["fused"], results["foreach"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["adamw", "SGD", ""])
