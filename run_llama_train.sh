@@ -4,6 +4,9 @@
 #   NGPU           processes to start on this node (default: the number of GPUs, or 8 without one)
 #   CONFIG_FILE    TOML config (default: train_configs/debug_model.toml)
 #   LOG_RANK       local ranks whose output is shown, comma-separated (default: 0)
+#   LAUNCH_PREFLIGHT  1 (default): check the config once here before torchrun, so a config error
+#                  exits 2 with only its lines; 0 skips that (every rank still checks), one
+#                  Python start less per launch
 #   MAX_RESTARTS   times torchrun restarts the workers after a failure (default: 0); with
 #                  --fault_tolerance.enable a restarted group heals from its live peers
 # Several nodes (run this script once on each; see README "Multi-node"):
@@ -42,7 +45,9 @@ else
 fi
 # Check the job once before any rank starts: a config problem exits 2 here with one line per
 # problem, not inside torchrun's report of failed ranks. Each rank still checks for itself.
-WORLD_SIZE=$((NGPU * NNODES)) python3 "$here/train.py" --preflight_only --job.config_file "$CONFIG_FILE" "$@" \
-  || exit $?
+if [[ "${LAUNCH_PREFLIGHT:-1}" != 0 ]]; then
+  WORLD_SIZE=$((NGPU * NNODES)) python3 "$here/train.py" --preflight_only --job.config_file "$CONFIG_FILE" "$@" \
+    || exit $?
+fi
 exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
   "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"

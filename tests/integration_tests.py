@@ -429,7 +429,10 @@ class Matrix:
         dump.mkdir(parents=True, exist_ok=True)
         argv = self.phase_args(flavor, phase, dump)
         env = {**os.environ, "CONFIG_FILE": str(self.args.config), "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+            "OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+               # The launcher's own config check is what bad-config flavors test; for the sound ones it
+               # would only repeat every rank's check at the cost of one more Python start per launch.
+               "LAUNCH_PREFLIGHT": "1" if flavor.expect_error else "0"}
         if self.cuda:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         # Bad configs show every rank: the message may come from whichever rank gets there first.
