@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-"${PYTHON:-python3}" -m pytest tests -q "$@"
+"${PYTHON:-python3}" -m pytest tests -q --durations=15 "$@"
 if [[ "${INTEGRATION:-1}" != 0 ]]; then
   exec "${PYTHON:-python3}" tests/integration_tests.py "${INTEGRATION_OUTPUT:-outputs/integration}" --ngpu 8 --require-all
 fi
