@@ -8,6 +8,8 @@ reference parameters and outer momentum; LocalSGD's weights).
 
 - ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
   after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
+- ``$FT_CRASH_IN_SYNC_AT_STEP=N``: on torchrun's first round, the process SIGKILLs itself in the middle of
+  step N's cross-group all-reduces (after handing torchft the first one), so the other groups' sync fails.
 - ``$FT_CORRUPT_AT_STEP=N``: rank 0 nudges one of its weights as step N begins (silent data
   corruption in one group), which the replica check must catch.
 - ``$FT_SLOW_RESTARTED_RANK0=S``: after a torchrun restart, rank 0 waits S seconds before
@@ -101,10 +103,13 @@ def _install() -> None:
     together = os.environ.get("FT_START_TOGETHER")
     corrupt_at = int(os.environ.get("FT_CORRUPT_AT_STEP", "0"))
 
-    calls = {"n": 0, "bytes": 0}
+    calls = {"n": 0, "bytes": 0, "step": 0}
+    crash_in_sync = int(os.environ.get("FT_CRASH_IN_SYNC_AT_STEP", "0"))
 
     def counting(real_allreduce):
         def allreduce(tensor, *args, **kwargs):
+            if first_round and calls["step"] == crash_in_sync and calls["n"] == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
             calls["n"] += 1
             calls["bytes"] += tensor.numel() * tensor.element_size()
             return real_allreduce(tensor, *args, **kwargs)
@@ -116,6 +121,7 @@ def _install() -> None:
             self.ft.manager.allreduce = counting(self.ft.manager.allreduce)
             calls["wrapped"] = True
         calls["n"] = calls["bytes"] = 0
+        calls["step"] = self.step
         if self.step == corrupt_at and os.environ.get("RANK", "0") == "0":
             with torch.no_grad():
                 p = next(self.model_parts[0].parameters())

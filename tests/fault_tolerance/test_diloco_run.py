@@ -8,10 +8,11 @@ a replica check at every sync, checkpoints every 4 steps into one folder:
   parameters and outer momentum) is bitwise equal; between syncs no byte crosses groups, and the
   fragments' syncs together send every parameter once per ``sync_steps`` (the figure of
   benchmarks/README.md section 9);
-- group 1 is SIGKILLed after step 4 and started again by hand (from scratch: its checkpointing
-  off, so it is behind); the survivor syncs alone meanwhile; the restarted group heals at its
-  first sync, taking the survivor's step, and from then on its global state is bitwise the
-  survivor's after every sync;
+- group 1 is SIGKILLed in the middle of the sync of step 4 (after handing torchft its first
+  all-reduce): the survivor's sync fails and is discarded, its global state stays as it was, and
+  the same fragment syncs at step 6 (alone); group 1 is started again by hand (from scratch: its
+  checkpointing off, so it is behind) and heals at its first sync, taking the survivor's step;
+  from then on its global state is bitwise the survivor's after every sync;
 - each checkpoint is written by one group and holds the semi-sync state; from step 12 both groups
   restart (a whole-job restart): they resume at step 13, group 0's step 13 is bitwise its first
   run's (weights, Adam, loss, and the reference parameters and outer momentum from the checkpoint),
@@ -72,7 +73,7 @@ def diloco_run(tmp_path_factory):
     args = _args(tmp, "ckpt", address)
     together = {"FT_START_TOGETHER": f"{tmp / 'start'}:2"}
     procs = {"g0": _launch(tmp, "g0", 0, args, FT_THROTTLE_ALONE="1", **together),
-             "g1": _launch(tmp, "g1", 1, args, FT_CRASH_AT_STEP=str(KILL_AT), **together)}
+             "g1": _launch(tmp, "g1", 1, args, FT_CRASH_IN_SYNC_AT_STEP=str(KILL_AT), **together)}
     try:
         assert procs["g1"].wait(timeout=90) == -signal.SIGKILL, (tmp / "g1.log").read_text()[-3000:]
         # Started again from scratch (it must not resume from the survivor's checkpoint): it is behind.
@@ -105,15 +106,17 @@ def test_every_group_finishes(diloco_run):
     assert codes == {"g0": 0, "g1": 0, "r0": 0, "r1": 0}, (codes, (tmp / "g1.log").read_text()[-3000:])
     assert [r["step"] for r in records["g0"]] == list(range(1, STEPS + 1))
     first, second = _lives(records["g1"])
-    assert [r["step"] for r in first] == list(range(1, KILL_AT + 1))
+    assert [r["step"] for r in first] == list(range(1, KILL_AT))  # killed during step 4
     assert second and second[-1]["step"] == STEPS
 
 
 def test_global_state_is_bitwise_equal_after_every_joint_sync(diloco_run):
     _, _, records, _ = diloco_run
     survivor = _by_step(records["g0"])
-    # Syncs every sync_steps / num_fragments steps, on the same steps in both groups.
-    assert [r["step"] for r in records["g0"] if r["synced"]] == list(range(2, STEPS + 1, SYNC // FRAGMENTS))
+    # Syncs every sync_steps / num_fragments steps, on the same steps in both groups (step 4's discarded).
+    every = SYNC // FRAGMENTS
+    assert [r["step"] for r in records["g0"] if r["synced"]] == [s for s in range(every, STEPS + 1, every)
+                                                                 if s != KILL_AT]
     joint = [r for r in records["g1"] if r["synced"]]
     assert len(joint) >= 4, joint
     for r in joint:
@@ -128,9 +131,9 @@ def test_global_state_is_bitwise_equal_after_every_joint_sync(diloco_run):
 def test_cross_group_bytes_only_at_syncs_every_parameter_once_per_sync_steps(diloco_run):
     _, _, records, _ = diloco_run
     g0 = records["g0"]
-    assert all(r["allreduces"] == 0 for r in g0 if not r["synced"])
+    assert all(r["allreduces"] == 0 for r in g0 if r["step"] % (SYNC // FRAGMENTS))
     per_sync = [r["allreduce_bytes"] - CHECK_BYTES for r in g0 if r["synced"]]
-    # Fragments alternate; two consecutive syncs carry each parameter's pseudo-gradient once.
+    # Fragments alternate (a discarded one is retried); two consecutive syncs carry each parameter once.
     assert all(a + b == _param_bytes() for a, b in zip(per_sync[::2], per_sync[1::2])), per_sync
 
 
@@ -138,7 +141,16 @@ def test_survivor_syncs_alone_and_the_restarted_group_heals_at_its_first_sync(di
     _, _, records, _ = diloco_run
     survivor = _by_step(records["g0"])
     assert any(r["participants"] == 1 and r["synced"] for r in records["g0"]), "survivor never synced alone"
-    assert records["g0"][-1]["discarded"] <= 1
+    # The sync group 1 died in was discarded: the reference parameters and outer momentum are untouched,
+    # and the same fragment syncs next time.
+    failed = survivor[KILL_AT]
+    assert failed["discarded"] == 1 and not failed["synced"] and failed["local_step"] == 0, failed
+    assert failed["global_state"] == survivor[KILL_AT - 1]["global_state"] and failed["syncs"] == KILL_AT // 2 - 1
+    retried = survivor[KILL_AT + 2]
+    assert retried["synced"] and retried["participants"] == 1 and retried["syncs"] == failed["syncs"] + 1
+    # Fragment 1 again, not fragment 0 (which step 2 synced): its bytes differ from step 2's.
+    assert retried["allreduce_bytes"] != survivor[KILL_AT - 2]["allreduce_bytes"]
+    assert records["g0"][-1]["discarded"] == 1
     _, second = _lives(records["g1"])
     # Step 1 is an inner step of its own; its first sync (its step 2) heals it to the survivor's step.
     assert second[0]["step"] == 1 and second[0]["heals"] == 0 and not second[0]["synced"]
