@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,14 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = str(REPO / "tests" / "fault_tolerance" / "ft_entry.py")
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+sys.path.insert(0, str(REPO))
+from torchtitan.distributed.lifecycle import free_port  # noqa: E402
 LARGE = {"dim": 768, "n_layers": 8, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 2048, "multiple_of": 256,
          "norm_eps": 1e-5, "rope_theta": 500000.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _records(path: Path) -> list[dict]:
@@ -76,7 +71,7 @@ def _wait_for_step(record: Path, step: int, timeout: float) -> None:
 
 def run_shape(shape: str, steps: int, kill_at: int, work: Path) -> dict:
     """Train two groups, kill and relaunch group 1 after ``kill_at``; return the timings."""
-    port = _free_port()
+    port = free_port()
     lighthouse = subprocess.Popen(
         ["torchft_lighthouse", "--min_replicas=1", f"--bind=[::]:{port}", "--heartbeat_timeout_ms=1000",
          "--join_timeout_ms=1000", "--quorum_tick_ms=50"], stdout=open(work / "lighthouse.log", "a"),
