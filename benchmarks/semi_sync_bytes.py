@@ -22,6 +22,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from torchtitan.distributed.lifecycle import free_port  # noqa: E402
+
 ENTRY = str(REPO / "tests" / "fault_tolerance" / "ft_entry.py")
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 MODES = {
@@ -32,14 +36,6 @@ MODES = {
     "diloco, sync_steps 16": ["--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.sync_steps=16"],
     "local_sgd, sync_steps 4": ["--fault_tolerance.semi_sync_method=local_sgd", "--fault_tolerance.sync_steps=4"],
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group(tmp: Path, g: int, port: int, steps: int, shard: int, extra: list[str]) -> subprocess.Popen:
@@ -59,7 +55,7 @@ def _group(tmp: Path, g: int, port: int, steps: int, shard: int, extra: list[str
 def measure(extra: list[str], steps: int, shard: int) -> tuple[float, int]:
     """(mean bytes per step handed to torchft by rank 0 of group 0, number of steps that sent any)."""
     with tempfile.TemporaryDirectory() as d:
-        tmp, port = Path(d), _free_port()
+        tmp, port = Path(d), free_port()
         lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas=2", f"--bind=[::]:{port}",
                                        "--join_timeout_ms=1000", "--quorum_tick_ms=50"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import ConfigManager
-from conftest import REPO
+from conftest import REPO, SHIPPED_TOKENIZER
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 
@@ -122,3 +122,28 @@ def checkpoint_digests(path: Path) -> tuple[dict[str, str], dict[str, str]]:
         fqn, _, name = key[len("optimizer.state."):].rpartition(".")
         optim[f"{fqn}/{name}"] = digest(value)
     return model, optim
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' own logits for a saved Hugging Face model, in float32."""
+    import transformers  # a test-only dependency (the dev extra)
+
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def reference_batch(global_batch: int, seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first global batch the trainer sees (the stream does not depend on the DP degree)."""
+    from torchtitan.datasets import build_dataloader, build_tokenizer
+
+    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
+                              seq_len=seq_len, local_batch_size=global_batch, dp_rank=0, dp_degree=1)
+    return next(iter(loader))
+
+
+def hf_loss(folder: Path, global_batch: int, seq_len: int = 32) -> float:
+    """transformers' loss on that batch: what the trainer's step-1 loss must equal."""
+    inputs, labels = reference_batch(global_batch, seq_len)
+    logits = hf_logits(folder, inputs)
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()))

@@ -27,7 +27,8 @@ from torchtitan.checkpoint.formats import check_source, export_hf, load_into
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
 from torchtitan.models.llama3.model import ffn_hidden_dim
-from conftest import REPO, SHIPPED_TOKENIZER, load_script
+from conftest import REPO, load_script
+from helpers import hf_logits, hf_loss, reference_batch
 
 DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
 SEQ, BATCH = 32, 2
@@ -53,25 +54,6 @@ def hf_dir(tmp_path_factory) -> Path:
     return out
 
 
-def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits
-
-
-def reference_batch(global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first global batch the trainer sees (the stream does not depend on the DP degree)."""
-    from torchtitan.datasets import build_dataloader, build_tokenizer
-
-    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
-                              seq_len=SEQ, local_batch_size=global_batch, dp_rank=0, dp_degree=1)
-    return next(iter(loader))
-
-
-def hf_loss(folder: Path, global_batch: int) -> float:
-    inputs, labels = reference_batch(global_batch)
-    logits = hf_logits(folder, inputs)
-    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()))
 
 
 def test_one_process_load_matches_hf_logits_with_and_without_rope_scaling(hf_dir, tmp_path) -> None:

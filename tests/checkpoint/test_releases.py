@@ -22,7 +22,8 @@ import transformers
 
 from dist_harness import run_ranks
 from torchtitan.checkpoint.formats import check_source, load_into
-from conftest import REPO, SHIPPED_TOKENIZER
+from conftest import REPO
+from helpers import hf_loss
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models import model_args
 from torchtitan.models.llama3 import Transformer, llama3_flavors
@@ -145,21 +146,6 @@ def releases(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def reference_batch(global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first global batch the trainer sees (the stream does not depend on the DP degree)."""
-    from torchtitan.datasets import build_dataloader, build_tokenizer
-
-    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
-                              seq_len=SEQ, local_batch_size=global_batch, dp_rank=0, dp_degree=1)
-    return next(iter(loader))
-
-
-def hf_loss(folder: Path, global_batch: int) -> float:
-    inputs, labels = reference_batch(global_batch)
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(inputs).logits
-    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()))
 
 
 def _release_runs(rank: int, world_size: int, dump: str, runs: dict[str, list[str]]) -> dict:

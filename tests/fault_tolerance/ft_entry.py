@@ -1,10 +1,10 @@
 """``train.py`` for the fault-tolerance tests: records every committed step, and can crash or throttle.
 
 After each committed step every rank appends one JSON line to ``$FT_RECORD.<rank>``: the
-step, the exact loss, the torchft all-reduces it took (and their bytes), a hash of this rank's weights, Adam state and
-learning rate, the groups that took part, and how many steps it discarded and heals it took so far. Under DiLoCo/LocalSGD
-also whether the step ended with a committed sync, the syncs so far, and a hash of the global state (DiLoCo's
-reference parameters and outer momentum; LocalSGD's weights).
+step, when it began and when it was committed, the exact loss, the torchft all-reduces it took (and their bytes), a
+hash of this rank's weights, Adam state and learning rate, the groups that took part, and how many steps it discarded
+and heals it took so far. Under DiLoCo/LocalSGD also whether the step ended with a committed sync, the syncs so far,
+and a hash of the global state (DiLoCo's reference parameters and outer momentum; LocalSGD's weights).
 
 - ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
   after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
@@ -132,9 +132,10 @@ def _install() -> None:
             while len(list(Path(folder).iterdir())) < int(count):
                 time.sleep(0.05)
             together = None
+        began = time.time()
         loss, grad_norm = real(self, batches)
         ft = self.ft
-        line = {"step": self.step, "loss": loss, "state": state_hash(self), "time": time.time(),
+        line = {"step": self.step, "loss": loss, "state": state_hash(self), "began": began, "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
                 "heals": ft.heals if ft else 0, "allreduces": calls["n"], "allreduce_bytes": calls["bytes"],
                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}

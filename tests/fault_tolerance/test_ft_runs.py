@@ -4,14 +4,14 @@ Four runs, each answering several questions, to keep CI short. The main one (two
 FSDP 2 each, under torchrun):
 
 - group 0 trains all the way (the survivor); group 1 SIGKILLs both its ranks right after
-  step 3 and torchrun (``--max-restarts 1``) starts it again: the stale-key path, since
+  step 8 and torchrun (``--max-restarts 1``) starts it again: the stale-key path, since
   torchrun's store still holds the dead manager's address (the restarted rank 0 creates its
   manager 1 s late, so rank 1 would read that address if it were not deleted);
 - the survivor keeps training alone, discarding at most one step;
 - the restarted group heals from the survivor on its first step (during the LR warmup), and
   from then on its weights, Adam state and learning rate are bitwise the survivor's and it
   logs the same loss;
-- while both groups are healthy (steps 1-3) the loss equals a single process training
+- while both groups are healthy (steps 1-8) the loss equals a single process training
   the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative;
 - with gradient accumulation a step takes one cross-group all-reduce per FSDP unit, not
   one per micro-batch (plus the token count, the loss and the replica check);
@@ -23,9 +23,10 @@ and match one process training their global batch. At its last step one weight o
 is nudged, and the replica check stops both groups, naming the step.
 
 A checkpoint run (one rank per group): the two groups save at steps 3 and 6, each
-checkpoint written by one group only; from step 3, a whole-job restart retrains steps 4-6
-bitwise as before, and one plain process with their global batch resumes with the same
-losses (1e-5).
+checkpoint written by one group only, and a plain process with their global batch trains
+the same losses (1e-5); from the groups' step 3, a whole-job restart retrains steps 4-6
+bitwise as before, and a plain process resumes with the same losses (1e-5); from the plain
+process's step 3, two groups resume with the same losses (1e-5).
 
 A last run (one rank per group, plain ``python``) loses its lighthouse for 5 s mid-run
 (with ``quorum_retries`` both groups wait and carry on); then group 1 is SIGKILLed and
@@ -38,7 +39,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,25 +46,21 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from conftest import REPO
+from torchtitan.distributed.lifecycle import free_port
+
 ENTRY = str(Path(__file__).with_name("ft_entry.py"))
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
-STEPS, CRASH_AT = 16, 3
+STEPS, CRASH_AT = 20, 8  # eight healthy steps compared with one process, then the crash
 HEARTBEAT_MS = 1000
 ACCUM = 2
-WARMUP = 12  # the restarted group heals during the warmup, while the learning rate changes fastest
+WARMUP = 16  # the restarted group heals during the warmup, while the learning rate changes fastest
 COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", f"--lr_scheduler.warmup_steps={WARMUP}",
           "--metrics.log_freq=1",
           "--metrics.enable_tensorboard=false", "--training.batch_size=1",
           f"--training.gradient_accumulation_steps={ACCUM}"]
 FSDP_UNITS = 7  # the debug model's 6 blocks and the root
 TP_STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(record: Path, **extra: str) -> dict[str, str]:
@@ -120,9 +116,9 @@ def _start_lighthouse(tmp: Path, min_replicas: int, port: int, join_timeout_ms: 
 
 
 def _lighthouse(tmp: Path, min_replicas: int) -> tuple[subprocess.Popen, str]:
-    if shutil.which("torchft_lighthouse") is None:
-        pytest.skip("torchft is not installed (scripts/install.sh installs it)")
-    port = _free_port()
+    # torchft is a dependency of the project: its absence fails these tests, it does not skip them.
+    assert shutil.which("torchft_lighthouse"), "torchft_lighthouse not found: bash scripts/install.sh installs torchft"
+    port = free_port()
     lighthouse = _start_lighthouse(tmp, min_replicas, port)
     (tmp / "pids").mkdir()
     return lighthouse, f"http://localhost:{port}"
@@ -350,26 +346,38 @@ def _ft_groups(tmp: Path, name: str, args: list[str], address: str) -> dict[str,
         start_new_session=True) for g in (0, 1)}
 
 
+def _plain(tmp: Path, name: str, args: list[str]) -> subprocess.Popen:
+    """One plain process (no fault tolerance) training the two groups' global batch."""
+    return subprocess.Popen([sys.executable, ENTRY, *args, "--training.batch_size=2", f"--job.dump_folder={tmp / name}"],
+                            env=_env(tmp / name), stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
 @pytest.fixture(scope="module")
 def ckpt_run(tmp_path_factory):
-    """Two one-rank groups save at steps 3 and 6 into one folder; then, from copies of its step 3,
-    the two groups again (a whole-job restart) and one plain process with their global batch."""
+    """Two one-rank groups save at steps 3 and 6 into one folder, and one plain process with their global
+    batch saves into another. Then, from copies of the groups' step 3: the two groups again (a whole-job
+    restart) and a plain process; and from the plain process's step 3: two groups (with a lighthouse of
+    their own: a separate job)."""
     tmp = tmp_path_factory.mktemp("ft_ckpt")
     lighthouse, address = _lighthouse(tmp, min_replicas=2)  # no group takes a step alone
+    second = _start_lighthouse(tmp, 2, port := free_port())
     try:
-        codes = _wait(_ft_groups(tmp, "g", _ckpt_args(tmp / "ckpt"), address), tmp, timeout=120)
+        procs = _ft_groups(tmp, "g", _ckpt_args(tmp / "ckpt"), address)
+        procs["src"] = _plain(tmp, "src", _ckpt_args(tmp / "ckpt_src"))
+        codes = _wait(procs, tmp, timeout=120)
         shutil.copytree(tmp / "ckpt", tmp / "ckpt_ft")
         shutil.copytree(tmp / "ckpt", tmp / "ckpt_plain")
-        procs = _ft_groups(tmp, "r", [*_ckpt_args(tmp / "ckpt_ft"), f"--checkpoint.load_step={CKPT_AT}"], address)
-        procs["plain"] = subprocess.Popen(
-            [sys.executable, ENTRY, *_ckpt_args(tmp / "ckpt_plain"), f"--checkpoint.load_step={CKPT_AT}",
-             "--training.batch_size=2", f"--job.dump_folder={tmp / 'plain'}"], env=_env(tmp / "plain"),
-            stdout=open(tmp / "plain.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        resume = f"--checkpoint.load_step={CKPT_AT}"
+        procs = _ft_groups(tmp, "r", [*_ckpt_args(tmp / "ckpt_ft"), resume], address)
+        procs["plain"] = _plain(tmp, "plain", [*_ckpt_args(tmp / "ckpt_plain"), resume])
+        procs.update(_ft_groups(tmp, "p", [*_ckpt_args(tmp / "ckpt_src"), resume], f"http://localhost:{port}"))
         codes.update(_wait(procs, tmp, timeout=120))
     finally:
-        lighthouse.kill()
-        lighthouse.wait()
-    records = {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "r0", "r1", "plain")}
+        for server in (lighthouse, second):
+            server.kill()
+            server.wait()
+    records = {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "r0", "r1", "plain", "src", "p0", "p1")}
     logs = {name: (tmp / f"{name}.log").read_text() for name in ("g0", "g1")}
     return tmp, codes, records, logs
 
@@ -383,14 +391,26 @@ def test_one_group_writes_each_checkpoint(ckpt_run):
         assert len(writers) == 1, f"step {step} written by {writers}"
 
 
+def _assert_close(records: list[dict], expected: dict[int, dict], what: str) -> None:
+    for r in records:
+        want = expected[r["step"]]["loss"]
+        assert abs(r["loss"] - want) <= 1e-5 * abs(want), (what, r["step"], r["loss"], want)
+
+
 def test_whole_job_and_plain_run_resume_at_the_saved_step(ckpt_run):
     _, _, records, _ = ckpt_run
     first = _by_step(records["g0"])
-    for name in ("r0", "r1", "plain"):
+    for name in ("r0", "r1", "plain", "p0", "p1"):
         assert [r["step"] for r in records[name]] == list(range(CKPT_AT + 1, CKPT_STEPS + 1)), name
     for r0, r1 in zip(records["r0"], records["r1"]):
         # The restarted groups retrain steps 4-6 exactly as the first time.
         assert r0["state"] == r1["state"] == first[r0["step"]]["state"] and r0["loss"] == first[r0["step"]]["loss"]
-    for r in records["plain"]:
-        expected = first[r["step"]]["loss"]
-        assert abs(r["loss"] - expected) <= 1e-5 * abs(expected), (r["step"], r["loss"], expected)
+    _assert_close(records["src"], first, "plain run from scratch")
+    _assert_close(records["plain"], first, "plain run resumed from the groups' checkpoint")
+
+
+def test_groups_resume_from_a_plain_runs_checkpoint(ckpt_run):
+    _, _, records, _ = ckpt_run
+    for p0, p1 in zip(records["p0"], records["p1"]):
+        assert p0["state"] == p1["state"] and p0["loss"] == p1["loss"], p0["step"]
+    _assert_close(records["p0"], _by_step(records["src"]), "groups resumed from the plain run's checkpoint")

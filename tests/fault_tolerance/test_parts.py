@@ -1,10 +1,10 @@
 """The pieces of fault tolerance on their own: stale store keys, Adam's state from step 0,
-the heal state's round trip and the check that every parameter sits in a hooked FSDP unit."""
+the heal state's round trip, the check that every parameter sits in a hooked FSDP unit, and
+DiLoCo's fragments (every parameter in exactly one)."""
 
 from __future__ import annotations
 
 import copy
-import socket
 from datetime import timedelta
 
 import pytest
@@ -15,19 +15,12 @@ from dist_harness import run_ranks
 from torchtitan.fault_tolerance.state import HealState, init_optimizer_state
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_stale_manager_keys_are_deleted(monkeypatch):
-    pytest.importorskip("torchft")
+def test_stale_manager_keys_are_deleted(monkeypatch, free_port):
     from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
     from torchtitan.fault_tolerance.manager import clear_stale_manager_keys
 
-    port = _free_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
