@@ -1,11 +1,15 @@
 """``train.py`` for the fault-tolerance tests: records every committed step, and can crash or throttle.
 
 After each committed step every rank appends one JSON line to ``$FT_RECORD.<rank>``: the
-step, when it began and when it was committed, the exact loss, the torchft all-reduces it took, a hash of this rank's weights, Adam state and learning rate, the
-groups that took part, and how many steps it discarded and heals it took so far.
+step, when it began and when it was committed, the exact loss, the torchft all-reduces it took (and their bytes), a
+hash of this rank's weights, Adam state and learning rate, the groups that took part, and how many steps it discarded
+and heals it took so far. Under DiLoCo/LocalSGD also whether the step ended with a committed sync, the syncs so far,
+and a hash of the global state (DiLoCo's reference parameters and outer momentum; LocalSGD's weights).
 
 - ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
   after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
+- ``$FT_CRASH_IN_SYNC_AT_STEP=N``: on torchrun's first round, the process SIGKILLs itself in the middle of
+  step N's cross-group all-reduces (after handing torchft the first one), so the other groups' sync fails.
 - ``$FT_CORRUPT_AT_STEP=N``: rank 0 nudges one of its weights as step N begins (silent data
   corruption in one group), which the replica check must catch.
 - ``$FT_SLOW_RESTARTED_RANK0=S``: after a torchrun restart, rank 0 waits S seconds before
@@ -39,17 +43,25 @@ def _local_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def state_hash(trainer) -> str:
+def state_hash(trainer, optimizer: bool = True) -> str:
     """A hash of this rank's shards of the weights and of Adam's state, and of the learning rate."""
     h = hashlib.sha256()
     for part in trainer.model_parts:
         for name, p in part.named_parameters():
             h.update(name.encode())
             h.update(_local_bytes(p))
-            for key, value in sorted(trainer.optimizer.state[p].items()):
+            for key, value in sorted(trainer.optimizer.state[p].items()) if optimizer else ():
                 h.update(key.encode())
                 h.update(_local_bytes(value))
     h.update(repr([g["lr"] for g in trainer.optimizer.param_groups]).encode())
+    return h.hexdigest()
+
+
+def global_hash(ft) -> str:
+    """A hash of this rank's shards of the state a sync makes equal in every group."""
+    h = hashlib.sha256()
+    for t in ft.semi.reference_tensors():
+        h.update(_local_bytes(t))
     return h.hexdigest()
 
 
@@ -91,12 +103,16 @@ def _install() -> None:
     together = os.environ.get("FT_START_TOGETHER")
     corrupt_at = int(os.environ.get("FT_CORRUPT_AT_STEP", "0"))
 
-    calls = {"n": 0}
+    calls = {"n": 0, "bytes": 0, "step": 0}
+    crash_in_sync = int(os.environ.get("FT_CRASH_IN_SYNC_AT_STEP", "0"))
 
     def counting(real_allreduce):
-        def allreduce(*args, **kwargs):
+        def allreduce(tensor, *args, **kwargs):
+            if first_round and calls["step"] == crash_in_sync and calls["n"] == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
             calls["n"] += 1
-            return real_allreduce(*args, **kwargs)
+            calls["bytes"] += tensor.numel() * tensor.element_size()
+            return real_allreduce(tensor, *args, **kwargs)
         return allreduce
 
     def train_step(self, batches):
@@ -104,7 +120,8 @@ def _install() -> None:
         if self.ft is not None and not calls.get("wrapped"):
             self.ft.manager.allreduce = counting(self.ft.manager.allreduce)
             calls["wrapped"] = True
-        calls["n"] = 0
+        calls["n"] = calls["bytes"] = 0
+        calls["step"] = self.step
         if self.step == corrupt_at and os.environ.get("RANK", "0") == "0":
             with torch.no_grad():
                 p = next(self.model_parts[0].parameters())
@@ -120,8 +137,11 @@ def _install() -> None:
         ft = self.ft
         line = {"step": self.step, "loss": loss, "state": state_hash(self), "began": began, "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
-                "heals": ft.heals if ft else 0, "allreduces": calls["n"],
+                "heals": ft.heals if ft else 0, "allreduces": calls["n"], "allreduce_bytes": calls["bytes"],
                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}
+        if getattr(ft, "semi", None) is not None:
+            line.update(synced=ft.synced, syncs=ft.manager.current_step(), local_step=ft.semi.algo._local_step,
+                        global_state=global_hash(ft) if ft.semi.outers else state_hash(self, optimizer=False))
         with record.open("a") as f:
             f.write(json.dumps(line) + "\n")
         if first_round and self.step == crash_at:

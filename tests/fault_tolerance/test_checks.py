@@ -42,7 +42,13 @@ def test_a_sound_group_passes_and_disabled_checks_nothing(monkeypatch):
          "does not support pipeline parallelism"),
         (2, ["--comm.train_timeout_seconds=20"], "timeouts out of order"),
         (2, ["--fault_tolerance.timeout_seconds=5", "--comm.train_timeout_seconds=400"], "timeouts out of order"),
-        (2, ["--fault_tolerance.semi_sync_method=diloco"], "semi_sync_method=diloco is not supported yet"),
+        (2, ["--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.sync_steps=4",
+             "--fault_tolerance.num_fragments=2", "--fault_tolerance.fragment_sync_delay=2"],
+         "fragment_sync_delay=2 must be below sync_steps / num_fragments (2)"),
+        (2, ["--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.fragment_update_alpha=1.5"],
+         "fragment_update_alpha=1.5 must be in [0, 1]"),
+        (2, ["--fault_tolerance.semi_sync_method=local_sgd", "--fault_tolerance.num_fragments=2"],
+         "num_fragments and fragment_sync_delay apply to diloco only"),
         (2, ["--checkpoint.create_seed_checkpoint"], "write the seed checkpoint with a plain run"),
         (2, ["--training.dataset=c4"], "needs a token store: --training.dataset=c4 is streamed"),
     ],
@@ -53,9 +59,22 @@ def test_each_problem_names_its_fix(world, overrides, needle):
 
 
 def test_diloco_fragments_must_divide_sync_steps():
-    problems = _problems(2, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.sync_steps=5",
-                         "--fault_tolerance.num_fragments=2")
-    assert any("sync_steps=5 is not divisible by num_fragments=2" in p for p in problems), problems
+    (line,) = _problems(2, "--fault_tolerance.semi_sync_method=diloco", "--fault_tolerance.sync_steps=5",
+                        "--fault_tolerance.num_fragments=2")
+    assert "sync_steps=5 is not divisible by num_fragments=2" in line and "give a multiple" in line
+    # Raised by preflight on every rank before any process group exists.
+    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, "--fault_tolerance.semi_sync_method=diloco",
+                                      "--fault_tolerance.sync_steps=5", "--fault_tolerance.num_fragments=2"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, 1)
+    assert any("sync_steps=5 is not divisible by num_fragments=2" in p for p in info.value.problems)
+
+
+@pytest.mark.parametrize("method", ["diloco", "local_sgd"])
+def test_semi_sync_methods_pass(method):
+    extra = ["--fault_tolerance.num_fragments=2"] if method == "diloco" else []
+    assert _problems(2, f"--fault_tolerance.semi_sync_method={method}", "--fault_tolerance.sync_steps=4",
+                     *extra) == []
 
 
 def test_missing_lighthouse_and_seed(monkeypatch):

@@ -1,11 +1,13 @@
 """The pieces of fault tolerance on their own: stale store keys, Adam's state from step 0,
-the heal state's round trip and the check that every parameter sits in a hooked FSDP unit."""
+the heal state's round trip, the check that every parameter sits in a hooked FSDP unit, and
+DiLoCo's fragments (every parameter in exactly one)."""
 
 from __future__ import annotations
 
 import copy
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -145,3 +147,35 @@ def test_fingerprint_sees_one_flipped_bit_and_a_swap():
     swapped = a.clone().reshape(-1)
     swapped[[0, 1]] = swapped[[1, 0]]
     assert fingerprint([swapped.reshape(5, 3), b]) != base
+
+
+def _meta_debug_model() -> torch.nn.Module:
+    from torchtitan.models.llama3 import Transformer, llama3_flavors
+
+    with torch.device("meta"):
+        return Transformer(llama3_flavors["debugmodel"])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 9])
+def test_diloco_fragments_cover_every_parameter_once_in_model_order(n):
+    from torchtitan.fault_tolerance.semi_sync import model_fragments
+
+    model = _meta_debug_model()
+    fragments = model_fragments([model], n)
+    assert len(fragments) == n and all(any(True for _ in f.parameters()) for f in fragments)
+    in_fragments = [id(p) for f in fragments for p in f.parameters()]
+    assert in_fragments == [id(p) for p in model.parameters()]  # each once, consecutive, in model order
+    if n == 2:  # split near half the parameters
+        sizes = [sum(p.numel() for p in f.parameters()) for f in fragments]
+        assert max(sizes) < 0.75 * sum(sizes), sizes
+
+
+def test_diloco_fragments_refuse_too_many_fragments_and_an_uncovered_parameter():
+    from torchtitan.fault_tolerance.semi_sync import Fragment, check_fragments_cover_model, model_fragments
+
+    model = _meta_debug_model()
+    with pytest.raises(ValueError, match="num_fragments=10 exceeds the model's 9 units"):
+        model_fragments([model], 10)
+    without_output = Fragment([m for name, m in model.named_children() if name != "output"])
+    with pytest.raises(RuntimeError, match="output.weight \\(in 0 fragments\\)"):
+        check_fragments_cover_model([model], [without_output])

@@ -16,6 +16,8 @@ What a full checkpoint holds (top-level keys of the DCP state dict):
 - ``rng``: each rank's Python/NumPy/torch generator states, under ``rank<r>``. They are
   restored only when the layout is unchanged; with another layout ranks do not
   correspond, and every rank keeps the seed that ``training.seed`` gave it.
+- states added with ``add_state`` (``semi_sync``: DiLoCo's reference parameters, outer
+  momentum and counters), each under its name; a run without that state skips it on load.
 
 A ``weights_only`` checkpoint (the final save with ``model_weights_only``) holds
 ``model`` alone, cast to ``export_dtype``; a ``seed`` checkpoint holds the initialized
@@ -125,6 +127,7 @@ class CheckpointManager:
         ft = cfg.fault_tolerance
         self.tmp_tag = f"-group{ft.replica_id}" if ft.enable else ""
         self.writes: Callable[[], bool] = lambda: True
+        self.extra: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict(), see add_state
         if not self.active:
             return
         self._view = model_view(model_parts)
@@ -138,6 +141,10 @@ class CheckpointManager:
             self.preemption.install()
 
     # ---- the state -------------------------------------------------------------
+    def add_state(self, name: str, stateful: Any) -> None:
+        """Save ``stateful.state_dict()`` under ``name`` in full checkpoints, and load it back (DCP in place)."""
+        self.extra[name] = stateful
+
     def _model_state(self) -> dict[str, Any]:
         return get_model_state_dict(self._view)
 
@@ -150,6 +157,7 @@ class CheckpointManager:
             "dataloader": self.dataset.state_dict(),
             "train_state": {"step": step},
             "rng": {f"rank{self.rank}": _rng_state()},
+            **{name: stateful.state_dict() for name, stateful in self.extra.items()},
         }
 
     def _weights_state(self) -> dict[str, Any]:
@@ -190,7 +198,8 @@ class CheckpointManager:
         # global metadata is written, so rank 0 alone can make the checkpoint visible.
         if self.rank != 0:
             return
-        manifest = {"kind": kind, "states": self._states_of(kind), "layout": self.layout,
+        manifest = {"kind": kind, "states": self._states_of(kind) + ([] if kind in ("weights_only", "seed")
+                                                                     else sorted(self.extra)), "layout": self.layout,
                     "dtype": self.ck.export_dtype if kind == "weights_only" else "as trained",
                     "torch_version": torch.__version__}
         path = commit(self.folder, step, manifest, self.tmp_tag)
@@ -318,6 +327,10 @@ class CheckpointManager:
             logger.warning("Checkpoint %s is a %s checkpoint: it holds the model only, so the optimizer, LR "
                            "schedule and data start fresh at step 0", path, manifest["kind"].replace("_", "-"))
         wanted = [k for k in manifest["states"] if k not in self.ck.exclude_from_loading]
+        for k in [k for k in wanted if k not in self._states_of("full") and k not in self.extra]:
+            wanted.remove(k)  # e.g. DiLoCo's state, read by a run that does not use DiLoCo
+            if self.rank == 0:
+                logger.info("Checkpoint: %s holds '%s', which this run does not use; not loaded", path, k)
         if "rng" in wanted and manifest.get("layout") != self.layout:
             wanted.remove("rng")
             if self.rank == 0:
@@ -397,6 +410,9 @@ class CheckpointManager:
             state["train_state"] = {"step": 0}
         if "rng" in wanted:
             state["rng"] = {f"rank{self.rank}": b""}
+        for name in self.extra:
+            if name in wanted:
+                state[name] = self.extra[name].state_dict()
         return state
 
     def _apply(self, state: dict[str, Any]) -> None:
@@ -410,6 +426,9 @@ class CheckpointManager:
             self.dataset.load_state_dict(state["dataloader"])
         if "rng" in state:
             _set_rng_state(state["rng"][f"rank{self.rank}"])
+        for name, stateful in self.extra.items():
+            if name in state:
+                stateful.load_state_dict(state[name])
 
 
 def _saved_data_position(path: Path) -> dict[str, Any]:

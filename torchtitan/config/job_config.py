@@ -212,14 +212,21 @@ class FaultTolerance:
     connect_timeout_seconds: int = opt(10, "Timeout of connecting to the lighthouse and a peer's manager", min=1)
     quorum_retries: int = opt(3, "Quorum attempts retried before a group gives up (a restarted lighthouse)", min=0)
     replica_check_freq: int = opt(
-        0, "Compare a fingerprint of weights and optimizer state across groups every N steps (0 = off)", min=0)
+        0, "Compare a fingerprint of weights and optimizer state across groups every N steps (0 = off); "
+        "diloco/local_sgd: of the global state (reference parameters, outer momentum) every N syncs", min=0)
     semi_sync_method: str = opt(
         "none", "Cross-group synchronisation: none (all-reduce every step), diloco or local_sgd",
         choices=("none", "diloco", "local_sgd"))
-    sync_steps: int = opt(20, "diloco/local_sgd: inner steps between two synchronisations", min=1)
-    num_fragments: int = opt(1, "diloco: model fragments synchronised in turn", min=1)
-    fragment_sync_delay: int = opt(0, "diloco: steps a fragment's synchronisation may overlap", min=0)
-    fragment_update_alpha: float = opt(0.0, "diloco: weight of the local parameters when merging a fragment", min=0.0)
+    sync_steps: int = opt(20, "diloco/local_sgd: inner (group-local) steps between two syncs of the whole model",
+                          min=1)
+    num_fragments: int = opt(
+        1, "diloco: model fragments synchronised in turn, one every sync_steps / num_fragments steps", min=1)
+    fragment_sync_delay: int = opt(
+        0, "diloco: inner steps a fragment's all-reduce may overlap before its outer step; < sync_steps / "
+        "num_fragments", min=0)
+    fragment_update_alpha: float = opt(
+        0.0, "diloco: weight of the local parameters when merging a synced fragment, in [0, 1] (0 = the global "
+        "ones)", min=0.0)
     outer_lr: float = opt(0.7, "diloco: learning rate of the outer (Nesterov SGD) optimizer", min=0.0)
     outer_momentum: float = opt(0.9, "diloco: momentum of the outer optimizer", min=0.0)
 

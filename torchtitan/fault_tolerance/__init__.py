@@ -6,6 +6,8 @@
 - ``state``:   what a rejoining group receives from a live peer (cached references);
 - ``data``:    batches that a heal can move to the peer's position;
 - ``step``:    the step protocol (quorum, commit or retry, global loss);
+- ``semi_sync``: DiLoCo/LocalSGD with torchft's own classes: fragments, outer optimizer, checkpoint state;
+- ``semi_sync_step``: the step protocol under DiLoCo/LocalSGD (local inner steps, a sync every few steps);
 - ``replica_check``: the groups compare fingerprints of their weights and optimizer state;
 - ``setup``:   wiring it all into a built trainer.
 """

@@ -59,7 +59,29 @@ def check_fault_tolerance(cfg: JobConfig, dims: ParallelDims) -> list[str]:
         problems.append(f"{FT}enable needs --training.seed (or --checkpoint.initial_load_path): otherwise the groups "
                         "start from different weights")
     problems += _timeout_problems(cfg)
+    problems += _semi_sync_problems(cfg)
     problems += _not_built_problems(cfg)
+    return problems
+
+
+def _semi_sync_problems(cfg: JobConfig) -> list[str]:
+    """DiLoCo's schedule: each fragment synced once per ``sync_steps``, one at a time, before its next turn."""
+    ft, problems = cfg.fault_tolerance, []
+    if ft.semi_sync_method == "none":
+        return []
+    if ft.semi_sync_method == "local_sgd" and (ft.num_fragments != 1 or ft.fragment_sync_delay):
+        problems.append(f"{FT}semi_sync_method=local_sgd averages the whole model at once: num_fragments and "
+                        "fragment_sync_delay apply to diloco only (leave them at 1 and 0)")
+        return problems
+    if ft.sync_steps % ft.num_fragments:
+        problems.append(f"{FT}sync_steps={ft.sync_steps} is not divisible by num_fragments={ft.num_fragments}: "
+                        "each fragment syncs every sync_steps / num_fragments steps; give a multiple")
+    elif ft.fragment_sync_delay >= ft.sync_steps // ft.num_fragments:
+        problems.append(f"{FT}fragment_sync_delay={ft.fragment_sync_delay} must be below sync_steps / num_fragments "
+                        f"({ft.sync_steps // ft.num_fragments}): a fragment's sync must finish before the next starts")
+    if ft.fragment_update_alpha > 1:
+        problems.append(f"{FT}fragment_update_alpha={ft.fragment_update_alpha} must be in [0, 1] (the weight of "
+                        "the local parameters when a synced fragment is merged)")
     return problems
 
 
@@ -76,12 +98,7 @@ def _timeout_problems(cfg: JobConfig) -> list[str]:
 
 def _not_built_problems(cfg: JobConfig) -> list[str]:
     """Parts of fault tolerance this project does not have yet: refused, never silently ignored."""
-    ft, problems = cfg.fault_tolerance, []
-    if ft.semi_sync_method != "none":
-        if ft.sync_steps % ft.num_fragments:
-            problems.append(f"{FT}sync_steps={ft.sync_steps} is not divisible by num_fragments={ft.num_fragments}")
-        problems.append(f"{FT}semi_sync_method={ft.semi_sync_method} is not supported yet: use none "
-                        "(a cross-group all-reduce every step)")
+    problems = []
     if cfg.checkpoint.create_seed_checkpoint:
         problems.append(f"{FT}enable with --checkpoint.create_seed_checkpoint: write the seed checkpoint with a plain "
                         "run (one process), then start the groups from it")

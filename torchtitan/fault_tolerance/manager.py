@@ -63,7 +63,9 @@ def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> Any
     host, port = _store_address()
     manager = Manager(
         pg=pg, load_state_dict=state.load_state_dict, state_dict=state.state_dict,
-        min_replica_size=ft.min_replicas, use_async_quorum=True, timeout=timeout,
+        min_replica_size=ft.min_replicas, timeout=timeout,
+        # Every step: the quorum runs during forward. DiLoCo/LocalSGD: torchft needs it synchronous, at the sync.
+        use_async_quorum=ft.semi_sync_method == "none",
         quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
         connect_timeout=timedelta(seconds=ft.connect_timeout_seconds),
         rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,

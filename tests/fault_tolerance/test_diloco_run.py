@@ -1,0 +1,187 @@
+"""DiLoCo across replica groups end to end: one shared run of two one-rank groups (plain ``python``), and a
+whole-job restart from its checkpoint.
+
+``semi_sync_method=diloco``, ``sync_steps`` 4 over 2 fragments (a fragment syncs every 2 steps),
+a replica check at every sync, checkpoints every 4 steps into one folder:
+
+- after every sync that both groups took, their global state (each fragment's reference
+  parameters and outer momentum) is bitwise equal; between syncs no byte crosses groups, and the
+  fragments' syncs together send every parameter once per ``sync_steps`` (the figure of
+  benchmarks/README.md section 9);
+- group 1 is SIGKILLed in the middle of the sync of step 4 (after handing torchft its first
+  all-reduce): the survivor's sync fails and is discarded, its global state stays as it was, and
+  the same fragment syncs at step 6 (alone); group 1 is started again by hand (from scratch: its
+  checkpointing off, so it is behind) and heals at its first sync, taking the survivor's step;
+  from then on its global state is bitwise the survivor's after every sync;
+- each checkpoint is written by one group and holds the semi-sync state; from step 12 both groups
+  restart (a whole-job restart): they resume at step 13, group 0's step 13 is bitwise its first
+  run's (weights, Adam, loss, and the reference parameters and outer momentum from the checkpoint),
+  the sync count continues, and the groups are bitwise equal after every sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
+
+from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait
+
+STEPS, SYNC, FRAGMENTS, KILL_AT, CKPT_EVERY, RESTART_AT = 16, 4, 2, 4, 4, 12
+CHECK_BYTES = 2 * 2 * 8  # the replica check's table: 2 groups x (fingerprint, present) int64
+
+
+def _param_bytes() -> int:
+    """The debug model's parameters in float32, counted from the flavor table (a meta model)."""
+    with torch.device("meta"):
+        model = Transformer(llama3_flavors["debugmodel"])
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def _args(tmp: Path, ckpt: str, address: str) -> list[str]:
+    return [*COMMON, f"--training.steps={STEPS}", "--lr_scheduler.warmup_steps=2", "--fault_tolerance.enable",
+            "--fault_tolerance.num_replica_groups=2", f"--fault_tolerance.lighthouse={address}",
+            "--fault_tolerance.semi_sync_method=diloco", f"--fault_tolerance.sync_steps={SYNC}",
+            f"--fault_tolerance.num_fragments={FRAGMENTS}", "--fault_tolerance.replica_check_freq=1",
+            "--fault_tolerance.timeout_seconds=10", "--comm.train_timeout_seconds=30",
+            "--checkpoint.enable_checkpoint", f"--checkpoint.folder={tmp / ckpt}",
+            f"--checkpoint.interval={CKPT_EVERY}"]
+
+
+def _launch(tmp: Path, name: str, g: int, args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, ENTRY, *args, f"--fault_tolerance.replica_id={g}", f"--job.dump_folder={tmp / name}"],
+        env=_env(tmp / name, **env), stdout=open(tmp / f"{name}.log", "a"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ft_diloco")
+    lighthouse, address = _lighthouse(tmp, min_replicas=1)
+    (tmp / "start").mkdir()
+    args = _args(tmp, "ckpt", address)
+    together = {"FT_START_TOGETHER": f"{tmp / 'start'}:2"}
+    procs = {"g0": _launch(tmp, "g0", 0, args, FT_THROTTLE_ALONE="1", **together),
+             "g1": _launch(tmp, "g1", 1, args, FT_CRASH_IN_SYNC_AT_STEP=str(KILL_AT), **together)}
+    try:
+        assert procs["g1"].wait(timeout=90) == -signal.SIGKILL, (tmp / "g1.log").read_text()[-3000:]
+        # Started again from scratch (it must not resume from the survivor's checkpoint): it is behind.
+        procs["g1"] = _launch(tmp, "g1", 1, [*args, "--checkpoint.enable_checkpoint=false"])
+        codes = _wait(procs, tmp, timeout=120)
+        shutil.copytree(tmp / "ckpt", tmp / "ckpt_restart")
+        restart = [*_args(tmp, "ckpt_restart", address), f"--checkpoint.load_step={RESTART_AT}"]
+        (tmp / "start_r").mkdir()
+        together = {"FT_START_TOGETHER": f"{tmp / 'start_r'}:2"}  # neither takes the first sync alone
+        codes.update(_wait({f"r{g}": _launch(tmp, f"r{g}", g, restart, **together) for g in (0, 1)}, tmp,
+                           timeout=90))
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    records = {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "r0", "r1")}
+    logs = {name: (tmp / f"{name}.log").read_text() for name in ("g0", "g1")}
+    return tmp, codes, records, logs
+
+
+def _lives(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    first = [r for r in records if r["pid"] == records[0]["pid"]]
+    return first, [r for r in records if r["pid"] != records[0]["pid"]]
+
+
+def test_every_group_finishes(diloco_run):
+    tmp, codes, records, _ = diloco_run
+    assert codes == {"g0": 0, "g1": 0, "r0": 0, "r1": 0}, (codes, (tmp / "g1.log").read_text()[-3000:])
+    assert [r["step"] for r in records["g0"]] == list(range(1, STEPS + 1))
+    first, second = _lives(records["g1"])
+    assert [r["step"] for r in first] == list(range(1, KILL_AT))  # killed during step 4
+    assert second and second[-1]["step"] == STEPS
+
+
+def test_global_state_is_bitwise_equal_after_every_joint_sync(diloco_run):
+    _, _, records, _ = diloco_run
+    survivor = _by_step(records["g0"])
+    # Syncs every sync_steps / num_fragments steps, on the same steps in both groups (step 4's discarded).
+    every = SYNC // FRAGMENTS
+    assert [r["step"] for r in records["g0"] if r["synced"]] == [s for s in range(every, STEPS + 1, every)
+                                                                 if s != KILL_AT]
+    joint = [r for r in records["g1"] if r["synced"]]
+    assert len(joint) >= 4, joint
+    for r in joint:
+        s = survivor[r["step"]]
+        assert r["participants"] == s["participants"] == 2, r
+        assert r["syncs"] == s["syncs"] and r["global_state"] == s["global_state"], f"step {r['step']} differs"
+    # The inner steps are local: different data, so different weights between syncs.
+    first, _ = _lives(records["g1"])
+    assert first[0]["state"] != survivor[1]["state"]
+
+
+def test_cross_group_bytes_only_at_syncs_every_parameter_once_per_sync_steps(diloco_run):
+    _, _, records, _ = diloco_run
+    g0 = records["g0"]
+    assert all(r["allreduces"] == 0 for r in g0 if r["step"] % (SYNC // FRAGMENTS))
+    per_sync = [r["allreduce_bytes"] - CHECK_BYTES for r in g0 if r["synced"]]
+    # Fragments alternate (a discarded one is retried); two consecutive syncs carry each parameter once.
+    assert all(a + b == _param_bytes() for a, b in zip(per_sync[::2], per_sync[1::2])), per_sync
+
+
+def test_survivor_syncs_alone_and_the_restarted_group_heals_at_its_first_sync(diloco_run):
+    _, _, records, _ = diloco_run
+    survivor = _by_step(records["g0"])
+    assert any(r["participants"] == 1 and r["synced"] for r in records["g0"]), "survivor never synced alone"
+    # The sync group 1 died in was discarded: the reference parameters and outer momentum are untouched,
+    # and the same fragment syncs next time.
+    failed = survivor[KILL_AT]
+    assert failed["discarded"] == 1 and not failed["synced"] and failed["local_step"] == 0, failed
+    assert failed["global_state"] == survivor[KILL_AT - 1]["global_state"] and failed["syncs"] == KILL_AT // 2 - 1
+    retried = survivor[KILL_AT + 2]
+    assert retried["synced"] and retried["participants"] == 1 and retried["syncs"] == failed["syncs"] + 1
+    # Fragment 1 again, not fragment 0 (which step 2 synced): its bytes differ from step 2's.
+    assert retried["allreduce_bytes"] != survivor[KILL_AT - 2]["allreduce_bytes"]
+    assert records["g0"][-1]["discarded"] == 1
+    _, second = _lives(records["g1"])
+    # Step 1 is an inner step of its own; its first sync (its step 2) heals it to the survivor's step.
+    assert second[0]["step"] == 1 and second[0]["heals"] == 0 and not second[0]["synced"]
+    healed = second[1]
+    assert healed["heals"] == 1 and healed["synced"] and healed["step"] > KILL_AT + 1, healed
+    for r in second[1:]:
+        if r["synced"]:
+            assert r["global_state"] == survivor[r["step"]]["global_state"], f"step {r['step']} after the heal"
+
+
+def test_one_group_writes_each_checkpoint_with_the_semi_sync_state(diloco_run):
+    tmp, _, _, logs = diloco_run
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == [f"step-{s}" for s in (12, 16, 4, 8)]
+    for step in range(CKPT_EVERY, STEPS + 1, CKPT_EVERY):
+        writers = [g for g, log in logs.items() if f"Checkpoint step {step} saved" in log]
+        assert len(writers) == 1, f"step {step} written by {writers}"
+        manifest = json.loads((tmp / "ckpt" / f"step-{step}" / "checkpoint.json").read_text())
+        assert "semi_sync" in manifest["states"], manifest
+
+
+def test_whole_job_restart_resumes_at_the_saved_step_with_the_outer_state(diloco_run):
+    _, _, records, _ = diloco_run
+    first = _by_step(records["g0"])
+    for name in ("r0", "r1"):
+        assert [r["step"] for r in records[name]] == list(range(RESTART_AT + 1, STEPS + 1)), name
+    r0 = records["r0"][0]  # an inner step: group 0's own state and data, as in the first run
+    f = first[RESTART_AT + 1]
+    assert (r0["loss"], r0["state"], r0["global_state"], r0["syncs"]) == \
+        (f["loss"], f["state"], f["global_state"], f["syncs"])
+    assert records["r1"][0]["global_state"] == f["global_state"]
+    for a, b in zip(records["r0"], records["r1"]):
+        if a["synced"]:
+            assert b["synced"] and a["participants"] == 2 and a["global_state"] == b["global_state"], a["step"]
+            assert a["syncs"] == first[a["step"]]["syncs"]  # the sync count continues from the checkpoint
