@@ -179,3 +179,28 @@ def test_diloco_fragments_refuse_too_many_fragments_and_an_uncovered_parameter()
     without_output = Fragment([m for name, m in model.named_children() if name != "output"])
     with pytest.raises(RuntimeError, match="output.weight \\(in 0 fragments\\)"):
         check_fragments_cover_model([model], [without_output])
+
+
+class _QuorumRank:
+    """The one thing the checkpoint rule asks torchft's manager: this group's rank in the last quorum."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def participating_rank(self) -> int:
+        return self.rank
+
+
+@pytest.mark.parametrize("replica_id, started_at, syncs, quorum_rank, writes", [
+    (0, 0, 0, 0, True),     # fresh job, before the first sync: group 0 (its state depends on nothing else)
+    (1, 0, 0, 0, False),    # ... and no other group
+    (0, 12, 0, 0, False),   # resumed (or came back) from a checkpoint: apart from the others until it syncs
+    (0, 0, 2, 1, False),    # after a sync: the first group of that sync's quorum, not group 0 as such
+    (1, 12, 1, 0, True),
+])
+def test_semi_sync_checkpoint_writer(replica_id, started_at, syncs, quorum_rank, writes):
+    from torchtitan.fault_tolerance.semi_sync_step import SemiSyncStep
+
+    step = SemiSyncStep(_QuorumRank(quorum_rank), state=None, dataloader=None)
+    step.started_at, step.syncs = started_at, syncs
+    assert step.writes_checkpoint(replica_id) is writes

@@ -38,6 +38,7 @@ class SemiSyncStep(FaultTolerantStep):
         self.semi: SemiSyncState | None = None  # set by enable_fault_tolerance once the algorithm is built
         self.syncs = 0  # committed syncs of this process (tests and logs)
         self.synced = False  # whether the last step ended with a committed sync
+        self.started_at = 0  # the step training began after: 0, or a loaded checkpoint's
 
     def start(self, step: int) -> RepositionableBatches:
         """Begin after ``step``: torchft's step (the syncs) comes from the checkpoint's semi-sync state, if any.
@@ -45,11 +46,24 @@ class SemiSyncStep(FaultTolerantStep):
         Without it (a fresh start, or a checkpoint of another mode) the current weights become the
         reference and the sync count starts at 0, so a group behind its peers heals at its first sync.
         """
+        self.started_at = step
         if not self.semi.loaded:
             self.semi.restart_from_weights()
             self.manager.load_state_dict({"step": 0, "batches_committed": 0})
         self.batches = RepositionableBatches(self.dataloader)
         return self.batches
+
+    def writes_checkpoint(self, replica_id: int) -> bool:
+        """Whether this group writes the job's checkpoint now: the first group of its last sync's quorum.
+
+        Before this process has committed a sync, only group 0 of a fresh start writes: its
+        weights up to the first sync depend on nothing but its own seed and data. A group that
+        resumed from a checkpoint, or came back while others trained on, trains apart until
+        its next sync: its save would replace the job's checkpoint of that step with its own state.
+        """
+        if self.syncs:
+            return self.manager.participating_rank() == 0
+        return replica_id == 0 and self.started_at == 0
 
     def global_scale(self, group_scale: LossScale) -> LossScale:
         return group_scale  # inner steps average over the group's own tokens

@@ -40,9 +40,7 @@ def _enable_semi_sync(trainer: Trainer, ft_step: SemiSyncStep) -> None:
     algo, fragments, outers = build_semi_sync(trainer.cfg, manager, trainer.model_parts, trainer.optimizer)
     ft_step.semi = SemiSyncState(algo, trainer.model_parts, fragments, outers, manager)
     trainer.checkpointer.add_state("semi_sync", ft_step.semi)
-    # The first group of the last sync's quorum writes; before any sync (no quorum yet), group 0.
-    trainer.checkpointer.writes = lambda: (manager.participating_rank() == 0 if ft_step.syncs
-                                           else ft.replica_id == 0)
+    trainer.checkpointer.writes = lambda: ft_step.writes_checkpoint(ft.replica_id)
     logger.info("Fault tolerance: %s, a sync every %d step(s) over %d fragment(s) of %s parameters each",
                 ft.semi_sync_method, ft.sync_steps // len(fragments), len(fragments),
                 "/".join(f"{sum(p.numel() for p in f.parameters()):,}" for f in fragments))
