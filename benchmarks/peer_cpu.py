@@ -100,6 +100,7 @@ def build_config(args: argparse.Namespace, batch: int, seq: int, steps: int, wor
     config.dump_folder = str(work / "peer_out")
     config.training.local_batch_size, config.training.seq_len, config.training.steps = batch, seq, steps
     config.training.max_norm = 1.0
+    config.training.mixed_precision_param = "float32"  # the project on CPU ("auto"); the peer: bfloat16
     config.debug.seed = 42  # unused when --init-hf gives the weights
     config.parallelism.spmd_backend = "partial_dtensor"  # spmd_types' checks need device-side types
     config.lr_scheduler = LRSchedulersContainer.Config(**peer_lr_schedule(args.warmup_steps, steps, args.lr_min))
@@ -113,7 +114,7 @@ def build_config(args: argparse.Namespace, batch: int, seq: int, steps: int, wor
     config.checkpoint.interval = 10**6
     config.checkpoint.initial_load_path = args.init_hf
     config.checkpoint.initial_load_in_hf = bool(args.init_hf)
-    config.checkpoint.last_save_model_only = True
+    config.checkpoint.load_only = True  # the initial weights only: no checkpoint is written
     return config
 
 

@@ -111,6 +111,8 @@ def _maybe_profile(folder: str | None, rank: int, path: Path):
 # ---- the driver -----------------------------------------------------------------
 def launch(side: str, ranks: int, windows: Path, out: Path, args: argparse.Namespace, profile: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"{side}_rank*.json"):
+        old.unlink()  # a failed run must not leave the previous run's records behind
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = str(29500 + (os.getpid() + int(time.time())) % 2000)
     if side == "project":
