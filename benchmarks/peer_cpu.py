@@ -40,7 +40,7 @@ def add_cpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="folder for peer_rank<r>.json")
     p.add_argument("--warmup-steps", type=int, default=2, help="the project's lr_scheduler.warmup_steps")
     p.add_argument("--lr-min", type=float, default=0.1, help="the project's lr_scheduler.lr_min")
-    p.add_argument("--profile", help="folder: torch.profiler table of the timed steps, rank 0")
+    p.add_argument("--profile-dir", help="folder: torch.profiler table of the whole run, rank 0")
 
 
 def peer_lr_schedule(warmup_steps: int, total_steps: int, lr_min: float) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def run_cpu(args: argparse.Namespace) -> None:
     records: list[dict] = []
     instrument(trainer, records)
     try:
-        with _maybe_profile(args.profile, rank):
+        with _maybe_profile(args.profile_dir, rank):
             trainer.train()
         records.append({"wall": time.perf_counter(), "cpu": time.process_time()})
     finally:

@@ -78,7 +78,7 @@ def project_worker(args: argparse.Namespace) -> None:
         return log(loss, grad_norm, lr)
 
     trainer._run_step, trainer._log = timed_step, timed_log
-    with _maybe_profile(args.profile, rank, out / "project_profile.txt"):
+    with _maybe_profile(args.profile_dir, rank, out / "project_profile.txt"):
         trainer.train()
     records.append({"wall": time.perf_counter(), "cpu": time.process_time()})
     (out / f"project_rank{rank}.json").write_text(json.dumps(records))
@@ -125,7 +125,7 @@ def launch(side: str, ranks: int, windows: Path, out: Path, args: argparse.Names
         env["PEER_SITE"] = str(args.peer_site)
         env.pop("PYTHONPATH", None)  # the project's package must not shadow the peer's
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}",
-           *script, "--windows", str(windows), "--out", str(out)] + (["--profile", str(out)] if profile else [])
+           *script, "--windows", str(windows), "--out", str(out)] + (["--profile-dir", str(out)] if profile else [])
     with open(out / f"{side}.log", "w") as log:
         proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
@@ -188,11 +188,11 @@ def print_row(shape: tuple, s: dict) -> None:
           f"{' '.join(f'{r:.3f}' for r in s['pair_wall_ratios'])}  {s['load_averages'][-1]}", flush=True)
 
 
-def parse_shapes(text: str | None) -> list[tuple]:
-    if not text:
-        return SHAPES
-    wanted = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
-    return [s for s in SHAPES if s[:3] in wanted]
+def parse_shapes(text: str | None, steps: int | None, warmup: int | None) -> list[tuple]:
+    """The shapes asked for (default: all), with the steps and warm-up overridden when given."""
+    wanted = [tuple(int(v) for v in item.split("x")) for item in text.split(",")] if text else None
+    return [(*s[:3], steps or s[3], warmup if warmup is not None else s[4])
+            for s in SHAPES if wanted is None or s[:3] in wanted]
 
 
 def main() -> None:
@@ -201,12 +201,15 @@ def main() -> None:
                    help="the folder the peer was installed into (pip --target)")
     p.add_argument("--work", default="/tmp/peer_cpu_compare", help="assets and run folders (reused)")
     p.add_argument("--shapes", help="ranks x batch x seq, comma separated (default: all six)")
+    p.add_argument("--steps", type=int, help="steps of every run (default: per shape, see SHAPES)")
+    p.add_argument("--warmup", type=int, help="steps left out of the medians (default: per shape)")
     p.add_argument("--pairs", type=int, default=2, help="project/peer pairs per shape")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of rank 0 per run")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--windows", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         project_worker(args)
@@ -218,7 +221,7 @@ def main() -> None:
     print("ranks tokens/rank  wall s/step (project, peer, ratio)  CPU s/step (project, peer, ratio)  "
           "steps/warm-up/timed  max loss gap  lr gap  pair wall ratios  load average", flush=True)
     results = {}
-    for shape in parse_shapes(args.shapes):
+    for shape in parse_shapes(args.shapes, args.steps, args.warmup):
         pairs = [run_pair(shape, i + 1, args) for i in range(args.pairs)]
         results["x".join(map(str, shape[:3]))] = s = summarize(pairs)
         print_row(shape, s)
