@@ -252,7 +252,8 @@ def test_flops_per_token():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_sample", [False, True])
-def test_cpu_complex_rotation_is_the_real_rotation_bitwise(dtype, per_sample):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: a cast model's buffer
+def test_cpu_complex_rotation_is_the_real_rotation_bitwise(dtype, per_sample, cache_dtype):
     """The eager CPU path of apply_rotary_emb (one complex product) gives the real formula's
     values and gradients bit for bit, so switching paths changes no loss."""
     from torchtitan.models.llama3.model import rotate_pairs, rotate_pairs_complex
@@ -263,11 +264,11 @@ def test_cpu_complex_rotation_is_the_real_rotation_bitwise(dtype, per_sample):
         cache = cache[torch.stack([torch.arange(32), torch.arange(32, 64)])]
     else:
         cache = cache[:32]
-    cos, sin = cache.unsqueeze(-2).chunk(2, dim=-1)
+    cos, sin = cache.to(cache_dtype).unsqueeze(-2).chunk(2, dim=-1)
     x = torch.randn(2, 32, 4, 16).to(dtype).requires_grad_()
     upstream = torch.randn(2, 32, 4, 16).to(dtype)
     results = []
-    for rotate in (lambda t: rotate_pairs(t, cos, sin), lambda t: rotate_pairs_complex(t, torch.complex(cos, sin))):
+    for rotate in (lambda t: rotate_pairs(t, cos, sin), lambda t: rotate_pairs_complex(t, torch.complex(cos.float(), sin.float()))):
         x.grad = None
         out = rotate(x)
         out.backward(upstream)

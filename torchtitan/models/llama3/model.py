@@ -88,7 +88,7 @@ def apply_rotary_emb(
         # Eager CPU: one complex multiply per tensor, forward and backward, instead of four real
         # ones, a stack and their backward (8 x 2048 tokens of the debug model: 33 -> 3.6 ms of CPU
         # per layer); the same products and sums, bitwise (tests/models/test_llama3_model.py).
-        rotation = torch.complex(cos, sin)
+        rotation = torch.complex(cos.float(), sin.float())  # a bf16 cache widens exactly, as the real path promotes it
         return rotate_pairs_complex(xq, rotation), rotate_pairs_complex(xk, rotation)
     return rotate_pairs(xq, cos, sin), rotate_pairs(xk, cos, sin)
 
