@@ -4,7 +4,7 @@
     echo torch==2.13.0 > /tmp/torch-pin.txt
     pip install --target /work/peer-site -c /tmp/torch-pin.txt --no-deps torchtitan==0.3.0 \
         spmd_types==0.2.3 torch_checkpointing tyro einops docstring_parser typeguard
-    # then (about 40 minutes on 2 cores)
+    # then (about 45 minutes on 2 cores with the default 2 pairs per shape)
     python benchmarks/peer_cpu_compare.py --peer-site /work/peer-site
 
 The peer needs only those packages beyond what this project installs (``torchdata``,
