@@ -12,7 +12,7 @@ Runs inside the peer's process (one per rank, under ``torchrun``), started by
   project's (``peer_lr_schedule``; the driver checks it step by step).
 
 Each rank writes ``<out>/peer_rank<r>.json``: per-step wall and CPU time stamps, loss,
-grad norm and learning rate (``step_recorder.py`` on the project's side writes the same).
+grad norm and learning rate (the project worker of ``peer_cpu_compare.py`` writes the same).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def project_decay_ratio(warmup_steps: int, total_steps: int) -> float:
     return (total_steps - warmup_steps - 2) / total_steps
 
 
-def build_model_spec(seq_len: int) -> Any:
+def build_model_spec() -> Any:
     """The peer's Llama 3 model spec in the project's debug shape, causal SDPA attention.
 
     The peer builds language models with Flex attention only, which needs a GPU; its SDPA module
@@ -93,7 +93,7 @@ def build_config(args: argparse.Namespace, batch: int, seq: int, steps: int, wor
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     config = llama3_debugmodel()
-    config.model_spec = build_model_spec(seq)
+    config.model_spec = build_model_spec()
     assets = Path(args.assets)
     config.hf_assets_path = str(assets / "tokenizer")  # the project's tokenizer.json
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(assets / "corpus"))
@@ -179,10 +179,10 @@ def _maybe_profile(folder: str | None, rank: int):
 
     if not folder or rank != 0:
         return contextlib.nullcontext()
-    return _ProfileToFile(Path(folder) / "peer_profile.txt")
+    return ProfileToFile(Path(folder) / "peer_profile.txt")
 
 
-class _ProfileToFile:
+class ProfileToFile:
     def __init__(self, path: Path):
         self.path, self.prof = path, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 

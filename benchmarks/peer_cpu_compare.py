@@ -103,9 +103,9 @@ def _maybe_profile(folder: str | None, rank: int, path: Path):
 
     if not folder or rank != 0:
         return contextlib.nullcontext()
-    from peer_cpu import _ProfileToFile
+    from peer_cpu import ProfileToFile
 
-    return _ProfileToFile(path)
+    return ProfileToFile(path)
 
 
 # ---- the driver -----------------------------------------------------------------
