@@ -3,6 +3,10 @@
     PEER_SITE=/path/to/site-packages python benchmarks/peer_torchtitan.py --layers 4 --seq 8192 \
         --steps 20 --warmup 5 [--compile] [--sac]
 
+On CPU (``--device cpu``) it is one side of ``peer_cpu_compare.py``, which installs the peer,
+launches this script under ``torchrun`` and documents the CPU workarounds (``peer_cpu.py``,
+``peer_cpu_patches.py``). What follows describes the GPU run.
+
 It runs the peer's own Trainer on its Llama 3 8B config cut to ``--layers`` blocks, batch 1,
 bf16 FSDP mixed precision on one GPU: 0.3.x through its Python config registry, 0.2.x through
 its command line (with the 8B flavor's layer count patched before the model is built). gpu_throughput.py reads
@@ -57,17 +61,44 @@ def make_assets(root: Path) -> tuple[Path, Path]:
     return tok_dir, data_dir
 
 
+def _load_beside(name: str):
+    """A module of this folder, loaded by file path: the folder itself is off ``sys.path`` here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the debug-shape comparison, run by peer_cpu_compare.py under torchrun")
+    p.add_argument("--layers", type=int)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--sac", action="store_true")
+    patches = _load_beside("peer_cpu_patches")
+    cpu = _load_beside("peer_cpu")
+    cpu.add_cpu_args(p)
     args = p.parse_args()
     _peer_first_on_path()
+    if args.device == "cpu":
+        patches.apply_before_import()  # before the peer's first import: it reads the device then
+        import torchtitan  # noqa: F401
 
+        patches.apply_after_import()
+        cpu.run_cpu(args)
+        return
+    if args.layers is None:
+        p.error("--layers is required on the GPU")
+    main_gpu(args)
+
+
+def main_gpu(args: argparse.Namespace) -> None:
     import torch
     import torchtitan
 

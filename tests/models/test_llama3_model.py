@@ -248,3 +248,31 @@ def test_flops_per_token():
     with torch.device("meta"):
         big = Transformer(llama3_flavors["8B"])
     assert flops_per_token(llama3_flavors["8B"], 8192) == 6 * big.num_params(True) + 12 * 32 * 4096 * 8192
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_sample", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: a cast model's buffer
+def test_cpu_complex_rotation_is_the_real_rotation_bitwise(dtype, per_sample, cache_dtype):
+    """The eager CPU path of apply_rotary_emb (one complex product) gives the real formula's
+    values and gradients bit for bit, so switching paths changes no loss."""
+    from torchtitan.models.llama3.model import rotate_pairs, rotate_pairs_complex
+
+    torch.manual_seed(0)
+    cache = precompute_rope_cache(16, 64, 500000.0)
+    if per_sample:  # [B, L, head_dim]: positions per sample, as context parallelism passes them
+        cache = cache[torch.stack([torch.arange(32), torch.arange(32, 64)])]
+    else:
+        cache = cache[:32]
+    cos, sin = cache.to(cache_dtype).unsqueeze(-2).chunk(2, dim=-1)
+    x = torch.randn(2, 32, 4, 16).to(dtype).requires_grad_()
+    upstream = torch.randn(2, 32, 4, 16).to(dtype)
+    results = []
+    for rotate in (lambda t: rotate_pairs(t, cos, sin), lambda t: rotate_pairs_complex(t, torch.complex(cos.float(), sin.float()))):
+        x.grad = None
+        out = rotate(x)
+        out.backward(upstream)
+        results.append((out.detach(), x.grad))
+    assert results[0][0].dtype == dtype
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])

@@ -1,0 +1,56 @@
+"""The CPU peer comparison's own logic, without the peer installed: the learning-rate schedule it
+gives the project matches the one it gives the peer at every step, and the per-step medians
+are read as documented (rank 0's wall, CPU summed over ranks, warm-up and last step left out)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import peer_cpu  # noqa: E402
+import peer_cpu_compare  # noqa: E402
+from torchtitan.optim.lr_scheduler import lr_factor, resolve_decay_steps  # noqa: E402
+
+
+def _peer_factor(step: int, warmup_steps: int, total_steps: int, min_lr_factor: float, **_) -> float:
+    """TorchTitan 0.3.0's LambdaLR factor at 1-based ``step`` for a linear decay with
+    ``decay_ratio=None``: warm-up (k+1)/W, one stable step, then 1 - progress over T - W steps."""
+    k, w, d = step - 1, warmup_steps, total_steps - warmup_steps
+    if k < w:
+        return (k + 1) / w
+    if k < w + 1:
+        return 1.0
+    return min_lr_factor + (1 - min_lr_factor) * (1 - (k + 1 - (w + 1)) / d)
+
+
+@pytest.mark.parametrize("warmup,total", [(2, 50), (2, 12), (2, 7), (3, 40)])
+def test_project_schedule_equals_the_peer_schedule_at_every_step(warmup, total):
+    peer = peer_cpu.peer_lr_schedule(warmup, total, 0.1)
+    ratio = peer_cpu.project_decay_ratio(warmup, total)
+    decay = resolve_decay_steps(total_steps=total, warmup_steps=warmup, decay_ratio=ratio)
+    for step in range(1, total + 1):
+        ours = lr_factor(step, warmup_steps=warmup, decay_steps=decay, total_steps=total,
+                         decay_type="linear", lr_min=0.1)
+        assert ours == pytest.approx(_peer_factor(step, **peer), rel=1e-12, abs=1e-15), step
+    assert lr_factor(total, warmup_steps=warmup, decay_steps=decay, total_steps=total,
+                     decay_type="linear", lr_min=0.1) == pytest.approx(0.1)
+
+
+def test_read_run_takes_rank0_wall_and_cpu_summed_over_ranks(tmp_path):
+    # 5 steps + the end stamp; rank 0's steps take 1, 2, 3, 4, 9 s of wall, each rank 0.5 s of CPU.
+    walls = [0, 1, 3, 6, 10, 19]
+    for rank in range(2):
+        records = [{"wall": w, "cpu": 0.5 * i, "loss": 5.0 - i, "grad_norm": 1.0, "lr": 1e-3}
+                   for i, w in enumerate(walls)]
+        (tmp_path / f"project_rank{rank}.json").write_text(json.dumps(records))
+    run = peer_cpu_compare.read_run(tmp_path, "project", ranks=2, warmup=1)
+    assert run["steps_timed"] == 3  # steps 2..4: the warm-up step and the last one are left out
+    assert run["wall"] == 3.0
+    assert run["cpu"] == 1.0
+    gaps = peer_cpu_compare.compare_traces(run["trace"], run["trace"])
+    assert gaps["loss_rel"] == gaps["lr_rel"] == 0.0
