@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from torchtitan.models.llama3 import InitSpec, ModelArgs, Transformer, apply_init_spec, flops_per_token, llama3_flavors
-from torchtitan.models.llama3.model import Attention, apply_rotary_emb, precompute_rope_cache
+from torchtitan.models.llama3.model import Attention, apply_rotary_emb, precompute_rope_cache, repeat_kv
 
 # Keep the rope cache small; everything else is the debug flavor (GQA: 16 q heads, 8 kv heads).
 DEBUG = dataclasses.replace(llama3_flavors["debugmodel"], max_seq_len=64)
@@ -276,3 +277,22 @@ def test_cpu_complex_rotation_is_the_real_rotation_bitwise(dtype, per_sample, ca
     assert results[0][0].dtype == dtype
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_grouped_query_attention_matches_repeated_heads():
+    """On CPU grouped-query attention reads the K/V heads in place: the same forward bitwise, k/v grads to rounding."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 16, requires_grad=True)
+    k = torch.randn(2, 2, 64, 16, requires_grad=True)
+    v = torch.randn(2, 2, 64, 16, requires_grad=True)
+    upstream = torch.randn(2, 8, 64, 16)
+    results = []
+    for fn in (lambda: Attention.sdpa(None, q, k, v),
+               lambda: F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), is_causal=True)):
+        q.grad = k.grad = v.grad = None
+        out = fn()
+        out.backward(upstream)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    assert torch.equal(results[0][0], results[1][0])  # same forward bitwise
+    for a, b in zip(results[0][1:], results[1][1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
