@@ -6,8 +6,9 @@ hash of this rank's weights, Adam state and learning rate, the groups that took 
 and heals it took so far. Under DiLoCo/LocalSGD also whether the step ended with a committed sync, the syncs so far,
 and a hash of the global state (DiLoCo's reference parameters and outer momentum; LocalSGD's weights).
 
-- ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, every rank SIGKILLs itself right
-  after committing step N (a group dying; torchrun's ``--max-restarts`` brings it back).
+- ``$FT_CRASH_AT_STEP=N``: on torchrun's first round, the group's last rank SIGKILLs itself
+  right after committing step N, once every rank has recorded it (one rank crashing: torchrun
+  stops the group's other ranks, and its ``--max-restarts`` brings the group back).
 - ``$FT_CRASH_IN_SYNC_AT_STEP=N``: on torchrun's first round, the process SIGKILLs itself in the middle of
   step N's cross-group all-reduces (after handing torchft the first one), so the other groups' sync fails.
 - ``$FT_CORRUPT_AT_STEP=N``: rank 0 nudges one of its weights as step N begins (silent data
@@ -146,7 +147,8 @@ def _install() -> None:
             f.write(json.dumps(line) + "\n")
         if first_round and self.step == crash_at:
             _wait_for_group_records(crash_at)  # torchrun stops the others as soon as one rank dies
-            os.kill(os.getpid(), signal.SIGKILL)
+            if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
         if throttle and ft is not None and ft.participants == 1:
             time.sleep(throttle)
         return loss, grad_norm

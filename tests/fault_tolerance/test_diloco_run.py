@@ -185,3 +185,40 @@ def test_whole_job_restart_resumes_at_the_saved_step_with_the_outer_state(diloco
         if a["synced"]:
             assert b["synced"] and a["participants"] == 2 and a["global_state"] == b["global_state"], a["step"]
             assert a["syncs"] == first[a["step"]]["syncs"]  # the sync count continues from the checkpoint
+
+
+LOCAL_SGD_STEPS, LOCAL_SGD_SYNC = 4, 2
+
+
+@pytest.fixture(scope="module")
+def local_sgd_run(tmp_path_factory):
+    """Two one-rank groups under LocalSGD (``sync_steps`` 2), both in every sync."""
+    tmp = tmp_path_factory.mktemp("ft_local_sgd")
+    lighthouse, address = _lighthouse(tmp, min_replicas=2)
+    args = [*COMMON, f"--training.steps={LOCAL_SGD_STEPS}", "--lr_scheduler.warmup_steps=1",
+            "--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2", "--fault_tolerance.min_replicas=2",
+            f"--fault_tolerance.lighthouse={address}", "--fault_tolerance.semi_sync_method=local_sgd",
+            f"--fault_tolerance.sync_steps={LOCAL_SGD_SYNC}", "--fault_tolerance.timeout_seconds=10",
+            "--comm.train_timeout_seconds=30"]
+    try:
+        codes = _wait({f"g{g}": _launch(tmp, f"g{g}", g, args) for g in (0, 1)}, tmp, timeout=90)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    return codes, {g: _records(tmp / f"{g}.0") for g in ("g0", "g1")}
+
+
+def test_local_sgd_averages_the_weights_at_each_sync_and_nothing_between(local_sgd_run):
+    codes, records = local_sgd_run
+    assert codes == {"g0": 0, "g1": 0}, codes
+    g0, g1 = records["g0"], records["g1"]
+    assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, LOCAL_SGD_STEPS + 1))
+    for a, b in zip(g0, g1):
+        synced = a["step"] % LOCAL_SGD_SYNC == 0
+        assert a["synced"] == b["synced"] == synced, a
+        if synced:  # the weights themselves, averaged over both groups: bitwise equal
+            assert a["participants"] == 2 and a["global_state"] == b["global_state"], a["step"]
+            assert a["allreduce_bytes"] == b["allreduce_bytes"] == _param_bytes(), a
+        else:  # an inner step on each group's own data: apart, and nothing crossed
+            assert a["global_state"] != b["global_state"] and a["loss"] != b["loss"], a["step"]
+            assert a["allreduces"] == b["allreduces"] == 0, a
