@@ -22,7 +22,6 @@ a replica check at every sync, checkpoints every 4 steps into one folder:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -35,7 +34,7 @@ import torch
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 
-from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait
+from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
 STEPS, SYNC, FRAGMENTS, KILL_AT, CKPT_EVERY, RESTART_AT = 16, 4, 2, 4, 4, 12
 CHECK_BYTES = 2 * 2 * 8  # the replica check's table: 2 groups x (fingerprint, present) int64
@@ -86,11 +85,7 @@ def diloco_run(tmp_path_factory):
         codes.update(_wait({f"r{g}": _launch(tmp, f"r{g}", g, restart, **together) for g in (0, 1)}, tmp,
                            timeout=90))
     finally:
-        lighthouse.kill()
-        lighthouse.wait()
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop(lighthouse, procs)
     records = {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "r0", "r1")}
     logs = {name: (tmp / f"{name}.log").read_text() for name in ("g0", "g1")}
     return tmp, codes, records, logs

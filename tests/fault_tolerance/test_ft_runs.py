@@ -106,6 +106,15 @@ def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> dict
     return codes
 
 
+def stop(lighthouse: subprocess.Popen, procs: dict[str, subprocess.Popen]) -> None:
+    """Stop the lighthouse and every process still running, each with its whole session."""
+    lighthouse.kill()
+    lighthouse.wait()
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
 def _kill_pids(folder: Path) -> None:
     """SIGKILL every process whose pid ``ft_entry.py`` recorded in ``folder`` (gone ones are skipped)."""
     for pid in folder.iterdir():
@@ -310,11 +319,7 @@ def outage_run(tmp_path_factory):
         procs["g1"] = launch(1, FT_PIDS=str(tmp / "pids_g1"))
         codes = _wait(procs, tmp, timeout=120)
     finally:
-        lighthouse.kill()
-        lighthouse.wait()
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop(lighthouse, procs)
         _kill_pids(tmp / "pids_g1")
     return codes, down, {g: _records(tmp / f"{g}.0") for g in ("g0", "g1")}
 
