@@ -140,7 +140,7 @@ def instrument(trainer: Any, records: list[dict]) -> None:
     step_fn, log_fn = trainer.train_step, trainer.metrics_processor.log
 
     def train_step(data_iterator):
-        records.append({"wall": time.perf_counter(), "cpu": time.process_time(),
+        records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt,
                         "lr": trainer.lr_schedulers.schedulers[0].get_last_lr()[0]})
         return step_fn(data_iterator)
 
@@ -165,7 +165,7 @@ def run_cpu(args: argparse.Namespace) -> None:
     try:
         with _maybe_profile(args.profile_dir, rank):
             trainer.train()
-        records.append({"wall": time.perf_counter(), "cpu": time.process_time()})
+        records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt})
     finally:
         trainer.close()
     (work / f"peer_rank{rank}.json").write_text(json.dumps(records))

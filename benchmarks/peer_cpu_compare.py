@@ -69,7 +69,7 @@ def project_worker(args: argparse.Namespace) -> None:
     run_step, log = trainer._run_step, trainer._log
 
     def timed_step(data_iter, losses):
-        records.append({"wall": time.perf_counter(), "cpu": time.process_time(),
+        records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt,
                         "lr": trainer.lr_scheduler.get_last_lr()[0]})
         return run_step(_checked(data_iter, windows[len(records) - 1, rank]), losses)
 
@@ -80,7 +80,7 @@ def project_worker(args: argparse.Namespace) -> None:
     trainer._run_step, trainer._log = timed_step, timed_log
     with _maybe_profile(args.profile_dir, rank, out / "project_profile.txt"):
         trainer.train()
-    records.append({"wall": time.perf_counter(), "cpu": time.process_time()})
+    records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt})
     (out / f"project_rank{rank}.json").write_text(json.dumps(records))
     end_worker(trainer)
 

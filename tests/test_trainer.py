@@ -82,6 +82,7 @@ def test_single_process_cli_run_writes_config_and_tensorboard(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step: 10" in out.stderr and "loss:" in out.stderr and "tps:" in out.stderr
+    assert "43 linear layers compute float32 products on oneDNN" in out.stderr  # training.cpu_matmul's default
     assert (tmp_path / "config.toml").read_text().count("[training]") == 1
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
@@ -136,9 +137,12 @@ def test_config_error_under_torchrun_exits_on_every_rank(tmp_path):
     assert out.stderr.count("config error: --activation_checkpoint.selective_ac_option=every2: use 'op'") == 2
 
 
-def test_compiled_blocks_match_eager(tmp_path):
+def test_compiled_blocks_and_aten_products_match_eager(tmp_path):
     fsdp2 = ["--parallelism.data_parallel_shard_degree=2"]
     eager = run_ranks(_losses_with, 2, str(tmp_path / "eager"), fsdp2)[0]
+    # Eager float32 linears run on oneDNN by default (models/cpu_linear.py); ATen's kernels differ by rounding.
+    aten = run_ranks(_losses_with, 2, str(tmp_path / "aten"), [*fsdp2, "--training.cpu_matmul=aten"])[0]
+    assert aten == pytest.approx(eager, rel=1e-5)
     compiled = run_ranks(_losses_with, 2, str(tmp_path / "compiled"), [*fsdp2, "--training.compile"], timeout=400)[0]
     # Inductor may fuse and reorder float32 ops, so equal to rounding, not bitwise.
     assert compiled == pytest.approx(eager, rel=1e-4)

@@ -1,6 +1,7 @@
 """Apply the parallelisms to a Llama 3 model, in a fixed readable order:
 
-    tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> FSDP2
+    (CPU: oneDNN linears) -> tensor parallel -> context parallel -> activation checkpointing
+    -> torch.compile -> FSDP2
 
 Order matters: TP rewrites the linear layers into DTensor shards first, AC and
 compile then wrap each transformer block's (already parallel) forward, and FSDP
@@ -30,6 +31,7 @@ from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_attention, local_positions
+from torchtitan.models.cpu_linear import onednn_available, use_onednn_linears
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     # parameter must sit in one (fault_tolerance/hooks.py).
     unit_dp = not (dims.dp_enabled or dims.fsdp_enabled) and (
         mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
+    if device_type == "cpu" and cfg.training.cpu_matmul == "onednn" and not cfg.training.compile:
+        n = use_onednn_linears(model)
+        logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
     if dims.tp_enabled:
         apply_tp(
             model, dims.tp_mesh(unit_dp=unit_dp),
@@ -151,6 +156,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    *([torch.ops.mkldnn._linear_pointwise.default] if onednn_available() else []),  # models/cpu_linear.py
 }
 
 
