@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,13 @@ import torch
 # debug flavor differs in K/V heads (16) and RoPE scaling ("llama"), so both are set here.
 DEBUG_SHAPE = {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048,
                "rope_theta": 500000.0, "max_seq_len": 2048}
+
+
+def stamp() -> dict[str, float]:
+    """Now, for one step's record: wall and CPU seconds, the kernel's share of the CPU
+    seconds, and the minor page faults so far (fresh pages the kernel zeroed and mapped)."""
+    return {"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system,
+            "minflt": resource.getrusage(resource.RUSAGE_SELF).ru_minflt}
 
 
 def add_cpu_args(p: argparse.ArgumentParser) -> None:
@@ -140,7 +148,7 @@ def instrument(trainer: Any, records: list[dict]) -> None:
     step_fn, log_fn = trainer.train_step, trainer.metrics_processor.log
 
     def train_step(data_iterator):
-        records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt,
+        records.append({**stamp(),
                         "lr": trainer.lr_schedulers.schedulers[0].get_last_lr()[0]})
         return step_fn(data_iterator)
 
@@ -165,7 +173,7 @@ def run_cpu(args: argparse.Namespace) -> None:
     try:
         with _maybe_profile(args.profile_dir, rank):
             trainer.train()
-        records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt})
+        records.append(stamp())
     finally:
         trainer.close()
     (work / f"peer_rank{rank}.json").write_text(json.dumps(records))

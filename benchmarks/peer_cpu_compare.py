@@ -60,6 +60,7 @@ def project_worker(args: argparse.Namespace) -> None:
     import torch
 
     from common import build_trainer, end_worker
+    from peer_cpu import stamp
 
     windows = torch.load(args.windows)
     steps, batch, seq = windows.shape[0], windows.shape[2], windows.shape[3] - 1
@@ -69,7 +70,7 @@ def project_worker(args: argparse.Namespace) -> None:
     run_step, log = trainer._run_step, trainer._log
 
     def timed_step(data_iter, losses):
-        records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt,
+        records.append({**stamp(),
                         "lr": trainer.lr_scheduler.get_last_lr()[0]})
         return run_step(_checked(data_iter, windows[len(records) - 1, rank]), losses)
 
@@ -80,7 +81,7 @@ def project_worker(args: argparse.Namespace) -> None:
     trainer._run_step, trainer._log = timed_step, timed_log
     with _maybe_profile(args.profile_dir, rank, out / "project_profile.txt"):
         trainer.train()
-    records.append({"wall": time.perf_counter(), "cpu": time.process_time(), "sys": os.times().system, "minflt": __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_minflt})
+    records.append(stamp())
     (out / f"project_rank{rank}.json").write_text(json.dumps(records))
     end_worker(trainer)
 
@@ -133,14 +134,15 @@ def launch(side: str, ranks: int, windows: Path, out: Path, args: argparse.Names
 
 
 def read_run(out: Path, side: str, ranks: int, warmup: int) -> dict:
-    """Per-step wall (rank 0) and CPU (summed over ranks) medians after warm-up, and the trace."""
+    """Per-step medians after warm-up: wall (rank 0); CPU, kernel CPU and page faults summed over ranks; the trace."""
     per_rank = [json.loads((out / f"{side}_rank{r}.json").read_text()) for r in range(ranks)]
     n = len(per_rank[0]) - 1  # steps; the last record is the end stamp
     wall = [per_rank[0][i + 1]["wall"] - per_rank[0][i]["wall"] for i in range(n)]
-    cpu = [sum(rec[i + 1]["cpu"] - rec[i]["cpu"] for rec in per_rank) for i in range(n)]
+    summed = {key: [sum(rec[i + 1][key] - rec[i][key] for rec in per_rank) for i in range(n)]
+              for key in ("cpu", "sys", "minflt")}
     timed = slice(warmup, n - 1)  # the last step: the peer sleeps 2 s after it
     trace = [{k: per_rank[0][i].get(k) for k in ("loss", "grad_norm", "lr")} for i in range(n)]
-    return {"wall": statistics.median(wall[timed]), "cpu": statistics.median(cpu[timed]),
+    return {"wall": statistics.median(wall[timed]), **{k: statistics.median(v[timed]) for k, v in summed.items()},
             "steps_timed": len(wall[timed]), "trace": trace}
 
 
