@@ -37,7 +37,7 @@ def products(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict[str, dic
     return {
         "aten": {"forward": lambda: x @ w.t(), "dL/dx": lambda: g @ w, "dL/dW": lambda: g.t() @ x},
         "onednn": {"forward": lambda: times_transposed(x, w), "dL/dx": lambda: times_transposed(g, w.t()),
-                   "dL/dW": lambda: times_transposed(g.t(), x.t())},
+                   "dL/dW": lambda: times_transposed(g.t().contiguous(), x.t())},
     }
 
 
