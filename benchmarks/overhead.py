@@ -5,8 +5,8 @@
     python benchmarks/overhead.py -- --metrics.log_freq=10  # config overrides for the trainer
 
 Both loops run in the same processes, on the same debug model, data, layout, FSDP policy
-(last block and root kept gathered after forward), optimizer (AdamW, fused, as the trainer picks on CPU and CUDA) and gradient
-clipping. They take turns step by step in an ABBA order, so a change in the machine's load
+(last block and root kept gathered after forward), optimizer (AdamW, fused, as the trainer picks on CPU and CUDA), linear-layer kernels
+(``training.cpu_matmul``) and gradient clipping. They take turns step by step in an ABBA order, so a change in the machine's load
 hits both alike. Before each step every rank waits at a barrier; a step's time is the
 slowest rank's. After the warm-up steps, the script prints the median step time of each
 loop, their ratio (target <= 1.03) and the median of the paired ratios.
@@ -45,6 +45,7 @@ class ReferenceLoop:
         from torch.distributed.fsdp import fully_shard
 
         from torchtitan.datasets import build_dataloader, build_tokenizer
+        from torchtitan.models.cpu_linear import use_onednn_linears
         from torchtitan.models.llama3 import Transformer
 
         cfg, dims = trainer.cfg, trainer.dims
@@ -56,6 +57,8 @@ class ReferenceLoop:
             dp_rank, dp_degree = mesh.get_rank(), dims.dp_shard
         with torch.device("meta"):
             model = Transformer(trainer.model_args)
+        if cfg.training.cpu_matmul == "onednn":  # the trainer's matrix-product kernels, so only overhead differs
+            use_onednn_linears(model)
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
