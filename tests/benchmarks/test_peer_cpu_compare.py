@@ -42,15 +42,17 @@ def test_project_schedule_equals_the_peer_schedule_at_every_step(warmup, total):
 
 
 def test_read_run_takes_rank0_wall_and_cpu_summed_over_ranks(tmp_path):
-    # 5 steps + the end stamp; rank 0's steps take 1, 2, 3, 4, 9 s of wall, each rank 0.5 s of CPU.
+    # 5 steps + the end stamp; rank 0's steps take 1, 2, 3, 4, 9 s of wall, each rank 0.5 s of CPU
+    # (0.1 s of it in the kernel) and 100 page faults per step, rank 1 twice the faults.
     walls = [0, 1, 3, 6, 10, 19]
     for rank in range(2):
-        records = [{"wall": w, "cpu": 0.5 * i, "loss": 5.0 - i, "grad_norm": 1.0, "lr": 1e-3}
-                   for i, w in enumerate(walls)]
+        records = [{"wall": w, "cpu": 0.5 * i, "sys": 0.1 * i, "minflt": 100 * (rank + 1) * i, "loss": 5.0 - i,
+                    "grad_norm": 1.0, "lr": 1e-3} for i, w in enumerate(walls)]
         (tmp_path / f"project_rank{rank}.json").write_text(json.dumps(records))
     run = peer_cpu_compare.read_run(tmp_path, "project", ranks=2, warmup=1)
     assert run["steps_timed"] == 3  # steps 2..4: the warm-up step and the last one are left out
     assert run["wall"] == 3.0
     assert run["cpu"] == 1.0
+    assert run["sys"] == pytest.approx(0.2) and run["minflt"] == 300
     gaps = peer_cpu_compare.compare_traces(run["trace"], run["trace"])
     assert gaps["loss_rel"] == gaps["lr_rel"] == 0.0
