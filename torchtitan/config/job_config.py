@@ -85,7 +85,7 @@ class Training:
     mixed_precision_reduce: str = opt("float32", "Gradient reduction dtype", choices=("float32", "bfloat16"))
     compile: bool = opt(False, "torch.compile each transformer block")
     cpu_matmul: str = opt(
-        "onednn", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU, 2-2.5x "
+        "onednn", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU, 1.6-2.3x "
         "MKL's on AMD CPUs, where MKL keeps to AVX2); aten = torch's default (MKL on x86). TP linears use aten",
         choices=("onednn", "aten"),
     )

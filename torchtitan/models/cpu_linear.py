@@ -3,7 +3,7 @@
 ATen runs a float32 ``mm`` on the BLAS that torch was built with: MKL on x86. MKL chooses its
 kernels by CPU vendor and keeps to AVX2 on AMD CPUs even where AVX-512 exists; oneDNN, which
 every x86 build of torch also carries, chooses by instruction set. On the AMD EPYC machine this
-project is tested on, oneDNN's products are 2.0-2.5x as fast as MKL's at the debug model's
+project is tested on, oneDNN's products are 1.6-2.3x as fast as MKL's at the debug model's
 shapes, forward and backward (benchmarks/README §11). Both compute in IEEE float32; the results
 differ by rounding only, from a different blocking of the sums.
 
@@ -77,8 +77,9 @@ class OneDNNLinear(nn.Linear):
 def use_onednn_linears(model: nn.Module) -> int:
     """Turn every plain ``nn.Linear`` of ``model`` into an ``OneDNNLinear``, in place; returns how many.
 
-    Changing the class keeps the parameters, their FQNs and every hook as they are, so it can
-    run before or after the parallelisms. Where torch lacks oneDNN nothing changes.
+    Changing the class keeps the parameters, their FQNs, the state dict and every hook as they
+    are; ``parallelize_llama`` does it first, before the parallelisms. Where torch lacks oneDNN
+    nothing changes.
     """
     if not onednn_available():
         logger.warning("This torch build has no oneDNN: float32 linear layers stay on ATen's default kernels")

@@ -6,7 +6,8 @@
 Order matters: TP rewrites the linear layers into DTensor shards first, AC and
 compile then wrap each transformer block's (already parallel) forward, and FSDP
 comes last so that it shards what the other steps produced and its all-gathers
-sit outside the compiled and recomputed regions.
+sit outside the compiled and recomputed regions. On CPU the linear layers first take
+oneDNN's float32 products (models/cpu_linear.py): a class change that the later steps do not see.
 
 Every step keeps the parameter FQNs unchanged (AC replaces forward in place, in-place
 ``Module.compile``, FSDP2), which checkpoints and the layout-invariant init rely on.
@@ -47,8 +48,8 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     unit_dp = not (dims.dp_enabled or dims.fsdp_enabled) and (
         mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
     if device_type == "cpu" and cfg.training.cpu_matmul == "onednn" and not cfg.training.compile:
-        n = use_onednn_linears(model)
-        logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
+        if n := use_onednn_linears(model):
+            logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
     if dims.tp_enabled:
         apply_tp(
             model, dims.tp_mesh(unit_dp=unit_dp),
