@@ -68,6 +68,7 @@ SLOW: dict[str, frozenset[str]] = {
         "test_validation_loss_is_the_mean_token_loss_of_the_split_and_is_logged"}),
     "test_faults.py": ALL,
     "test_multinode.py": ALL,
+    "test_tiers.py": frozenset({"test_full_run_lets_every_test_start_processes"}),
     "test_trainer.py": ALL,
 }
 
