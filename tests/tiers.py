@@ -77,7 +77,7 @@ _TESTS = Path(__file__).resolve().parent
 
 def _is_slow(item: pytest.Item) -> bool:
     try:
-        module = Path(str(item.fspath)).resolve().relative_to(_TESTS).as_posix()
+        module = Path(item.path).resolve().relative_to(_TESTS).as_posix()
     except ValueError:  # a test outside tests/ (none today)
         return False
     names = SLOW.get(module, frozenset())
