@@ -4,13 +4,13 @@
     python benchmarks/data.py                  # all sections, one process, prints tables
     python benchmarks/data.py --sections loader resume
 
-``loader``: one rank's tokens/s at DP degree 1/2/4/8 (rank 0 of D; every rank does the
-same work), for the token store (this project) and for the streaming packer that every
-rank ran before (``packed_baseline.py`` over the embedded corpus: each rank tokenizes the
-global stream).  ``resume``: seconds from ``load_state_dict`` to the first batch, at
-window 0, near the end of the embedded store's epoch, and at 10^6 windows of a
-synthetic store; the streaming packer at the same embedded positions for comparison.
-``prepare``: tokens/s of ``prepare_store`` per worker count on the embedded corpus.
+``loader``: one rank's tokens/s from the token store at DP degree 1/2/4/8 (rank 0 of D;
+every rank does the same work).  ``resume``: seconds from ``load_state_dict`` to the first
+batch, at window 0, near the end of the embedded store's epoch, and at 10^6 windows of a
+synthetic store.  ``step``: the data share of an emulated step, with and without the
+prefetch thread.  ``prepare``: tokens/s of ``prepare_store`` per worker count on the
+embedded corpus.  (The streaming packer every rank ran before the store, the baseline of
+the first figures in benchmarks/README.md, is gone: no run uses it.)
 
 The ``data:`` share of a training step comes from ``train.py``'s own log line; see
 benchmarks/README.md for the command.  The machine is shared: compare ratios from
@@ -39,18 +39,6 @@ def _store_loader(tokenizer, cache, *, seq, batch, rank, degree, path=None):
                             local_batch_size=batch, dp_rank=rank, dp_degree=degree, cache_dir=cache)
 
 
-def _stream_loader(tokenizer, *, seq, batch, rank, degree):
-    from torch.utils.data import DataLoader
-
-    from packed_baseline import EveryRankPacks, collate_pairs
-    from torchtitan.datasets.sources import open_source
-
-    source, field = open_source("embedded", None)
-    data = EveryRankPacks(source=source, text_field=field, tokenizer=tokenizer, seq_len=seq, local_batch_size=batch,
-                          dp_rank=rank, dp_degree=degree)
-    return DataLoader(data, batch_size=batch, collate_fn=collate_pairs, num_workers=0, drop_last=True), data
-
-
 def _time_batches(it, n: int) -> tuple[float, float]:
     next(it)
     wall, cpu = time.perf_counter(), time.process_time()  # process time includes the prefetch thread
@@ -65,21 +53,16 @@ def bench_loader(tokenizer, cache, seq: int, batch: int, steps: int, rounds: int
     best: dict[tuple[str, int], tuple[float, float]] = {}
     for _ in range(rounds):
         for degree in (1, 2, 4, 8):
-            for kind in ("store", "stream"):
-                if kind == "store":
-                    it = iter(_store_loader(tokenizer, cache, seq=seq, batch=batch, rank=0, degree=degree))
-                else:
-                    it = iter(_stream_loader(tokenizer, seq=seq, batch=batch, rank=0, degree=degree)[0])
-                wall, cpu = _time_batches(it, steps)
-                old = best.get((kind, degree), (float("inf"), float("inf")))
-                best[kind, degree] = (min(old[0], wall), min(old[1], cpu))
+            it = iter(_store_loader(tokenizer, cache, seq=seq, batch=batch, rank=0, degree=degree))
+            wall, cpu = _time_batches(it, steps)
+            old = best.get(degree, (float("inf"), float("inf")))
+            best[degree] = (min(old[0], wall), min(old[1], cpu))
     tokens = steps * batch * seq
-    print("| DP degree | token store tokens/s (wall) | token store tokens/CPU-s | streaming packer tokens/s (wall) "
-          "| streaming packer tokens/CPU-s |")
-    print("|---|---|---|---|---|")
+    print("| DP degree | token store tokens/s (wall) | token store tokens/CPU-s |")
+    print("|---|---|---|")
     for degree in (1, 2, 4, 8):
-        (sw, sc), (pw, pc) = best["store", degree], best["stream", degree]
-        print(f"| {degree} | {tokens / sw:,.0f} | {tokens / sc:,.0f} | {tokens / pw:,.0f} | {tokens / pc:,.0f} |")
+        sw, sc = best[degree]
+        print(f"| {degree} | {tokens / sw:,.0f} | {tokens / sc:,.0f} |")
 
 
 def _first_batch_seconds(make, state: dict) -> float:
@@ -100,18 +83,13 @@ def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
     end = (n // batch - 1) * batch
     base = {"epoch": 0, "seq_len": seq, "local_batch_size": batch, "shuffle": 0}
     print(f"\n## time to the first batch after a resume (seq {seq}, batch {batch}; embedded store: {n} windows)")
-    print("| position | token store s | streaming packer s |")
-    print("|---|---|---|")
+    print("| position | token store s |")
+    print("|---|---|")
     for label, window in (("window 0", 0), ("window 800", 800), (f"window {end} (end of epoch)", end)):
         store_s = _first_batch_seconds(
             lambda: _store_loader(tokenizer, cache, seq=seq, batch=batch, rank=0, degree=1).dataset,
             dict(base, next_window=window))
-
-        def stream():
-            return _stream_loader(tokenizer, seq=seq, batch=batch, rank=0, degree=1)[1]
-
-        stream_s = _first_batch_seconds(stream, dict(base, next_window=window, shuffle=None))
-        print(f"| {label} | {store_s:.3f} | {stream_s:.3f} |")
+        print(f"| {label} | {store_s:.3f} |")
     synth_seq = 32
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -123,7 +101,7 @@ def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
                                          dp_rank=0, dp_degree=8, shuffle=True)
             seconds = _first_batch_seconds(make, dict(base, seq_len=synth_seq, next_window=window))
             print(f"| synthetic store, {10**6 + 1000:,} windows of {synth_seq + 1}, DP 8: window {window:,} "
-                  f"| {seconds:.3f} | - |")
+                  f"| {seconds:.3f} |")
         print(f"(writing the synthetic store took {written:.1f} s)")
 
 
@@ -171,17 +149,14 @@ def bench_step(tokenizer, cache, seq: int, batch: int, steps: int, step_ms: floa
           f"{steps} steps, rank 0 of D; best of {rounds} interleaved rounds)")
     from torchtitan.datasets import build_dataloader
 
-    labels = ("streaming packer (before)", "token store, no prefetch", "token store, prefetch 2")
+    labels = ("token store, no prefetch", "token store, prefetch 2")
     best: dict[tuple[int, str], tuple[float, float, float]] = {}
     for _ in range(rounds):
         for degree in (1, 8):
             for label in labels:
-                if label.startswith("streaming"):
-                    it = iter(_stream_loader(tokenizer, seq=seq, batch=batch, rank=0, degree=degree)[0])
-                else:
-                    it = iter(build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
-                                               seq_len=seq, local_batch_size=batch, dp_rank=0, dp_degree=degree,
-                                               cache_dir=cache, prefetch=0 if "no prefetch" in label else 2))
+                it = iter(build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
+                                           seq_len=seq, local_batch_size=batch, dp_rank=0, dp_degree=degree,
+                                           cache_dir=cache, prefetch=0 if "no prefetch" in label else 2))
                 next(it)
                 compute()
                 data = total = cpu = 0.0

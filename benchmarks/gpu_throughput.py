@@ -12,7 +12,7 @@ tokens/s, TFLOP/s, MFU and peak memory on one device:
                the project's fused AdamW;
 - reference-*: a Llama 3 block written here with plain PyTorch (nn.Linear, F.rms_norm,
                complex RoPE, SDPA), bf16 autocast over float32 weights, fused AdamW;
-- torchtitan-*: the peer's own Trainer on the same shapes (benchmarks/peer_torchtitan.py;
+- torchtitan-*: the peer's own Trainer on the same shapes (benchmarks/peer/peer_torchtitan.py;
                needs ``--peer-site`` pointing at a folder where the `torchtitan` wheel is installed).
 
 Both use seq 8192 (``--seq``), batch 1, the 8B dims (dim 4096, 32 heads, 8 KV heads,
@@ -256,12 +256,12 @@ def run_peer(variant: str, layers: int, seq: int, steps: int, warmup: int, peer_
     """The peer in its own process; FLOPs counted with the project's formula on the same shapes."""
     import torch
 
-    from benchmarks.peer_torchtitan import parse_step_lines
+    from benchmarks.peer.peer_torchtitan import parse_step_lines
     from torchtitan.metrics import peak_flops
     from torchtitan.models.llama3 import flops_per_token, llama3_flavors
 
     flags = variant.split("-")[1:]
-    cmd = [sys.executable, str(REPO / "benchmarks" / "peer_torchtitan.py"), "--layers", str(layers),
+    cmd = [sys.executable, str(REPO / "benchmarks" / "peer" / "peer_torchtitan.py"), "--layers", str(layers),
            "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
     cmd += ["--compile"] if "compile" in flags else []
     cmd += ["--sac"] if "sac" in flags else []

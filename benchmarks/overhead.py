@@ -47,6 +47,7 @@ class ReferenceLoop:
         from torchtitan.datasets import build_dataloader, build_tokenizer
         from torchtitan.models.cpu_linear import use_onednn_linears
         from torchtitan.models.llama3 import Transformer
+        from torchtitan.optim import build_lr_scheduler
 
         cfg, dims = trainer.cfg, trainer.dims
         if dims.dp_replicate > 1:
@@ -69,14 +70,9 @@ class ReferenceLoop:
         o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, fused=True)
-        warmup, total = s.warmup_steps, t.steps
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            return max(1.0 - (step - warmup) / max(total - warmup, 1), s.lr_min)
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        # The project's schedule, built as the trainer builds it: both loops pay for the same one.
+        self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio,
+                                            decay_type=s.decay_type, lr_min=s.lr_min, total_steps=t.steps)
         self.max_norm = t.max_norm
         loader = build_dataloader(dataset_name=t.dataset, dataset_path=t.dataset_path,
                                   tokenizer=build_tokenizer(cfg.model.tokenizer_path), seq_len=t.seq_len,

@@ -28,7 +28,7 @@ or tokens per step differ: such curves differ for reasons that have nothing to d
 with the parallelism under test. It warns when the seed, data, model or schedule
 differ. Exit status: 0 when every test stays within ``--tolerance`` at every step,
 1 when one leaves it (or stops early), 2 when the runs cannot be compared or failed.
-See docs/converging.md for the method and measured results.
+See docs/converging.md for the method; measured results are in benchmarks/README.md section 14.
 """
 
 from __future__ import annotations

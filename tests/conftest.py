@@ -49,3 +49,11 @@ def shipped_tokenizer() -> str:
 def free_port() -> Callable[[], int]:
     """Call it for a TCP port that is free now (one call per rendezvous)."""
     return _free_port
+
+
+# The slow/fast test tiers (marker, the table of tests that start processes, the fast tier's check).
+from tiers import (  # noqa: E402,F401 - pytest finds hooks by name in conftest
+    pytest_collection_modifyitems,
+    pytest_runtest_call,
+    pytest_runtest_setup,
+)

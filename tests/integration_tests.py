@@ -66,7 +66,7 @@ CONTROL = "fsdp"
 # The trainer's console lines, read with the patterns the package declares next to their formats.
 from torchtitan.metrics.logger import MESH_LINE as MESH_RE, STEP_LINE as STEP_RE, VALIDATION_LINE as VALIDATION_RE  # noqa: E402,E501
 # A curve compared with another over several steps (resume into another layout) drifts by
-# float32 summation order; docs/determinism.md measured <= 3.7e-7 over 30 steps.
+# float32 summation order, far below this bound (measured: benchmarks/README.md section 12).
 CURVE_RTOL_CPU = 1e-5
 STEP1_RTOL_CPU = 1e-6  # the step-1 parity tolerance of docs/determinism.md
 # bf16 compute: rounding at ~3 significant digits, averaged over the batch's tokens. Not

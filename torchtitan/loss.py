@@ -24,7 +24,7 @@ IGNORE_INDEX = -100  # label of a position that is not scored
 # On CPU the token cross-entropies are taken in slices of about this many bytes of logits: one
 # call over the whole [tokens, vocab] block streams it (and its softmax and gradient, each as
 # large) through memory several times, while a slice stays in cache from the log-softmax to its
-# gradient. 8 x 2048 tokens of the debug model: 210 -> 121 ms of CPU per forward + backward.
+# gradient. Measured: benchmarks/README.md section 11 ("What changed").
 _CPU_SLICE_BYTES = 1 << 20
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "peer"))
 import peer_cpu  # noqa: E402
 import peer_cpu_compare  # noqa: E402
 from torchtitan.optim.lr_scheduler import lr_factor, resolve_decay_steps  # noqa: E402
@@ -41,18 +41,41 @@ def test_project_schedule_equals_the_peer_schedule_at_every_step(warmup, total):
                      decay_type="linear", lr_min=0.1) == pytest.approx(0.1)
 
 
+def _write_run(folder, side: str, walls: list[float], losses: list[float], lrs: list[float]) -> None:
+    """Two ranks' step records as the workers write them: rank 1 has twice rank 0's page faults."""
+    for rank in range(2):
+        records = [{"wall": w, "cpu": 0.5 * i, "sys": 0.1 * i, "minflt": 100 * (rank + 1) * i, "loss": loss,
+                    "grad_norm": 2.0 * loss, "lr": lr} for i, (w, loss, lr) in enumerate(zip(walls, losses, lrs))]
+        (folder / f"{side}_rank{rank}.json").write_text(json.dumps(records))
+
+
 def test_read_run_takes_rank0_wall_and_cpu_summed_over_ranks(tmp_path):
     # 5 steps + the end stamp; rank 0's steps take 1, 2, 3, 4, 9 s of wall, each rank 0.5 s of CPU
     # (0.1 s of it in the kernel) and 100 page faults per step, rank 1 twice the faults.
-    walls = [0, 1, 3, 6, 10, 19]
-    for rank in range(2):
-        records = [{"wall": w, "cpu": 0.5 * i, "sys": 0.1 * i, "minflt": 100 * (rank + 1) * i, "loss": 5.0 - i,
-                    "grad_norm": 1.0, "lr": 1e-3} for i, w in enumerate(walls)]
-        (tmp_path / f"project_rank{rank}.json").write_text(json.dumps(records))
+    _write_run(tmp_path, "project", [0, 1, 3, 6, 10, 19], [5.0 - i for i in range(6)], [1e-3] * 6)
     run = peer_cpu_compare.read_run(tmp_path, "project", ranks=2, warmup=1)
     assert run["steps_timed"] == 3  # steps 2..4: the warm-up step and the last one are left out
     assert run["wall"] == 3.0
     assert run["cpu"] == 1.0
     assert run["sys"] == pytest.approx(0.2) and run["minflt"] == 300
-    gaps = peer_cpu_compare.compare_traces(run["trace"], run["trace"])
-    assert gaps["loss_rel"] == gaps["lr_rel"] == 0.0
+    assert [r["loss"] for r in run["trace"]] == [5.0, 4.0, 3.0, 2.0, 1.0]
+
+
+def test_compare_traces_reports_the_largest_gap_of_the_two_sides(tmp_path):
+    # The peer's losses are the project's except step 3 (4 % apart) and step 5 (1 % apart); its
+    # learning rate differs at step 2 only (by half). Each gap is relative to the peer's value.
+    walls = [0, 1, 2, 3, 4, 5]
+    project_loss = [5.0, 4.0, 3.0, 2.0, 1.0, 1.0]
+    peer_loss = [5.0, 4.0, 3.0 / 1.04, 2.0, 1.0 / 1.01, 1.0]
+    _write_run(tmp_path, "project", walls, project_loss, [1e-3] * 6)
+    _write_run(tmp_path, "peer", walls, peer_loss, [1e-3, 2e-3, 1e-3, 1e-3, 1e-3, 1e-3])
+    project = peer_cpu_compare.read_run(tmp_path, "project", ranks=2, warmup=1)["trace"]
+    peer = peer_cpu_compare.read_run(tmp_path, "peer", ranks=2, warmup=1)["trace"]
+    gaps = peer_cpu_compare.compare_traces(project, peer)
+    assert gaps["loss_rel"] == pytest.approx(0.04)
+    assert gaps["grad_norm_rel"] == pytest.approx(0.04)  # grad norms are twice the losses on both sides
+    assert gaps["lr_rel"] == pytest.approx(0.5)
+    assert gaps["loss_at"] == {1: (5.0, 5.0)}  # steps 10 and 50 are past the end of a 5-step trace
+    # Order matters (the peer is the reference), and identical traces have no gap.
+    assert peer_cpu_compare.compare_traces(peer, project)["lr_rel"] == pytest.approx(1.0)
+    assert peer_cpu_compare.compare_traces(peer, peer)["loss_rel"] == 0.0

@@ -310,7 +310,7 @@ def outage_run(tmp_path_factory):
         time.sleep(OUTAGE_S)
         # A fresh lighthouse knows nobody, and the groups' heartbeats come back irregularly: with short
         # timeouts the first group to ask forms a quorum alone and the two live groups train apart
-        # (README, Fault-tolerant HSDP). The README's timeouts: 5 s heartbeat, 10 s join.
+        # (docs/fault_tolerance.md, "Start the lighthouse"). Its timeouts: 5 s heartbeat, 10 s join.
         lighthouse = _start_lighthouse(tmp, 1, port, join_timeout_ms=10_000, heartbeat_ms=5_000)
         _wait_for_step(tmp / "g1.0", KILL_AT, deadline)
         _kill_pids(tmp / "pids_g1")  # the worker first, then its agent (which would otherwise restart it)

@@ -1,8 +1,8 @@
 """Config checks of fault-tolerant HSDP, run by preflight before any process group exists.
 
 Each replica group is its own torchrun job, so these checks see one group's config; what
-must agree between groups (the layout, the seed, num_replica_groups) is stated in the
-README and, where a mismatch would corrupt training, caught at run time by torchft (a heal
+must agree between groups (the layout, the seed, num_replica_groups) is stated in
+docs/fault_tolerance.md and, where a mismatch would corrupt training, caught at run time by torchft (a heal
 whose shapes differ fails its copy).
 """
 
@@ -48,7 +48,7 @@ def check_fault_tolerance(cfg: JobConfig, dims: ParallelDims) -> list[str]:
                         "no step could ever commit")
     if lighthouse_address(cfg) is None:
         problems.append(f"{FT}enable needs a lighthouse: set {FT}lighthouse=http://HOST:PORT or $TORCHFT_LIGHTHOUSE, "
-                        "and start one with `torchft_lighthouse --min_replicas 1` (README, Fault-tolerant HSDP)")
+                        "and start one with `torchft_lighthouse --min_replicas 1` (docs/fault_tolerance.md)")
     if dims.dp_replicate != 1:
         problems.append(f"{FT}enable needs --parallelism.data_parallel_replicate_degree=1 (got {dims.dp_replicate}): "
                         "the replica groups are separate torchrun jobs; set num_replica_groups instead")

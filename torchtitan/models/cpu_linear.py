@@ -3,8 +3,8 @@
 ATen runs a float32 ``mm`` on the BLAS that torch was built with: MKL on x86. MKL chooses its
 kernels by CPU vendor and keeps to AVX2 on AMD CPUs even where AVX-512 exists; oneDNN, which
 every x86 build of torch also carries, chooses by instruction set. On the AMD EPYC machine this
-project is tested on, oneDNN's products are 1.6-2.3x as fast as MKL's at the debug model's
-shapes, forward and backward (benchmarks/README §11). Both compute in IEEE float32; the results
+project is tested on, oneDNN's products are faster than MKL's at the debug model's shapes,
+forward and backward (figures: benchmarks/README.md section 11). Both compute in IEEE float32; the results
 differ by rounding only, from a different blocking of the sums.
 
 Only plain float32 CPU tensors take this path. DTensor weights (tensor parallel), other dtypes,

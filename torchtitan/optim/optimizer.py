@@ -32,7 +32,7 @@ def _implementation_kwargs(device_type: str, tensors: list[torch.Tensor]) -> dic
 
     The fused kernel does the whole update in one pass per dtype group, and DTensor has
     sharding rules for it, so FSDP2 and TP parameters take it too. On CPU it is several
-    times faster than foreach on the debug model (benchmarks/README.md, "Optimizer").
+    times faster than foreach on the debug model (benchmarks/README.md section 10).
     Foreach stays the path for any device or dtype the fused kernels do not cover.
     """
     if device_type in _fused_devices() and all(t.dtype in _FUSED_DTYPES for t in tensors):

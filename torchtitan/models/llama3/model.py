@@ -86,8 +86,8 @@ def apply_rotary_emb(
     cos, sin = rope_cache.unsqueeze(-2).chunk(2, dim=-1)  # [..., L, 1, head_dim/2], broadcasts over heads
     if xq.device.type == "cpu" and not isinstance(xq, DTensor) and not torch.compiler.is_compiling():
         # Eager CPU: one complex multiply per tensor, forward and backward, instead of four real
-        # ones, a stack and their backward (8 x 2048 tokens of the debug model: 33 -> 3.6 ms of CPU
-        # per layer); the same products and sums, bitwise (tests/models/test_llama3_model.py).
+        # ones, a stack and their backward (faster: benchmarks/README.md section 11); the same
+        # products and sums, bitwise (tests/models/test_llama3_model.py).
         rotation = torch.complex(cos.float(), sin.float())  # a bf16 cache widens exactly, as the real path promotes it
         return rotate_pairs_complex(xq, rotation), rotate_pairs_complex(xk, rotation)
     return rotate_pairs(xq, cos, sin), rotate_pairs(xk, cos, sin)
@@ -137,8 +137,8 @@ class Attention(nn.Module):
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1 and q.device.type == "cpu" and not isinstance(q, DTensor):
             # The CPU kernel reads each K/V head for its query group itself: no repeated copies
-            # of k and v, and no sum over those copies in backward (8 x 256 tokens of the debug
-            # model: 36 -> 30 ms of CPU per layer). Same output bitwise; k and v gradients differ
+            # of k and v, and no sum over those copies in backward (faster: benchmarks/README.md
+            # section 11). Same output bitwise; k and v gradients differ
             # by rounding (their query-group sum is taken in another order).
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)

@@ -5,7 +5,7 @@
     pip install --target /work/peer-site -c /tmp/torch-pin.txt --no-deps torchtitan==0.3.0 \
         spmd_types==0.2.3 torch_checkpointing tyro einops docstring_parser typeguard
     # then (about 45 minutes on 2 cores with the default 2 pairs per shape)
-    python benchmarks/peer_cpu_compare.py --peer-site /work/peer-site
+    python benchmarks/peer/peer_cpu_compare.py --peer-site /work/peer-site
 
 The peer needs only those packages beyond what this project installs (``torchdata``,
 ``datasets``, ``tokenizers``, ``safetensors``, ``tensorboard``); ``--no-deps`` plus the torch
@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+# benchmarks/ for common.py (the driver and its torchrun workers start in benchmarks/peer/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import REPO, load_average, machine_description
 from peer_cpu_assets import dump_windows, prepare
 
@@ -120,7 +122,7 @@ def launch(side: str, ranks: int, windows: Path, out: Path, args: argparse.Names
         script = [str(Path(__file__)), "--worker", "--work", str(args.work)]
         env["PYTHONPATH"] = str(REPO)
     else:
-        script = [str(REPO / "benchmarks" / "peer_torchtitan.py"), "--device", "cpu", "--assets", str(args.work),
+        script = [str(Path(__file__).with_name("peer_torchtitan.py")), "--device", "cpu", "--assets", str(args.work),
                   "--init-hf", str(Path(args.work).resolve() / "init_hf"),
                   "--warmup-steps", str(WARMUP_STEPS), "--lr-min", str(LR_MIN)]
         env["PEER_SITE"] = str(args.peer_site)

@@ -1,6 +1,6 @@
 """Run the peer, the `torchtitan` package from PyPI, on the shapes gpu_throughput.py measures.
 
-    PEER_SITE=/path/to/site-packages python benchmarks/peer_torchtitan.py --layers 4 --seq 8192 \
+    PEER_SITE=/path/to/site-packages python benchmarks/peer/peer_torchtitan.py --layers 4 --seq 8192 \
         --steps 20 --warmup 5 [--compile] [--sac]
 
 On CPU (``--device cpu``) it is one side of ``peer_cpu_compare.py``, which installs the peer,
@@ -34,8 +34,10 @@ from pathlib import Path
 
 def _peer_first_on_path() -> None:
     """The project's checkout must not shadow the peer's package of the same name."""
-    here = str(Path(__file__).resolve().parents[1])
-    sys.path[:] = [p for p in sys.path if p not in ("", ".", here, str(Path(__file__).parent))]
+    here = Path(__file__).resolve()
+    # The repository, benchmarks/ and benchmarks/peer/: none may come before the peer's package.
+    ours = {str(here.parents[2]), str(here.parents[1]), str(here.parent), str(Path(__file__).parent)}
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and p not in ours]
     if os.environ.get("PEER_SITE"):
         sys.path.insert(0, os.environ["PEER_SITE"])
 
