@@ -1,4 +1,4 @@
-"""A start in step, and quiet logs: two shared runs (torchrun and plain processes, real lighthouses).
+"""A start in step, and quiet logs: two runs side by side (torchrun and plain processes, real lighthouses).
 
 ``late_run`` (torchrun, FSDP 2 per group): group 1 starts 5 s after group 0, with
 ``min_replicas`` 1 at the lighthouse and in the groups. Group 0's first step waits for group
@@ -8,8 +8,9 @@ bitwise, later steps within 1e-5 (the cross-group gradient average rounds differ
 
 ``alone_run`` (one rank per group, plain processes): group 0 starts with a 2 s startup
 timeout; group 1 never comes within it. Group 0 commits step 1 alone right after the timeout
-and logs the missing group; group 1, started once group 0 has trained two steps, heals from it
-on its first step and is bitwise the survivor from then on (the heal of a late group is unchanged).
+and logs the missing group; group 1, started once group 0 has trained two steps (group 0 then
+waits for it to begin, so that it finds group 0 still training), heals from it on its first step
+and is bitwise the survivor from then on (the heal of a late group is unchanged).
 
 Neither the HSDP run nor any group prints FSDP2's view-tensor warning, torchft's
 flight-recorder line (every quorum) or the not-writable-buffer warning (the heal).
@@ -27,7 +28,7 @@ import pytest
 from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
 LATE_STEPS, LATE_S = 3, 5.0
-ALONE_STEPS, ALONE_TIMEOUT = 10, 2
+ALONE_STEPS, ALONE_TIMEOUT = 6, 2
 NOISE = ("returned a view tensor", "Unable to reset NCCL flight recorder recording", "The given buffer is not writable")
 RUN = [*COMMON, "--lr_scheduler.warmup_steps=1"]
 
@@ -46,48 +47,57 @@ def _torchrun(tmp: Path, name: str, nproc: int, args: list[str]) -> subprocess.P
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _alone_group(tmp: Path, g: int, address: str, timeout: int, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, ENTRY, *RUN, f"--training.steps={ALONE_STEPS}", f"--job.dump_folder={tmp / f'g{g}'}",
+         *_ft(g, address, timeout)],
+        env=_env(tmp / f"g{g}", **env), stdout=open(tmp / f"g{g}.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
 @pytest.fixture(scope="module")
-def late_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ft_late")
-    lighthouse, address = _lighthouse(tmp, min_replicas=1)
+def runs(tmp_path_factory):
+    """Both runs at once (each with a lighthouse of its own), to keep CI short."""
+    late, alone = tmp_path_factory.mktemp("ft_late"), tmp_path_factory.mktemp("ft_alone")
+    late_lighthouse, late_address = _lighthouse(late, min_replicas=1)
+    alone_lighthouse, alone_address = _lighthouse(alone, min_replicas=1)
     fsdp = ["--parallelism.data_parallel_shard_degree=2"]
-    procs = {"g0": _torchrun(tmp, "g0", 2, [*fsdp, *_ft(0, address, 60)]),
-             "hsdp": _torchrun(tmp, "hsdp", 4, ["--parallelism.data_parallel_replicate_degree=2", *fsdp])}
+    began = time.monotonic()
+    late_procs = {"g0": _torchrun(late, "g0", 2, [*fsdp, *_ft(0, late_address, 60)]),
+                  "hsdp": _torchrun(late, "hsdp", 4, ["--parallelism.data_parallel_replicate_degree=2", *fsdp])}
+    # Group 0 waits after its step 2 until group 1 begins its first step, and sleeps 1 s after each step it
+    # trains alone: group 1's first quorum finds it still training. Group 1's own wait is long: it must join.
+    ready = alone / "g1_ready"
+    alone_procs = {"g0": _alone_group(alone, 0, alone_address, ALONE_TIMEOUT, FT_THROTTLE_ALONE="1",
+                                      FT_PAUSE_AFTER_STEP=f"2:{ready}")}
     try:
-        time.sleep(LATE_S)
-        procs["g1"] = _torchrun(tmp, "g1", 2, [*fsdp, *_ft(1, address, 60)])
-        codes = _wait(procs, tmp, timeout=180)
+        while ("g1" not in late_procs or "g1" not in alone_procs) and time.monotonic() < began + 120:
+            if "g1" not in late_procs and time.monotonic() >= began + LATE_S:
+                late_procs["g1"] = _torchrun(late, "g1", 2, [*fsdp, *_ft(1, late_address, 60)])
+            if "g1" not in alone_procs and (len(_records(alone / "g0.0")) >= 2 or alone_procs["g0"].poll() is not None):
+                alone_procs["g1"] = _alone_group(alone, 1, alone_address, 60, FT_MARK_FIRST_STEP=str(ready))
+            time.sleep(0.1)
+        late_codes = _wait(late_procs, late, timeout=180)
+        alone_codes = _wait(alone_procs, alone, timeout=60)
     finally:
-        stop(lighthouse, procs)
-    records = {(name, rank): _records(tmp / f"{name}.{rank}") for name in ("g0", "g1") for rank in (0, 1)}
-    records["hsdp", 0] = _records(tmp / "hsdp.0")
-    return codes, records, {name: (tmp / f"{name}.log").read_text() for name in procs}
+        stop(late_lighthouse, late_procs)
+        stop(alone_lighthouse, alone_procs)
+    late_records = {(name, rank): _records(late / f"{name}.{rank}") for name in ("g0", "g1") for rank in (0, 1)}
+    late_records["hsdp", 0] = _records(late / "hsdp.0")
+    logs = {folder: {name: (folder / f"{name}.log").read_text() for name in procs}
+            for folder, procs in ((late, late_procs), (alone, alone_procs))}
+    return ((late_codes, late_records, logs[late]),
+            (alone_codes, {g: _records(alone / f"{g}.0") for g in ("g0", "g1")}, logs[alone]))
 
 
 @pytest.fixture(scope="module")
-def alone_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ft_alone")
-    lighthouse, address = _lighthouse(tmp, min_replicas=1)
+def late_run(runs):
+    return runs[0]
 
-    def launch(g: int, **env: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, ENTRY, *RUN, f"--training.steps={ALONE_STEPS}", f"--job.dump_folder={tmp / f'g{g}'}",
-             *_ft(g, address, ALONE_TIMEOUT)],
-            env=_env(tmp / f"g{g}", **env), stdout=open(tmp / f"g{g}.log", "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
 
-    # Group 0 sleeps 1 s after each step it trains alone, so that it is still training when group 1 is up.
-    procs = {"g0": launch(0, FT_THROTTLE_ALONE="1")}
-    try:
-        deadline = time.monotonic() + 120
-        while len(_records(tmp / "g0.0")) < 2 and time.monotonic() < deadline and procs["g0"].poll() is None:
-            time.sleep(0.1)
-        procs["g1"] = launch(1)
-        codes = _wait(procs, tmp, timeout=150)
-    finally:
-        stop(lighthouse, procs)
-    return codes, {g: _records(tmp / f"{g}.0") for g in ("g0", "g1")}, \
-        {g: (tmp / f"{g}.log").read_text() for g in ("g0", "g1")}
+@pytest.fixture(scope="module")
+def alone_run(runs):
+    return runs[1]
 
 
 def test_a_late_group_trains_step_one_and_every_loss_equals_hsdp(late_run):
