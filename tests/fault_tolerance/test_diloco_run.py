@@ -186,12 +186,12 @@ def test_whole_job_restart_resumes_at_the_saved_step_with_the_outer_state(diloco
             assert a["syncs"] == first[a["step"]]["syncs"]  # the sync count continues from the checkpoint
 
 
-LOCAL_SGD_STEPS, LOCAL_SGD_SYNC, LOCAL_SGD_LATE_S = 4, 2, 3.0
+LOCAL_SGD_STEPS, LOCAL_SGD_SYNC, LOCAL_SGD_LATE_S = 4, 2, 5.0
 
 
 @pytest.fixture(scope="module")
 def local_sgd_run(tmp_path_factory):
-    """Two one-rank groups under LocalSGD (``sync_steps`` 2), group 1 started 3 s after group 0, and
+    """Two one-rank groups under LocalSGD (``sync_steps`` 2), group 1 started 5 s after group 0, and
     ``min_replicas`` 1: group 0's first sync waits for group 1 (the startup wait), so both are in every sync."""
     tmp = tmp_path_factory.mktemp("ft_local_sgd")
     lighthouse, address = _lighthouse(tmp, min_replicas=1)
