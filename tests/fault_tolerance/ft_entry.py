@@ -21,6 +21,9 @@ and a hash of the global state (DiLoCo's reference parameters and outer momentum
   starts up.
 - ``$FT_THROTTLE_ALONE=S``: sleep S seconds after each step committed without another
   group, so that a survivor is still training when the dead group comes back.
+- ``$FT_PAUSE_AFTER_STEP=N:PATH``: after committing step N, wait until PATH exists (another
+  group's ``$FT_MARK_FIRST_STEP``), so that this group is still training when that one comes.
+- ``$FT_MARK_FIRST_STEP=PATH``: create PATH as the first step begins (before its quorum).
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ def _wait_for_group_records(step: int, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _wait_for_file(path: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _install() -> None:
     from torchtitan.trainer import Trainer
 
@@ -103,6 +112,9 @@ def _install() -> None:
 
     together = os.environ.get("FT_START_TOGETHER")
     corrupt_at = int(os.environ.get("FT_CORRUPT_AT_STEP", "0"))
+
+    pause_at, _, pause_path = os.environ.get("FT_PAUSE_AFTER_STEP", "0:").partition(":")
+    mark = os.environ.get("FT_MARK_FIRST_STEP")
 
     calls = {"n": 0, "bytes": 0, "step": 0}
     crash_in_sync = int(os.environ.get("FT_CRASH_IN_SYNC_AT_STEP", "0"))
@@ -133,6 +145,8 @@ def _install() -> None:
             while len(list(Path(folder).iterdir())) < int(count):
                 time.sleep(0.05)
             together = None
+        if mark:
+            Path(mark).touch()
         began = time.time()
         loss, grad_norm = real(self, batches)
         ft = self.ft
@@ -149,6 +163,8 @@ def _install() -> None:
             _wait_for_group_records(crash_at)  # torchrun stops the others as soon as one rank dies
             if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+        if self.step == int(pause_at):
+            _wait_for_file(Path(pause_path))
         if throttle and ft is not None and ft.participants == 1:
             time.sleep(throttle)
         return loss, grad_norm

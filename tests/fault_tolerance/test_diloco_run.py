@@ -14,7 +14,8 @@ a replica check at every sync, checkpoints every 4 steps into one folder:
   checkpointing off, so it is behind) and heals at its first sync, taking the survivor's step;
   from then on its global state is bitwise the survivor's after every sync;
 - each checkpoint is written by one group and holds the semi-sync state; from step 12 both groups
-  restart (a whole-job restart): they resume at step 13, group 0's step 13 is bitwise its first
+  restart (a whole-job restart, group 1 2 s after group 0: the startup wait holds group 0's first sync
+  for it): they resume at step 13, group 0's step 13 is bitwise its first
   run's (weights, Adam, loss, and the reference parameters and outer momentum from the checkpoint),
   the sync count continues, and the groups are bitwise equal after every sync.
 """
@@ -26,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,7 @@ from torchtitan.models.llama3.model import Transformer
 from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
 STEPS, SYNC, FRAGMENTS, KILL_AT, CKPT_EVERY, RESTART_AT = 16, 4, 2, 4, 4, 12
+RESTART_LATE_S = 2.0
 CHECK_BYTES = 2 * 2 * 8  # the replica check's table: 2 groups x (fingerprint, present) int64
 
 
@@ -80,10 +83,11 @@ def diloco_run(tmp_path_factory):
         codes = _wait(procs, tmp, timeout=120)
         shutil.copytree(tmp / "ckpt", tmp / "ckpt_restart")
         restart = [*_args(tmp, "ckpt_restart", address), f"--checkpoint.load_step={RESTART_AT}"]
-        (tmp / "start_r").mkdir()
-        together = {"FT_START_TOGETHER": f"{tmp / 'start_r'}:2"}  # neither takes the first sync alone
-        codes.update(_wait({f"r{g}": _launch(tmp, f"r{g}", g, restart, **together) for g in (0, 1)}, tmp,
-                           timeout=90))
+        # Group 1 restarts 2 s after group 0: the startup wait keeps group 0 from taking its first sync alone.
+        restarted = {"r0": _launch(tmp, "r0", 0, restart)}
+        time.sleep(RESTART_LATE_S)
+        restarted["r1"] = _launch(tmp, "r1", 1, restart)
+        codes.update(_wait(restarted, tmp, timeout=90))
     finally:
         stop(lighthouse, procs)
     records = {name: _records(tmp / f"{name}.0") for name in ("g0", "g1", "r0", "r1")}
@@ -182,21 +186,25 @@ def test_whole_job_restart_resumes_at_the_saved_step_with_the_outer_state(diloco
             assert a["syncs"] == first[a["step"]]["syncs"]  # the sync count continues from the checkpoint
 
 
-LOCAL_SGD_STEPS, LOCAL_SGD_SYNC = 4, 2
+LOCAL_SGD_STEPS, LOCAL_SGD_SYNC, LOCAL_SGD_LATE_S = 4, 2, 5.0
 
 
 @pytest.fixture(scope="module")
 def local_sgd_run(tmp_path_factory):
-    """Two one-rank groups under LocalSGD (``sync_steps`` 2), both in every sync."""
+    """Two one-rank groups under LocalSGD (``sync_steps`` 2), group 1 started 5 s after group 0, and
+    ``min_replicas`` 1: group 0's first sync waits for group 1 (the startup wait), so both are in every sync."""
     tmp = tmp_path_factory.mktemp("ft_local_sgd")
-    lighthouse, address = _lighthouse(tmp, min_replicas=2)
+    lighthouse, address = _lighthouse(tmp, min_replicas=1)
     args = [*COMMON, f"--training.steps={LOCAL_SGD_STEPS}", "--lr_scheduler.warmup_steps=1",
-            "--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2", "--fault_tolerance.min_replicas=2",
+            "--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2", "--fault_tolerance.min_replicas=1",
             f"--fault_tolerance.lighthouse={address}", "--fault_tolerance.semi_sync_method=local_sgd",
             f"--fault_tolerance.sync_steps={LOCAL_SGD_SYNC}", "--fault_tolerance.timeout_seconds=10",
             "--comm.train_timeout_seconds=30"]
     try:
-        codes = _wait({f"g{g}": _launch(tmp, f"g{g}", g, args) for g in (0, 1)}, tmp, timeout=90)
+        procs = {"g0": _launch(tmp, "g0", 0, args)}
+        time.sleep(LOCAL_SGD_LATE_S)
+        procs["g1"] = _launch(tmp, "g1", 1, args)
+        codes = _wait(procs, tmp, timeout=90)
     finally:
         lighthouse.kill()
         lighthouse.wait()

@@ -1,6 +1,6 @@
 """The pieces of fault tolerance on their own: stale store keys, Adam's state from step 0,
-the heal state's round trip, the check that every parameter sits in a hooked FSDP unit, and
-DiLoCo's fragments (every parameter in exactly one)."""
+the heal state's round trip, the check that every parameter sits in a hooked FSDP unit,
+DiLoCo's fragments (every parameter in exactly one), and the startup wait's decisions."""
 
 from __future__ import annotations
 
@@ -204,3 +204,37 @@ def test_semi_sync_checkpoint_writer(replica_id, started_at, syncs, quorum_rank,
     step = SemiSyncStep(_QuorumRank(quorum_rank), state=None, dataloader=None)
     step.started_at, step.syncs = started_at, syncs
     assert step.writes_checkpoint(replica_id) is writes
+
+
+def test_startup_wait_decisions():
+    """The decision of each quorum of the startup wait (the runs are in test_startup.py): alone = ask again,
+    some = compute but do not commit, all / timed out / peers ahead = go, and then never wait again."""
+    from types import SimpleNamespace
+
+    from torchtitan.fault_tolerance.startup import GO, HOLD, WAIT, StartupWait
+
+    def quorum(groups: list[int], max_step: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(replica_ids=[f"replica_group_{g}:uuid{g}" for g in groups], max_step=max_step)
+
+    timed_out = {"flag": False}
+    asked: list[bool] = []
+
+    def agree(flag: bool) -> bool:
+        asked.append(flag)
+        return timed_out["flag"]
+
+    wait = StartupWait(3, 60, agree)
+    assert not wait.done
+    assert wait.decide(quorum([1]), 0) == WAIT
+    assert wait.decide(quorum([0, 1]), 0) == HOLD and not wait.done
+    assert asked == [False, False]  # the group's ranks agreed on the timeout at every undecided quorum
+    assert wait.decide(quorum([0, 1, 2]), 0) == GO and wait.done
+
+    late = StartupWait(3, 60, agree)
+    assert late.decide(quorum([1], max_step=7), 5) == GO and late.done  # peers ahead: heal, no wait
+
+    timed_out["flag"] = True  # another rank of the group saw the timeout pass: every rank goes
+    expired = StartupWait(3, 60, agree)
+    assert expired.decide(quorum([2]), 0) == GO and expired.done
+
+    assert StartupWait(2, 0, agree).done  # 0 turns the wait off

@@ -215,6 +215,10 @@ class FaultTolerance:
         30, "torchft timeout of the cross-group all-reduce, commit vote and heal transfer; keep it below "
         "--comm.train_timeout_seconds", min=1)
     quorum_timeout_seconds: int = opt(60, "How long a step waits for the quorum of live groups", min=1)
+    startup_timeout_seconds: int = opt(
+        60, "How long a group's first step (also after a whole-job restart; diloco/local_sgd: its first sync) "
+        "waits for all num_replica_groups groups before it may commit with fewer, down to min_replicas "
+        "(0 = no wait); see docs/fault_tolerance_startup.md", min=0)
     connect_timeout_seconds: int = opt(10, "Timeout of connecting to the lighthouse and a peer's manager", min=1)
     quorum_retries: int = opt(3, "Quorum attempts retried before a group gives up (a restarted lighthouse)", min=0)
     replica_check_freq: int = opt(

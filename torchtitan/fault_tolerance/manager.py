@@ -46,12 +46,15 @@ def replica_name(replica_id: int) -> str:
 def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> Any:
     """This group's torchft Manager: its quorum, commit vote, heal transfer and cross-group process group."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info level
-    from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    from torchtitan.fault_tolerance.log_filters import quiet_torchft
+    from torchtitan.fault_tolerance.startup import StartupManager, StartupWait
 
     # torchft's Python side logs every quorum and commit too (some as empty lines); keep its warnings.
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_torchft()
     ft = cfg.fault_tolerance
     timeout = timedelta(seconds=ft.timeout_seconds)
     if dist.get_rank() == 0:
@@ -61,8 +64,9 @@ def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> Any
     dist.barrier()  # nobody reads the manager's address before the stale one is gone
     pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
     host, port = _store_address()
-    manager = Manager(
-        pg=pg, load_state_dict=state.load_state_dict, state_dict=state.state_dict,
+    startup = StartupWait(ft.num_replica_groups, ft.startup_timeout_seconds, lambda flag: _any_rank(flag, device))
+    manager = StartupManager(
+        startup=startup, pg=pg, load_state_dict=state.load_state_dict, state_dict=state.state_dict,
         min_replica_size=ft.min_replicas, timeout=timeout,
         # Every step: the quorum runs during forward. DiLoCo/LocalSGD: torchft needs it synchronous, at the sync.
         use_async_quorum=ft.semi_sync_method == "none",
@@ -73,6 +77,14 @@ def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> Any
         # Every group starts from the same seeded (or loaded) weights: no sync at step 0.
         init_sync=False, quorum_retries=ft.quorum_retries,
     )
-    logger.info("Fault tolerance: replica group %d of at most %d, lighthouse %s, min_replicas %d", ft.replica_id,
-                ft.num_replica_groups, lighthouse_address(cfg), ft.min_replicas)
+    logger.info("Fault tolerance: replica group %d of at most %d, lighthouse %s, min_replicas %d, startup timeout "
+                "%d s", ft.replica_id, ft.num_replica_groups, lighthouse_address(cfg), ft.min_replicas,
+                ft.startup_timeout_seconds)
     return manager
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of this group: its ranks must all take the same branch."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -93,7 +93,18 @@ def outer_optimizer(fragment: torch.nn.Module, lr: float, momentum: float) -> to
     if momentum > 0:
         for p in params:
             opt.state[p]["momentum_buffer"] = torch.zeros_like(p.detach())
+    opt.register_load_state_dict_post_hook(_own_state)
     return opt
+
+
+@torch.no_grad()
+def _own_state(opt: torch.optim.Optimizer) -> None:
+    """Copy the loaded state into memory of our own. torchft heals the outer optimizer with ``load_state_dict``
+    of tensors read from the peer's bytes, which load keeps as they are; the outer steps then update them in place."""
+    for state in opt.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.clone()
 
 
 def build_semi_sync(cfg: Any, manager: Any, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer

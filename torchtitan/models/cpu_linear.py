@@ -40,7 +40,12 @@ class _OneDNNLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        # oneDNN hands back a view of its own result for inputs of more than 2 dims. Returned from the model's
+        # root (the output layer's logits), FSDP2 warns that an in-place op on a view would skip its pre-backward
+        # hook. Nothing else holds that result, so an alias that autograd does not track as a view (what matmul
+        # returns itself) is exact and costs no copy.
+        return torch.ops.aten._unsafe_view(out, out.shape) if out._base is not None else out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
