@@ -60,6 +60,7 @@ SLOW: dict[str, frozenset[str]] = {
     "distributed/test_tp_cp_layouts.py": ALL,
     "fault_tolerance/test_diloco_run.py": ALL,
     "fault_tolerance/test_ft_runs.py": ALL,
+    "fault_tolerance/test_startup.py": ALL,
     "fault_tolerance/test_parts.py": frozenset({
         "test_a_parameter_outside_every_hooked_unit_is_refused"}),
     "scripts/test_loss_compare.py": frozenset({
