@@ -16,7 +16,7 @@ What a full checkpoint holds (top-level keys of the DCP state dict):
 - ``rng``: each rank's Python/NumPy/torch generator states, under ``rank<r>``. They are
   restored only when the layout is unchanged; with another layout ranks do not
   correspond, and every rank keeps the seed that ``training.seed`` gave it.
-- states added with ``add_state`` (``semi_sync``: DiLoCo's reference parameters, outer
+- the ``extra_states`` given to the constructor (``semi_sync``: DiLoCo's reference parameters, outer
   momentum and counters), each under its name; a run without that state skips it on load.
 
 A ``weights_only`` checkpoint (the final save with ``model_weights_only``) holds
@@ -83,6 +83,10 @@ def _set_rng_state(blob: bytes) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass
 class _PendingSave:
     step: int
@@ -103,7 +107,8 @@ class CheckpointManager:
 
     def __init__(self, cfg, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int,
-                 model_args=None) -> None:
+                 model_args=None, writes: Callable[[], bool] | None = None,
+                 extra_states: dict[str, Any] | None = None) -> None:
         ck = cfg.checkpoint
         self.cfg, self.ck = cfg, ck
         self.enabled = ck.enable_checkpoint
@@ -126,8 +131,9 @@ class CheckpointManager:
         # this one does, per save), each group into a temporary folder of its own.
         ft = cfg.fault_tolerance
         self.tmp_tag = f"-group{ft.replica_id}" if ft.enable else ""
-        self.writes: Callable[[], bool] = lambda: True
-        self.extra: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict(), see add_state
+        self.writes: Callable[[], bool] = writes or _always
+        # name -> object with state_dict()/load_state_dict(), saved in full checkpoints and loaded back (DCP in place)
+        self.extra: dict[str, Any] = dict(extra_states or {})
         if not self.active:
             return
         self._view = model_view(model_parts)
@@ -141,10 +147,6 @@ class CheckpointManager:
             self.preemption.install()
 
     # ---- the state -------------------------------------------------------------
-    def add_state(self, name: str, stateful: Any) -> None:
-        """Save ``stateful.state_dict()`` under ``name`` in full checkpoints, and load it back (DCP in place)."""
-        self.extra[name] = stateful
-
     def _model_state(self) -> dict[str, Any]:
         return get_model_state_dict(self._view)
 
