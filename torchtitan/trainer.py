@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import warnings
 from collections.abc import Callable
@@ -23,11 +22,11 @@ from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
 from torchtitan.datasets.partition import job_data_slot
-from torchtitan.distributed import init_distributed, manual_seed, reduce_scalar, set_determinism
+from torchtitan.distributed import init_distributed, manual_seed, set_determinism
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
-from torchtitan.distributed.collectives import local_value
+from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.loss import count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
@@ -39,6 +38,7 @@ from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preflight import Plan, preflight
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
 from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
+from torchtitan.train_step.readout import StepReadout
 from torchtitan.train_step.select import build_step_strategy
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class Trainer:
             lr_min=s.lr_min, total_steps=t.steps,
         )
         self.step = 0
+        self.readout = StepReadout()  # the steps' losses, read on the host only on the steps that need them
         self._setup_metrics()
         self.validator: Validator | None = None
         self.validation_losses: dict[int, float] = {}  # step -> validation loss, for tests and scripts
@@ -196,8 +197,8 @@ class Trainer:
         """``shard_batch`` of every micro-batch of a step (``StepModel``)."""
         return [self.shard_batch(inputs, labels) for inputs, labels in batches]
 
-    def forward_backward(self, batches: MicroBatches, scale: Callable[[], float],
-                         before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor | float:
+    def forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor],
+                         before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
         """Accumulate ``loss sum * scale()`` gradients over the micro-batches; return this rank's loss sum.
 
         Plain or through the pipeline schedule (``StepModel``). The loss sum stays on the device
@@ -212,21 +213,22 @@ class Trainer:
                 before_micro_batch(i)
             with self.train_context():
                 loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
-                (loss_sum * scale()).backward()
+                # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
+                (loss_sum * scale().to(loss_sum.dtype)).backward()
             local_loss_sum += local_value(loss_sum).detach().double()
         return local_loss_sum
 
-    def _pipeline_forward_backward(self, batches: MicroBatches, scale: Callable[[], float]) -> float:
+    def _pipeline_forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``forward_backward`` through the pipeline schedule: each local batch is one schedule step.
 
         The loss sum lives on the last stage, so it is summed over ``pp`` (other stages add 0)
         and every rank logs the true loss.
         """
-        local_loss_sum = 0.0
+        local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
             with self.train_context():  # around forward and backward: the schedule interleaves them
-                local_loss_sum += self.pp_runner.step(inputs, labels, scale())
-        return reduce_scalar(local_loss_sum, "sum", self.dims.get_mesh("pp"))
+                local_loss_sum = local_loss_sum + self.pp_runner.step(inputs, labels, scale())
+        return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
 
     def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, int]:
         """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
@@ -243,29 +245,25 @@ class Trainer:
         """One optimizer step over ``batches`` (the micro-batches), by the job's step strategy."""
         return self.step_strategy.run(batches, self.step)
 
-    def check_finite(self, loss: float) -> None:
-        if not math.isfinite(loss):
-            # Every rank holds the same reduced loss, so every rank stops here together.
-            raise FloatingPointError(
-                f"loss is {loss} at step {self.step}: training diverged; lower --optimizer.lr, raise "
-                f"--lr_scheduler.warmup_steps or check the data"
-            )
-
     def train(self) -> list[float]:
-        """Train to ``training.steps`` (or until preempted); then close the checkpointer and the metrics."""
-        losses: list[float] = []
+        """Train to ``training.steps`` (or until preempted); then close the checkpointer and the metrics.
+
+        Returns the loss of every step this run took (read on the host in batches, see ``StepReadout``).
+        """
         try:
-            self._train(losses)
+            self._train()
+            self.readout.read()  # losses not read yet (none when the last step logged)
         except BaseException:
             self.close(wait_for_peers=False)
             raise
         self.close()
+        losses = self.readout.losses
         if not self.cfg.checkpoint.create_seed_checkpoint:
             logger.info("Training done: %d steps, final loss %s", self.step,
                         f"{losses[-1]:.5f}" if losses else "n/a")
         return losses
 
-    def _train(self, losses: list[float]) -> None:
+    def _train(self) -> None:
         cfg = self.cfg
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save_seed()
@@ -278,7 +276,7 @@ class Trainer:
         trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
         with maybe_profile(cfg.profiling.enable_profiling, trace_dir, cfg.profiling.profile_freq, self.rank) as prof:
             while self.step < cfg.training.steps:
-                self._run_step(data_iter, losses)
+                self._run_step(data_iter)
                 if prof is not None:
                     prof.step()
                 if self.checkpointer.maybe_save(self.step):
@@ -302,8 +300,12 @@ class Trainer:
             if metrics_logger is not None:
                 metrics_logger.close()
 
-    def _run_step(self, data_iter, losses: list[float]) -> None:
-        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps."""
+    def _run_step(self, data_iter) -> None:
+        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps.
+
+        The step's loss and grad norm stay on the device; they are read on the host (and the
+        losses checked for finiteness) only on a step that logs, validates or may checkpoint.
+        """
         cfg = self.cfg
         self.step += 1
         self.throughput.step_begin()
@@ -311,19 +313,21 @@ class Trainer:
         self.throughput.data_loaded()
         out = self.train_step(batches)
         self.step = out.step  # a fault-tolerant step that healed took a live peer's step
-        loss, grad_norm, lr = float(out.loss), float(out.grad_norm), out.lr
-        self.check_finite(loss)
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
         self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches) / self.dims.non_data_parallel_size)
-        losses.append(loss)
-        if len(losses) == 1:
+        self.readout.add(out)
+        if self.readout.steps_taken == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;
             # later ones should be quick.
             set_collective_timeout(cfg.comm.train_timeout_seconds)
-        if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-            self._log(loss, grad_norm, lr)
-        if self.validator is not None and self.validator.due(self.step):
+        log = self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
+        validate = self.validator is not None and self.validator.due(self.step)
+        if log or validate or self.checkpointer.may_save(self.step):
+            loss, grad_norm = self.readout.read(out.grad_norm)  # one host read; raises at a non-finite loss
+            if log:
+                self._log(loss, grad_norm, out.lr)
+        if validate:
             self.validate()
 
     def validate(self) -> ValidationResult:

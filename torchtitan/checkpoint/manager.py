@@ -124,7 +124,7 @@ class CheckpointManager:
                        "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
         self.loaded_step: int | None = None
         self._pending: _PendingSave | None = None
-        self.preemption = PreemptionWatch()
+        self.preemption = PreemptionWatch(ck.preemption_check_steps)
         self._closed = False
         self.pg: dist.ProcessGroup | None = None
         # Fault tolerance: one live replica group writes the job's checkpoints (``writes`` says whether
@@ -233,12 +233,21 @@ class CheckpointManager:
         """Write the freshly initialized model as step 0, for any layout to start from."""
         self._write(0, "seed", {"model": self._model_state()}, sync=True)
 
+    def may_save(self, step: int) -> bool:
+        """Whether ``maybe_save(step)`` may write a checkpoint: the last step, an interval, a preemption check.
+
+        The trainer reads (and checks) the step's loss first on these steps, so no checkpoint of
+        a diverged model is written.
+        """
+        return self.enabled and (step >= self.total_steps or step % self.ck.interval == 0
+                                 or self.preemption.due(step))
+
     def maybe_save(self, step: int) -> bool:
         """After each step: save when due; True when the job was preempted and has to stop now."""
         if not self.enabled:
             return False
         self._finish_pending(block=False)  # make a finished async save visible early
-        preempted = self.preemption.agreed()
+        preempted = self.preemption.due(step) and self.preemption.agreed()
         if not self.writes():  # another replica group writes this job's checkpoints
             return preempted
         if step >= self.total_steps:

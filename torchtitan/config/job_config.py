@@ -142,6 +142,10 @@ class Checkpoint:
     load_step: int = opt(-1, "Step to load; -1 = latest complete checkpoint")
     exclude_from_loading: list[str] = opt([], "State keys not to load (e.g. optimizer,dataloader)")
     create_seed_checkpoint: bool = opt(False, "Write an initialized step-0 checkpoint and exit")
+    preemption_check_steps: int = opt(
+        10, "Every this many steps the ranks agree whether any got SIGTERM, and if so save that step and stop. "
+        "The agreement is an all-reduce read on the host, which waits for the device; between checks a "
+        "SIGTERM waits (at most this many steps) for the next check", min=1)
     initial_load_path: str | None = opt(
         None, "Weights to start from when the run has no checkpoint of its own (its own checkpoint wins): "
         "a Hugging Face folder, a Meta folder, or a checkpoint of this project; see initial_load_format",

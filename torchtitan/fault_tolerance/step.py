@@ -25,17 +25,17 @@ from torchtitan.fault_tolerance.data import GroupPosition, RepositionableBatches
 from torchtitan.fault_tolerance.hooks import set_gradient_sync
 from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint, model_and_optimizer_tensors
 from torchtitan.fault_tolerance.state import HealState
-from torchtitan.loss import LossScale
+from torchtitan.loss import LossScale, scale_over
 from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts, StepStrategy
 
 logger = logging.getLogger(__name__)
 
 
-def sum_across_groups(manager: Any, value: float) -> float:
-    """``value`` summed over the live groups (a healing group adds 0 and receives the others' sum)."""
-    t = torch.tensor(value, dtype=torch.float64)
+def sum_across_groups(manager: Any, value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over the live groups (a healing group adds 0 and receives the others' sum), on its device."""
+    t = value.detach().to(torch.float64).clone()
     manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
-    return float(t)
+    return t
 
 
 class CrossGroupLossScale:
@@ -43,17 +43,20 @@ class CrossGroupLossScale:
 
     def __init__(self, group_scale: LossScale, manager: Any):
         self._group, self._manager = group_scale, manager
-        self._global_tokens: float | None = None
+        self._global_tokens: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
 
     @property
-    def global_tokens(self) -> float:
+    def global_tokens(self) -> torch.Tensor:
         if self._global_tokens is None:
             self._global_tokens = sum_across_groups(self._manager, self._group.global_tokens)
         return self._global_tokens
 
-    def __call__(self) -> float:
+    def __call__(self) -> torch.Tensor:
         # ranks x groups / tokens: the two averages (in-group FSDP, cross-group hook) turn it back into the sum.
-        return self._group.ranks * self._manager.num_participants() / self.global_tokens
+        if self._scale is None:
+            self._scale = scale_over(self._group.ranks * self._manager.num_participants(), self.global_tokens)
+        return self._scale
 
 
 class FaultTolerantStep(StepStrategy):
