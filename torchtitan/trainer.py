@@ -30,12 +30,12 @@ from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.loss import count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
-from torchtitan.metrics.logger import format_mesh_line, format_validation_line
+from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
-from torchtitan.preflight import Plan, preflight
+from torchtitan.preflight import LaunchPlan, preflight
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
 from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
 from torchtitan.train_step.readout import StepReadout
@@ -61,7 +61,7 @@ class Trainer:
             self.close(wait_for_peers=False)
             raise
 
-    def _build(self, plan: Plan) -> None:
+    def _build(self, plan: LaunchPlan) -> None:
         cfg = self.cfg
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loss_mesh = self.dims.get_mesh("dp_cp")  # the ranks that see different tokens
@@ -270,9 +270,8 @@ class Trainer:
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
         data_iter = self.step_strategy.start(self.step)
-        logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
-                    cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,
-                    self.dims.degree("dp"))
+        logger.info(format_batch_line(cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len,
+                                      self.grad_accum, self.dims.degree("dp")))
         trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
         with maybe_profile(cfg.profiling.enable_profiling, trace_dir, cfg.profiling.profile_freq, self.rank) as prof:
             while self.step < cfg.training.steps:

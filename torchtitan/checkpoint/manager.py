@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan.checkpoint.preemption import PreemptionWatch
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.stage_view import model_view
-from torchtitan.checkpoint.store import commit, purge, read_dcp_metadata, scan, tmp_dir
+from torchtitan.checkpoint.store import CheckpointKind, commit, purge, read_dcp_metadata, scan, tmp_dir
 from torchtitan.config.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -200,9 +200,9 @@ class CheckpointManager:
         # global metadata is written, so rank 0 alone can make the checkpoint visible.
         if self.rank != 0:
             return
-        manifest = {"kind": kind, "states": self._states_of(kind) + ([] if kind in ("weights_only", "seed")
+        manifest = {"kind": kind, "states": self._states_of(kind) + ([] if kind in CheckpointKind.MODEL_ONLY
                                                                      else sorted(self.extra)), "layout": self.layout,
-                    "dtype": self.ck.export_dtype if kind == "weights_only" else "as trained",
+                    "dtype": self.ck.export_dtype if kind == CheckpointKind.WEIGHTS_ONLY else "as trained",
                     "torch_version": torch.__version__}
         path = commit(self.folder, step, manifest, self.tmp_tag)
         logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
@@ -213,7 +213,7 @@ class CheckpointManager:
 
     @staticmethod
     def _states_of(kind: str) -> list[str]:
-        return ["model"] if kind in ("weights_only", "seed") else \
+        return ["model"] if kind in CheckpointKind.MODEL_ONLY else \
             ["dataloader", "lr_scheduler", "model", "optimizer", "rng", "train_state"]
 
     def _finish_pending(self, block: bool = True) -> None:
@@ -224,14 +224,14 @@ class CheckpointManager:
         pending.future.result()  # re-raises a failed save on this rank
         self._commit(pending.step, pending.kind, pending.started)
 
-    def save(self, step: int, *, kind: str = "full", sync: bool = True) -> None:
+    def save(self, step: int, *, kind: str = CheckpointKind.FULL, sync: bool = True) -> None:
         """Write a checkpoint of the current state (a collective: every rank calls it)."""
-        state = self._weights_state() if kind == "weights_only" else self._full_state(step)
+        state = self._weights_state() if kind == CheckpointKind.WEIGHTS_ONLY else self._full_state(step)
         self._write(step, kind, state, sync)
 
     def save_seed(self) -> None:
         """Write the freshly initialized model as step 0, for any layout to start from."""
-        self._write(0, "seed", {"model": self._model_state()}, sync=True)
+        self._write(0, CheckpointKind.SEED, {"model": self._model_state()}, sync=True)
 
     def may_save(self, step: int) -> bool:
         """Whether ``maybe_save(step)`` may write a checkpoint: the last step, an interval, a preemption check.
@@ -251,15 +251,15 @@ class CheckpointManager:
         if not self.writes():  # another replica group writes this job's checkpoints
             return preempted
         if step >= self.total_steps:
-            kind = "weights_only" if self.ck.model_weights_only else "full"
+            kind = CheckpointKind.WEIGHTS_ONLY if self.ck.model_weights_only else CheckpointKind.FULL
             self.save(step, kind=kind, sync=True)
         elif preempted:
-            self.save(step, kind="full", sync=True)
+            self.save(step, kind=CheckpointKind.FULL, sync=True)
             if self.rank == 0:
                 logger.warning("Preempted: checkpoint of step %d saved; stopping", step)
             return True
         elif step % self.ck.interval == 0:
-            self.save(step, kind="full", sync=self.ck.async_mode != "async")
+            self.save(step, kind=CheckpointKind.FULL, sync=self.ck.async_mode != "async")
         return False
 
     def close(self, wait_for_peers: bool = True) -> None:
@@ -334,11 +334,11 @@ class CheckpointManager:
 
     def _states_to_load(self, manifest: dict[str, Any], path: Path) -> list[str]:
         """The checkpoint's states this run takes: not the excluded ones, nor the RNG states of another layout."""
-        if manifest["kind"] != "full" and self.rank == 0:
+        if manifest["kind"] != CheckpointKind.FULL and self.rank == 0:
             logger.warning("Checkpoint %s is a %s checkpoint: it holds the model only, so the optimizer, LR "
                            "schedule and data start fresh at step 0", path, manifest["kind"].replace("_", "-"))
         wanted = [k for k in manifest["states"] if k not in self.ck.exclude_from_loading]
-        for k in [k for k in wanted if k not in self._states_of("full") and k not in self.extra]:
+        for k in [k for k in wanted if k not in self._states_of(CheckpointKind.FULL) and k not in self.extra]:
             wanted.remove(k)  # e.g. DiLoCo's state, read by a run that does not use DiLoCo
             if self.rank == 0:
                 logger.info("Checkpoint: %s holds '%s', which this run does not use; not loaded", path, k)
