@@ -230,7 +230,7 @@ class Trainer:
                 local_loss_sum = local_loss_sum + self.pp_runner.step(inputs, labels, scale())
         return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
 
-    def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
         and the tokens this rank scored."""
         inputs, labels = self.shard_batch(inputs, labels)

@@ -6,7 +6,8 @@
 
 Every inner step counts; only syncs are torchft steps (quorum and commit). The loss and
 gradient norm are the group's own (its tokens, its local weights): there is no cross-group
-collective between syncs, so no global loss exists there.
+collective between syncs, so no global loss exists there. Nothing is read on the host
+between syncs; a sync's quorum and commit vote are torchft's, inside the optimizer step.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@
 Token counts and loss sums are summed over the live groups too, so the gradient is the
 sum over every live group's tokens divided by their count (as plain HSDP computes it), and
 every rank of every group logs the same loss.
+
+Host reads: the commit vote (``should_commit``) is the one a step always makes; the token
+counts, loss sums and grad norm stay on the device, as in the plain step. The replica check
+reads its fingerprints every ``replica_check_freq`` steps.
 """
 
 from __future__ import annotations
