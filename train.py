@@ -21,11 +21,11 @@ from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.logging_setup import init_logger
 
 
-_LEFT_A_GROUP = False  # set by main() when this process had joined a process group
+_JOINED_PROCESS_GROUPS = False  # set by main(): this process joined process groups (now left)
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _LEFT_A_GROUP
+    global _JOINED_PROCESS_GROUPS
     argv = sys.argv[1:] if argv is None else argv
     manager = ConfigManager()
     if "--help" in argv or "-h" in argv:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if "torch.distributed" in sys.modules:  # not imported: no group to leave (a config error stays fast)
             from torchtitan.distributed.lifecycle import shutdown_distributed
 
-            _LEFT_A_GROUP = shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
+            _JOINED_PROCESS_GROUPS = shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
     return status
 
 
@@ -81,7 +81,7 @@ def preflight_only(manager: ConfigManager, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if not _LEFT_A_GROUP:  # --help, a config error: no group, nothing torn down late
+    if not _JOINED_PROCESS_GROUPS:  # --help, a config error: no group, nothing torn down late
         sys.exit(status)
     # Leave without Python's own teardown. After destroy_process_group torch still keeps
     # some meshes, and with them gloo groups and their threads, alive in DTensor's caches;

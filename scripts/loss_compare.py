@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -50,11 +49,13 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: import the package of this checkout
+# The trainer's own statement of the batch arithmetic, the most reliable source when a log exists.
+from torchtitan.metrics.logger import BATCH_LINE  # noqa: E402
+
 LAUNCHER = REPO / "run_llama_train.sh"
 DEFAULT_CONFIG = REPO / "train_configs" / "debug_model.toml"
 LOG_NAME = "train.log"
-# The trainer's own statement of the batch arithmetic, the most reliable source when a log exists.
-BATCH_LINE = re.compile(r"Training \d+ steps: local batch (\d+) x seq (\d+), (\d+) micro-step\(s\), dp degree (\d+)")
 # Settings that make two curves differ legitimately or by accident: reported, not refused.
 WARN_KEYS = [("training", "seed"), ("training", "dataset"), ("training", "dataset_path"), ("model", "flavor"),
              ("model", "tokenizer_path"), ("optimizer", "lr"), ("lr_scheduler", "warmup_steps"),

@@ -228,9 +228,11 @@ def test_sigterm_to_torchrun_saves_the_current_step_and_a_restart_resumes_bitwis
     env = lambda d, **kw: {"FAULT_EXITS": str(d / "exits"), **kw}  # noqa: E731
     procs = {
         "reference": _torchrun(ref, 2, FSDP2, ref / "run.log", env(ref), common=[]),
-        "sigterm": _torchrun(term, 2, [*FSDP2, "--checkpoint.interval=100"], term / "run.log", env(term), common=[]),
+        "sigterm": _torchrun(term, 2, [*FSDP2, "--checkpoint.interval=100", "--checkpoint.preemption_check_steps=1"],
+                             term / "run.log", env(term), common=[]),
         # A checkpoint every 2 steps; the one SIGTERM asks for cannot finish within a 5 s grace.
-        "slow": _torchrun(slow, 2, [*FSDP2, "--checkpoint.interval=2"], slow / "run.log",
+        "slow": _torchrun(slow, 2, [*FSDP2, "--checkpoint.interval=2", "--checkpoint.preemption_check_steps=1"],
+                          slow / "run.log",
                           env(slow, FAULT="slow_save:120", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"), common=[]),
     }
     _wait_for(r"step: 2 ", [term / "run.log"], [procs["sigterm"]], 400)

@@ -35,8 +35,8 @@ def make_trainer(dump: str, *overrides: str):
 def _grads_after_one_backward(rank: int, world_size: int, dump: str, overrides: list[str], n_micro: int) -> dict:
     trainer = make_trainer(dump, *overrides)
     data = iter(trainer.dataloader)
-    batches = [next(data) for _ in range(n_micro)]
-    trainer.accumulate_gradients(batches)
+    batches = trainer.prepare([next(data) for _ in range(n_micro)])
+    trainer.forward_backward(batches, trainer.step_strategy.local_scale(batches))
     grads = {}
     for name, param in trainer.model_parts[0].named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad

@@ -112,7 +112,7 @@ class Validator:
 
     ``forward_loss(inputs, labels)`` returns the loss sum of one local batch (None on a
     pipeline rank without the last stage) and the number of tokens this rank scored
-    (its CP share); the trainer supplies it so that validation runs exactly the forward
+    (its CP share, a tensor on the device); the trainer supplies it so that validation runs exactly the forward
     that training runs.
     """
 
@@ -121,7 +121,7 @@ class Validator:
         cfg: JobConfig,
         data: TokenStoreDataset | ShardedStreamDataset,
         model_parts: list[torch.nn.Module],
-        forward_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, int]],
+        forward_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor]],
         loss_mesh: DeviceMesh | None,
         pp_mesh: DeviceMesh | None,
         device: torch.device,
@@ -161,7 +161,7 @@ class Validator:
         tokens = reduce_scalar(float(local_tokens), "sum", self.loss_mesh)
         return ValidationResult(loss=loss_sum / tokens, tokens=int(tokens), batches=batches)
 
-    def _evaluate(self) -> tuple[torch.Tensor, int, int]:
+    def _evaluate(self) -> tuple[torch.Tensor, torch.Tensor | int, int]:
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         local_tokens = batches = 0
         for inputs, labels in self._batches():

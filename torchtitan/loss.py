@@ -47,9 +47,9 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return torch.stack(sums).sum()
 
 
-def count_tokens(labels: torch.Tensor) -> int:
-    """The positions of ``labels`` that are scored."""
-    return int((labels != IGNORE_INDEX).sum())
+def count_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The positions of ``labels`` that are scored: an int64 count on their device (nothing read on the host)."""
+    return (labels != IGNORE_INDEX).sum()
 
 
 class LossScale:
@@ -57,14 +57,16 @@ class LossScale:
 
     The global token count is summed in the background from construction on; calling the
     scale waits for it. The plain step calls it after the first forward, so no rank stops
-    at a blocking collective for one number (benchmarks/overhead.py measures this).
+    at a blocking collective for one number (benchmarks/overhead.py measures this). Counts
+    and scale are float64 tensors on the labels' device: a step reads none of them on the host.
     """
 
     def __init__(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], mesh: DeviceMesh | None):
-        local_tokens = sum(count_tokens(labels) for _, labels in batches)
-        self._tokens_sum = start_sum(float(local_tokens), mesh)
+        local_tokens = torch.stack([count_tokens(labels) for _, labels in batches]).sum()
+        self._tokens_sum = start_sum(local_tokens.double(), mesh)
         self._ranks = 1 if mesh is None else mesh.size()
-        self._global_tokens: float | None = None
+        self._global_tokens: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
 
     @property
     def ranks(self) -> int:
@@ -72,10 +74,20 @@ class LossScale:
         return self._ranks
 
     @property
-    def global_tokens(self) -> float:
+    def global_tokens(self) -> torch.Tensor:
         if self._global_tokens is None:
             self._global_tokens = self._tokens_sum()
         return self._global_tokens
 
-    def __call__(self) -> float:
-        return self._ranks / self.global_tokens
+    def __call__(self) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = scale_over(self._ranks, self.global_tokens)
+        return self._scale
+
+
+def scale_over(ranks: int, global_tokens: torch.Tensor) -> torch.Tensor:
+    """``ranks / global_tokens`` in float64, rounded as the Python division of the two numbers.
+
+    (``ranks / tensor`` would multiply by the reciprocal: another rounding, other gradients.)
+    """
+    return torch.full_like(global_tokens, ranks).div_(global_tokens)

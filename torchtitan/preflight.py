@@ -47,7 +47,7 @@ from torchtitan.evaluate import check_validation_data
 
 
 @dataclasses.dataclass
-class Plan:
+class LaunchPlan:
     """What preflight worked out from the config alone."""
 
     dims: ParallelDims
@@ -57,7 +57,7 @@ class Plan:
     pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
 
 
-def preflight(cfg: JobConfig, world_size: int) -> Plan:
+def preflight(cfg: JobConfig, world_size: int) -> LaunchPlan:
     """Check the whole job without touching the network; raise ``ConfigError`` naming every problem."""
     problems = check_config(cfg)
     try:
@@ -92,7 +92,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                                     split=HeldOutSplit.from_config(cfg.validation), seq_len=t.seq_len,
                                     global_batch=t.batch_size * data_degree)
     _raise_if(problems)
-    return Plan(dims, grad_accum, args, tokenizer, pipeline)
+    return LaunchPlan(dims, grad_accum, args, tokenizer, pipeline)
 
 
 def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[ModelArgs, list[str]]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,26 +21,25 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
-from torchtitan.distributed import (
-    clip_grad_norm_, init_distributed, manual_seed, reduce_scalar, set_determinism,
-)
+from torchtitan.datasets.partition import job_data_slot
+from torchtitan.distributed import init_distributed, manual_seed, set_determinism
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
 from torchtitan.distributed.collectives import local_value, start_sum
-from torchtitan.distributed.grads import match_grad_placements
 from torchtitan.distributed.lifecycle import set_collective_timeout
-from torchtitan.fault_tolerance.checks import data_slot
-from torchtitan.fault_tolerance.hooks import set_gradient_sync
-from torchtitan.loss import LossScale, count_tokens, cross_entropy_sum
+from torchtitan.loss import count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
-from torchtitan.metrics.logger import format_mesh_line, format_validation_line
+from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
-from torchtitan.preflight import Plan, preflight
+from torchtitan.preflight import LaunchPlan, preflight
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
+from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
+from torchtitan.train_step.readout import StepReadout
+from torchtitan.train_step.select import build_step_strategy
 
 logger = logging.getLogger(__name__)
 # torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
@@ -62,7 +61,7 @@ class Trainer:
             self.close(wait_for_peers=False)
             raise
 
-    def _build(self, plan: Plan) -> None:
+    def _build(self, plan: LaunchPlan) -> None:
         cfg = self.cfg
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loss_mesh = self.dims.get_mesh("dp_cp")  # the ranks that see different tokens
@@ -73,9 +72,7 @@ class Trainer:
 
         dp_rank, dp_degree = self.dims.rank_and_size("dp")
         # Under fault tolerance each group reads its own slots of the job's global batch.
-        ft = cfg.fault_tolerance
-        data_rank, data_degree = (data_slot(ft.replica_id, ft.num_replica_groups, dp_rank, dp_degree) if ft.enable
-                                  else (dp_rank, dp_degree))
+        data_rank, data_degree = job_data_slot(cfg, dp_rank, dp_degree)
         self.data_degree = data_degree  # local batches per micro-step in the whole job
         self.dataloader = build_dataloader(
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
@@ -100,6 +97,7 @@ class Trainer:
             lr_min=s.lr_min, total_steps=t.steps,
         )
         self.step = 0
+        self.readout = StepReadout()  # the steps' losses, read on the host only on the steps that need them
         self._setup_metrics()
         self.validator: Validator | None = None
         self.validation_losses: dict[int, float] = {}  # step -> validation loss, for tests and scripts
@@ -108,15 +106,17 @@ class Trainer:
                 cfg, build_validation_data(cfg, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
                 self.validation_forward, self.loss_mesh, self.dims.get_mesh("pp"), self.device,
             )
+        # The plain step, or this replica group's step under fault tolerance; built before the
+        # checkpointer, which it tells who writes the job's checkpoints and what else they hold.
+        self.step_strategy = build_step_strategy(cfg, StepParts(
+            model=self, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            loss_mesh=self.loss_mesh, pp_mesh=self.dims.get_mesh("pp"), max_norm=t.max_norm,
+            dataloader=self.dataloader), self.device)
         self.checkpointer = CheckpointManager(
             cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dims=self.dims, rank=self.rank, model_args=self.model_args,
+            writes=self.step_strategy.writes_checkpoint, extra_states=self.step_strategy.checkpoint_states(),
         )
-        self.ft = None  # the fault-tolerant step protocol, when this job is one replica group of several
-        if ft.enable:
-            from torchtitan.fault_tolerance.setup import enable_fault_tolerance  # imports torchft
-
-            self.ft = enable_fault_tolerance(self)
 
     # ---- set-up -------------------------------------------------------------
     def _write_config(self) -> None:
@@ -193,35 +193,44 @@ class Trainer:
             inputs, labels = shard_sequence(inputs, cp_rank, cp_size), shard_sequence(labels, cp_rank, cp_size)
         return inputs.to(self.device), labels.to(self.device)
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: LossScale) -> torch.Tensor:
-        """Accumulate ``loss sum * scale`` gradients over the micro-batches; return this rank's loss sum (float64).
+    def prepare(self, batches: MicroBatches) -> MicroBatches:
+        """``shard_batch`` of every micro-batch of a step (``StepModel``)."""
+        return [self.shard_batch(inputs, labels) for inputs, labels in batches]
 
-        The loss sum stays on the device (no host sync per micro-batch). ``scale()`` is first
-        called after the first forward, so the token count is summed while that forward runs.
+    def forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor],
+                         before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Accumulate ``loss sum * scale()`` gradients over the micro-batches; return this rank's loss sum.
+
+        Plain or through the pipeline schedule (``StepModel``). The loss sum stays on the device
+        (no host sync per micro-batch). ``scale()`` is first called after the first forward, so
+        the token count is summed while that forward runs.
         """
+        if self.pp_runner is not None:
+            return self._pipeline_forward_backward(batches, scale)
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (inputs, labels) in enumerate(batches):
-            if self.ft is not None:  # one cross-group all-reduce per step: FSDP reduces on the last micro-batch
-                set_gradient_sync(self.model_parts, i == len(batches) - 1)
+            if before_micro_batch is not None:
+                before_micro_batch(i)
             with self.train_context():
                 loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
-                (loss_sum * scale()).backward()
+                # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
+                (loss_sum * scale().to(loss_sum.dtype)).backward()
             local_loss_sum += local_value(loss_sum).detach().double()
         return local_loss_sum
 
-    def pipeline_forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: LossScale) -> float:
+    def _pipeline_forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``forward_backward`` through the pipeline schedule: each local batch is one schedule step.
 
         The loss sum lives on the last stage, so it is summed over ``pp`` (other stages add 0)
         and every rank logs the true loss.
         """
-        local_loss_sum = 0.0
+        local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
             with self.train_context():  # around forward and backward: the schedule interleaves them
-                local_loss_sum += self.pp_runner.step(inputs, labels, scale())
-        return reduce_scalar(local_loss_sum, "sum", self.dims.get_mesh("pp"))
+                local_loss_sum = local_loss_sum + self.pp_runner.step(inputs, labels, scale())
+        return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
 
-    def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
         and the tokens this rank scored."""
         inputs, labels = self.shard_batch(inputs, labels)
@@ -232,75 +241,41 @@ class Trainer:
                 loss = self.pp_runner.forward_only(inputs, labels, self.loss_fn)
         return (None if loss is None else local_value(loss)), count_tokens(labels)
 
-    def accumulate_gradients(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor | float, LossScale]:
-        """Count and scale the step's tokens once, then run forward and backward over every micro-batch
-        (plain or pipelined); return this rank's loss sum and the scale."""
-        batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
-        scale = LossScale(batches, self.loss_mesh)
-        if self.ft is not None:
-            scale = self.ft.global_scale(scale)
-        run = self.forward_backward if self.pp_runner is None else self.pipeline_forward_backward
-        return run(batches, scale), scale
-
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over ``batches`` (the micro-batches); returns (global loss, global grad norm).
-
-        ``accumulate_gradients``, then clipping by the global norm and the optimizer step; under fault
-        tolerance the step protocol of ``fault_tolerance/step.py`` (commit or retry) instead.
-        """
-        if self.ft is not None:
-            return self.ft.train_step(self, batches)
-        local_loss_sum, scale = self.accumulate_gradients(batches)
-        # Summed while clipping and the optimizer step run: nothing before the check needs it.
-        loss_sum = start_sum(local_loss_sum, self.loss_mesh)
-        params = [p for part in self.model_parts for p in part.parameters()]
-        match_grad_placements(params)
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh=self.dims.get_mesh("pp"))
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum() / scale.global_tokens
-        self.check_finite(loss)
-        return loss, float(grad_norm)
-
-    def check_finite(self, loss: float) -> None:
-        if not math.isfinite(loss):
-            # Every rank holds the same reduced loss, so every rank stops here together.
-            raise FloatingPointError(
-                f"loss is {loss} at step {self.step}: training diverged; lower --optimizer.lr, raise "
-                f"--lr_scheduler.warmup_steps or check the data"
-            )
+    def train_step(self, batches: MicroBatches) -> StepOutput:
+        """One optimizer step over ``batches`` (the micro-batches), by the job's step strategy."""
+        return self.step_strategy.run(batches, self.step)
 
     def train(self) -> list[float]:
-        """Train to ``training.steps`` (or until preempted); then close the checkpointer and the metrics."""
-        losses: list[float] = []
+        """Train to ``training.steps`` (or until preempted); then close the checkpointer and the metrics.
+
+        Returns the loss of every step this run took (read on the host in batches, see ``StepReadout``).
+        """
         try:
-            self._train(losses)
+            self._train()
+            self.readout.read()  # losses not read yet (none when the last step logged)
         except BaseException:
             self.close(wait_for_peers=False)
             raise
         self.close()
+        losses = self.readout.losses
         if not self.cfg.checkpoint.create_seed_checkpoint:
             logger.info("Training done: %d steps, final loss %s", self.step,
                         f"{losses[-1]:.5f}" if losses else "n/a")
         return losses
 
-    def _train(self, losses: list[float]) -> None:
+    def _train(self) -> None:
         cfg = self.cfg
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save_seed()
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
-        data_iter = self.ft.start(self.step) if self.ft is not None else iter(self.dataloader)
-        logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
-                    cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,
-                    self.dims.degree("dp"))
+        data_iter = self.step_strategy.start(self.step)
+        logger.info(format_batch_line(cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len,
+                                      self.grad_accum, self.dims.degree("dp")))
         trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
         with maybe_profile(cfg.profiling.enable_profiling, trace_dir, cfg.profiling.profile_freq, self.rank) as prof:
             while self.step < cfg.training.steps:
-                self._run_step(data_iter, losses)
+                self._run_step(data_iter)
                 if prof is not None:
                     prof.step()
                 if self.checkpointer.maybe_save(self.step):
@@ -313,10 +288,10 @@ class Trainer:
         (a failure) skips the checkpoint group's barrier: the other ranks may never get there.
         """
         checkpointer = getattr(self, "checkpointer", None)
-        ft = getattr(self, "ft", None)
+        step_strategy = getattr(self, "step_strategy", None)
         try:
-            if ft is not None:
-                ft.close(wait=wait_for_peers)
+            if step_strategy is not None:
+                step_strategy.close(wait=wait_for_peers)
             if checkpointer is not None:
                 checkpointer.close(wait_for_peers=wait_for_peers)
         finally:
@@ -324,28 +299,34 @@ class Trainer:
             if metrics_logger is not None:
                 metrics_logger.close()
 
-    def _run_step(self, data_iter, losses: list[float]) -> None:
-        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps."""
+    def _run_step(self, data_iter) -> None:
+        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps.
+
+        The step's loss and grad norm stay on the device; they are read on the host (and the
+        losses checked for finiteness) only on a step that logs, validates or may checkpoint.
+        """
         cfg = self.cfg
         self.step += 1
         self.throughput.step_begin()
         batches = [next(data_iter) for _ in range(self.grad_accum)]
         self.throughput.data_loaded()
-        lr = self.lr_scheduler.get_last_lr()[0]
-        loss, grad_norm = self.train_step(batches)
-        if self.ft is not None:
-            lr = self.ft.lr  # a step that healed ran at its peer's learning rate
+        out = self.train_step(batches)
+        self.step = out.step  # a fault-tolerant step that healed took a live peer's step
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
         self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches) / self.dims.non_data_parallel_size)
-        losses.append(loss)
-        if len(losses) == 1:
+        self.readout.add(out)
+        if self.readout.steps_taken == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;
             # later ones should be quick.
             set_collective_timeout(cfg.comm.train_timeout_seconds)
-        if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-            self._log(loss, grad_norm, lr)
-        if self.validator is not None and self.validator.due(self.step):
+        log = self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
+        validate = self.validator is not None and self.validator.due(self.step)
+        if log or validate or self.checkpointer.may_save(self.step):
+            loss, grad_norm = self.readout.read(out.grad_norm)  # one host read; raises at a non-finite loss
+            if log:
+                self._log(loss, grad_norm, out.lr)
+        if validate:
             self.validate()
 
     def validate(self) -> ValidationResult:

@@ -73,9 +73,10 @@ def _preempted(rank: int, world_size: int, dump: str, overrides: list[str], at_s
 def test_fsdp_sigterm_saves_then_resume_is_bitwise(fsdp_straight, tmp_path):
     straight_dump, straight = fsdp_straight
     reference = straight[0]["losses"]
-    overrides = [*FSDP2, *RUN, "--checkpoint.interval=100"]
-    # SIGTERM reaches rank 1 only, during step 2: both ranks agree to save step 2 and stop cleanly.
-    stopped = run_ranks(_preempted, 2, str(tmp_path), overrides, 2, 1, timeout=400)
+    overrides = [*FSDP2, *RUN, "--checkpoint.interval=100", "--checkpoint.preemption_check_steps=2"]
+    # SIGTERM reaches rank 1 only, during step 1: both ranks agree at the next check (step 2) to save
+    # step 2 and stop cleanly.
+    stopped = run_ranks(_preempted, 2, str(tmp_path), overrides, 1, 1, timeout=400)
     assert [r["step"] for r in stopped] == [2, 2]
     assert all(r["handler_restored"] for r in stopped)
     assert stopped[0]["losses"] == reference[:2]

@@ -100,9 +100,9 @@ def _train(dump: str, overrides: list[str]) -> dict:
     data = iter(trainer.dataloader)
     losses, norms, validation = [], [], {}
     for step in range(1, STEPS + 1):
-        loss, norm = trainer.train_step([next(data) for _ in range(trainer.grad_accum)])
-        losses.append(loss)
-        norms.append(norm)
+        out = trainer.train_step([next(data) for _ in range(trainer.grad_accum)])
+        losses.append(float(out.loss))
+        norms.append(float(out.grad_norm))
         if step in VALIDATE_AFTER:
             validation[step] = trainer.validate().loss
     return {"full": full, "losses": losses, "norms": norms, "n_parts": len(trainer.model_parts),

@@ -64,7 +64,7 @@ def state_hash(trainer, optimizer: bool = True) -> str:
 def global_hash(ft) -> str:
     """A hash of this rank's shards of the state a sync makes equal in every group."""
     h = hashlib.sha256()
-    for t in ft.semi.reference_tensors():
+    for t in ft.semi_sync_state.reference_tensors():
         h.update(_local_bytes(t))
     return h.hexdigest()
 
@@ -130,8 +130,9 @@ def _install() -> None:
 
     def train_step(self, batches):
         nonlocal together
-        if self.ft is not None and not calls.get("wrapped"):
-            self.ft.manager.allreduce = counting(self.ft.manager.allreduce)
+        ft = self.step_strategy if hasattr(self.step_strategy, "manager") else None  # None: a plain run
+        if ft is not None and not calls.get("wrapped"):
+            ft.manager.allreduce = counting(ft.manager.allreduce)
             calls["wrapped"] = True
         calls["n"] = calls["bytes"] = 0
         calls["step"] = self.step
@@ -148,18 +149,18 @@ def _install() -> None:
         if mark:
             Path(mark).touch()
         began = time.time()
-        loss, grad_norm = real(self, batches)
-        ft = self.ft
-        line = {"step": self.step, "loss": loss, "state": state_hash(self), "began": began, "time": time.time(),
+        out = real(self, batches)
+        line = {"step": out.step, "loss": float(out.loss), "state": state_hash(self), "began": began, "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
                 "heals": ft.heals if ft else 0, "allreduces": calls["n"], "allreduce_bytes": calls["bytes"],
                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}
-        if getattr(ft, "semi", None) is not None:
-            line.update(synced=ft.synced, syncs=ft.manager.current_step(), local_step=ft.semi.algo._local_step,
-                        global_state=global_hash(ft) if ft.semi.outers else state_hash(self, optimizer=False))
+        semi_sync = getattr(ft, "semi_sync_state", None)
+        if semi_sync is not None:
+            line.update(synced=ft.synced, syncs=ft.manager.current_step(), local_step=semi_sync.algo._local_step,
+                        global_state=global_hash(ft) if semi_sync.outers else state_hash(self, optimizer=False))
         with record.open("a") as f:
             f.write(json.dumps(line) + "\n")
-        if first_round and self.step == crash_at:
+        if first_round and out.step == crash_at:
             _wait_for_group_records(crash_at)  # torchrun stops the others as soon as one rank dies
             if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -167,7 +168,7 @@ def _install() -> None:
             _wait_for_file(Path(pause_path))
         if throttle and ft is not None and ft.participants == 1:
             time.sleep(throttle)
-        return loss, grad_norm
+        return out
 
     Trainer.train_step = train_step
 

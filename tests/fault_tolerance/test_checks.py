@@ -8,7 +8,8 @@ import pytest
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed import ParallelDims
-from torchtitan.fault_tolerance.checks import check_fault_tolerance, data_slot
+from torchtitan.datasets.partition import data_slot
+from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.preflight import preflight
 
 CI = str(Path(__file__).resolve().parents[2] / "train_configs" / "debug_model_ci.toml")

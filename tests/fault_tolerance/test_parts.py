@@ -5,6 +5,7 @@ DiLoCo's fragments (every parameter in exactly one), and the startup wait's deci
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from datetime import timedelta
 
 import pytest
@@ -201,9 +202,10 @@ class _QuorumRank:
 def test_semi_sync_checkpoint_writer(replica_id, started_at, syncs, quorum_rank, writes):
     from torchtitan.fault_tolerance.semi_sync_step import SemiSyncStep
 
-    step = SemiSyncStep(_QuorumRank(quorum_rank), state=None, dataloader=None)
+    ft_cfg = SimpleNamespace(replica_id=replica_id, num_replica_groups=2, replica_check_freq=0)
+    step = SemiSyncStep(None, _QuorumRank(quorum_rank), None, None, ft_cfg, semi_sync_state=None)
     step.started_at, step.syncs = started_at, syncs
-    assert step.writes_checkpoint(replica_id) is writes
+    assert step.writes_checkpoint() is writes
 
 
 def test_startup_wait_decisions():

@@ -9,7 +9,8 @@ import pytest
 
 from torchtitan.logging_setup import init_logger
 from torchtitan.metrics.logger import (
-    MESH_LINE, STEP_LINE, VALIDATION_LINE, format_mesh_line, format_step_line, format_validation_line,
+    BATCH_LINE, MESH_LINE, STEP_LINE, VALIDATION_LINE, format_batch_line, format_mesh_line, format_step_line,
+    format_validation_line,
 )
 
 
@@ -30,6 +31,7 @@ def test_step_validation_and_mesh_lines_read_back(printed):
         format_mesh_line(("dp_replicate", "dp_shard", "tp"), (2, 2, 2)),
         format_step_line(12, {"loss": 7.123456, "grad_norm": 1.5, "lr": 3e-4, "tps": 1234.0, "peak_rss_gib": 1.0}),
         format_validation_line(12, 6.54321, 695.2, 4096, 2, 1_000_000),
+        format_batch_line(100, 8, 2048, 4, 16),
     )
     (step,) = STEP_LINE.findall(out)
     assert step == ("3", "12", "7.1235")  # rank, step, loss to the 5 digits printed
@@ -37,5 +39,7 @@ def test_step_validation_and_mesh_lines_read_back(printed):
     assert validation == ("3", "12", "6.5432")
     (rank, mesh), = MESH_LINE.findall(out)
     assert rank == "3" and ast.literal_eval(mesh) == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    # The trainer's statement of its batch arithmetic (scripts/loss_compare.py reads it).
+    assert BATCH_LINE.findall(out) == [("8", "2048", "4", "16")]
     # A validation line is not a step line (the matrix counts training steps with STEP_LINE).
     assert len(STEP_LINE.findall(out)) == 1

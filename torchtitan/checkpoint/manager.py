@@ -16,7 +16,7 @@ What a full checkpoint holds (top-level keys of the DCP state dict):
 - ``rng``: each rank's Python/NumPy/torch generator states, under ``rank<r>``. They are
   restored only when the layout is unchanged; with another layout ranks do not
   correspond, and every rank keeps the seed that ``training.seed`` gave it.
-- states added with ``add_state`` (``semi_sync``: DiLoCo's reference parameters, outer
+- the ``extra_states`` given to the constructor (``semi_sync``: DiLoCo's reference parameters, outer
   momentum and counters), each under its name; a run without that state skips it on load.
 
 A ``weights_only`` checkpoint (the final save with ``model_weights_only``) holds
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtitan.checkpoint.preemption import PreemptionWatch
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.stage_view import model_view
-from torchtitan.checkpoint.store import commit, purge, read_dcp_metadata, scan, tmp_dir
+from torchtitan.checkpoint.store import CheckpointKind, commit, purge, read_dcp_metadata, scan, tmp_dir
 from torchtitan.config.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,10 @@ def _set_rng_state(blob: bytes) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass
 class _PendingSave:
     step: int
@@ -103,7 +107,8 @@ class CheckpointManager:
 
     def __init__(self, cfg, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int,
-                 model_args=None) -> None:
+                 model_args=None, writes: Callable[[], bool] | None = None,
+                 extra_states: dict[str, Any] | None = None) -> None:
         ck = cfg.checkpoint
         self.cfg, self.ck = cfg, ck
         self.enabled = ck.enable_checkpoint
@@ -119,15 +124,16 @@ class CheckpointManager:
                        "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
         self.loaded_step: int | None = None
         self._pending: _PendingSave | None = None
-        self.preemption = PreemptionWatch()
+        self.preemption = PreemptionWatch(ck.preemption_check_steps)
         self._closed = False
         self.pg: dist.ProcessGroup | None = None
         # Fault tolerance: one live replica group writes the job's checkpoints (``writes`` says whether
         # this one does, per save), each group into a temporary folder of its own.
         ft = cfg.fault_tolerance
         self.tmp_tag = f"-group{ft.replica_id}" if ft.enable else ""
-        self.writes: Callable[[], bool] = lambda: True
-        self.extra: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict(), see add_state
+        self.writes: Callable[[], bool] = writes or _always
+        # name -> object with state_dict()/load_state_dict(), saved in full checkpoints and loaded back (DCP in place)
+        self.extra: dict[str, Any] = dict(extra_states or {})
         if not self.active:
             return
         self._view = model_view(model_parts)
@@ -141,10 +147,6 @@ class CheckpointManager:
             self.preemption.install()
 
     # ---- the state -------------------------------------------------------------
-    def add_state(self, name: str, stateful: Any) -> None:
-        """Save ``stateful.state_dict()`` under ``name`` in full checkpoints, and load it back (DCP in place)."""
-        self.extra[name] = stateful
-
     def _model_state(self) -> dict[str, Any]:
         return get_model_state_dict(self._view)
 
@@ -198,9 +200,9 @@ class CheckpointManager:
         # global metadata is written, so rank 0 alone can make the checkpoint visible.
         if self.rank != 0:
             return
-        manifest = {"kind": kind, "states": self._states_of(kind) + ([] if kind in ("weights_only", "seed")
+        manifest = {"kind": kind, "states": self._states_of(kind) + ([] if kind in CheckpointKind.MODEL_ONLY
                                                                      else sorted(self.extra)), "layout": self.layout,
-                    "dtype": self.ck.export_dtype if kind == "weights_only" else "as trained",
+                    "dtype": self.ck.export_dtype if kind == CheckpointKind.WEIGHTS_ONLY else "as trained",
                     "torch_version": torch.__version__}
         path = commit(self.folder, step, manifest, self.tmp_tag)
         logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
@@ -211,7 +213,7 @@ class CheckpointManager:
 
     @staticmethod
     def _states_of(kind: str) -> list[str]:
-        return ["model"] if kind in ("weights_only", "seed") else \
+        return ["model"] if kind in CheckpointKind.MODEL_ONLY else \
             ["dataloader", "lr_scheduler", "model", "optimizer", "rng", "train_state"]
 
     def _finish_pending(self, block: bool = True) -> None:
@@ -222,33 +224,42 @@ class CheckpointManager:
         pending.future.result()  # re-raises a failed save on this rank
         self._commit(pending.step, pending.kind, pending.started)
 
-    def save(self, step: int, *, kind: str = "full", sync: bool = True) -> None:
+    def save(self, step: int, *, kind: str = CheckpointKind.FULL, sync: bool = True) -> None:
         """Write a checkpoint of the current state (a collective: every rank calls it)."""
-        state = self._weights_state() if kind == "weights_only" else self._full_state(step)
+        state = self._weights_state() if kind == CheckpointKind.WEIGHTS_ONLY else self._full_state(step)
         self._write(step, kind, state, sync)
 
     def save_seed(self) -> None:
         """Write the freshly initialized model as step 0, for any layout to start from."""
-        self._write(0, "seed", {"model": self._model_state()}, sync=True)
+        self._write(0, CheckpointKind.SEED, {"model": self._model_state()}, sync=True)
+
+    def may_save(self, step: int) -> bool:
+        """Whether ``maybe_save(step)`` may write a checkpoint: the last step, an interval, a preemption check.
+
+        The trainer reads (and checks) the step's loss first on these steps, so no checkpoint of
+        a diverged model is written.
+        """
+        return self.enabled and (step >= self.total_steps or step % self.ck.interval == 0
+                                 or self.preemption.due(step))
 
     def maybe_save(self, step: int) -> bool:
         """After each step: save when due; True when the job was preempted and has to stop now."""
         if not self.enabled:
             return False
         self._finish_pending(block=False)  # make a finished async save visible early
-        preempted = self.preemption.agreed()
+        preempted = self.preemption.due(step) and self.preemption.agreed()
         if not self.writes():  # another replica group writes this job's checkpoints
             return preempted
         if step >= self.total_steps:
-            kind = "weights_only" if self.ck.model_weights_only else "full"
+            kind = CheckpointKind.WEIGHTS_ONLY if self.ck.model_weights_only else CheckpointKind.FULL
             self.save(step, kind=kind, sync=True)
         elif preempted:
-            self.save(step, kind="full", sync=True)
+            self.save(step, kind=CheckpointKind.FULL, sync=True)
             if self.rank == 0:
                 logger.warning("Preempted: checkpoint of step %d saved; stopping", step)
             return True
         elif step % self.ck.interval == 0:
-            self.save(step, kind="full", sync=self.ck.async_mode != "async")
+            self.save(step, kind=CheckpointKind.FULL, sync=self.ck.async_mode != "async")
         return False
 
     def close(self, wait_for_peers: bool = True) -> None:
@@ -323,11 +334,11 @@ class CheckpointManager:
 
     def _states_to_load(self, manifest: dict[str, Any], path: Path) -> list[str]:
         """The checkpoint's states this run takes: not the excluded ones, nor the RNG states of another layout."""
-        if manifest["kind"] != "full" and self.rank == 0:
+        if manifest["kind"] != CheckpointKind.FULL and self.rank == 0:
             logger.warning("Checkpoint %s is a %s checkpoint: it holds the model only, so the optimizer, LR "
                            "schedule and data start fresh at step 0", path, manifest["kind"].replace("_", "-"))
         wanted = [k for k in manifest["states"] if k not in self.ck.exclude_from_loading]
-        for k in [k for k in wanted if k not in self._states_of("full") and k not in self.extra]:
+        for k in [k for k in wanted if k not in self._states_of(CheckpointKind.FULL) and k not in self.extra]:
             wanted.remove(k)  # e.g. DiLoCo's state, read by a run that does not use DiLoCo
             if self.rank == 0:
                 logger.info("Checkpoint: %s holds '%s', which this run does not use; not loaded", path, k)

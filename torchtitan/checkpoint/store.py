@@ -33,8 +33,16 @@ DCP_METADATA = ".metadata"
 FORMAT_VERSION = 1
 # What a full checkpoint holds; ``exclude_from_loading`` names a subset of these.
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-# full: resumable; weights_only: the final export; seed: an initialized model at step 0.
-KINDS = ("full", "weights_only", "seed")
+
+
+class CheckpointKind:
+    """What a checkpoint holds: its manifest's ``kind``."""
+
+    FULL = "full"  # everything a resume needs
+    WEIGHTS_ONLY = "weights_only"  # the model alone, in export_dtype: the final export
+    SEED = "seed"  # the initialized model at step 0, for any layout to start from
+    MODEL_ONLY = (WEIGHTS_ONLY, SEED)
+
 
 _COMMITTED = re.compile(r"^step-(\d+)$")
 _PARTIAL = re.compile(r"^step-(\d+)\..+$")
@@ -200,7 +208,7 @@ def purge(folder: Path, keep_latest_k: int, protected: set[int]) -> list[Path]:
     keep = set(sorted(listing.committed)[-keep_latest_k:]) | protected | {newest}
     for step in sorted(listing.committed, reverse=True):
         try:
-            if read_manifest(listing.committed[step]).get("kind") == "full":
+            if read_manifest(listing.committed[step]).get("kind") == CheckpointKind.FULL:
                 keep.add(step)
                 break
         except ValueError:

@@ -1,10 +1,10 @@
 """The job configuration: one dataclass per TOML section.
 
-Every field has a default and a one-line help text (``metadata["help"]``), which
-``--help`` prints. Optional checks live in the metadata too: ``choices`` for
-enumerations and ``min`` for lower bounds; the config manager enforces them.
-Sections that later features own are declared here already so that names stay
-stable for users' TOML files.
+Every field is made by ``field_with_help``: a default and a one-line help text
+(``metadata["help"]``), which ``--help`` prints. Optional checks live in the metadata too:
+``choices`` for enumerations and ``min`` for lower bounds; the config manager enforces them.
+``JobConfig`` gathers the sections; ``config/manager.py`` fills it from the TOML file and
+the command line, and ``preflight.py`` checks it before any process group exists.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None) -> Any:
+def field_with_help(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None) -> Any:
     """A dataclass field with a default, a help line and optional checks."""
     meta = {"help": help, "choices": choices, "min": min}
     if isinstance(default, list):
@@ -23,19 +23,20 @@ def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | N
 
 @dataclass
 class Job:
-    config_file: str | None = opt(None, "TOML file to read; CLI flags override its values")
-    dump_folder: str = opt("./outputs", "Folder for logs, the effective config, checkpoints and traces")
-    description: str = opt("default job", "Free-text description of the job, printed at start")
-    print_args: bool = opt(True, "Print the effective config on rank 0 at start")
+    config_file: str | None = field_with_help(None, "TOML file to read; CLI flags override its values")
+    dump_folder: str = field_with_help("./outputs", "Folder for logs, the effective config, checkpoints and traces")
+    description: str = field_with_help("default job", "Free-text description of the job, printed at start")
+    print_args: bool = field_with_help(True, "Print the effective config on rank 0 at start")
 
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "Model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "Model size within the family (debugmodel, debugmodel_tied, 1B, 3B, 8B, 70B, 405B), or a release to "
-                      "read the shape from: a folder holding a Hugging Face config.json or Meta's params.json, or "
-                      "the file itself")
-    tokenizer_path: str = opt(
+    name: str = field_with_help("llama3", "Model family", choices=("llama3",))
+    flavor: str = field_with_help(
+        "debugmodel", "Model size within the family (debugmodel, debugmodel_tied, 1B, 3B, 8B, 70B, 405B), or a "
+        "release to read the shape from: a folder holding a Hugging Face config.json or Meta's params.json, or "
+        "the file itself")
+    tokenizer_path: str = field_with_help(
         "torchtitan/datasets/assets/tokenizer.model",
         "Tokenizer: SentencePiece or Llama 3 tiktoken tokenizer.model, or a Hugging Face tokenizer.json (file or "
         "folder); the format is read from the content. Relative paths also resolve against the repository root",
@@ -44,55 +45,57 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
-    lr: float = opt(8e-4, "Peak learning rate", min=0.0)
-    eps: float = opt(1e-8, "Adam epsilon", min=0.0)
-    weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
-    betas: list[float] = opt([0.9, 0.95], "Adam beta1,beta2")
+    name: str = field_with_help("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    lr: float = field_with_help(8e-4, "Peak learning rate", min=0.0)
+    eps: float = field_with_help(1e-8, "Adam epsilon", min=0.0)
+    weight_decay: float = field_with_help(0.1, "Decoupled weight decay", min=0.0)
+    betas: list[float] = field_with_help([0.9, 0.95], "Adam beta1,beta2")
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = opt(200, "Steps of linear warmup from ~0 to the peak lr", min=0)
-    decay_ratio: float | None = opt(
+    warmup_steps: int = field_with_help(200, "Steps of linear warmup from ~0 to the peak lr", min=0)
+    decay_ratio: float | None = field_with_help(
         None, "Fraction of steps spent decaying at the end (unset: decay right after warmup)", min=0.0
     )
-    decay_type: str = opt("linear", "Shape of the decay", choices=("linear", "cosine", "sqrt"))
-    lr_min: float = opt(0.0, "Final lr as a fraction of the peak lr (0..1)", min=0.0)
+    decay_type: str = field_with_help("linear", "Shape of the decay", choices=("linear", "cosine", "sqrt"))
+    lr_min: float = field_with_help(0.0, "Final lr as a fraction of the peak lr (0..1)", min=0.0)
 
 
 @dataclass
 class Training:
-    dataset: str = opt("embedded", "Dataset name from the registry (embedded, c4, ...)")
-    dataset_path: str | None = opt(
+    dataset: str = field_with_help("embedded", "Dataset name from the registry (embedded, c4, ...)")
+    dataset_path: str | None = field_with_help(
         None, "Token store folder (scripts/prepare_data.py), or local json/jsonl/parquet/text file or folder "
         "(prepared into a cached token store on first use); overrides the registry's source"
     )
-    shuffle: bool = opt(True, "Token store: read the windows in a seeded order, another one each epoch")
-    shuffle_seed: int = opt(0, "Seed of that order; independent of training.seed, so the data stays put", min=0)
-    batch_size: int = opt(8, "Local batch size: sequences per data-parallel rank per micro-step", min=1)
-    seq_len: int = opt(2048, "Tokens per sequence", min=1)
-    max_norm: float = opt(1.0, "Gradient clipping: max global L2 norm (0 disables clipping)", min=0.0)
-    steps: int = opt(10000, "Optimizer steps to train", min=1)
-    gradient_accumulation_steps: int = opt(1, "Micro-steps per optimizer step", min=1)
-    global_batch_size: int = opt(
+    shuffle: bool = field_with_help(True, "Token store: read the windows in a seeded order, another one each epoch")
+    shuffle_seed: int = field_with_help(
+        0, "Seed of that order; independent of training.seed, so the data stays put", min=0)
+    batch_size: int = field_with_help(8, "Local batch size: sequences per data-parallel rank per micro-step", min=1)
+    seq_len: int = field_with_help(2048, "Tokens per sequence", min=1)
+    max_norm: float = field_with_help(1.0, "Gradient clipping: max global L2 norm (0 disables clipping)", min=0.0)
+    steps: int = field_with_help(10000, "Optimizer steps to train", min=1)
+    gradient_accumulation_steps: int = field_with_help(1, "Micro-steps per optimizer step", min=1)
+    global_batch_size: int = field_with_help(
         -1, "Sequences per optimizer step over all ranks; -1 = batch_size * dp degree * accumulation steps"
     )
-    mixed_precision_param: str = opt(
+    mixed_precision_param: str = field_with_help(
         "auto", "FSDP parameter dtype for compute; auto = bfloat16 on GPU, float32 on CPU",
         choices=("auto", "bfloat16", "float32"),
     )
-    mixed_precision_reduce: str = opt("float32", "Gradient reduction dtype", choices=("float32", "bfloat16"))
-    compile: bool = opt(False, "torch.compile each transformer block")
-    cpu_matmul: str = opt(
+    mixed_precision_reduce: str = field_with_help(
+        "float32", "Gradient reduction dtype", choices=("float32", "bfloat16"))
+    compile: bool = field_with_help(False, "torch.compile each transformer block")
+    cpu_matmul: str = field_with_help(
         "onednn", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU; faster than "
         "MKL on AMD CPUs, where MKL keeps to AVX2: benchmarks/README.md section 11); aten = torch's default (MKL on "
         "x86). TP linears use aten",
         choices=("onednn", "aten"),
     )
-    seed: int | None = opt(None, "Base random seed; unset means no seeding (stated in the log)")
-    deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
-    seed_sharded_dims: list[str] = opt(
+    seed: int | None = field_with_help(None, "Base random seed; unset means no seeding (stated in the log)")
+    deterministic: bool = field_with_help(False, "Use deterministic algorithms (slower)")
+    seed_sharded_dims: list[str] = field_with_help(
         ["pp", "dp_shard", "cp", "tp"],
         "Mesh dims whose ranks get distinct seeds, first most significant; unlisted dims share seeds",
     )
@@ -100,32 +103,34 @@ class Training:
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = opt(1, "Replicas (DDP, or the replicate dim of HSDP)", min=1)
-    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = the ranks left over by the other degrees")
-    tensor_parallel_degree: int = opt(1, "Tensor parallel degree", min=1)
-    enable_sequence_parallel: bool = opt(True, "Shard norms/activations along the sequence under TP")
-    disable_loss_parallel: bool = opt(False, "Gather logits before the loss instead of vocab-parallel cross entropy")
-    context_parallel_degree: int = opt(1, "Context parallel degree (sequence sharding)", min=1)
-    pipeline_parallel_degree: int = opt(1, "Pipeline parallel degree", min=1)
-    pipeline_parallel_schedule: str = opt(
+    data_parallel_replicate_degree: int = field_with_help(1, "Replicas (DDP, or the replicate dim of HSDP)", min=1)
+    data_parallel_shard_degree: int = field_with_help(
+        -1, "FSDP shard degree; -1 = the ranks left over by the other degrees")
+    tensor_parallel_degree: int = field_with_help(1, "Tensor parallel degree", min=1)
+    enable_sequence_parallel: bool = field_with_help(True, "Shard norms/activations along the sequence under TP")
+    disable_loss_parallel: bool = field_with_help(
+        False, "Gather logits before the loss instead of vocab-parallel cross entropy")
+    context_parallel_degree: int = field_with_help(1, "Context parallel degree (sequence sharding)", min=1)
+    pipeline_parallel_degree: int = field_with_help(1, "Pipeline parallel degree", min=1)
+    pipeline_parallel_schedule: str = field_with_help(
         "1F1B", "Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble"
     )
-    pipeline_parallel_microbatches: int | None = opt(
+    pipeline_parallel_microbatches: int | None = field_with_help(
         None, "Pipeline microbatches per local batch (unset = number of stages)", min=1
     )
-    pipeline_parallel_stages_per_rank: int | None = opt(
+    pipeline_parallel_stages_per_rank: int | None = field_with_help(
         None, "Stages per rank for multi-stage schedules (unset: 2, or implied by the split points)", min=1
     )
-    pipeline_parallel_split_points: list[str] = opt(
+    pipeline_parallel_split_points: list[str] = field_with_help(
         [], "Layer FQNs where stages begin, e.g. layers.2,layers.4 (empty = split the layers evenly)"
     )
-    pipeline_parallel_embedding_weight: int = opt(
+    pipeline_parallel_embedding_weight: int = field_with_help(
         0, "Even split: count the token embedding (first stage) as this many layers", min=0
     )
-    pipeline_parallel_output_weight: int = opt(
+    pipeline_parallel_output_weight: int = field_with_help(
         0, "Even split: count the final norm + output projection (last stage) as this many layers", min=0
     )
-    fsdp_reshard_after_forward: str = opt(
+    fsdp_reshard_after_forward: str = field_with_help(
         "default", "Free gathered params after forward: default (yes, except under PP), always, never",
         choices=("default", "always", "never"),
     )
@@ -133,21 +138,25 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable_checkpoint: bool = opt(False, "Save and load checkpoints")
-    folder: str = opt("checkpoint", "Checkpoint folder, under the dump folder")
-    interval: int = opt(500, "Save every this many steps", min=1)
-    keep_latest_k: int = opt(0, "Keep only the newest k checkpoints (0 keeps all)", min=0)
-    async_mode: str = opt("disabled", "Checkpoint save mode", choices=("disabled", "async"))
-    model_weights_only: bool = opt(False, "Final save holds model weights only")
-    export_dtype: str = opt("float32", "Dtype of a weights-only export", choices=("float32", "bfloat16"))
-    load_step: int = opt(-1, "Step to load; -1 = latest complete checkpoint")
-    exclude_from_loading: list[str] = opt([], "State keys not to load (e.g. optimizer,dataloader)")
-    create_seed_checkpoint: bool = opt(False, "Write an initialized step-0 checkpoint and exit")
-    initial_load_path: str | None = opt(
+    enable_checkpoint: bool = field_with_help(False, "Save and load checkpoints")
+    folder: str = field_with_help("checkpoint", "Checkpoint folder, under the dump folder")
+    interval: int = field_with_help(500, "Save every this many steps", min=1)
+    keep_latest_k: int = field_with_help(0, "Keep only the newest k checkpoints (0 keeps all)", min=0)
+    async_mode: str = field_with_help("disabled", "Checkpoint save mode", choices=("disabled", "async"))
+    model_weights_only: bool = field_with_help(False, "Final save holds model weights only")
+    export_dtype: str = field_with_help("float32", "Dtype of a weights-only export", choices=("float32", "bfloat16"))
+    load_step: int = field_with_help(-1, "Step to load; -1 = latest complete checkpoint")
+    exclude_from_loading: list[str] = field_with_help([], "State keys not to load (e.g. optimizer,dataloader)")
+    create_seed_checkpoint: bool = field_with_help(False, "Write an initialized step-0 checkpoint and exit")
+    preemption_check_steps: int = field_with_help(
+        10, "Every this many steps the ranks agree whether any got SIGTERM, and if so save that step and stop. "
+        "The agreement is an all-reduce read on the host, which waits for the device; between checks a "
+        "SIGTERM waits (at most this many steps) for the next check", min=1)
+    initial_load_path: str | None = field_with_help(
         None, "Weights to start from when the run has no checkpoint of its own (its own checkpoint wins): "
         "a Hugging Face folder, a Meta folder, or a checkpoint of this project; see initial_load_format",
     )
-    initial_load_format: str = opt(
+    initial_load_format: str = field_with_help(
         "hf", "Format of initial_load_path: hf (*.safetensors + config.json), meta (consolidated.*.pth + "
         "params.json), dcp (a checkpoint folder of this project)", choices=("hf", "meta", "dcp"),
     )
@@ -155,90 +164,94 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("none", "Recompute activations in backward", choices=("none", "full", "selective"))
-    selective_ac_option: str = opt("2", "Selective AC: 'op' (save matmuls only) or N (every N-th block)")
+    mode: str = field_with_help("none", "Recompute activations in backward", choices=("none", "full", "selective"))
+    selective_ac_option: str = field_with_help("2", "Selective AC: 'op' (save matmuls only) or N (every N-th block)")
 
 
 @dataclass
 class Metrics:
-    log_freq: int = opt(10, "Log metrics every this many steps", min=1)
-    enable_tensorboard: bool = opt(False, "Write TensorBoard event files")
-    save_tb_folder: str = opt("tb", "TensorBoard folder, under the dump folder")
+    log_freq: int = field_with_help(10, "Log metrics every this many steps", min=1)
+    enable_tensorboard: bool = field_with_help(False, "Write TensorBoard event files")
+    save_tb_folder: str = field_with_help("tb", "TensorBoard folder, under the dump folder")
 
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = opt(False, "Record torch.profiler traces")
-    save_traces_folder: str = opt("profile_traces", "Trace folder, under the dump folder")
-    profile_freq: int = opt(10, "Profile every this many steps", min=1)
+    enable_profiling: bool = field_with_help(False, "Record torch.profiler traces")
+    save_traces_folder: str = field_with_help("profile_traces", "Trace folder, under the dump folder")
+    profile_freq: int = field_with_help(10, "Profile every this many steps", min=1)
 
 
 @dataclass
 class Validation:
-    enable: bool = opt(False, "Evaluate the loss on held-out data during training")
-    freq: int = opt(500, "Validate every this many steps, and after the last step", min=1)
-    steps: int = opt(-1, "Validation batches per evaluation; -1 = the whole validation split once")
-    dataset: str | None = opt(
+    enable: bool = field_with_help(False, "Evaluate the loss on held-out data during training")
+    freq: int = field_with_help(500, "Validate every this many steps, and after the last step", min=1)
+    steps: int = field_with_help(-1, "Validation batches per evaluation; -1 = the whole validation split once")
+    dataset: str | None = field_with_help(
         None, "Registered dataset to validate on (e.g. c4_validation); unset: the held-out part of the training data"
     )
-    dataset_path: str | None = opt(
+    dataset_path: str | None = field_with_help(
         None, "Local json/jsonl/parquet/text file or folder to validate on; overrides dataset"
     )
-    held_out_fraction: float | None = opt(
+    held_out_fraction: float | None = field_with_help(
         None,
         "Fraction (0..1) of the training documents held out, chosen by hashing each document with split_seed; "
         "training never sees them, also while validation is disabled. Validation reads them unless dataset or "
         "dataset_path is set",
     )
-    split_seed: int = opt(0, "Seed of the held-out split (independent of training.seed)", min=0)
-    batch_size: int | None = opt(None, "Local validation batch: sequences per data-parallel rank (unset = training's)",
-                                 min=1)
+    split_seed: int = field_with_help(0, "Seed of the held-out split (independent of training.seed)", min=0)
+    batch_size: int | None = field_with_help(
+        None, "Local validation batch: sequences per data-parallel rank (unset = training's)", min=1)
 
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = opt(300, "Timeout for process-group set-up and the first step", min=1)
-    train_timeout_seconds: int = opt(
+    init_timeout_seconds: int = field_with_help(300, "Timeout for process-group set-up and the first step", min=1)
+    train_timeout_seconds: int = field_with_help(
         100, "Collective timeout after the first step, on every process group (checkpoint saves too)", min=1)
 
 
 @dataclass
 class FaultTolerance:
-    enable: bool = opt(False, "Fault-tolerant HSDP with torchft: this torchrun job is one replica group of several")
-    replica_id: int = opt(0, "This group's id, 0 <= replica_id < num_replica_groups; fixes its data slots", min=0)
-    num_replica_groups: int = opt(
+    enable: bool = field_with_help(
+        False, "Fault-tolerant HSDP with torchft: this torchrun job is one replica group of several")
+    replica_id: int = field_with_help(
+        0, "This group's id, 0 <= replica_id < num_replica_groups; fixes its data slots", min=0)
+    num_replica_groups: int = field_with_help(
         1, "The most replica groups the job may have; the data is laid out for all of them", min=1)
-    min_replicas: int = opt(1, "Fewest live groups a step may commit with", min=1)
-    lighthouse: str | None = opt(
+    min_replicas: int = field_with_help(1, "Fewest live groups a step may commit with", min=1)
+    lighthouse: str | None = field_with_help(
         None, "torchft lighthouse address, e.g. http://host:29510; unset = $TORCHFT_LIGHTHOUSE")
-    timeout_seconds: int = opt(
+    timeout_seconds: int = field_with_help(
         30, "torchft timeout of the cross-group all-reduce, commit vote and heal transfer; keep it below "
         "--comm.train_timeout_seconds", min=1)
-    quorum_timeout_seconds: int = opt(60, "How long a step waits for the quorum of live groups", min=1)
-    startup_timeout_seconds: int = opt(
+    quorum_timeout_seconds: int = field_with_help(60, "How long a step waits for the quorum of live groups", min=1)
+    startup_timeout_seconds: int = field_with_help(
         60, "How long a group's first step (also after a whole-job restart; diloco/local_sgd: its first sync) "
         "waits for all num_replica_groups groups before it may commit with fewer, down to min_replicas "
         "(0 = no wait); see docs/fault_tolerance_startup.md", min=0)
-    connect_timeout_seconds: int = opt(10, "Timeout of connecting to the lighthouse and a peer's manager", min=1)
-    quorum_retries: int = opt(3, "Quorum attempts retried before a group gives up (a restarted lighthouse)", min=0)
-    replica_check_freq: int = opt(
+    connect_timeout_seconds: int = field_with_help(
+        10, "Timeout of connecting to the lighthouse and a peer's manager", min=1)
+    quorum_retries: int = field_with_help(
+        3, "Quorum attempts retried before a group gives up (a restarted lighthouse)", min=0)
+    replica_check_freq: int = field_with_help(
         0, "Compare a fingerprint of weights and optimizer state across groups every N steps (0 = off); "
         "diloco/local_sgd: of the global state (reference parameters, outer momentum) every N syncs", min=0)
-    semi_sync_method: str = opt(
+    semi_sync_method: str = field_with_help(
         "none", "Cross-group synchronisation: none (all-reduce every step), diloco or local_sgd",
         choices=("none", "diloco", "local_sgd"))
-    sync_steps: int = opt(20, "diloco/local_sgd: inner (group-local) steps between two syncs of the whole model",
-                          min=1)
-    num_fragments: int = opt(
+    sync_steps: int = field_with_help(
+        20, "diloco/local_sgd: inner (group-local) steps between two syncs of the whole model", min=1)
+    num_fragments: int = field_with_help(
         1, "diloco: model fragments synchronised in turn, one every sync_steps / num_fragments steps", min=1)
-    fragment_sync_delay: int = opt(
+    fragment_sync_delay: int = field_with_help(
         0, "diloco: inner steps a fragment's all-reduce may overlap before its outer step; < sync_steps / "
         "num_fragments", min=0)
-    fragment_update_alpha: float = opt(
+    fragment_update_alpha: float = field_with_help(
         0.0, "diloco: weight of the local parameters when merging a synced fragment, in [0, 1] (0 = the global "
         "ones)", min=0.0)
-    outer_lr: float = opt(0.7, "diloco: learning rate of the outer (Nesterov SGD) optimizer", min=0.0)
-    outer_momentum: float = opt(0.9, "diloco: momentum of the outer optimizer", min=0.0)
+    outer_lr: float = field_with_help(0.7, "diloco: learning rate of the outer (Nesterov SGD) optimizer", min=0.0)
+    outer_momentum: float = field_with_help(0.9, "diloco: momentum of the outer optimizer", min=0.0)
 
 
 @dataclass

@@ -24,23 +24,23 @@ def reduce_scalar(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None)
     return float(tensor)
 
 
-def start_sum(value: torch.Tensor | float, mesh: DeviceMesh | None) -> Callable[[], float]:
-    """Start summing a scalar over a 1-D mesh; the returned function waits and gives the sum.
+def start_sum(value: torch.Tensor | float, mesh: DeviceMesh | None) -> Callable[[], torch.Tensor]:
+    """Start summing a scalar over a 1-D mesh; the returned function waits and gives the sum (float64, 0-dim).
 
     The trainer starts the token-count and loss sums ahead of work that does not need them
     (the forward; clipping and the optimizer step), so that no rank stops at a blocking
-    collective for one number (benchmarks/overhead.py measures this). A CPU value is summed
-    on the CPU (gloo), so it never waits for the accelerator; a device value stays there.
+    collective for one number (benchmarks/overhead.py measures this). The sum stays on the
+    value's device: nothing is read on the host (the trainer reads on the steps that log).
     """
     tensor = torch.as_tensor(value, dtype=torch.float64)
     if mesh is None or mesh.size() == 1:
-        return lambda: float(tensor)
+        return lambda: tensor
     tensor = tensor.detach().clone()  # summed in place: never into the caller's tensor
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.get_group(), async_op=True)
 
-    def finish() -> float:
+    def finish() -> torch.Tensor:
         work.wait()
-        return float(tensor)
+        return tensor
 
     return finish
 

@@ -173,34 +173,34 @@ class ParallelDims:
                 warnings.simplefilter("ignore", UserWarning)
                 return mesh["dp_replicate", shard_name]
         if self.dp_replicate_enabled:
-            return self._unit_dp_root()["dp_replicate", "dp_shard"]
+            return self._world_mesh_with_one_rank_dp_shard()["dp_replicate", "dp_shard"]
         return self.get_mesh("dp_shard_cp")
 
-    def unit_fsdp_mesh(self) -> DeviceMesh:
+    def one_rank_fsdp_mesh(self) -> DeviceMesh:
         """A one-rank ``dp_shard`` mesh for layouts without data parallelism (TP, PP, one device).
 
         Nothing is sharded on it, but FSDP2 on it applies the mixed-precision policy (bf16
         compute over float32 weights), which is FSDP's job in every other layout. It comes
-        from the same root as ``tp_mesh(unit_dp=True)``, as FSDP2 needs for TP parameters.
+        from the same root as ``tp_mesh(fsdp_on_one_rank=True)``, as FSDP2 needs for TP parameters.
         """
-        root = self._unit_dp_root()
+        root = self._world_mesh_with_one_rank_dp_shard()
         return root if root.mesh_dim_names == ("dp_shard",) else root["dp_shard"]
 
-    def tp_mesh(self, unit_dp: bool = False) -> DeviceMesh | None:
+    def tp_mesh(self, fsdp_on_one_rank: bool = False) -> DeviceMesh | None:
         """The ``tp`` mesh that ``parallelize_module`` takes.
 
         FSDP2 composes with TP only when both meshes come from the same root mesh, so
-        under DDP (whose FSDP mesh lives on a second root, see ``_unit_dp_root``), or when
-        ``unit_dp`` says FSDP will go on ``unit_fsdp_mesh``, TP takes its ``tp`` dim from
+        under DDP (whose FSDP mesh lives on a second root, see ``_world_mesh_with_one_rank_dp_shard``), or when
+        ``fsdp_on_one_rank`` says FSDP will go on ``one_rank_fsdp_mesh``, TP takes its ``tp`` dim from
         that root too.
         """
         if not self.tp_enabled:
             return None
-        if unit_dp or (self.dp_replicate_enabled and not self.fsdp_enabled):
-            return self._unit_dp_root()["tp"]
+        if fsdp_on_one_rank or (self.dp_replicate_enabled and not self.fsdp_enabled):
+            return self._world_mesh_with_one_rank_dp_shard()["tp"]
         return self.world_mesh["tp"]
 
-    def _unit_dp_root(self) -> DeviceMesh:
+    def _world_mesh_with_one_rank_dp_shard(self) -> DeviceMesh:
         """A copy of the world mesh with a unit ``dp_shard`` dim in its mesh-order place.
 
         FSDP2 on (dp_replicate, dp_shard=1) keeps whole parameters and all-reduces

@@ -68,7 +68,7 @@ class ScaledLoss:
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.loss_fn = loss_fn
-        self.scale = 1.0
+        self.scale: torch.Tensor | float = 1.0
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, labels).double() * self.scale
@@ -119,14 +119,18 @@ class PipelineRunner:
                 _send(out, dist.get_global_rank(group, self.plan.stage_owner(stage_id + 1)))
         return loss
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> float:
-        """Forward and backward of one local batch; returns its loss sum (0.0 on ranks without the last stage)."""
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one local batch; returns its loss sum, float64 on the device (0 on ranks
+        without the last stage). ``scale`` is a float64 0-dim tensor; nothing is read on the host."""
         self.loss.scale = scale
         losses: list[torch.Tensor] = []
         # Only the first stage consumes the tokens; the schedule hands the labels to the last stage's loss.
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=labels, losses=losses)
-        return sum(float(local_value(loss).detach()) for loss in losses) / scale if self.has_last else 0.0
+        total = torch.zeros((), dtype=torch.float64, device=scale.device)
+        for loss in losses:  # one at a time, in order: the same rounding as a sum of Python floats
+            total = total + local_value(loss).detach()
+        return total / scale if self.has_last else total
 
 
 def build_pipeline(

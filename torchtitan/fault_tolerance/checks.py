@@ -23,15 +23,6 @@ def lighthouse_address(cfg: JobConfig) -> str | None:
     return cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
 
 
-def data_slot(replica_id: int, num_replica_groups: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-    """This rank's data-parallel (rank, degree) in the job: the groups' data ranks side by side.
-
-    Every group reads its own slots of the same global window order, so a dead group's
-    windows are skipped (nobody reads them), never replayed by a survivor.
-    """
-    return replica_id * dp_degree + dp_rank, num_replica_groups * dp_degree
-
-
 def check_fault_tolerance(cfg: JobConfig, dims: ParallelDims) -> list[str]:
     """One line per problem of the ``[fault_tolerance]`` section; none when it is disabled."""
     ft = cfg.fault_tolerance

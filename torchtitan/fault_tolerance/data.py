@@ -1,12 +1,15 @@
-"""The training batches of a fault-tolerant group, which a heal can move to a peer's position."""
+"""The training position of a fault-tolerant group (step and batches), which a heal can move to a peer's."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+logger = logging.getLogger(__name__)
 
 
 class RepositionableBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
@@ -25,3 +28,30 @@ class RepositionableBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
     def move_to(self, position: dict[str, Any]) -> None:
         self.dataloader.load_state_dict(position)
         self._it = iter(self.dataloader)
+
+
+class GroupPosition:
+    """The step being taken and the batches after it: what a healing group receives from a live peer.
+
+    ``HealState`` hands ``state`` to a healing peer and calls ``load`` on this group when it
+    heals; the step strategy sets ``step`` before each step and returns it after (a heal moves it).
+    """
+
+    def __init__(self, dataloader: StatefulDataLoader):
+        self.dataloader = dataloader
+        self.step = 0
+        self.batches: RepositionableBatches | None = None  # made by start(), after a checkpoint is loaded
+        self.heals = 0  # times this group took a peer's state
+
+    def start(self) -> RepositionableBatches:
+        self.batches = RepositionableBatches(self.dataloader)
+        return self.batches
+
+    def state(self) -> dict[str, Any]:
+        return {"step": self.step, "data": self.batches.position()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.batches.move_to(state["data"])
+        self.heals += 1
+        logger.info("Fault tolerance: healed from a live peer at step %d", self.step)

@@ -6,7 +6,8 @@
 
 Every inner step counts; only syncs are torchft steps (quorum and commit). The loss and
 gradient norm are the group's own (its tokens, its local weights): there is no cross-group
-collective between syncs, so no global loss exists there.
+collective between syncs, so no global loss exists there. Nothing is read on the host
+between syncs; a sync's quorum and commit vote are torchft's, inside the optimizer step.
 """
 
 from __future__ import annotations
@@ -14,18 +15,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
-
-from torchtitan.distributed import clip_grad_norm_
 from torchtitan.distributed.collectives import start_sum
-from torchtitan.distributed.grads import match_grad_placements
-from torchtitan.fault_tolerance.data import RepositionableBatches
+from torchtitan.fault_tolerance.data import GroupPosition, RepositionableBatches
 from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint
 from torchtitan.fault_tolerance.semi_sync import SemiSyncState
 from torchtitan.fault_tolerance.state import HealState
-from torchtitan.fault_tolerance.step import FaultTolerantStep, Trainer
-from torchtitan.loss import LossScale
+from torchtitan.fault_tolerance.step import FaultTolerantStep
+from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +29,10 @@ logger = logging.getLogger(__name__)
 class SemiSyncStep(FaultTolerantStep):
     """Runs a trainer's steps as DiLoCo/LocalSGD inner steps; torchft's hooks on the optimizer sync."""
 
-    def __init__(self, manager: Any, state: HealState, dataloader: StatefulDataLoader):
-        super().__init__(manager, state, dataloader)
-        self.semi: SemiSyncState | None = None  # set by enable_fault_tolerance once the algorithm is built
+    def __init__(self, parts: StepParts, manager: Any, state: HealState, position: GroupPosition, ft_cfg: Any,
+                 semi_sync_state: SemiSyncState):
+        super().__init__(parts, manager, state, position, ft_cfg)
+        self.semi_sync_state = semi_sync_state
         self.syncs = 0  # committed syncs of this process (tests and logs)
         self.synced = False  # whether the last step ended with a committed sync
         self.started_at = 0  # the step training began after: 0, or a loaded checkpoint's
@@ -47,13 +44,15 @@ class SemiSyncStep(FaultTolerantStep):
         reference and the sync count starts at 0, so a group behind its peers heals at its first sync.
         """
         self.started_at = step
-        if not self.semi.loaded:
-            self.semi.restart_from_weights()
+        if not self.semi_sync_state.loaded:
+            self.semi_sync_state.restart_from_weights()
             self.manager.load_state_dict({"step": 0, "batches_committed": 0})
-        self.batches = RepositionableBatches(self.dataloader)
-        return self.batches
+        return self.position.start()
 
-    def writes_checkpoint(self, replica_id: int) -> bool:
+    def checkpoint_states(self) -> dict[str, Any]:
+        return {"semi_sync": self.semi_sync_state}
+
+    def writes_checkpoint(self) -> bool:
         """Whether this group writes the job's checkpoint now: the first group of its last sync's quorum.
 
         Before this process has committed a sync, only group 0 of a fresh start writes: its
@@ -63,49 +62,47 @@ class SemiSyncStep(FaultTolerantStep):
         """
         if self.syncs:
             return self.manager.participating_rank() == 0
-        return replica_id == 0 and self.started_at == 0
+        return self.replica_id == 0 and self.started_at == 0
 
-    def global_scale(self, group_scale: LossScale) -> LossScale:
-        return group_scale  # inner steps average over the group's own tokens
-
-    def train_step(self, trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One inner step over ``batches`` (and a sync when due); returns (this group's loss, grad norm)."""
+    def run(self, batches: MicroBatches, step: int) -> StepOutput:
+        """One inner step over ``batches`` (and a sync when due); the loss and grad norm are this group's."""
+        parts = self.parts
+        self.position.step = step
         self.state.refresh()  # what a peer healing at this step's sync receives
-        local_loss_sum, scale = trainer.accumulate_gradients(batches)
-        loss_sum = start_sum(local_loss_sum, trainer.loss_mesh)
-        params = [p for part in trainer.model_parts for p in part.parameters()]
-        match_grad_placements(params)
-        grad_norm = clip_grad_norm_(params, trainer.cfg.training.max_norm)
-        self.lr = trainer.optimizer.param_groups[0]["lr"]
+        batches = parts.model.prepare(batches)
+        scale = self.local_scale(batches)  # inner steps average over the group's own tokens
+        local_loss_sum = parts.model.forward_backward(batches, scale, self.reduce_on_last(batches))
+        loss_sum = start_sum(local_loss_sum, parts.loss_mesh)
+        grad_norm = self.clip()
+        lr = self.current_lr()
         syncs_before = self.manager.current_step()
-        trainer.optimizer.step()  # torchft's post-step hook syncs here when due (and may heal this group)
-        self._after_inner_step(trainer, syncs_before)
-        trainer.lr_scheduler.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum() / scale.global_tokens
-        trainer.check_finite(loss)
-        return loss, float(grad_norm)
+        parts.optimizer.step()  # torchft's post-step hook syncs here when due (and may heal this group)
+        self._after_inner_step(syncs_before)
+        parts.lr_scheduler.step()
+        self.zero_grad()
+        return StepOutput(step=self.position.step, loss=loss_sum() / scale.global_tokens, grad_norm=grad_norm, lr=lr)
 
-    def _after_inner_step(self, trainer: Trainer, syncs_before: int) -> None:
+    def _after_inner_step(self, syncs_before: int) -> None:
         self.synced = False
-        if self.semi.algo._local_step != 0:
+        if self.semi_sync_state.algo._local_step != 0:
             return  # no sync at this step
         if self.manager.current_step() > syncs_before:  # committed (a heal also moved it to the peer's count)
             self.synced = True
             self.syncs += 1
             self.participants = self.manager.num_participants()
-            self._maybe_check_replicas(trainer)
+            self._maybe_check_replicas()
             return
         self.discarded += 1
         logger.warning("Fault tolerance: the sync at step %d was discarded (%s); the reference parameters are kept",
-                       trainer.step, self.manager.errored() or "too few live groups")
+                       self.position.step, self.manager.errored() or "too few live groups")
 
-    def _maybe_check_replicas(self, trainer: Trainer) -> None:
+    def _maybe_check_replicas(self) -> None:
         """Every ``replica_check_freq`` syncs: the groups compare their reference parameters and outer momentum
         (LocalSGD: the weights), which a sync makes bitwise equal; inner optimizer states differ by design."""
-        ft = trainer.cfg.fault_tolerance
-        step = self.manager.current_step()
-        if not ft.replica_check_freq or step % ft.replica_check_freq:
+        syncs = self.manager.current_step()
+        if not self.replica_check_freq or syncs % self.replica_check_freq:
             return
-        tensors = self.semi.reference_tensors() or [p for part in trainer.model_parts for p in part.parameters()]
-        check_replicas(self.manager, ft.replica_id, ft.num_replica_groups, fingerprint(tensors), trainer.step)
+        tensors = self.semi_sync_state.reference_tensors() or [
+            p for part in self.parts.model_parts for p in part.parameters()]
+        check_replicas(self.manager, self.replica_id, self.num_replica_groups, fingerprint(tensors),
+                       self.position.step)

@@ -2,8 +2,9 @@
 
 The console lines are an interface: ``tests/integration_tests.py`` reads the step, the
 validation and the mesh lines of every run with ``STEP_LINE``, ``VALIDATION_LINE`` and
-``MESH_LINE`` (each match gives the rank and then the fields). Change a format and its
-pattern together; tests/metrics/test_log_lines.py checks that they agree.
+``MESH_LINE`` (each match gives the rank and then the fields), and ``scripts/loss_compare.py``
+reads a run's batch arithmetic with ``BATCH_LINE``. Change a format and its pattern together;
+tests/metrics/test_log_lines.py checks that they agree.
 """
 
 import logging
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 STEP_LINE = re.compile(LINE_PREFIX_RE + r"step: (\d+)\s+loss: (\S+)")  # rank, step, loss
 VALIDATION_LINE = re.compile(LINE_PREFIX_RE + r"validation step: (\d+)\s+loss: (\S+)")  # rank, step, loss
 MESH_LINE = re.compile(LINE_PREFIX_RE + r"World mesh (\{.*?\})")  # rank, {dim: size} as a Python literal
+# local batch, sequence length, micro-steps, data-parallel degree (anywhere in a log: no rank prefix needed)
+BATCH_LINE = re.compile(r"Training \d+ steps: local batch (\d+) x seq (\d+), (\d+) micro-step\(s\), dp degree (\d+)")
 
 
 class MetricsLogger:
@@ -101,6 +104,11 @@ def _memory_field(metrics: Mapping[str, float | None]) -> str | None:
 
 def format_mesh_line(dim_names: tuple[str, ...], shape: tuple[int, ...]) -> str:
     return f"World mesh {dict(zip(dim_names, shape))}"
+
+
+def format_batch_line(steps: int, local_batch: int, seq_len: int, micro_steps: int, dp_degree: int) -> str:
+    return (f"Training {steps} steps: local batch {local_batch} x seq {seq_len}, {micro_steps} micro-step(s), "
+            f"dp degree {dp_degree}")
 
 
 def format_validation_line(step: int, loss: float, perplexity: float, tokens: int, batches: int, trained: int) -> str:

@@ -45,14 +45,14 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     # every layout computes in the same dtype. Its TP parameters must share that mesh's root.
     # Under fault tolerance too: FSDP units carry the cross-group all-reduce hook, so every
     # parameter must sit in one (fault_tolerance/hooks.py).
-    unit_dp = not (dims.dp_enabled or dims.fsdp_enabled) and (
+    fsdp_on_one_rank = not (dims.dp_enabled or dims.fsdp_enabled) and (
         mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
     if device_type == "cpu" and cfg.training.cpu_matmul == "onednn" and not cfg.training.compile:
         if n := use_onednn_linears(model):
             logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
     if dims.tp_enabled:
         apply_tp(
-            model, dims.tp_mesh(unit_dp=unit_dp),
+            model, dims.tp_mesh(fsdp_on_one_rank=fsdp_on_one_rank),
             sequence_parallel=cfg.parallelism.enable_sequence_parallel,
             loss_parallel=dims.loss_parallel_enabled,
         )
@@ -64,8 +64,8 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
         apply_compile(model)
     if dims.dp_enabled or dims.fsdp_enabled:
         apply_fsdp(model, dims, cfg, device_type)
-    elif unit_dp:
-        apply_fsdp(model, dims, cfg, device_type, mesh=dims.unit_fsdp_mesh())
+    elif fsdp_on_one_rank:
+        apply_fsdp(model, dims, cfg, device_type, mesh=dims.one_rank_fsdp_mesh())
     return model
 
 
