@@ -71,6 +71,7 @@ SLOW: dict[str, frozenset[str]] = {
     "test_multinode.py": ALL,
     "test_tiers.py": frozenset({"test_full_run_lets_every_test_start_processes"}),
     "test_trainer.py": ALL,
+    "train_step/test_host_reads.py": ALL,
 }
 
 _TESTS = Path(__file__).resolve().parent
