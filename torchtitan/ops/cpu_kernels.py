@@ -5,14 +5,16 @@ repeated K/V heads); this module holds what runs instead on a CPU, in eager mode
 
 - linear layers: float32 products on oneDNN rather than ATen's BLAS (MKL on x86), which picks
   kernels by CPU vendor and keeps to AVX2 on AMD CPUs where oneDNN uses AVX-512
-  (``training.cpu_matmul``; speed-up in benchmarks/README.md §11). Same IEEE float32 products,
-  summed in another blocking: results differ by rounding;
+  (``training.cpu_matmul``). Same IEEE float32 products, summed in another blocking: results
+  differ by rounding;
 - RoPE: one complex product per tensor instead of four real ones and a stack (and their
   backward); bitwise the real formula;
 - grouped-query attention: SDPA reads each K/V head for its query group itself (``enable_gqa``)
   instead of copies repeated per query head; the same output bitwise, K/V gradients to rounding;
 - the token cross-entropies: taken in row slices that stay in cache from the log-softmax to
   its gradient; the same gradient bitwise, the summed value to rounding.
+
+What each one saves is measured in benchmarks/README.md §11.
 
 The switch is ``use_cpu_kernels``: a module-swap converter, run by ``parallelize_llama`` on CPU
 before the parallelisms, that changes the classes of the linear and attention modules in place
@@ -95,8 +97,8 @@ def rotate_pairs_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tenso
     """The model's ``rotate_pairs`` as a complex product: pair (x0, x1) is x0 + i x1, ``rotation`` cos + i sin.
 
     One complex multiply per tensor, forward and backward, instead of four real ones, a stack and
-    their backward (8 x 2048 tokens of the debug model: 33 -> 3.6 ms of CPU per layer); the same
-    products and sums, so the same values and gradients bitwise (tests/ops/test_cpu_kernels.py).
+    their backward; the same products and sums, so the same values and gradients bitwise
+    (tests/ops/test_cpu_kernels.py).
     """
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
@@ -119,8 +121,8 @@ class CpuAttentionKernels:
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # The CPU kernel reads each K/V head for its query group itself: no repeated copies of k and
-        # v, and no sum over those copies in backward (8 x 256 tokens of the debug model: 36 -> 30 ms
-        # of CPU per layer). Anything beyond plain causal attention goes to the module's own sdpa.
+        # v, and no sum over those copies in backward. Anything beyond plain causal attention (extra
+        # arguments) goes to the module's own sdpa.
         if args or kwargs or q.shape[1] == k.shape[1] or not eager_cpu(q, k, v):
             return super().sdpa(q, k, v, *args, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -130,8 +132,7 @@ class CpuAttentionKernels:
 
 # Logits are scored in slices of about this many bytes: one call over the whole [tokens, vocab]
 # block streams it (and its softmax and gradient, each as large) through memory several times,
-# while a slice stays in cache from the log-softmax to its gradient. 8 x 2048 tokens of the debug
-# model: 210 -> 121 ms of CPU per forward + backward.
+# while a slice stays in cache from the log-softmax to its gradient.
 CROSS_ENTROPY_SLICE_BYTES = 1 << 20
 
 
