@@ -23,8 +23,9 @@ and a hash of the global state (DiLoCo's reference parameters and outer momentum
   ``$FT_RECORD.sync.pt``: this group's weights just before the sync (after its inner step), and
   the global state (DiLoCo's reference parameters and outer momentum; LocalSGD's weights) before
   and after the step, each keyed by FQN, with the FQNs the sync covered and the groups in it.
-- ``$FT_DUMP_GRADS_AT_STEP=N``: at step N (its first try), once the step's gradients are reduced (within the
-  group and across the groups) and before clipping, rank 0 saves them whole, by FQN, to ``$FT_RECORD.grads.pt``.
+- ``$FT_DUMP_GRADS_AT_STEP=N``: on torchrun's first round, at step N (its first try), once the step's
+  gradients are reduced (within the group and across the groups) and before clipping, rank 0 saves
+  them whole, by FQN, to ``$FT_RECORD.<rank>.grads.pt``.
 - ``$FT_THROTTLE_ALONE=S``: sleep S seconds after each step committed without another
   group, so that a survivor is still training when the dead group comes back.
 """
@@ -170,7 +171,7 @@ def _install() -> None:
     dump_file, dump = Path(f"{record}.sync.pt"), {}
     if dump_at:
         _capture_before_sync(dump)
-    if "FT_DUMP_GRADS_AT_STEP" in os.environ:
+    if "FT_DUMP_GRADS_AT_STEP" in os.environ and first_round:  # a restarted group's step 1 is a heal
         _dump_gradients_at(int(os.environ["FT_DUMP_GRADS_AT_STEP"]), Path(f"{record}.grads.pt"))
     crash_in_sync = int(os.environ.get("FT_CRASH_IN_SYNC_AT_STEP", "0"))
 

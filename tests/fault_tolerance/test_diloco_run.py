@@ -166,8 +166,9 @@ def test_one_sync_is_the_outer_nesterov_step_on_the_averaged_pseudo_gradients(di
         average = (pseudo[0] + pseudo[1]) / 2
         momentum = OUTER_MOMENTUM * before["momentum"][fqn] + average
         expected = reference - OUTER_LR * (average + OUTER_MOMENTUM * momentum)
-        torch.testing.assert_close(after["momentum"][fqn], momentum, rtol=1e-5, atol=1e-7, msg=fqn)
-        torch.testing.assert_close(after["reference"][fqn], expected, rtol=1e-5, atol=1e-7, msg=fqn)
+        named = lambda m, fqn=fqn: f"{fqn}: {m}"  # noqa: E731
+        torch.testing.assert_close(after["momentum"][fqn], momentum, rtol=1e-5, atol=1e-7, msg=named)
+        torch.testing.assert_close(after["reference"][fqn], expected, rtol=1e-5, atol=1e-7, msg=named)
 
 
 def test_cross_group_bytes_only_at_syncs_every_parameter_once_per_sync_steps(diloco_run):
@@ -278,4 +279,4 @@ def test_local_sgd_sync_result_is_the_average_of_the_groups_weights(local_sgd_ru
         assert not torch.equal(w0, weights[1][fqn]), fqn  # apart before the sync
         for d in dumps:
             torch.testing.assert_close(d["after"]["weights"][fqn], (w0 + weights[1][fqn]) / 2, rtol=1e-6, atol=1e-8,
-                                       msg=fqn)
+                                       msg=lambda m, fqn=fqn: f"{fqn}: {m}")
