@@ -21,11 +21,8 @@ from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.logging_setup import init_logger
 
 
-_JOINED_PROCESS_GROUPS = False  # set by main(): this process joined process groups (now left)
-
 
 def main(argv: list[str] | None = None) -> int:
-    global _JOINED_PROCESS_GROUPS
     argv = sys.argv[1:] if argv is None else argv
     manager = ConfigManager()
     if "--help" in argv or "-h" in argv:
@@ -57,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if "torch.distributed" in sys.modules:  # not imported: no group to leave (a config error stays fast)
             from torchtitan.distributed.lifecycle import shutdown_distributed
 
-            _JOINED_PROCESS_GROUPS = shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
+            shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
     return status
 
 
@@ -80,15 +77,6 @@ def preflight_only(manager: ConfigManager, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    if not _JOINED_PROCESS_GROUPS:  # --help, a config error: no group, nothing torn down late
-        sys.exit(status)
-    # Leave without Python's own teardown. After destroy_process_group torch still keeps
-    # some meshes, and with them gloo groups and their threads, alive in DTensor's caches;
-    # they would be torn down during interpreter finalization, the window in which a rank
-    # now and then died with SIGABRT after "Training done". Everything worth finishing is
-    # finished by now: the checkpoint committed, TensorBoard closed, the groups destroyed.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    # An ordinary exit: by now no thread of ours runs (the data prefetch thread is joined when its
+    # iterator closes, and at exit at the latest) and every process group is destroyed.
+    sys.exit(main())

@@ -119,8 +119,9 @@ def run_workers(script: str, layout: Layout, worker_args: list[str], overrides: 
 
 
 def end_worker(trainer) -> None:
-    """A worker's last act, as train.py ends: close the trainer, meet the other ranks, destroy the
-    groups, then leave without the interpreter's teardown (see train.py)."""
+    """A worker's last act: close the trainer, meet the other ranks, destroy the groups, then leave at
+    once (``os._exit``: the caller still holds the trainer, and nothing after the measurement needs the
+    interpreter's teardown)."""
     import logging
 
     from torchtitan.distributed.lifecycle import shutdown_distributed

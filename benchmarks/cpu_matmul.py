@@ -6,7 +6,7 @@ One process, one thread (as each rank of a CPU run has). For each weight shape o
 model (dim 256, FFN 768, K/V 128, vocabulary 2048) it times the three products of a linear
 layer's step, forward ``x W^T``, ``dL/dx = g W`` and ``dL/dW = g^T x``, once as ``F.linear``
 and its autograd would run them and once as ``training.cpu_matmul = "onednn"`` runs them
-(``torchtitan/models/cpu_linear.py``). The two take turns round by round; the script prints
+(``torchtitan/ops/cpu_kernels.py``). The two take turns round by round; the script prints
 GFLOP/s (medians) and the ratio, and the largest gap of each against float64.
 """
 
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from common import machine_description
-from torchtitan.models.cpu_linear import times_transposed
+from torchtitan.ops.cpu_kernels import times_transposed
 
 SHAPES = [(256, 256), (128, 256), (768, 256), (256, 768), (2048, 256)]  # (out, in)
 

@@ -45,9 +45,10 @@ class ReferenceLoop:
         from torch.distributed.fsdp import fully_shard
 
         from torchtitan.datasets import build_dataloader, build_tokenizer
-        from torchtitan.models.cpu_linear import use_onednn_linears
         from torchtitan.models.llama3 import Transformer
         from torchtitan.optim import build_lr_scheduler
+        from torchtitan.models.llama3.model import Attention
+        from torchtitan.ops.cpu_kernels import use_cpu_kernels
 
         cfg, dims = trainer.cfg, trainer.dims
         if dims.dp_replicate > 1:
@@ -58,8 +59,8 @@ class ReferenceLoop:
             dp_rank, dp_degree = mesh.get_rank(), dims.dp_shard
         with torch.device("meta"):
             model = Transformer(trainer.model_args)
-        if cfg.training.cpu_matmul == "onednn":  # the trainer's matrix-product kernels, so only overhead differs
-            use_onednn_linears(model)
+        # The trainer's CPU kernels (linear products among them), so that only overhead differs.
+        use_cpu_kernels(model, Attention, onednn_linears=cfg.training.cpu_matmul == "onednn")
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)

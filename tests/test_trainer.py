@@ -140,7 +140,7 @@ def test_config_error_under_torchrun_exits_on_every_rank(tmp_path):
 def test_compiled_blocks_and_aten_products_match_eager(tmp_path):
     fsdp2 = ["--parallelism.data_parallel_shard_degree=2"]
     eager = run_ranks(_losses_with, 2, str(tmp_path / "eager"), fsdp2)[0]
-    # Eager float32 linears run on oneDNN by default (models/cpu_linear.py); ATen's kernels differ by rounding.
+    # Eager float32 linears run on oneDNN by default (ops/cpu_kernels.py); ATen's kernels differ by rounding.
     aten = run_ranks(_losses_with, 2, str(tmp_path / "aten"), [*fsdp2, "--training.cpu_matmul=aten"])[0]
     assert aten == pytest.approx(eager, rel=1e-5)
     compiled = run_ranks(_losses_with, 2, str(tmp_path / "compiled"), [*fsdp2, "--training.compile"], timeout=400)[0]

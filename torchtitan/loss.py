@@ -14,18 +14,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.collectives import start_sum
+from torchtitan.ops.cpu_kernels import cross_entropy_sum_sliced
 
 IGNORE_INDEX = -100  # label of a position that is not scored
-
-
-# On CPU the token cross-entropies are taken in slices of about this many bytes of logits: one
-# call over the whole [tokens, vocab] block streams it (and its softmax and gradient, each as
-# large) through memory several times, while a slice stays in cache from the log-softmax to its
-# gradient. Measured: benchmarks/README.md section 11 ("What changed").
-_CPU_SLICE_BYTES = 1 << 20
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -34,17 +27,14 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     Under loss parallel the logits are a DTensor sharded over the vocabulary and the result
     a replicated DTensor; the caller must be inside ``loss_parallel()``.
 
-    Plain CPU logits are scored in row slices (``_CPU_SLICE_BYTES``). Each row's gradient is
-    the same bitwise either way (softmax minus one-hot, times the upstream scale); only the
-    order in which the sum adds the rows differs, i.e. the loss value by rounding.
+    On an eager CPU the logits are scored in row slices (ops/cpu_kernels.py): the same gradient
+    bitwise, the value to rounding.
     """
     logits, labels = logits.flatten(0, 1).float(), labels.flatten()
-    rows = max(1, _CPU_SLICE_BYTES // (logits.shape[-1] * logits.element_size()))
-    if isinstance(logits, DTensor) or logits.device.type != "cpu" or logits.shape[0] <= rows:
-        return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
-    sums = [F.cross_entropy(part, target, reduction="sum", ignore_index=IGNORE_INDEX)
-            for part, target in zip(logits.split(rows), labels.split(rows))]
-    return torch.stack(sums).sum()
+    sliced = cross_entropy_sum_sliced(logits, labels, IGNORE_INDEX)
+    if sliced is not None:
+        return sliced
+    return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
 
 
 def count_tokens(labels: torch.Tensor) -> torch.Tensor:

@@ -176,8 +176,10 @@ def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> N
         return [f"--model.flavor={releases[name]}", f"--checkpoint.initial_load_path={releases[name]}",
                 "--checkpoint.initial_load_format=hf"]
 
-    tp2 = [*hf("3.2-1B"), "--parallelism.tensor_parallel_degree=2", "--checkpoint.enable_checkpoint"]
-    runs = {"1B tp2": tp2, "1B tp2 resumed": [*tp2, "--training.steps=3"],
+    # Three steps, saved after the second; the resumed run loads that checkpoint and retrains step 3.
+    tp2 = [*hf("3.2-1B"), "--parallelism.tensor_parallel_degree=2", "--checkpoint.enable_checkpoint",
+           "--training.steps=3", "--checkpoint.interval=2"]
+    runs = {"1B tp2": tp2, "1B tp2 resumed": [*tp2, "--checkpoint.load_step=2"],
             "1B fsdp2": [*hf("3.2-1B"), "--parallelism.data_parallel_shard_degree=2"],
             "1B cp2": [*hf("3.2-1B"), "--parallelism.context_parallel_degree=2"],
             "3B meta fsdp2": [f"--model.flavor={meta_3b}", f"--checkpoint.initial_load_path={meta_3b}",
@@ -194,7 +196,9 @@ def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> N
         assert got["losses"][1] != got["losses"][0], name  # it trains
     for name in ("1B tp2", "1B tp2 resumed", "1B fsdp2", "1B cp2", "3B meta fsdp2"):
         assert results[0][name]["tied"] and results[1][name]["tied"], name
-    assert len(results[0]["1B tp2 resumed"]["losses"]) == 1  # its own tied checkpoint (both names) loads
+    # Its own tied checkpoint (both names) loads, and step 3 from it is bitwise the uninterrupted run's step 3.
+    for rank in (0, 1):
+        assert results[rank]["1B tp2 resumed"]["losses"] == results[rank]["1B tp2"]["losses"][2:], rank
     # The tied parameter count, as transformers counts the same release.
     hf_1b = transformers.LlamaForCausalLM.from_pretrained(releases["3.2-1B"])
     assert results[0]["1B fsdp2"]["n_params"] == hf_1b.num_parameters()

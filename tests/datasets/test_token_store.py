@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import REPO, load_script
 from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer
 from torchtitan.datasets import prepare, store_cache
 from torchtitan.datasets.sources import TokenStoreError
@@ -176,6 +179,56 @@ def test_prefetch_errors_reach_the_training_thread(store, tokenizer, monkeypatch
     with pytest.raises(OSError, match="disk read failed"):
         for _ in range(5):
             next(it)
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("prefetch:")]
+
+
+def test_the_prefetch_thread_is_joined_when_its_iterator_closes(tmp_path):
+    from torchtitan.datasets.store_dataset import TokenStoreDataset
+
+    data = TokenStoreDataset(store=synthetic(tmp_path, 40 * (SEQ + 1)), seq_len=SEQ, local_batch_size=2, dp_rank=0,
+                             dp_degree=1, name="joined")
+    it = iter(data)
+    next(it)
+    (thread,) = [t for t in _prefetch_threads() if t.name == "prefetch:joined"]
+    it.close()
+    assert not thread.is_alive()  # joined, not merely told to stop
+
+
+# A reading thread kept busy in torch code (its batches cost a few hundred matrix products) while the
+# interpreter exits without closing the iterator: a thread still in a torch op then is killed as it
+# retakes the GIL, and the unwinding through torch's C++ frames aborts the process.
+_BUSY_EXIT = """
+import sys, torch
+from torchtitan.datasets import prepare
+from torchtitan.datasets.store_dataset import TokenStoreDataset
+from torchtitan.datasets.token_store import TokenStore
+
+real = TokenStoreDataset._batch
+a = torch.randn(200, 200)
+
+def busy(self, windows):
+    for _ in range(300):
+        a @ a
+    return real(self, windows)
+
+TokenStoreDataset._batch = busy
+store = TokenStore(prepare.write_synthetic_store(sys.argv[1], 40 * 17, shard_tokens=1000))
+it = iter(TokenStoreDataset(store=store, seq_len=16, local_batch_size=2, dp_rank=0, dp_degree=1, prefetch=1))
+next(it)
+print("exiting", flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # Without the exit-time join this aborted (SIGABRT, "terminate called without an active exception") 3 runs of 3.
+    out = subprocess.run([sys.executable, "-c", _BUSY_EXIT, str(tmp_path / "store")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and "exiting" in out.stdout, (out.returncode, out.stderr[-2000:])
 
 
 # ---------------------------------------------------------------- preparation

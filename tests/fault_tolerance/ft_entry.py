@@ -19,6 +19,13 @@ and a hash of the global state (DiLoCo's reference parameters and outer momentum
 - ``$FT_START_TOGETHER=DIR:N``: on torchrun's first round, wait before the first step until N
   ranks (of all groups) got there, so that no group trains a step alone while another still
   starts up.
+- ``$FT_DUMP_SYNC_AT_STEP=N``: under DiLoCo/LocalSGD, at step N (its first life only) the process saves
+  ``$FT_RECORD.sync.pt``: this group's weights just before the sync (after its inner step), and
+  the global state (DiLoCo's reference parameters and outer momentum; LocalSGD's weights) before
+  and after the step, each keyed by FQN, with the FQNs the sync covered and the groups in it.
+- ``$FT_DUMP_GRADS_AT_STEP=N``: on torchrun's first round, at step N (its first try), once the step's
+  gradients are reduced (within the group and across the groups) and before clipping, rank 0 saves
+  them whole, by FQN, to ``$FT_RECORD.<rank>.grads.pt``.
 - ``$FT_THROTTLE_ALONE=S``: sleep S seconds after each step committed without another
   group, so that a survivor is still training when the dead group comes back.
 - ``$FT_PAUSE_AFTER_STEP=N:PATH``: after committing step N, wait until PATH exists (another
@@ -95,6 +102,59 @@ def _wait_for_file(path: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _global_state(ft) -> dict[str, dict[str, torch.Tensor]]:
+    """By FQN: DiLoCo's reference parameters and outer momentum; LocalSGD's weights (its global state)."""
+    semi = ft.semi_sync_state
+    if not semi.outers:
+        return {"weights": {fqn: _local(p) for fqn, p, _, _ in semi.entries}}
+    return {"reference": {fqn: _local(semi._reference(i, name)) for fqn, p, i, name in semi.entries},
+            "momentum": {fqn: _local(semi.outers[i].state[p]["momentum_buffer"]) for fqn, p, i, _ in semi.entries
+                         if "momentum_buffer" in semi.outers[i].state[p]}}
+
+
+def _capture_before_sync(dump: dict) -> None:
+    """Record, when torchft is about to sync, the weights it syncs (by FQN) as this group holds them."""
+    from torchft.local_sgd import LocalSGD, _StreamingDiLoCoFragment
+
+    def capture(params) -> None:
+        if dump.get("armed"):
+            fqn = dump["fqn"]
+            dump["before_sync"] = {fqn[id(p)]: _local(p) for p in params}
+
+    real_prepare, real_average = _StreamingDiLoCoFragment.prepare_sync, LocalSGD._average
+
+    def prepare_sync(self):
+        capture(self._model_fragment.parameters())
+        return real_prepare(self)
+
+    def average(self):
+        capture(self._model.parameters())
+        return real_average(self)
+
+    _StreamingDiLoCoFragment.prepare_sync, LocalSGD._average = prepare_sync, average
+
+
+def _dump_gradients_at(step: int, path: Path) -> None:
+    """Wrap ``Trainer.forward_backward``: at ``step`` save the reduced, unclipped gradients (rank 0)."""
+    from torchtitan.trainer import Trainer
+
+    real, done = Trainer.forward_backward, []
+
+    def forward_backward(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if self.step == step and not done:
+            done.append(True)
+            grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                     for part in self.model_parts for name, p in part.named_parameters()}
+            if os.environ.get("RANK", "0") == "0":
+                torch.save(grads, path)
+        return out
+
+    Trainer.forward_backward = forward_backward
 
 
 def _install() -> None:
@@ -117,6 +177,12 @@ def _install() -> None:
     mark = os.environ.get("FT_MARK_FIRST_STEP")
 
     calls = {"n": 0, "bytes": 0, "step": 0}
+    dump_at = int(os.environ.get("FT_DUMP_SYNC_AT_STEP", "0"))
+    dump_file, dump = Path(f"{record}.sync.pt"), {}
+    if dump_at:
+        _capture_before_sync(dump)
+    if "FT_DUMP_GRADS_AT_STEP" in os.environ and first_round:  # a restarted group's step 1 is a heal
+        _dump_gradients_at(int(os.environ["FT_DUMP_GRADS_AT_STEP"]), Path(f"{record}.grads.pt"))
     crash_in_sync = int(os.environ.get("FT_CRASH_IN_SYNC_AT_STEP", "0"))
 
     def counting(real_allreduce):
@@ -148,8 +214,16 @@ def _install() -> None:
             together = None
         if mark:
             Path(mark).touch()
+        semi = getattr(ft, "semi_sync_state", None)
+        dumping = self.step == dump_at and semi is not None and not dump_file.exists()
+        if dumping:
+            dump.update(armed=True, fqn={id(p): fqn for fqn, p, _, _ in semi.entries}, before=_global_state(ft))
         began = time.time()
         out = real(self, batches)
+        if dumping:
+            torch.save({"before": dump["before"], "before_sync": dump["before_sync"], "after": _global_state(ft),
+                        "participants": ft.participants, "synced": ft.synced}, dump_file)
+            dump["armed"] = False
         line = {"step": out.step, "loss": float(out.loss), "state": state_hash(self), "began": began, "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
                 "heals": ft.heals if ft else 0, "allreduces": calls["n"], "allreduce_bytes": calls["bytes"],

@@ -40,6 +40,8 @@ from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _
 
 STEPS, SYNC, FRAGMENTS, KILL_AT, CKPT_EVERY, RESTART_AT = 16, 4, 2, 4, 4, 12
 RESTART_LATE_S = 2.0
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+DUMP_AT = 2  # the first sync, both groups in it: each saves the states around it (ft_entry.py)
 CHECK_BYTES = 2 * 2 * 8  # the replica check's table: 2 groups x (fingerprint, present) int64
 
 
@@ -54,6 +56,7 @@ def _args(tmp: Path, ckpt: str, address: str) -> list[str]:
     return [*COMMON, f"--training.steps={STEPS}", "--lr_scheduler.warmup_steps=2", "--fault_tolerance.enable",
             "--fault_tolerance.num_replica_groups=2", f"--fault_tolerance.lighthouse={address}",
             "--fault_tolerance.semi_sync_method=diloco", f"--fault_tolerance.sync_steps={SYNC}",
+            f"--fault_tolerance.outer_lr={OUTER_LR}", f"--fault_tolerance.outer_momentum={OUTER_MOMENTUM}",
             f"--fault_tolerance.num_fragments={FRAGMENTS}", "--fault_tolerance.replica_check_freq=1",
             "--fault_tolerance.timeout_seconds=10", "--comm.train_timeout_seconds=30",
             "--checkpoint.enable_checkpoint", f"--checkpoint.folder={tmp / ckpt}",
@@ -73,7 +76,7 @@ def diloco_run(tmp_path_factory):
     lighthouse, address = _lighthouse(tmp, min_replicas=1)
     (tmp / "start").mkdir()
     args = _args(tmp, "ckpt", address)
-    together = {"FT_START_TOGETHER": f"{tmp / 'start'}:2"}
+    together = {"FT_START_TOGETHER": f"{tmp / 'start'}:2", "FT_DUMP_SYNC_AT_STEP": str(DUMP_AT)}
     procs = {"g0": _launch(tmp, "g0", 0, args, FT_THROTTLE_ALONE="1", **together),
              "g1": _launch(tmp, "g1", 1, args, FT_CRASH_IN_SYNC_AT_STEP=str(KILL_AT), **together)}
     try:
@@ -125,6 +128,51 @@ def test_global_state_is_bitwise_equal_after_every_joint_sync(diloco_run):
     # The inner steps are local: different data, so different weights between syncs.
     first, _ = _lives(records["g1"])
     assert first[0]["state"] != survivor[1]["state"]
+
+
+def test_the_global_state_changes_at_every_committed_sync(diloco_run):
+    """A sync that averaged nothing or took no outer step would leave the reference parameters as they were."""
+    _, _, records, _ = diloco_run
+    for name in ("g0", "g1", "r0"):
+        steps = _by_step(records[name])
+        for r in records[name]:
+            before = steps.get(r["step"] - 1)
+            if before is not None and r["pid"] == before["pid"]:
+                assert (r["global_state"] != before["global_state"]) == r["synced"], (name, r["step"])
+
+
+def _load_dump(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def test_one_sync_is_the_outer_nesterov_step_on_the_averaged_pseudo_gradients(diloco_run):
+    """Step 2's sync, recomputed from the states both groups saved around it: for each parameter of the
+    synced fragment, pseudo-gradient_g = reference - weights_g, averaged over the groups; the momentum
+    buffer m' = momentum x m + average; the new reference = reference - outer_lr x (average + momentum x m')
+    (SGD with Nesterov momentum). The other fragment's state is untouched."""
+    tmp = diloco_run[0]
+    dumps = [_load_dump(tmp / f"g{g}.0.sync.pt") for g in (0, 1)]
+    assert all(d["participants"] == 2 and d["synced"] for d in dumps), [(d["participants"], d["synced"]) for d in dumps]
+    before, after = dumps[0]["before"], dumps[0]["after"]
+    assert set(before["momentum"]) == set(after["momentum"]) == set(before["reference"]), "no outer momentum buffers"
+    synced = set(dumps[0]["before_sync"])
+    assert synced == set(dumps[1]["before_sync"]) and 0 < len(synced) < len(before["reference"]), sorted(synced)
+    for fqn, reference in before["reference"].items():
+        for d in dumps[1:]:  # the groups start the sync from the same global state and end it at the same one
+            assert torch.equal(d["before"]["reference"][fqn], reference) and torch.equal(d["after"]["reference"][fqn],
+                                                                                          after["reference"][fqn]), fqn
+        if fqn not in synced:
+            assert torch.equal(after["reference"][fqn], reference) and \
+                torch.equal(after["momentum"][fqn], before["momentum"][fqn]), fqn
+            continue
+        pseudo = [reference - d["before_sync"][fqn] for d in dumps]
+        assert not torch.equal(pseudo[0], pseudo[1]), fqn  # each group trained on its own data
+        average = (pseudo[0] + pseudo[1]) / 2
+        momentum = OUTER_MOMENTUM * before["momentum"][fqn] + average
+        expected = reference - OUTER_LR * (average + OUTER_MOMENTUM * momentum)
+        named = lambda m, fqn=fqn: f"{fqn}: {m}"  # noqa: E731
+        torch.testing.assert_close(after["momentum"][fqn], momentum, rtol=1e-5, atol=1e-7, msg=named)
+        torch.testing.assert_close(after["reference"][fqn], expected, rtol=1e-5, atol=1e-7, msg=named)
 
 
 def test_cross_group_bytes_only_at_syncs_every_parameter_once_per_sync_steps(diloco_run):
@@ -201,18 +249,20 @@ def local_sgd_run(tmp_path_factory):
             f"--fault_tolerance.sync_steps={LOCAL_SGD_SYNC}", "--fault_tolerance.timeout_seconds=10",
             "--comm.train_timeout_seconds=30"]
     try:
-        procs = {"g0": _launch(tmp, "g0", 0, args)}
+        dump = {"FT_DUMP_SYNC_AT_STEP": str(LOCAL_SGD_SYNC)}
+        procs = {"g0": _launch(tmp, "g0", 0, args, **dump)}
         time.sleep(LOCAL_SGD_LATE_S)
-        procs["g1"] = _launch(tmp, "g1", 1, args)
+        procs["g1"] = _launch(tmp, "g1", 1, args, **dump)
         codes = _wait(procs, tmp, timeout=90)
     finally:
         lighthouse.kill()
         lighthouse.wait()
-    return codes, {g: _records(tmp / f"{g}.0") for g in ("g0", "g1")}
+    dumps = [_load_dump(tmp / f"g{g}.0.sync.pt") for g in (0, 1)]
+    return codes, {g: _records(tmp / f"{g}.0") for g in ("g0", "g1")}, dumps
 
 
 def test_local_sgd_averages_the_weights_at_each_sync_and_nothing_between(local_sgd_run):
-    codes, records = local_sgd_run
+    codes, records, _ = local_sgd_run
     assert codes == {"g0": 0, "g1": 0}, codes
     g0, g1 = records["g0"], records["g1"]
     assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, LOCAL_SGD_STEPS + 1))
@@ -225,3 +275,16 @@ def test_local_sgd_averages_the_weights_at_each_sync_and_nothing_between(local_s
         else:  # an inner step on each group's own data: apart, and nothing crossed
             assert a["global_state"] != b["global_state"] and a["loss"] != b["loss"], a["step"]
             assert a["allreduces"] == b["allreduces"] == 0, a
+
+
+def test_local_sgd_sync_result_is_the_average_of_the_groups_weights(local_sgd_run):
+    """Each group's weights as the sync of step 2 began, averaged in the test: both groups end the sync there."""
+    _, _, dumps = local_sgd_run
+    assert all(d["participants"] == 2 and d["synced"] for d in dumps)
+    weights = [d["before_sync"] for d in dumps]
+    assert set(weights[0]) == set(weights[1]) == set(dumps[0]["after"]["weights"])
+    for fqn, w0 in weights[0].items():
+        assert not torch.equal(w0, weights[1][fqn]), fqn  # apart before the sync
+        for d in dumps:
+            torch.testing.assert_close(d["after"]["weights"][fqn], (w0 + weights[1][fqn]) / 2, rtol=1e-6, atol=1e-8,
+                                       msg=lambda m, fqn=fqn: f"{fqn}: {m}")

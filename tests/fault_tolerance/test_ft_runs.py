@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO
 from torchtitan.distributed.lifecycle import free_port
@@ -63,6 +64,7 @@ COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", f"--lr_sch
           "--metrics.enable_tensorboard=false", "--training.batch_size=1",
           f"--training.gradient_accumulation_steps={ACCUM}"]
 FSDP_UNITS = 7  # the debug model's 6 blocks and the root
+GRADS_AT = 1  # the step whose reduced gradients each group's rank 0 and the one process save (ft_entry.py)
 TP_STEPS = 4
 
 
@@ -146,7 +148,7 @@ def ft_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ft")
     lighthouse, address = _lighthouse(tmp, min_replicas=1)
     (tmp / "start").mkdir()
-    together = {"FT_START_TOGETHER": f"{tmp / 'start'}:4"}
+    together = {"FT_START_TOGETHER": f"{tmp / 'start'}:4", "FT_DUMP_GRADS_AT_STEP": str(GRADS_AT)}
     try:
         procs = {
             "g0": _group(tmp, 0, address, _env(tmp / "g0", FT_THROTTLE_ALONE="2", **together), restarts=0),
@@ -155,8 +157,8 @@ def ft_run(tmp_path_factory):
             # The same global batch (4 sequences x 2 micro-batches), one process, no fault tolerance.
             "ref": subprocess.Popen(
                 [sys.executable, ENTRY, *COMMON, "--training.batch_size=4",
-                 f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref"), stdout=open(tmp / "ref.log", "w"),
-                stderr=subprocess.STDOUT, start_new_session=True),
+                 f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref", FT_DUMP_GRADS_AT_STEP=str(GRADS_AT)),
+                stdout=open(tmp / "ref.log", "w"), stderr=subprocess.STDOUT, start_new_session=True),
         }
         codes = _wait(procs, tmp, timeout=150)
     finally:
@@ -219,6 +221,19 @@ def test_healthy_groups_match_one_process_with_the_same_global_batch(ft_run):
         assert abs(losses["g0", 0] - expected) <= 1e-5 * abs(expected), (step, losses["g0", 0], expected)
 
 
+def test_cross_group_gradient_is_the_one_process_gradient(ft_run):
+    """The gradient each group holds after the in-group and cross-group reductions (before clipping) is the
+    gradient of one process training the global batch: equal losses alone do not show it, since Adam's step
+    hardly changes when every gradient is off by one factor (a loss scale missing the group count)."""
+    tmp = ft_run[0]
+    g0, g1, ref = (torch.load(tmp / f"{name}.0.grads.pt", weights_only=True) for name in ("g0", "g1", "ref"))
+    assert set(g0) == set(g1) == set(ref) and ref
+    for fqn, expected in ref.items():
+        assert torch.equal(g0[fqn], g1[fqn]), f"{fqn}: the groups hold different gradients"
+        error = float((g0[fqn] - expected).norm() / expected.norm())
+        assert error <= 1e-5, f"{fqn}: gradient {error:.2e} (relative) from one process's"
+
+
 def test_one_cross_group_all_reduce_per_unit_per_step(ft_run):
     _, _, records, _ = ft_run
     for rank in (0, 1):
@@ -274,7 +289,12 @@ OUTAGE_STEPS, OUTAGE_AT, OUTAGE_S, KILL_AT = 24, 5, 5.0, 10
 
 
 def _wait_for_step(record: Path, step: int, deadline: float) -> None:
-    while len(_records(record)) < step and time.monotonic() < deadline:
+    """Until ``record`` holds ``step`` steps; fails the test at ``deadline`` (the outage would miss the run)."""
+    while len(_records(record)) < step:
+        if time.monotonic() >= deadline:
+            log = record.parent / f"{record.name.split('.')[0]}.log"
+            pytest.fail(f"{record.name} reached step {len(_records(record))}, not {step}, by the deadline\n"
+                        f"{log.read_text()[-3000:] if log.exists() else ''}")
         time.sleep(0.05)
 
 

@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from torchtitan.models.llama3 import InitSpec, ModelArgs, Transformer, apply_init_spec, flops_per_token, llama3_flavors
-from torchtitan.models.llama3.model import Attention, apply_rotary_emb, precompute_rope_cache, repeat_kv
+from torchtitan.models.llama3.model import Attention, apply_rotary_emb, precompute_rope_cache
 
 # Keep the rope cache small; everything else is the debug flavor (GQA: 16 q heads, 8 kv heads).
 DEBUG = dataclasses.replace(llama3_flavors["debugmodel"], max_seq_len=64)
@@ -249,50 +248,3 @@ def test_flops_per_token():
     with torch.device("meta"):
         big = Transformer(llama3_flavors["8B"])
     assert flops_per_token(llama3_flavors["8B"], 8192) == 6 * big.num_params(True) + 12 * 32 * 4096 * 8192
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("per_sample", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bf16: a cast model's buffer
-def test_cpu_complex_rotation_is_the_real_rotation_bitwise(dtype, per_sample, cache_dtype):
-    """The eager CPU path of apply_rotary_emb (one complex product) gives the real formula's
-    values and gradients bit for bit, so switching paths changes no loss."""
-    from torchtitan.models.llama3.model import rotate_pairs, rotate_pairs_complex
-
-    torch.manual_seed(0)
-    cache = precompute_rope_cache(16, 64, 500000.0)
-    if per_sample:  # [B, L, head_dim]: positions per sample, as context parallelism passes them
-        cache = cache[torch.stack([torch.arange(32), torch.arange(32, 64)])]
-    else:
-        cache = cache[:32]
-    cos, sin = cache.to(cache_dtype).unsqueeze(-2).chunk(2, dim=-1)
-    x = torch.randn(2, 32, 4, 16).to(dtype).requires_grad_()
-    upstream = torch.randn(2, 32, 4, 16).to(dtype)
-    results = []
-    for rotate in (lambda t: rotate_pairs(t, cos, sin), lambda t: rotate_pairs_complex(t, torch.complex(cos.float(), sin.float()))):
-        x.grad = None
-        out = rotate(x)
-        out.backward(upstream)
-        results.append((out.detach(), x.grad))
-    assert results[0][0].dtype == dtype
-    assert torch.equal(results[0][0], results[1][0])
-    assert torch.equal(results[0][1], results[1][1])
-
-
-def test_grouped_query_attention_matches_repeated_heads():
-    """On CPU grouped-query attention reads the K/V heads in place: the same forward bitwise, k/v grads to rounding."""
-    torch.manual_seed(0)
-    q = torch.randn(2, 8, 64, 16, requires_grad=True)
-    k = torch.randn(2, 2, 64, 16, requires_grad=True)
-    v = torch.randn(2, 2, 64, 16, requires_grad=True)
-    upstream = torch.randn(2, 8, 64, 16)
-    results = []
-    for fn in (lambda: Attention.sdpa(None, q, k, v),
-               lambda: F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), is_causal=True)):
-        q.grad = k.grad = v.grad = None
-        out = fn()
-        out.backward(upstream)
-        results.append((out.detach(), q.grad, k.grad, v.grad))
-    assert torch.equal(results[0][0], results[1][0])  # same forward bitwise
-    for a, b in zip(results[0][1:], results[1][1:]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -12,14 +12,20 @@ rank reads only its own ``B`` windows per step.
 
 A background thread reads the next batches while the training step runs
 (``prefetch`` of them).  The position is advanced only when the consumer takes a
-batch, so a checkpoint still records exactly what training consumed.
+batch, so a checkpoint still records exactly what training consumed.  The thread is
+stopped and joined when its iterator is closed or collected, and at the latest at the
+interpreter's exit (``atexit``): a thread still inside a torch op while the interpreter
+finalizes is killed as it retakes the GIL, and the unwinding through torch's C++ frames
+aborts the process ("terminate called without an active exception", SIGABRT).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +43,32 @@ __all__ = ["TokenStoreDataset"]
 logger = logging.getLogger(__name__)
 
 _END = object()
+
+
+class _Prefetcher:
+    """The reading thread of one iteration and its stop flag; ``close`` stops it and waits for it."""
+
+    def __init__(self, work, stop: threading.Event, name: str):
+        self.stop = stop
+        self.thread = threading.Thread(target=work, name=f"prefetch:{name}", daemon=True)
+        _LIVE.add(self)
+        self.thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            # The thread notices the flag within a put timeout (0.1 s) or after the batch it is reading.
+            self.thread.join(timeout)
+
+
+_LIVE: "weakref.WeakSet[_Prefetcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Before the interpreter finalizes: no reading thread may still run torch code then (module docstring)."""
+    for prefetcher in list(_LIVE):
+        prefetcher.close()
 
 
 def check_position_maps(name: str, state_dict: dict[str, Any], seq_len: int, split: SplitKey | None) -> None:
@@ -127,10 +159,9 @@ class TokenStoreDataset(IterableDataset, Stateful):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         produced = self._positions(self._epoch, self._next_window)
         if self.prefetch <= 0:
-            items = produced
-            stop = None
+            items, prefetcher = produced, None
         else:
-            items, stop = self._prefetched(produced)
+            items, prefetcher = self._prefetched(produced)
         try:
             for epoch, next_window, batch in items:
                 if batch is None:  # end of a finite pass
@@ -141,10 +172,10 @@ class TokenStoreDataset(IterableDataset, Stateful):
                 self._epoch, self._next_window = epoch, next_window
                 yield batch
         finally:
-            if stop is not None:
-                stop.set()
+            if prefetcher is not None:
+                prefetcher.close()
 
-    def _prefetched(self, produced: Iterator) -> tuple[Iterator, threading.Event]:
+    def _prefetched(self, produced: Iterator) -> tuple[Iterator, _Prefetcher]:
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
@@ -163,7 +194,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
                 buffer.put(e)
             buffer.put(_END)
 
-        threading.Thread(target=work, name=f"prefetch:{self.name}", daemon=True).start()
+        prefetcher = _Prefetcher(work, stop, self.name)
 
         def consume() -> Iterator:
             while True:
@@ -176,7 +207,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
                 if item[2] is None:
                     return
 
-        return consume(), stop
+        return consume(), prefetcher
 
     def rewind(self) -> None:
         self._epoch = self._next_window = 0

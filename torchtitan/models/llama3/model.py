@@ -15,7 +15,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
 from torchtitan.models.llama3.args import ModelArgs
@@ -84,12 +83,6 @@ def apply_rotary_emb(
     angle p * theta_i, so published checkpoints load without permuting wq/wk.
     """
     cos, sin = rope_cache.unsqueeze(-2).chunk(2, dim=-1)  # [..., L, 1, head_dim/2], broadcasts over heads
-    if xq.device.type == "cpu" and not isinstance(xq, DTensor) and not torch.compiler.is_compiling():
-        # Eager CPU: one complex multiply per tensor, forward and backward, instead of four real
-        # ones, a stack and their backward (faster: benchmarks/README.md section 11); the same
-        # products and sums, bitwise (tests/models/test_llama3_model.py).
-        rotation = torch.complex(cos.float(), sin.float())  # a bf16 cache widens exactly, as the real path promotes it
-        return rotate_pairs_complex(xq, rotation), rotate_pairs_complex(xk, rotation)
     return rotate_pairs(xq, cos, sin), rotate_pairs(xk, cos, sin)
 
 
@@ -99,12 +92,6 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
-
-
-def rotate_pairs_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """``rotate_pairs`` as a complex product: pair (x0, x1) is x0 + i x1, ``rotation`` is cos + i sin."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -129,18 +116,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
+    def rotary(self, xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the query and key heads (``apply_rotary_emb``); a CPU kernel may stand in (ops/cpu_kernels.py)."""
+        return apply_rotary_emb(xq, xk, rope_cache)
+
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention: q [B, H, L, D]; k, v [B, H_kv, L, D] (grouped-query heads).
 
-        Context parallelism swaps this method out (it gathers k and v before repeating them).
+        Context parallelism swaps this method out (it gathers k and v before repeating them);
+        on CPU a grouped-query kernel may stand in (ops/cpu_kernels.py).
         """
         n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1 and q.device.type == "cpu" and not isinstance(q, DTensor):
-            # The CPU kernel reads each K/V head for its query group itself: no repeated copies
-            # of k and v, and no sum over those copies in backward (faster: benchmarks/README.md
-            # section 11). Same output bitwise; k and v gradients differ
-            # by rounding (their query-group sum is taken in another order).
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
@@ -149,7 +136,7 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, rope_cache[..., :seqlen, :])
+        xq, xk = self.rotary(xq, xk, rope_cache[..., :seqlen, :])
         out = self.sdpa(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 

@@ -1,13 +1,13 @@
 """Apply the parallelisms to a Llama 3 model, in a fixed readable order:
 
-    (CPU: oneDNN linears) -> tensor parallel -> context parallel -> activation checkpointing
+    (CPU: kernel swap) -> tensor parallel -> context parallel -> activation checkpointing
     -> torch.compile -> FSDP2
 
 Order matters: TP rewrites the linear layers into DTensor shards first, AC and
 compile then wrap each transformer block's (already parallel) forward, and FSDP
 comes last so that it shards what the other steps produced and its all-gathers
-sit outside the compiled and recomputed regions. On CPU the linear layers first take
-oneDNN's float32 products (models/cpu_linear.py): a class change that the later steps do not see.
+sit outside the compiled and recomputed regions. On CPU the linear and attention modules first
+take the eager-CPU kernels (ops/cpu_kernels.py): a class change that the later steps do not see.
 
 Every step keeps the parameter FQNs unchanged (AC replaces forward in place, in-place
 ``Module.compile``, FSDP2), which checkpoints and the layout-invariant init rely on.
@@ -32,7 +32,8 @@ from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_attention, local_positions
-from torchtitan.models.cpu_linear import onednn_available, use_onednn_linears
+from torchtitan.models.llama3.model import Attention
+from torchtitan.ops.cpu_kernels import onednn_available, use_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     # parameter must sit in one (fault_tolerance/hooks.py).
     fsdp_on_one_rank = not (dims.dp_enabled or dims.fsdp_enabled) and (
         mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
-    if device_type == "cpu" and cfg.training.cpu_matmul == "onednn" and not cfg.training.compile:
-        if n := use_onednn_linears(model):
+    if device_type == "cpu":
+        onednn = cfg.training.cpu_matmul == "onednn" and not cfg.training.compile
+        if n := use_cpu_kernels(model, Attention, onednn_linears=onednn)["linear"]:
             logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
     if dims.tp_enabled:
         apply_tp(
@@ -157,7 +159,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    *([torch.ops.mkldnn._linear_pointwise.default] if onednn_available() else []),  # models/cpu_linear.py
+    *([torch.ops.mkldnn._linear_pointwise.default] if onednn_available() else []),  # ops/cpu_kernels.py
 }
 
 
