@@ -140,6 +140,11 @@ class Checkpoint:
     model_weights_only: bool = opt(False, "Final save holds model weights only")
     export_dtype: str = opt("float32", "Dtype of a weights-only export", choices=("float32", "bfloat16"))
     load_step: int = opt(-1, "Step to load; -1 = latest complete checkpoint")
+    checksums: bool = opt(
+        True, "Record a checksum of every file a save writes (in its manifest) and verify the files each rank "
+        "reads at load: a damaged latest checkpoint falls back to the newest earlier one that verifies; "
+        "see docs/checkpoint_integrity.md",
+    )
     exclude_from_loading: list[str] = opt([], "State keys not to load (e.g. optimizer,dataloader)")
     create_seed_checkpoint: bool = opt(False, "Write an initialized step-0 checkpoint and exit")
     initial_load_path: str | None = opt(
