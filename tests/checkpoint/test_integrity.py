@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
 from checkpoint.helpers import FSDP2, full_model_digests, make_trainer
 from dist_harness import run_ranks
+
 from torchtitan.checkpoint import integrity
 
 COMMON = [*FSDP2, "--training.steps=4", "--checkpoint.interval=2", "--comm.train_timeout_seconds=60"]

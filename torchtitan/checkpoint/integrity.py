@@ -26,9 +26,10 @@ import io
 import json
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
@@ -53,7 +54,7 @@ def file_checksum(path: Path) -> str:
 class _HashingStream(io.RawIOBase):
     """A write stream that hashes what passes through it and remembers a full disk."""
 
-    def __init__(self, raw: io.BufferedWriter, path: Path, fs: "_HashingFileSystem") -> None:
+    def __init__(self, raw: io.BufferedWriter, path: Path, fs: _HashingFileSystem) -> None:
         super().__init__()
         self.raw, self.path, self.fs = raw, path, fs
         self.hash, self.hashed = xxhash.xxh3_64(), 0

@@ -48,7 +48,7 @@ from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.preemption import PreemptionWatch
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.stage_view import model_view
-from torchtitan.checkpoint.store import commit, purge, read_dcp_metadata, read_manifest, scan, tmp_dir, verify
+from torchtitan.checkpoint.store import commit, purge, read_dcp_metadata, scan, tmp_dir, verify
 from torchtitan.config.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -202,21 +202,19 @@ class CheckpointManager:
     def _check_space(self, step: int, kind: str, state: dict[str, Any]) -> int:
         """Before any write: the bytes this save needs; DiskFullError on every rank when any rank lacks them.
 
-        The ranks agree (one gather) because their measures of a shared file system may
-        differ by what others wrote meanwhile, and a rank that raised alone would leave
-        the others waiting in DCP's collectives.
+        The ranks agree (one gather of each one's free space and state sizes) because their
+        measures of a shared file system may differ by what others wrote meanwhile, and a
+        rank that raised alone would leave the others waiting in DCP's collectives; the
+        union of the state sizes is also the whole save's under pipeline parallelism.
         """
-        world = dist.get_world_size(self.pg) if self.pg is not None else 1
-        needed = space.previous_size(self.folder, kind) or space.state_bytes(state, world)
-        free = space.free_bytes(self.folder)
-        short = (free, needed) if free < needed else None
-        if self.pg is not None and world > 1:
-            outcomes: list[Any] = [None] * world
-            dist.all_gather_object(outcomes, short, group=self.pg)
-            short = min((o for o in outcomes if o is not None), default=None)
-        if short is not None:
-            raise space.DiskFullError(space.disk_full_line(self.folder, step, short[1], short[0],
-                                                           midway=False))
+        previous = space.previous_size(self.folder, kind)
+        sizes = {} if previous else space.state_sizes(state)
+        outcomes = self._gather((space.free_bytes(self.folder), sizes))
+        merged = {key: size for _, sizes_of_rank in outcomes for key, size in sizes_of_rank.items()}
+        needed = previous or sum(merged.values())
+        free = min(free_of_rank for free_of_rank, _ in outcomes)
+        if free < needed:
+            raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, free, midway=False))
         return needed
 
     def _raise_if_disk_full(self, error: BaseException, step: int, needed: int, together: bool = False) -> None:
@@ -398,7 +396,8 @@ class CheckpointManager:
         """
         if self.rank != 0:
             return
-        weights = sum(p.numel() * p.element_size() for p in self._view.parameters())  # DTensors: global sizes
+        # DTensors count their global sizes; a pipeline stage holds about 1/pp of the layers.
+        weights = self.layout["pp"] * sum(p.numel() * p.element_size() for p in self._view.parameters())
         size = space.previous_size(self.folder, "full") or 3 * weights
         warning = space.room_warning(self.folder, self.ck.keep_latest_k, size)
         if warning:
@@ -448,7 +447,7 @@ class CheckpointManager:
                            "loaded or deleted: move the damaged ones away to start from scratch")
 
     def _bad_files(self, path: Path, manifest: dict[str, Any], state: dict[str, Any] | None) -> list[str]:
-        """Lines naming the files this rank reads (only ``.metadata`` when ``state`` is None) that fail their checksum."""
+        """Lines naming the files this rank reads (``.metadata`` alone when ``state`` is None) that fail their check."""
         checksums = manifest.get("checksums")
         if not self.ck.checksums:
             return []

@@ -4,7 +4,7 @@ A save that cannot fit ends the job with ``DiskFullError``: one line on every ra
 naming the folder, the bytes needed against the bytes free and the last good
 checkpoint, and the exit status ``EXIT_DISK_FULL`` (train.py). The size a save
 will write is the previous checkpoint's of the same kind (its manifest lists every
-file's size), or, for the first one, the state's own bytes (``state_bytes``).
+file's size), or, for the first one, the state's own bytes (``state_sizes``).
 Nothing here communicates; the manager makes the ranks agree.
 """
 
@@ -43,27 +43,25 @@ def free_bytes(folder: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def state_bytes(state: dict[str, Any], world_size: int) -> int:
-    """The bytes a DCP save of ``state`` writes across all ranks, from the state alone.
+def state_sizes(state: dict[str, Any], prefix: str = "") -> dict[str, int]:
+    """The bytes a DCP save of ``state`` writes, per flattened key, as this rank sees it.
 
-    A DTensor counts its global size (DCP writes each shard once, replicas once), so every
-    rank computes the same total without a collective. ``rng`` holds one entry per rank.
+    A DTensor counts its global size: DCP writes each shard once and replicas once, so
+    the union of every rank's keys (pipeline stages hold different ones; ``rng`` has a key
+    per rank) sums to what the save writes across all ranks.
     """
-    total = 0
+    sizes: dict[str, int] = {}
     for key, value in state.items():
-        copies = world_size if key == "rng" else 1
-        total += copies * _value_bytes(value)
-    return total
-
-
-def _value_bytes(value: Any) -> int:
-    if isinstance(value, dict):
-        return sum(_value_bytes(v) for v in value.values())
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size() + _PER_ITEM_OVERHEAD
-    if isinstance(value, (bytes, bytearray)):
-        return len(value) + _PER_ITEM_OVERHEAD
-    return len(pickle.dumps(value)) + _PER_ITEM_OVERHEAD
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            sizes.update(state_sizes(value, f"{name}."))
+        elif isinstance(value, torch.Tensor):
+            sizes[name] = value.numel() * value.element_size() + _PER_ITEM_OVERHEAD
+        elif isinstance(value, (bytes, bytearray)):
+            sizes[name] = len(value) + _PER_ITEM_OVERHEAD
+        else:
+            sizes[name] = len(pickle.dumps(value)) + _PER_ITEM_OVERHEAD
+    return sizes
 
 
 def checkpoint_bytes(path: Path) -> int | None:
