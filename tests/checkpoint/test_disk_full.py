@@ -103,3 +103,17 @@ def test_the_check_before_a_save_uses_the_previous_checkpoints_size(tmp_path):
         assert lines[0].startswith(f"checkpoint: disk full: the save of step 2 does not fit; nothing was written "
                                    f"(needs {step1:,} bytes in {folder}, ")
         assert sorted(p.name for p in folder.iterdir()) == ["step-1"]
+
+
+def test_the_start_warning_counts_keep_latest_k_plus_one(tmp_path, monkeypatch):
+    """Room = free space + the checkpoints already there (deleted as new ones commit); k kept + 1 being written."""
+    folder = tmp_path / "checkpoint"
+    (folder / "step-1").mkdir(parents=True)
+    (folder / "step-1" / "checkpoint.json").write_text(json.dumps({"format": 1, "kind": "full", "files": {"a": 100}}))
+    monkeypatch.setattr(space, "free_bytes", lambda _: 150)
+    assert space.room_warning(folder, 2, 100) == (
+        f"checkpoint: {folder} cannot hold keep_latest_k + 1 = 3 checkpoints of about 100 bytes each: 300 bytes are "
+        "needed, 250 are available; a save will fail with a full disk")
+    assert space.room_warning(folder, 1, 100) is None
+    assert space.room_warning(folder, 0, 100) is None  # keep all: one more must fit in the free space
+    assert "cannot hold one more checkpoint (keep_latest_k=0 keeps them all)" in space.room_warning(folder, 0, 151)
