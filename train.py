@@ -3,7 +3,9 @@
 Also runs as a single process (``python train.py ...``); ``python train.py --preflight_only ...``
 only checks the job (``run_llama_train.sh`` does so once before starting torchrun). A config problem prints one
 line per problem and exits with status 2 on every rank, before any process group
-exists; a failure during training is logged and exits with status 1, which makes
+exists; a checkpoint save that does not fit on its disk prints one line on every rank and
+exits with status 74 (``torchtitan/checkpoint/space.py``, docs/checkpoint_integrity.md);
+any other failure during training is logged and exits with status 1, which makes
 torchrun stop the other ranks rather than leave them waiting.
 
 Every path ends the same way (``shutdown_distributed``): the trainer has closed its
@@ -45,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in e.problems:
             print(f"config error: {problem}", file=sys.stderr)
         status = 2
-    except Exception:
-        logging.getLogger(__name__).exception("Training failed")
+    except Exception as e:
+        status = _failure_status(e)
     finally:
         # Runs on every path, KeyboardInterrupt included: a barrier with a timeout on success,
         # then every process group destroyed while the interpreter is alive.
@@ -56,6 +58,17 @@ def main(argv: list[str] | None = None) -> int:
 
             shutdown_distributed(ok=status == 0, timeout_seconds=shutdown_timeout)
     return status
+
+
+def _failure_status(error: Exception) -> int:
+    """Log a training failure; its exit status: a full checkpoint disk has its own, with one line and no traceback."""
+    from torchtitan.checkpoint.space import DiskFullError
+
+    if isinstance(error, DiskFullError):
+        logging.getLogger(__name__).error("%s", error)
+        return DiskFullError.exit_status
+    logging.getLogger(__name__).exception("Training failed")
+    return 1
 
 
 def preflight_only(manager: ConfigManager, argv: list[str]) -> int:

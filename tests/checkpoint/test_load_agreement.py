@@ -33,7 +33,9 @@ def _faulty_loads(rank: int, world_size: int, dump: str) -> dict:
     import torchtitan.checkpoint.manager as manager
 
     # Short training timeout: the loads below must not need it, they must fail at once.
-    common = [*FSDP2, "--checkpoint.interval=2", "--comm.train_timeout_seconds=30"]
+    # Without checksums: a truncated file must fail DCP's own read here (with them, the damaged
+    # checkpoint is caught before reading, which tests/checkpoint/test_integrity.py covers).
+    common = [*FSDP2, "--checkpoint.interval=2", "--comm.train_timeout_seconds=30", "--checkpoint.checksums=false"]
     make_trainer(dump, *common, "--training.steps=2").train()  # writes step-2
     out = {}
 

@@ -44,10 +44,11 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
+from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.preemption import PreemptionWatch
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.stage_view import model_view
-from torchtitan.checkpoint.store import CheckpointKind, commit, purge, read_dcp_metadata, scan, tmp_dir
+from torchtitan.checkpoint.store import CheckpointKind, commit, purge, read_dcp_metadata, scan, tmp_dir, verify
 from torchtitan.config.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class _PendingSave:
     kind: str
     future: Future
     started: float
+    writer: dcp.FileSystemWriter
+    needed: int
 
 
 class CheckpointManager:
@@ -175,27 +178,65 @@ class CheckpointManager:
     def _write(self, step: int, kind: str, state: dict[str, Any], sync: bool) -> None:
         self._finish_pending()
         tmp = tmp_dir(self.folder, step, self.tmp_tag)
-        if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                # An earlier attempt at this step was interrupted; it was never visible.
-                shutil.rmtree(tmp)
-        self._barrier()  # nobody creates files in tmp before rank 0 has cleared it
-        writer = dcp.FileSystemWriter(str(tmp))
+        if self.rank == 0 and tmp.exists():
+            # An earlier attempt at this step was interrupted; it was never visible.
+            shutil.rmtree(tmp)
+        self._barrier()  # nobody measures the free space, nor creates files in tmp, before rank 0 cleared it
+        needed = self._check_space(step, kind, state)
+        writer = integrity.ChecksummingWriter(str(tmp)) if self.ck.checksums else dcp.FileSystemWriter(str(tmp))
         started = time.monotonic()
         if sync:
-            dcp.save(state, storage_writer=writer, process_group=self.pg)
-            self._commit(step, kind, started)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                self._raise_if_disk_full(e, step, needed, together=True)
+                raise
+            self._commit(step, kind, started, writer)
         else:
             response = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
             # torch returns a Future, or with custom staging a response holding one.
             future = getattr(response, "upload_completion", response)
-            self._pending = _PendingSave(step, kind, future, started)
+            self._pending = _PendingSave(step, kind, future, started, writer, needed)
             if self.rank == 0:
                 logger.info("Checkpoint step %d: async save started (staged in %.2fs)", step,
                             time.monotonic() - started)
 
-    def _commit(self, step: int, kind: str, started: float) -> None:
+    def _check_space(self, step: int, kind: str, state: dict[str, Any]) -> int:
+        """Before any write: the bytes this save needs; DiskFullError on every rank when any rank lacks them.
+
+        The ranks agree (one gather of each one's free space and state sizes) because their
+        measures of a shared file system may differ by what others wrote meanwhile, and a
+        rank that raised alone would leave the others waiting in DCP's collectives; the
+        union of the state sizes is also the whole save's under pipeline parallelism.
+        """
+        previous = space.previous_size(self.folder, kind)
+        sizes = {} if previous else space.state_sizes(state)
+        outcomes = self._gather((space.free_bytes(self.folder), sizes))
+        merged = {key: size for _, sizes_of_rank in outcomes for key, size in sizes_of_rank.items()}
+        needed = previous or sum(merged.values())
+        free = min(free_of_rank for free_of_rank, _ in outcomes)
+        if free < needed:
+            raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, free, midway=False))
+        return needed
+
+    def _raise_if_disk_full(self, error: BaseException, step: int, needed: int, together: bool = False) -> None:
+        """A save that failed with ENOSPC/EDQUOT (DCP shares each rank's error with all): remove it, name it.
+
+        ``together``: a synchronous save, which DCP failed on every rank at once; the ranks then
+        measure the free space after the removal, and print the same line. An async save's
+        failure is seen by each rank when it next looks, so no rank waits for the others.
+        """
+        if not space.is_disk_full(error):
+            return
+        tmp = tmp_dir(self.folder, step, self.tmp_tag)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes: DCP failed them together
+        if together:
+            self._barrier()
+        raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, space.free_bytes(self.folder),
+                                                       midway=True)) from None
+
+    def _commit(self, step: int, kind: str, started: float, writer: dcp.FileSystemWriter) -> None:
         # DCP's save returns on rank 0 only after every rank reported its writes and the
         # global metadata is written, so rank 0 alone can make the checkpoint visible.
         if self.rank != 0:
@@ -204,6 +245,9 @@ class CheckpointManager:
                                                                      else sorted(self.extra)), "layout": self.layout,
                     "dtype": self.ck.export_dtype if kind == CheckpointKind.WEIGHTS_ONLY else "as trained",
                     "torch_version": torch.__version__}
+        if isinstance(writer, integrity.ChecksummingWriter):
+            tmp = tmp_dir(self.folder, step, self.tmp_tag)
+            manifest["checksums"] = integrity.collect(tmp, writer.metadata_checksum())
         path = commit(self.folder, step, manifest, self.tmp_tag)
         logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
         # Never the checkpoint this run loaded, nor the one just written (an older run may have left higher steps).
@@ -221,8 +265,12 @@ class CheckpointManager:
         if pending is None or (not block and not pending.future.done()):
             return
         self._pending = None
-        pending.future.result()  # re-raises a failed save on this rank
-        self._commit(pending.step, pending.kind, pending.started)
+        try:
+            pending.future.result()  # re-raises a failed save on this rank
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._raise_if_disk_full(e, pending.step, pending.needed)
+            raise
+        self._commit(pending.step, pending.kind, pending.started, pending.writer)
 
     def save(self, step: int, *, kind: str = CheckpointKind.FULL, sync: bool = True) -> None:
         """Write a checkpoint of the current state (a collective: every rank calls it)."""
@@ -295,6 +343,7 @@ class CheckpointManager:
         if not self.enabled:
             self._load_initial()
             return 0
+        self._warn_if_folder_small()
         path, manifest = self._choose()
         if path is None:
             if self.initial_load:
@@ -305,10 +354,10 @@ class CheckpointManager:
         if self.initial_load and self.rank == 0:
             logger.info("Checkpoint: %s holds this run's own checkpoint, which wins: --checkpoint.initial_load_path="
                         "%s is not loaded", self.folder, self.ck.initial_load_path)
-        step = int(manifest["step"])
-        wanted = self._states_to_load(manifest, path)
         started = time.monotonic()
-        self._read_and_apply(path, wanted)
+        path, manifest, wanted, state = self._verified(path, manifest)
+        step = int(manifest["step"])
+        self._read_and_apply(path, state)
         self.loaded_step = step
         resumed = step if "train_state" in wanted else 0
         if self.rank == 0:
@@ -349,12 +398,97 @@ class CheckpointManager:
                             manifest.get("layout"), self.layout)
         return wanted
 
-    def _read_and_apply(self, path: Path, wanted: list[str]) -> None:
-        """Read ``wanted`` from ``path`` into this layout, then set it; a failure on any rank fails every rank."""
+    def _warn_if_folder_small(self) -> None:
+        """At start (rank 0): warn when the folder cannot hold ``keep_latest_k`` + 1 full checkpoints.
+
+        The size is the newest full checkpoint's, or else the weights and AdamW's two moments
+        (three times the model's bytes): the optimizer state does not exist yet, and building
+        it only to measure it would change the run.
+        """
+        if self.rank != 0:
+            return
+        # DTensors count their global sizes; a pipeline stage holds about 1/pp of the layers.
+        weights = self.layout["pp"] * sum(p.numel() * p.element_size() for p in self._view.parameters())
+        size = space.previous_size(self.folder, CheckpointKind.FULL) or 3 * weights
+        warning = space.room_warning(self.folder, self.ck.keep_latest_k, size)
+        if warning:
+            logger.warning("%s", warning)
+
+    # ---- verifying before loading ------------------------------------------------
+    def _verified(self, path: Path, manifest: dict[str, Any]) -> tuple[Path, dict[str, Any], list[str], dict]:
+        """The checkpoint to load, its manifest, the states wanted and their template, after the checksums.
+
+        Each rank hashes the files its own load will read; one gather per candidate then
+        gives every rank every bad file, so all log the same lines and take the same
+        next candidate: the collectives stay in step whatever any rank found. With an
+        explicit ``load_step`` a bad file ends the job; otherwise the newest earlier
+        checkpoint that verifies loads. Nothing is read into the model before a
+        candidate verified on every rank.
+        """
+        explicit = self.ck.load_step >= 0
+        candidates = [path] + ([] if explicit else [
+            p for s, p in sorted(scan(self.folder).committed.items(), reverse=True) if s < int(manifest["step"])])
+        for candidate in candidates:
+            error, bad, wanted, state = None, [], [], {}
+            try:
+                if candidate is not path:
+                    bad, manifest = verify(candidate, None)  # preflight checked only the first candidate
+                bad = bad or self._bad_files(candidate, manifest, None)  # .metadata, before it is unpickled
+                if not bad:
+                    wanted = self._states_to_load(manifest, candidate)
+                    state = self._load_template(wanted, candidate)
+                    bad = self._bad_files(candidate, manifest, state)
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
+                error = f"{type(e).__name__}: {e}"
+            outcomes = self._gather((error, bad, candidate.name))
+            self._raise_failures([o[0] for o in outcomes], f"verifying {candidate}")
+            if len({o[2] for o in outcomes}) != 1:
+                raise RuntimeError(f"ranks see different checkpoints in {self.folder}: {[o[2] for o in outcomes]}; "
+                                   "the checkpoint folder must be one shared file system path")
+            every_bad = sorted({line for o in outcomes for line in o[1]})
+            if not every_bad:
+                return candidate, manifest, wanted, state
+            for line in every_bad:  # on every rank: a rank's log alone tells what happened
+                logger.error("%s", line)
+            if explicit:
+                raise RuntimeError(f"--checkpoint.load_step={self.ck.load_step}: {every_bad[0]}; nothing was loaded "
+                                   "or deleted: pass another step, or -1 for the newest checkpoint that verifies")
+            logger.warning("Checkpoint: %s does not verify; trying the newest earlier checkpoint", candidate)
+        raise RuntimeError(f"checkpoint: no checkpoint in {self.folder} verifies (see the lines above); nothing was "
+                           "loaded or deleted: move the damaged ones away to start from scratch")
+
+    def _bad_files(self, path: Path, manifest: dict[str, Any], state: dict[str, Any] | None) -> list[str]:
+        """Lines naming the files this rank reads (``.metadata`` alone when ``state`` is None) that fail their check."""
+        checksums = manifest.get("checksums")
+        if not self.ck.checksums:
+            return []
+        if checksums is None:
+            if state is None and self.rank == 0:
+                logger.warning("Checkpoint: %s was written without checksums (before they were recorded, or with "
+                               "--checkpoint.checksums=false); it loads unverified", path)
+            return []
+        if state is None:
+            return integrity.bad_files(path, checksums, {integrity.DCP_METADATA})
+        names = integrity.files_read(state, read_dcp_metadata(path)) - {integrity.DCP_METADATA}
+        return integrity.bad_files(path, checksums, names)
+
+    def _gather(self, item: Any) -> list[Any]:
+        if self.pg is None or dist.get_world_size(self.pg) == 1:
+            return [item]
+        outcomes: list[Any] = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(outcomes, item, group=self.pg)
+        return outcomes
+
+    def _raise_failures(self, errors: list[str | None], doing: str) -> None:
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RuntimeError(f"checkpoint: {doing} failed on {len(failed)} of {len(errors)} ranks (nothing was "
+                               f"deleted): " + " | ".join(failed))
+
+    def _read_and_apply(self, path: Path, state: dict[str, Any]) -> None:
+        """Read ``state``'s entries from ``path`` into this layout, then set them; a failure on any rank fails all."""
         error = None
         try:
-            state = self._load_template(wanted, path)
-            # DCP shares a failed read with every rank itself (its collectives carry exceptions).
             dcp.load(state, checkpoint_id=str(path), process_group=self.pg)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = f"{type(e).__name__}: {e}"

@@ -146,6 +146,11 @@ class Checkpoint:
     model_weights_only: bool = field_with_help(False, "Final save holds model weights only")
     export_dtype: str = field_with_help("float32", "Dtype of a weights-only export", choices=("float32", "bfloat16"))
     load_step: int = field_with_help(-1, "Step to load; -1 = latest complete checkpoint")
+    checksums: bool = field_with_help(
+        True, "Record a checksum of every file a save writes (in its manifest) and verify the files each rank "
+        "reads at load: a damaged latest checkpoint falls back to the newest earlier one that verifies; "
+        "see docs/checkpoint_integrity.md",
+    )
     exclude_from_loading: list[str] = field_with_help([], "State keys not to load (e.g. optimizer,dataloader)")
     create_seed_checkpoint: bool = field_with_help(False, "Write an initialized step-0 checkpoint and exit")
     preemption_check_steps: int = field_with_help(

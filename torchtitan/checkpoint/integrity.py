@@ -1,0 +1,220 @@
+"""Checksums of checkpoint files: computed while DCP writes them, verified before a load.
+
+Writing: ``ChecksummingWriter`` is DCP's ``FileSystemWriter`` whose streams hash every
+byte on its way to the file (xxHash's XXH3-64, a fast non-cryptographic hash: it catches
+flipped bits, not tampering), so no file is read a second time. DCP writes each file
+front to back and never seeks back, which is what makes the running hash the file's
+hash; a stream that ended elsewhere than where its hash stopped is hashed again from
+disk instead (``_HashingStream.close``). After its data files, each rank writes the
+hashes into a small ``__<rank>.checksums.json``; rank 0 gathers them, with the hash
+of DCP's ``.metadata``, into the manifest at commit (``collect``).
+
+The stream also remembers the first ENOSPC/EDQUOT it met: DCP's zip writer turns that
+error into "unexpected pos ..." which no longer says "disk full", so ``write_data``
+raises the remembered error in its place, and every rank learns of it through DCP's
+exception gathering (``torchtitan/checkpoint/space.py`` names it).
+
+Reading: ``files_read`` asks DCP's load planner which files this rank's load will
+touch (plus ``.metadata``, which every rank reads); ``bad_files`` hashes those and
+names every one that differs from the manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+ALGORITHM = "xxh3_64"
+SIDECAR_SUFFIX = ".checksums.json"
+DCP_METADATA = ".metadata"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_CHUNK = 8 << 20
+
+
+def file_checksum(path: Path) -> str:
+    """The checksum of a file on disk (one sequential read)."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes what passes through it and remembers a full disk."""
+
+    def __init__(self, raw: io.BufferedWriter, path: Path, fs: _HashingFileSystem) -> None:
+        super().__init__()
+        self.raw, self.path, self.fs = raw, path, fs
+        self.hash, self.hashed = xxhash.xxh3_64(), 0
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno in _DISK_FULL:
+                self.fs.note_disk_full(e)
+            raise
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        n = self._guard(self.raw.write, b)
+        view = memoryview(b).cast("B")
+        self.hash.update(view if n is None or n == view.nbytes else view[:n])
+        self.hashed += view.nbytes if n is None else n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self._guard(self.raw.flush)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            end = self.raw.tell()
+            self._guard(self.raw.close)
+        finally:
+            super().close()
+        # Written front to back, the running hash is the file's; otherwise read it back once.
+        self.fs.record(self.path, self.hash.hexdigest() if end == self.hashed else file_checksum(self.path))
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system whose write streams hash as they write (thread-safe: DCP may use threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: dict[str, str] = {}
+        self.disk_full: OSError | None = None
+        self._lock = threading.Lock()
+
+    def record(self, path: Path, digest: str) -> None:
+        with self._lock:
+            self.checksums[Path(path).name] = digest
+
+    def note_disk_full(self, error: OSError) -> None:
+        with self._lock:
+            self.disk_full = self.disk_full or error
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            raw = open(path, mode)
+        except OSError as e:
+            if e.errno in _DISK_FULL:
+                self.note_disk_full(e)
+            raise
+        stream = _HashingStream(raw, Path(path), self)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
+        with self._lock:
+            if Path(path).name in self.checksums:
+                self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """``FileSystemWriter`` that records a checksum of every file it writes (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+
+    @property
+    def disk_full(self) -> OSError | None:
+        return self.fs.disk_full
+
+    def write_data(self, plan, planner):
+        try:
+            future = super().write_data(plan, planner)
+            future.wait()
+        except Exception as e:
+            if self.fs.disk_full is not None and self.fs.disk_full is not e:
+                raise self.fs.disk_full from e
+            raise
+        with self.fs._lock:
+            mine = {name: digest for name, digest in self.fs.checksums.items() if name != DCP_METADATA}
+        sidecar = Path(self.path) / f"__{plan.storage_data.prefix.strip('_')}{SIDECAR_SUFFIX}"
+        sidecar.write_text(json.dumps(mine, sort_keys=True))
+        return future
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as e:
+            if self.fs.disk_full is not None and self.fs.disk_full is not e:
+                raise self.fs.disk_full from e
+            raise
+
+    def metadata_checksum(self) -> str | None:
+        with self.fs._lock:
+            return self.fs.checksums.get(DCP_METADATA)
+
+
+def collect(tmp: Path, metadata_checksum: str | None) -> dict[str, Any]:
+    """Rank 0 at commit: every rank's checksums (their side files removed) for the manifest."""
+    files: dict[str, str] = {}
+    for sidecar in sorted(tmp.glob(f"*{SIDECAR_SUFFIX}")):
+        files.update(json.loads(sidecar.read_text()))
+        sidecar.unlink()
+    # .metadata is written by rank 0 in this process; an async save's writer may be gone: hash it here.
+    files[DCP_METADATA] = metadata_checksum or file_checksum(tmp / DCP_METADATA)
+    return {"algorithm": ALGORITHM, "files": files}
+
+
+def files_read(state: dict[str, Any], metadata) -> set[str]:
+    """The checkpoint files a ``dcp.load`` of ``state`` reads on this rank (planned locally, no collective)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, False)
+    plan = planner.create_local_plan()
+    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items} | {DCP_METADATA}
+
+
+def bad_files(path: Path, checksums: dict[str, Any], names: set[str]) -> list[str]:
+    """One line per file of ``names`` whose bytes differ from the checksum the manifest recorded."""
+    if checksums.get("algorithm") != ALGORITHM:
+        return [f"checkpoint {path}: unknown checksum algorithm {checksums.get('algorithm')!r} (expected {ALGORITHM})"]
+    expected, lines = checksums.get("files", {}), []
+    for name in sorted(names):
+        if name not in expected:
+            lines.append(f"checkpoint {path}: file {name} has no checksum in the manifest")
+            continue
+        try:
+            actual = file_checksum(path / name)
+        except OSError as e:
+            lines.append(f"checkpoint {path}: file {name} is unreadable ({e})")
+            continue
+        if actual != expected[name]:
+            lines.append(f"checkpoint {path}: file {name} is corrupt (checksum {actual}, {expected[name]} was "
+                         "written)")
+    return lines
