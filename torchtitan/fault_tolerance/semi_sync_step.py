@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.compat import semi_sync_local_step
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.distributed.grads import match_grad_placements
@@ -88,7 +89,7 @@ class SemiSyncStep(FaultTolerantStep):
 
     def _after_inner_step(self, trainer: Trainer, syncs_before: int) -> None:
         self.synced = False
-        if self.semi.algo._local_step != 0:
+        if semi_sync_local_step(self.semi.algo) != 0:
             return  # no sync at this step
         if self.manager.current_step() > syncs_before:  # committed (a heal also moved it to the peer's count)
             self.synced = True
