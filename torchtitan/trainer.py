@@ -34,6 +34,7 @@ from torchtitan.fault_tolerance.checks import data_slot
 from torchtitan.fault_tolerance.hooks import set_gradient_sync
 from torchtitan.loss import LossScale, count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
+from torchtitan.metrics.wandb_run import wandb_run_from_config
 from torchtitan.metrics.logger import format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models.llama3 import Transformer, flops_per_token
@@ -176,7 +177,8 @@ class Trainer:
         self.throughput = Throughput(total_steps=cfg.training.steps, flops_per_token=self.flops_per_token,
                                      peak_flops=peak)
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
-        self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank)
+        self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank,
+                                            wandb_run=wandb_run_from_config(cfg) if self.rank == 0 else None)
 
     # ---- training -------------------------------------------------------------
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -293,6 +295,7 @@ class Trainer:
             self.checkpointer.save_seed()
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
+        self.metrics_logger.start(self.step)  # a resumed job continues its W&B run
         data_iter = self.ft.start(self.step) if self.ft is not None else iter(self.dataloader)
         logger.info("Training %d steps: local batch %d x seq %d, %d micro-step(s), dp degree %d",
                     cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len, self.grad_accum,

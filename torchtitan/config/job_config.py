@@ -163,6 +163,15 @@ class Metrics:
     log_freq: int = opt(10, "Log metrics every this many steps", min=1)
     enable_tensorboard: bool = opt(False, "Write TensorBoard event files")
     save_tb_folder: str = opt("tb", "TensorBoard folder, under the dump folder")
+    enable_wandb: bool = opt(
+        False, "Also log the scalars TensorBoard gets, and the effective config, to Weights & Biases from rank 0. "
+        "Needs the wandb extra (pip install '.[wandb]'); WANDB_MODE=offline writes the run under the dump folder "
+        "without network. A run resumed from a checkpoint continues the same W&B run (docs/metrics.md)")
+    wandb_project: str = opt("torchtitan", "W&B project the run goes to")
+    wandb_entity: str | None = opt(None, "W&B entity (user or team); unset: the account's default entity")
+    wandb_run_name: str | None = opt(None, "W&B run name; unset: the dump folder's name")
+    wandb_group: str | None = opt(
+        None, "W&B group, which shows related runs together (e.g. the replica groups of one fault-tolerant job)")
 
 
 @dataclass
