@@ -2,7 +2,8 @@
 
 torch's and torchft's underscored names carry no promise between releases, so the rest
 of the package reaches them only through the functions here. Where versions differ, the
-function branches on what the installed version has and names the versions beside each
+function branches on what the installed version has (the feature, not the version number,
+so that a backport or a nightly takes the right path) and names the versions beside each
 branch; where an internal is gone, it raises ``CompatError`` naming the internal and the
 installed version, instead of an ``AttributeError`` deep inside a step. tests/test_compat.py
 exercises each one on the installed torch and torchft, so that an upgrade that moves one
@@ -24,19 +25,11 @@ import torch.distributed._functional_collectives as functional_collectives  # no
 from torch.distributed import distributed_c10d
 
 __all__ = [
-    "CompatError", "REDISTRIBUTE_LOGGER", "TORCH_VERSION", "all_process_groups", "default_store",
+    "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups", "default_store",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "install_dtensor_rng_tracker", "local_shape_and_global_offset", "semi_sync_local_step",
     "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step",
 ]
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-TORCH_VERSION: tuple[int, int] = _major_minor(torch.__version__)
 
 
 class CompatError(RuntimeError):
