@@ -38,6 +38,7 @@ from torchtitan.distributed.parallel_dims import dp_shard_problem
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.distributed.seeding import sharded_dims_problem
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
+from torchtitan.metrics.wandb_run import wandb_problems
 from torchtitan.models import model_args, model_flavors
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import ffn_hidden_dim
@@ -158,6 +159,7 @@ def check_config(cfg: JobConfig) -> list[str]:
                         "or give --training.dataset_path")
     if t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
         problems.append(f"--training.dataset_path={t.dataset_path}: no such file or folder")
+    problems += wandb_problems(cfg.metrics.enable_wandb)
     return problems + _validation_problems(cfg)
 
 

@@ -30,6 +30,7 @@ from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.loss import count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
+from torchtitan.metrics.wandb_run import wandb_run_from_config
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.models.llama3 import Transformer, flops_per_token
@@ -176,7 +177,8 @@ class Trainer:
         self.throughput = Throughput(total_steps=cfg.training.steps, flops_per_token=self.flops_per_token,
                                      peak_flops=peak)
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
-        self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank)
+        self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank,
+                                            wandb_run=wandb_run_from_config(cfg) if self.rank == 0 else None)
 
     # ---- training -------------------------------------------------------------
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -269,6 +271,7 @@ class Trainer:
             self.checkpointer.save_seed()
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
+        self.metrics_logger.start(self.step)  # a resumed job continues its W&B run
         data_iter = self.step_strategy.start(self.step)
         logger.info(format_batch_line(cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len,
                                       self.grad_accum, self.dims.degree("dp")))

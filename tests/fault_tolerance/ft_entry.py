@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan.compat import semi_sync_local_step
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -230,7 +232,8 @@ def _install() -> None:
                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}
         semi_sync = getattr(ft, "semi_sync_state", None)
         if semi_sync is not None:
-            line.update(synced=ft.synced, syncs=ft.manager.current_step(), local_step=semi_sync.algo._local_step,
+            line.update(synced=ft.synced, syncs=ft.manager.current_step(),
+                        local_step=semi_sync_local_step(semi_sync.algo),
                         global_state=global_hash(ft) if semi_sync.outers else state_hash(self, optimizer=False))
         with record.open("a") as f:
             f.write(json.dumps(line) + "\n")

@@ -258,9 +258,9 @@ def _region(value: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
         return None
     if not all(type(p) in (Shard, Replicate) for p in value.placements):
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torchtitan.compat import local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    shape, offset = local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     return tuple((o, o + s) for o, s in zip(offset, shape))
 
 

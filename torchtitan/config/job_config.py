@@ -178,6 +178,15 @@ class Metrics:
     log_freq: int = field_with_help(10, "Log metrics every this many steps", min=1)
     enable_tensorboard: bool = field_with_help(False, "Write TensorBoard event files")
     save_tb_folder: str = field_with_help("tb", "TensorBoard folder, under the dump folder")
+    enable_wandb: bool = field_with_help(
+        False, "Also log the scalars TensorBoard gets, and the effective config, to Weights & Biases from rank 0. "
+        "Needs the wandb extra (pip install '.[wandb]'); WANDB_MODE=offline writes the run under the dump folder "
+        "without network. A run resumed from a checkpoint continues the same W&B run (docs/metrics.md)")
+    wandb_project: str = field_with_help("torchtitan", "W&B project the run goes to")
+    wandb_entity: str | None = field_with_help(None, "W&B entity (user or team); unset: the account's default entity")
+    wandb_run_name: str | None = field_with_help(None, "W&B run name; unset: the dump folder's name")
+    wandb_group: str | None = field_with_help(
+        None, "W&B group, which shows related runs together (e.g. the replica groups of one fault-tolerant job)")
 
 
 @dataclass

@@ -31,10 +31,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
+
+from torchtitan.compat import functional_collectives as funcol
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:

@@ -11,10 +11,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.compat import REDISTRIBUTE_LOGGER
+
 
 # DTensor warns on every step that reducing a norm partial over (dp_shard, tp) takes two
 # all-reduces instead of one; for one scalar per mesh that costs nothing worth a warning.
-_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
+_REDISTRIBUTE_LOG = logging.getLogger(REDISTRIBUTE_LOGGER)
 
 
 @contextlib.contextmanager

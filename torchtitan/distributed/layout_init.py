@@ -26,8 +26,8 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from torchtitan.compat import local_shape_and_global_offset
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec
 
 CHUNK_NUMEL = 1 << 22  # values per generator chunk: part of the definition, do not change lightly
@@ -76,7 +76,7 @@ def init_params_layout_invariant(model: torch.nn.Module, seed: int) -> None:
             continue
         local = param.to_local()
         if _rows_only(param):
-            local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+            local_shape, offset = local_shape_and_global_offset(shape, param.device_mesh, param.placements)
             if local.numel():
                 start = offset[0] if shape else 0
                 local.copy_(init_rows(seed, fqn, shape, spec, start, start + local_shape[0]))

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan.compat import all_process_groups, default_store, set_pg_timeout
+
 
 def device_type() -> str:
     """The accelerator when there is one, else the CPU."""
@@ -76,7 +78,7 @@ def _store_barrier(name: str, timeout: timedelta) -> None:
     store cannot. The rank hosting the store (rank 0 without torchrun's agent) waits until
     every rank has seen the barrier open, so that no rank is left asking a store that is gone.
     """
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     world = dist.get_world_size()
     # torchrun keeps its store across restarts of the workers: one key per attempt.
     key = f"torchtitan/{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -130,7 +132,7 @@ def set_collective_timeout(seconds: int) -> int:
     mesh of DDP/TP layouts and the checkpoint group hang just as well as the default one.
     """
     timeout = timedelta(seconds=seconds)
-    groups = list(dist.distributed_c10d._world.pg_map)
+    groups = all_process_groups()
     for group in groups:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        set_pg_timeout(timeout, group)
     return len(groups)

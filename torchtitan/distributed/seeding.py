@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import random
-import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.compat import install_dtensor_rng_tracker
 from torchtitan.distributed.parallel_dims import MESH_DIM_NAMES
 
 logger = logging.getLogger(__name__)
@@ -128,17 +128,8 @@ def _set_dtensor_rng(seed: int, mesh: DeviceMesh) -> None:
     ``run_state_sync=False`` keeps our seeds. DTensor has a tracker only for
     accelerators; on CPU it uses the plain torch generator we just seeded.
     """
-    from torch.distributed.tensor import _random
-
-    if mesh.device_type == "cpu":
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if not _random.is_rng_supported_mesh(mesh):
-            return
-    if _random._rng_tracker is None:
-        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
-    torch.manual_seed(seed)
+    if install_dtensor_rng_tracker(mesh):
+        torch.manual_seed(seed)
 
 
 def set_determinism(deterministic: bool) -> None:

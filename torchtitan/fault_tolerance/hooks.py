@@ -13,13 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-
-def _param_groups(unit: FSDPModule) -> list[Any]:
-    state = unit._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13
-    if groups is None:  # torch 2.11/2.12: one group per unit
-        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    return list(groups)
+from torchtitan.compat import fsdp_hooked_parameters
 
 
 def fsdp_units(model_parts: list[torch.nn.Module]) -> list[FSDPModule]:
@@ -45,9 +39,7 @@ def check_every_parameter_hooked(model_parts: list[torch.nn.Module]) -> None:
     """Raise naming the parameters whose gradients no cross-group hook would reduce."""
     hooked: set[int] = set()
     for unit in fsdp_units(model_parts):
-        for group in _param_groups(unit):
-            if group._all_reduce_hook is not None:
-                hooked.update(id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params)
+        hooked.update(id(p) for p in fsdp_hooked_parameters(unit))
     missing = [name for part in model_parts for name, p in part.named_parameters() if id(p) not in hooked]
     if missing:
         raise RuntimeError(

@@ -23,6 +23,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan.compat import (
+    semi_sync_local_step,
+    semi_sync_reference,
+    semi_sync_save_reference,
+    set_semi_sync_local_step,
+)
+
 # One fragment holds whole FSDP units: the blocks of ``layers`` and the model's other children.
 
 
@@ -154,10 +161,11 @@ class SemiSyncState:
         self.outers = outers
 
     def _reference(self, i: int, name: str) -> torch.Tensor:
-        return self.algo._fragments[i].original_parameters[name]
+        return semi_sync_reference(self.algo, i, name)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"counters": {"local_step": self.algo._local_step, **self.manager.state_dict()}}
+        counters = {"local_step": semi_sync_local_step(self.algo), **self.manager.state_dict()}
+        state: dict[str, Any] = {"counters": counters}
         if self.outers:  # DiLoCo
             state["reference"] = {fqn: _as_param(self._reference(i, name), p) for fqn, p, i, name in self.entries}
             state["outer_momentum"] = {fqn: self.outers[i].state[p]["momentum_buffer"]
@@ -167,7 +175,7 @@ class SemiSyncState:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         counters = state["counters"]
-        self.algo._local_step = int(counters["local_step"])
+        set_semi_sync_local_step(self.algo, int(counters["local_step"]))
         self.manager.load_state_dict({"step": int(counters["step"]),
                                       "batches_committed": int(counters["batches_committed"])})
         for fqn, p, i, name in self.entries if self.outers else []:
@@ -182,7 +190,7 @@ class SemiSyncState:
     def restart_from_weights(self) -> None:
         """No semi-sync state was loaded: the current (seeded or loaded) weights are the reference."""
         if self.outers:
-            self.algo._save_parameters()
+            semi_sync_save_reference(self.algo)
 
     def reference_tensors(self) -> list[torch.Tensor]:
         """The global state every group must hold bitwise after a sync: references and outer momentum."""

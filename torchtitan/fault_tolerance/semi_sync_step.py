@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from torchtitan.compat import semi_sync_local_step
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.fault_tolerance.data import GroupPosition, RepositionableBatches
 from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint
@@ -84,7 +85,7 @@ class SemiSyncStep(FaultTolerantStep):
 
     def _after_inner_step(self, syncs_before: int) -> None:
         self.synced = False
-        if self.semi_sync_state.algo._local_step != 0:
+        if semi_sync_local_step(self.semi_sync_state.algo) != 0:
             return  # no sync at this step
         if self.manager.current_step() > syncs_before:  # committed (a heal also moved it to the peer's count)
             self.synced = True

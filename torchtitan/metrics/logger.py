@@ -1,4 +1,5 @@
-"""Metric sinks: TensorBoard scalars and the console lines, with the patterns that read those lines.
+"""Metric sinks: TensorBoard scalars, W&B (metrics/wandb_run.py), and the console lines with the patterns
+that read those lines.
 
 The console lines are an interface: ``tests/integration_tests.py`` reads the step, the
 validation and the mesh lines of every run with ``STEP_LINE``, ``VALIDATION_LINE`` and
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan.logging_setup import LINE_PREFIX_RE
+from torchtitan.metrics.wandb_run import WandbRun
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +27,14 @@ BATCH_LINE = re.compile(r"Training \d+ steps: local batch (\d+) x seq (\d+), (\d
 
 
 class MetricsLogger:
-    """Writes scalar metrics to TensorBoard from a single rank.
+    """Writes scalar metrics to TensorBoard and, when given one, a W&B run, from a single rank.
 
     Every rank may construct and call it; only ``rank == log_rank`` writes, so
     the trainer needs no rank checks around logging calls. The SummaryWriter
     is created on the first ``log`` so that ranks and runs that never log
-    leave no empty event files behind.
+    leave no empty event files behind. The W&B run opens at ``start(step)``,
+    the step training starts from (past 0 when resumed from a checkpoint), or
+    at the first ``log`` as a new run.
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class MetricsLogger:
         enable_tensorboard: bool,
         rank: int,
         log_rank: int = 0,
+        wandb_run: WandbRun | None = None,
     ) -> None:
         self.log_dir = log_dir
         self.rank = rank
@@ -48,6 +53,8 @@ class MetricsLogger:
             logger.warning("TensorBoard is enabled but no log_dir was given; not writing")
             self.enabled = False
         self._writer: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self.wandb_run = wandb_run if rank == log_rank else None
+        self._wandb_started = False
 
     def _get_writer(self) -> Any:
         if self._writer is None:
@@ -57,20 +64,29 @@ class MetricsLogger:
             self._writer = SummaryWriter(log_dir=self.log_dir)
         return self._writer
 
+    def start(self, step: int) -> None:
+        """Training starts after ``step`` (0: a new run; past 0: resumed, the W&B run continues)."""
+        if self.wandb_run is not None and not self._wandb_started:
+            self.wandb_run.start(step)
+            self._wandb_started = True
+
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         """Write each metric as a scalar at ``step``; None values are skipped."""
-        if not self.enabled:
-            return
-        writer = self._get_writer()
-        for name, value in metrics.items():
-            if value is None:
-                continue
-            writer.add_scalar(name, float(value), global_step=step)
+        scalars = {name: float(value) for name, value in metrics.items() if value is not None}
+        if self.enabled:
+            writer = self._get_writer()
+            for name, value in scalars.items():
+                writer.add_scalar(name, value, global_step=step)
+        if self.wandb_run is not None:
+            self.start(0)
+            self.wandb_run.log(step, scalars)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.close()
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan.compat import fused_kernel_devices
+
 # Names are matched case-sensitively so that they read exactly like the
 # torch.optim class names a user would write in the config file.
 _OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
@@ -18,15 +20,6 @@ _OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
 _FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fused_devices() -> tuple[str, ...]:
-    try:  # a private helper of torch.optim; without it, fall back to the device every version has
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        return tuple(_get_fused_kernels_supported_devices())
-    except ImportError:
-        return ("cuda",)
-
-
 def _implementation_kwargs(device_type: str, tensors: list[torch.Tensor]) -> dict[str, bool]:
     """Fused where torch has a fused kernel for the device and every parameter's dtype, else foreach.
 
@@ -35,7 +28,7 @@ def _implementation_kwargs(device_type: str, tensors: list[torch.Tensor]) -> dic
     times faster than foreach on the debug model (benchmarks/README.md section 10).
     Foreach stays the path for any device or dtype the fused kernels do not cover.
     """
-    if device_type in _fused_devices() and all(t.dtype in _FUSED_DTYPES for t in tensors):
+    if device_type in fused_kernel_devices() and all(t.dtype in _FUSED_DTYPES for t in tensors):
         return {"fused": True}
     return {"foreach": True}
 

@@ -1,0 +1,258 @@
+"""torchtitan/compat.py on the installed torch and torchft: one test per private internal.
+
+Each test uses the internal the way the project does and checks that it still does what
+the project relies on, so that an upgrade that moves or changes one fails here, naming it,
+rather than in a training run. The distributed ones share one 2-rank gloo world.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+import pytest
+import torch
+from dist_harness import run_ranks
+
+from torchtitan import compat
+
+
+def _probe(name: str, fn: Callable[[], Any], out: dict[str, Any]) -> None:
+    """Record what ``fn`` returned, or the error it raised, under ``name``: one failure must not hide the others."""
+    try:
+        out[name] = ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - reported by the test of that internal
+        out[name] = ("error", f"{type(e).__name__}: {e}")
+
+
+def _timeout_takes_effect(rank: int) -> float | None:
+    """Shorten a fresh group's timeout to 1 s; rank 0 then waits in a barrier rank 1 never joins.
+
+    Returns rank 0's seconds until the barrier failed (None on rank 1). The group was made
+    with a 60 s timeout, so a barrier that fails within seconds shows the new one applies.
+    """
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the deprecated private setter must not be the path taken
+        compat.set_pg_timeout(timedelta(seconds=1), group)
+    store = compat.default_store()
+    if rank == 1:
+        store.wait(["compat/barrier_done"], timedelta(seconds=120))
+        return None
+    start = time.monotonic()
+    try:
+        dist.barrier(group=group)
+    except RuntimeError:
+        return time.monotonic() - start
+    finally:
+        store.set("compat/barrier_done", "1")
+    raise AssertionError("a barrier that rank 1 never joined returned")
+
+
+def _store_exchange(rank: int) -> str:
+    """Each rank writes its key in the default store and reads the other's."""
+    store = compat.default_store()
+    store.set(f"compat/key{rank}", f"from rank {rank}")
+    return store.get(f"compat/key{1 - rank}").decode()
+
+
+def _fsdp(mesh: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model[0].set_all_reduce_hook(lambda reduced: None)
+    hooked = {id(p) for p in compat.fsdp_hooked_parameters(model[0])}
+    return {"groups_inner": len(compat.fsdp_param_groups(model[0])),
+            "groups_root": len(compat.fsdp_param_groups(model)),
+            "hooked_inner_is_its_params": hooked == {id(p) for p in model[0].parameters()},
+            "hooked_root": len(compat.fsdp_hooked_parameters(model))}
+
+
+def _shard_offset(rank: int, mesh: Any) -> bool:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(15.0).reshape(5, 3)
+    local = distribute_tensor(full, mesh, [Shard(0)]).to_local()
+    shape, offset = compute = compat.local_shape_and_global_offset(full.shape, mesh, [Shard(0)])
+    assert tuple(shape) == tuple(local.shape), compute
+    return torch.equal(full[offset[0]:offset[0] + shape[0]], local) and offset[1] == 0
+
+
+def _world_probes(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import _random
+
+    out: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (world_size,))
+    _probe("set_pg_timeout", lambda: _timeout_takes_effect(rank), out)
+    _probe("default_store", lambda: _store_exchange(rank), out)
+    _probe("all_process_groups", lambda: (len(compat.all_process_groups()),
+                                          dist.group.WORLD in compat.all_process_groups()), out)
+    _probe("fsdp", lambda: _fsdp(mesh), out)
+    _probe("local_shape_and_global_offset", lambda: _shard_offset(rank, mesh), out)
+    _probe("dtensor_rng", lambda: (compat.install_dtensor_rng_tracker(mesh), _random._rng_tracker is None), out)
+    _probe("functional_collectives", lambda: compat.functional_collectives.all_gather_tensor_autograd(
+        torch.tensor([float(rank)]), gather_dim=0, group=dist.group.WORLD).tolist(), out)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict[str, Any]]:
+    return run_ranks(_world_probes, 2, timeout=240)
+
+
+def _ok(world: list[dict[str, Any]], name: str) -> list[Any]:
+    """Each rank's result of probe ``name``; fails naming the internal and the error when one raised."""
+    results = []
+    for rank, probes in enumerate(world):
+        status, value = probes[name]
+        assert status == "ok", f"compat.{name} failed on rank {rank} with torch {torch.__version__}: {value}"
+        results.append(value)
+    return results
+
+
+def test_set_pg_timeout_changes_a_live_groups_timeout(world):
+    # torch >= 2.14: torch.distributed.set_timeout; 2.11-2.13: distributed_c10d._set_pg_timeout.
+    seconds, _ = _ok(world, "set_pg_timeout")
+    assert seconds < 30, (f"a barrier under a 1 s timeout (set by compat.set_pg_timeout) waited {seconds:.0f} s: "
+                          "the timeout setter no longer reaches the group's backend")
+
+
+def test_default_store(world):
+    # distributed_c10d._get_default_store (the rank-1 wait in the timeout probe went through it too).
+    assert _ok(world, "default_store") == ["from rank 1", "from rank 0"]
+
+
+def test_all_process_groups_lists_every_group(world):
+    # distributed_c10d._world.pg_map: the default group, the timeout probe's group and the mesh's.
+    for count, has_world in _ok(world, "all_process_groups"):
+        assert has_world and count >= 2, "distributed_c10d._world.pg_map no longer lists every process group"
+
+
+def test_fsdp_param_groups_and_all_reduce_hook(world):
+    # FSDPModule._get_fsdp_state, FSDPState._fsdp_param_groups (2.11/2.12: _fsdp_param_group),
+    # FSDPParamGroup._all_reduce_hook and .fsdp_params.
+    for result in _ok(world, "fsdp"):
+        assert result["groups_inner"] == 1 and result["groups_root"] == 1, result
+        assert result["hooked_inner_is_its_params"], (
+            "FSDPParamGroup._all_reduce_hook no longer holds what set_all_reduce_hook sets "
+            "(or fsdp_params no longer holds the sharded parameters)")
+        assert result["hooked_root"] == 0, "a unit without a hook was reported as hooked"
+
+
+def test_local_shape_and_global_offset(world):
+    # torch.distributed.tensor._utils.compute_local_shape_and_global_offset.
+    assert _ok(world, "local_shape_and_global_offset") == [True, True]
+
+
+def test_dtensor_rng_tracker(world):
+    # torch.distributed.tensor._random: _rng_tracker, is_rng_supported_mesh, OffsetBasedRNGTracker.
+    from torch.distributed.tensor import _random
+
+    for installed, tracker_unset in _ok(world, "dtensor_rng"):
+        # A CPU mesh has no tracker: nothing installed, nothing left behind.
+        assert installed is False and tracker_unset
+    assert "run_state_sync" in inspect.signature(_random.OffsetBasedRNGTracker).parameters, (
+        "OffsetBasedRNGTracker no longer takes run_state_sync: the tracker would broadcast rank 0's seed")
+
+
+def test_functional_collectives(world):
+    # torch.distributed._functional_collectives (context parallelism's autograd all-gather).
+    assert _ok(world, "functional_collectives") == [[0.0, 1.0]] * 2
+
+
+def test_redistribute_logger_name():
+    module = importlib.import_module(compat.REDISTRIBUTE_LOGGER)
+    assert module.logger.name == compat.REDISTRIBUTE_LOGGER, (
+        f"DTensor's redistribution no longer logs as {compat.REDISTRIBUTE_LOGGER}: grads.py would not quiet it")
+
+
+def test_fused_kernel_devices_include_cpu():
+    # torch.utils._foreach_utils._get_fused_kernels_supported_devices; without it only CUDA is fused.
+    assert "cpu" in compat.fused_kernel_devices(), (
+        "torch.utils._foreach_utils._get_fused_kernels_supported_devices is gone or lists no CPU: "
+        "Adam/AdamW on CPU would fall back to the slower foreach path")
+
+
+class _StandInManager:
+    """The four calls LocalSGD/DiLoCo make on a torchft Manager outside a sync (no lighthouse needed)."""
+
+    _use_async_quorum = False
+
+    def register_state_dict_fn(self, key: str, load: Callable, save: Callable) -> None:
+        self.registered = key
+
+    def disallow_state_dict_read(self) -> None:
+        pass
+
+    def allow_state_dict_read(self) -> None:
+        pass
+
+
+def _diloco(sync_every: int = 4):
+    from torchft.local_sgd import DiLoCo
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    algo = DiLoCo(_StandInManager(), [model], inner, outer, sync_every=sync_every)
+    algo.__enter__()
+    return algo, model, inner
+
+
+def _inner_step(model: torch.nn.Module, inner: torch.optim.Optimizer) -> None:
+    model(torch.ones(1, 3)).sum().backward()
+    inner.step()
+    inner.zero_grad()
+
+
+def test_torchft_local_step():
+    # LocalSGD._local_step / DiLoCo._local_step: torchft's inner-step counter, saved in checkpoints.
+    from torchft.local_sgd import LocalSGD
+
+    algo, model, inner = _diloco()
+    _inner_step(model, inner)
+    assert compat.semi_sync_local_step(algo) == 1, "DiLoCo._local_step no longer counts inner steps"
+    compat.set_semi_sync_local_step(algo, 2)
+    _inner_step(model, inner)
+    assert compat.semi_sync_local_step(algo) == 3, "a restored DiLoCo._local_step is not the counter torchft advances"
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_sgd = LocalSGD(_StandInManager(), model, optimizer, sync_every=4).__enter__()
+    _inner_step(model, optimizer)
+    assert compat.semi_sync_local_step(local_sgd) == 1, "LocalSGD._local_step no longer counts inner steps"
+
+
+def test_torchft_fragments_and_save_parameters():
+    # DiLoCo._fragments[i].original_parameters (the reference copy) and DiLoCo._save_parameters.
+    algo, model, inner = _diloco()
+    reference = compat.semi_sync_reference(algo, 0, "weight")
+    assert torch.equal(reference, model.weight.detach()), "DiLoCo's reference is not the parameters it started from"
+    before = reference.clone()
+    _inner_step(model, inner)
+    assert torch.equal(compat.semi_sync_reference(algo, 0, "weight"), before), "an inner step moved the reference"
+    compat.semi_sync_save_reference(algo)
+    assert torch.equal(compat.semi_sync_reference(algo, 0, "weight"), model.weight.detach()), (
+        "DiLoCo._save_parameters no longer copies the parameters into _fragments[i].original_parameters")
+
+
+def test_missing_internal_names_itself():
+    class NotAnAlgorithm:
+        pass
+
+    version = importlib.metadata.version("torchft")
+    with pytest.raises(compat.CompatError, match=rf"torchft {version} has no NotAnAlgorithm\._local_step"):
+        compat.semi_sync_local_step(NotAnAlgorithm())
