@@ -36,6 +36,7 @@ from torchtitan.loss import LossScale, count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.logger import format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
+from torchtitan.models.attention import describe_kernel
 from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
@@ -82,6 +83,7 @@ class Trainer:
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
             dp_rank=data_rank, dp_degree=data_degree, split=HeldOutSplit.from_config(cfg.validation),
             shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
+            positions=self.model_args.attn_mask_type == "block_causal",  # batches then carry them third
         )
         if cfg.validation.held_out_fraction is not None and self.rank == 0:
             logger.info("Training data: %g of the documents held out for validation (split_seed %d)",
@@ -147,6 +149,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_args, self.cfg.training.seq_len)
         logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", self.cfg.model.flavor, f"{n_params:,}",
                     self.flops_per_token)
+        logger.info(describe_kernel(self.model_args.attn_mask_type, self.device.type,
+                                    compiled=self.cfg.training.compile, context_parallel=self.dims.cp_enabled))
         if self.pipeline is None:
             return [self._materialize(model)]
         logger.info("Pipeline %s, %d microbatches: %s", self.pipeline.schedule, self.pipeline.microbatches,
@@ -186,12 +190,13 @@ class Trainer:
         """Context that forward *and* backward of a micro-batch run under."""
         return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
 
-    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move a micro-batch to the device; under CP keep this rank's load-balanced sequence chunks."""
+    def shard_batch(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Move a micro-batch (inputs, labels[, positions]) to the device; under CP keep this rank's
+        load-balanced sequence chunks of each (positions too: the model all-gathers them for its mask)."""
         if self.dims.cp_enabled:
             cp_rank, cp_size = self.dims.rank_and_size("cp")
-            inputs, labels = shard_sequence(inputs, cp_rank, cp_size), shard_sequence(labels, cp_rank, cp_size)
-        return inputs.to(self.device), labels.to(self.device)
+            batch = tuple(shard_sequence(t, cp_rank, cp_size) for t in batch)
+        return tuple(t.to(self.device) for t in batch)
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: LossScale) -> torch.Tensor:
         """Accumulate ``loss sum * scale`` gradients over the micro-batches; return this rank's loss sum (float64).
@@ -200,11 +205,11 @@ class Trainer:
         called after the first forward, so the token count is summed while that forward runs.
         """
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels) in enumerate(batches):
+        for i, (inputs, labels, *positions) in enumerate(batches):
             if self.ft is not None:  # one cross-group all-reduce per step: FSDP reduces on the last micro-batch
                 set_gradient_sync(self.model_parts, i == len(batches) - 1)
             with self.train_context():
-                loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
+                loss_sum = self.loss_fn(self.model_parts[0](inputs, *positions), labels)
                 (loss_sum * scale()).backward()
             local_loss_sum += local_value(loss_sum).detach().double()
         return local_loss_sum
@@ -216,20 +221,20 @@ class Trainer:
         and every rank logs the true loss.
         """
         local_loss_sum = 0.0
-        for inputs, labels in batches:
+        for inputs, labels, *positions in batches:
             with self.train_context():  # around forward and backward: the schedule interleaves them
-                local_loss_sum += self.pp_runner.step(inputs, labels, scale())
+                local_loss_sum += self.pp_runner.step(inputs, labels, scale(), *positions)
         return reduce_scalar(local_loss_sum, "sum", self.dims.get_mesh("pp"))
 
-    def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-        """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
-        and the tokens this rank scored."""
-        inputs, labels = self.shard_batch(inputs, labels)
+    def validation_forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """Loss sum of one validation batch (inputs, labels[, positions]) through training's forward (None on a
+        PP rank without the output), and the tokens this rank scored."""
+        inputs, labels, *positions = self.shard_batch(*batch)
         with self.train_context():
             if self.pp_runner is None:
-                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                loss = self.loss_fn(self.model_parts[0](inputs, *positions), labels)
             else:
-                loss = self.pp_runner.forward_only(inputs, labels, self.loss_fn)
+                loss = self.pp_runner.forward_only(inputs, labels, self.loss_fn, *positions)
         return (None if loss is None else local_value(loss)), count_tokens(labels)
 
     def accumulate_gradients(
@@ -237,8 +242,8 @@ class Trainer:
     ) -> tuple[torch.Tensor | float, LossScale]:
         """Count and scale the step's tokens once, then run forward and backward over every micro-batch
         (plain or pipelined); return this rank's loss sum and the scale."""
-        batches = [self.shard_batch(inputs, labels) for inputs, labels in batches]
-        scale = LossScale(batches, self.loss_mesh)
+        batches = [self.shard_batch(*batch) for batch in batches]
+        scale = LossScale([batch[:2] for batch in batches], self.loss_mesh)
         if self.ft is not None:
             scale = self.ft.global_scale(scale)
         run = self.forward_backward if self.pp_runner is None else self.pipeline_forward_backward
@@ -337,7 +342,7 @@ class Trainer:
             lr = self.ft.lr  # a step that healed ran at its peer's learning rate
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
-        self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches) / self.dims.non_data_parallel_size)
+        self.throughput.step_end(tokens=sum(batch[0].numel() for batch in batches) / self.dims.non_data_parallel_size)
         losses.append(loss)
         if len(losses) == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;

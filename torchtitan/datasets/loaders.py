@@ -83,6 +83,7 @@ __all__ = [
     "build_dataloader",
     "build_validation_dataset",
     "check_training_data",
+    "document_bos",
     "open_token_store",
     "open_validation_store",
 ]
@@ -144,9 +145,22 @@ def open_token_store(
     return TokenStore(path)
 
 
+def document_bos(store: TokenStore) -> int:
+    """The BOS id that starts each document of ``store``: what its windows' positions are derived from."""
+    bos = store.index.get("bos_id")
+    if not isinstance(bos, int) or bos < 0:
+        raise ValueError(
+            f"token store {store.path} records no BOS token, so its document boundaries are unknown and "
+            "--model.attn_mask_type=block_causal cannot mask documents; prepare the store again with "
+            "scripts/prepare_data.py (every document then starts with BOS), or train with "
+            "--model.attn_mask_type=causal"
+        )
+    return bos
+
+
 def check_training_data(
     *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None, seq_len: int,
-    global_batch: int,
+    global_batch: int, positions: bool = False,
 ) -> list[str]:
     """Problems with the training data's token store, found before any process group exists.
 
@@ -160,6 +174,8 @@ def check_training_data(
                                  split=split)
         if store is not None:
             store.check_fits(seq_len, global_batch)
+            if positions:
+                document_bos(store)
     except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"{what}: {e}"]
     return []
@@ -180,6 +196,7 @@ def build_dataloader(
     seed: int = 0,
     prefetch: int = 2,
     cache_dir: str | None = None,
+    positions: bool = False,
 ) -> StatefulDataLoader:
     """Build this DP rank's loader of ``(inputs, labels)`` batches, each ``[local_batch_size, seq_len]``.
 
@@ -194,6 +211,9 @@ def build_dataloader(
 
     Hub datasets (``c4``) are streamed instead, each DP rank reading its own
     documents: their order depends on the DP degree (see ``stream_dataset.py``).
+
+    ``positions``: yield ``(inputs, labels, positions)``, each input's position within its
+    document (``documents.py``), which document-masked attention needs.
     """
     _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
     store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer, split=split,
@@ -203,6 +223,7 @@ def build_dataloader(
         dataset: IterableDataset = TokenStoreDataset(
             store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
             infinite=infinite, shuffle=shuffle, seed=seed, prefetch=prefetch, name=name,
+            positions_bos=document_bos(store) if positions else None,
         )
         # The dataset yields whole batches, and reads them ahead itself.
         return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
@@ -212,7 +233,7 @@ def build_dataloader(
                 name, dp_degree)
     dataset = ShardedStreamDataset(
         source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-        dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split,
+        dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split, positions=positions,
     )
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
 
@@ -258,6 +279,7 @@ def build_validation_dataset(
     dp_rank: int,
     dp_degree: int,
     cache_dir: str | None = None,
+    positions: bool = False,
 ) -> TokenStoreDataset | ShardedStreamDataset:
     """This DP rank's share of the validation data, in local batches; ``rewind()`` starts a pass again.
 
@@ -277,7 +299,8 @@ def build_validation_dataset(
     if store is not None:
         # No read-ahead thread: an evaluation may stop after validation.steps batches.
         return TokenStoreDataset(store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                                 dp_degree=dp_degree, infinite=False, shuffle=False, prefetch=0, name=name)
+                                 dp_degree=dp_degree, infinite=False, shuffle=False, prefetch=0, name=name,
+                                 positions_bos=document_bos(store) if positions else None)
     if own:
         source, text_field = open_source(dataset_name or "", dataset_path)
     else:
@@ -285,5 +308,5 @@ def build_validation_dataset(
     return ShardedStreamDataset(
         source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, infinite=True, name=name, split=None if own else split,
-        held_out=not own,
+        held_out=not own, positions=positions,
     )

@@ -85,16 +85,12 @@ def _lower_right_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
     return causal_lower_right(seq_len_q, seq_len_kv)
 
 
-def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int, differentiable: bool = True) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     """All-gather every CP rank's load-balanced slice of ``x`` along ``dim`` and return it in sequence order.
 
     Differentiable: the backward reduce-scatters the gradient back to each rank's slice.
     """
-    group = mesh.get_group()
-    if differentiable:
-        whole = funcol.all_gather_tensor_autograd(x, gather_dim=dim, group=group)
-    else:
-        whole = funcol.all_gather_tensor(x, gather_dim=dim, group=group)
+    whole = funcol.all_gather_tensor_autograd(x, gather_dim=dim, group=mesh.get_group())
     order = _global_order(mesh.size(), x.shape[dim] // 2, x.device)
     return whole.index_select(dim, order)
 

@@ -141,7 +141,7 @@ def cp_document_mask(positions: torch.Tensor, batch: int | None = None, *, mesh:
     """``build_document_mask`` for this CP rank's load-balanced chunks: the positions of the whole sequence
     are all-gathered (once per forward), so documents crossing chunk boundaries are masked globally."""
     rows = _as_rows(positions, batch).contiguous()
-    whole = gather_sequence(rows, mesh, dim=1, differentiable=False)
+    whole = gather_sequence(rows, mesh, dim=1)
     docs = document_ids(whole)
     mask = DocumentMask(docs)
     if docs.is_cuda:
