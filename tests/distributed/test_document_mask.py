@@ -74,3 +74,68 @@ def test_cp_document_mask_matches_one_process(cp):
         assert r["out"] < 1e-12, r["out"]
         assert max(r["grads"].values()) < 1e-12, r["grads"]
         assert r["causal"] > 1e-3
+
+
+# ---- training through the Trainer: every layout trains what one process trains, under block_causal ----
+
+STEPS = 3
+RUN = [f"--training.steps={STEPS}", "--training.seq_len=32", "--validation.enable", "--validation.freq=1000",
+       "--validation.held_out_fraction=0.1", "--validation.steps=1"]
+# name -> overrides on 2 ranks; the global batch is 8 everywhere.
+LAYOUTS = {
+    "FSDP2, full AC, 2 accumulation steps": ["--parallelism.data_parallel_shard_degree=2", "--training.batch_size=2",
+                                             "--training.gradient_accumulation_steps=2",
+                                             "--activation_checkpoint.mode=full", "--validation.batch_size=4"],
+    "TP2 (SP, loss parallel)": ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                                "--training.batch_size=8"],
+    "CP2": ["--parallelism.context_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+            "--training.batch_size=8"],
+    "PP2 1F1B": ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B",
+                 "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=8"],
+}
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> str:
+    """A corpus of short documents (about 5-50 tokens): most windows of 32 tokens hold several."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = "the a model trains on documents packed into windows each one attends only to itself".split()
+    path = tmp_path_factory.mktemp("docs") / "short.jsonl"
+    with open(path, "w") as f:
+        for _ in range(600):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))}) + "\n")
+    return str(path)
+
+
+def _train(rank: int, world_size: int, dump: str, layouts: dict[str, list[str]]) -> dict:
+    from test_layout_parity import make_trainer
+
+    out = {}
+    for i, (name, overrides) in enumerate(layouts.items()):
+        trainer = make_trainer(f"{dump}/{i}", *RUN, *overrides)
+        out[name] = {"losses": trainer.train(), "validation": trainer.validation_losses}
+    return out
+
+
+def test_layouts_train_what_one_process_trains(short_documents, tmp_path):
+    data = f"--training.dataset_path={short_documents}"
+    (control,) = run_ranks(_train, 1, str(tmp_path / "control"),
+                           {"one process": [data, "--training.batch_size=8"],
+                            "causal": [data, "--training.batch_size=8", "--model.attn_mask_type=causal"]},
+                           timeout=600)
+    runs = run_ranks(_train, 2, str(tmp_path / "layouts"),
+                     {name: [data, *overrides] for name, overrides in LAYOUTS.items()}, timeout=1200,
+                     collective_timeout=300)
+    reference = control["one process"]
+    # The mask changes training on these windows (step 1 is the same: the init's logits barely depend on context).
+    assert control["causal"]["losses"][1:] != reference["losses"][1:]
+    for name in LAYOUTS:
+        losses = runs[0][name]["losses"]
+        assert runs[1][name]["losses"] == losses, name  # the logged loss is global
+        rel = [abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])]
+        assert rel[0] <= 1e-6 and max(rel) <= 1e-4, (name, rel)
+        (val,), (ref,) = runs[0][name]["validation"].values(), reference["validation"].values()
+        assert abs(val - ref) / ref <= 1e-4, (name, val, ref)
