@@ -182,7 +182,9 @@ def _two_rank_layout_losses(rank: int, world_size: int, dump: str, hf: str) -> d
         cfg = ConfigManager().parse_args([
             "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}/{name}", "--job.print_args=false",
             "--metrics.enable_tensorboard=false", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH}",
-            "--training.steps=1", "--lr_scheduler.warmup_steps=0", *overrides])
+            "--training.steps=1", "--lr_scheduler.warmup_steps=0",
+            "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
+            *overrides])
         return Trainer(cfg).train()
 
     tp2, pp2 = ["--parallelism.tensor_parallel_degree=2"], ["--parallelism.pipeline_parallel_degree=2",
@@ -231,6 +233,7 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
          "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
+         "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
          f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}", "--training.steps=1",
          "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0", "--lr_scheduler.warmup_steps=0",
          "--checkpoint.enable_checkpoint",
