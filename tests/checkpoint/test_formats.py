@@ -56,6 +56,23 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 
+def test_block_causal_logits_are_transformers_logits_with_packed_position_ids(hf_dir) -> None:
+    """block_causal's positions, passed to transformers as ``position_ids``, give its packed-sequence logits."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, FLAVOR.vocab_size, (2, SEQ), generator=gen)
+    positions = torch.tensor([[*range(SEQ // 4), *range(SEQ - SEQ // 4)], [*range(SEQ // 2), *range(SEQ // 2)]])
+    model = Transformer(dataclasses.replace(FLAVOR, max_seq_len=SEQ, attn_mask_type="block_causal"))
+    load_into(model, str(hf_dir), "hf", model.args)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(tokens, positions=positions)
+        # Without a KV cache: transformers reads packed documents from position_ids only in training-style calls.
+        packed = theirs(tokens, position_ids=positions, use_cache=False).logits
+        across = theirs(tokens).logits  # no position_ids: one causal sequence per row
+    assert (ours - packed).abs().max().item() <= 1e-4
+    assert (ours - across).abs().max().item() > 1e-2
+
+
 def test_one_process_load_matches_hf_logits_with_and_without_rope_scaling(hf_dir, tmp_path) -> None:
     tokens = torch.randint(0, FLAVOR.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     model = Transformer(dataclasses.replace(FLAVOR, max_seq_len=SEQ))
