@@ -2,6 +2,7 @@
 
     python benchmarks/document_mask.py                         # 8 x 256 and 8 x 2048 tokens per rank, FSDP 2
     python benchmarks/document_mask.py --shapes 8x2048 --steps 6
+    python benchmarks/document_mask.py --kernels                # attention alone: the CPU candidates
 
 Both trainers (``--model.attn_mask_type=block_causal`` and ``causal``, otherwise the same
 debug model, embedded corpus, layout and seed) live in the same two processes and take
@@ -9,6 +10,10 @@ turns step by step in an ABBA order, so a change in the machine's load hits both
 Before each step every rank waits at a barrier; a step's time is the slowest rank's.
 Printed: the median step time of each, their ratio and the median of the paired ratios.
 Targets (issue 35): ratio <= 1.1 at 8 x 256, < 1 at 8 x 2048.
+
+``--kernels`` times one attention call (forward and backward, the debug model's heads) of
+each CPU candidate on the embedded corpus's windows: causal SDPA (the reference), SDPA with
+the dense document mask, and one causal SDPA per document (what the trainer runs).
 """
 
 from __future__ import annotations
@@ -54,12 +59,57 @@ def worker(args: argparse.Namespace) -> None:
     end_worker(trainers["causal"])
 
 
+def kernels(shapes: str, reps: int) -> None:
+    """Attention alone, one process: the candidates on windows of the embedded corpus, interleaved."""
+    import torch
+    import torch.nn.functional as F
+
+    from torchtitan.datasets import build_dataloader, build_tokenizer
+    from torchtitan.models.attention import build_document_mask, dense_mask, document_causal_mask_mod
+    from torchtitan.models.llama3 import llama3_flavors
+
+    args = llama3_flavors["debugmodel"]
+    tokenizer = build_tokenizer("torchtitan/datasets/assets/tokenizer.model")
+    print(f"{'shape':>8s} {'docs':>5s} {'causal ms':>10s} {'dense x':>8s} {'per-document x':>15s}")
+    for shape in shapes.split(","):
+        batch, seq = (int(n) for n in shape.split("x"))
+        loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer, seq_len=seq,
+                                  local_batch_size=batch, dp_rank=0, dp_degree=1, positions=True, prefetch=0)
+        _, _, positions = next(iter(loader))
+        mask = build_document_mask(positions)
+        allowed = dense_mask(document_causal_mask_mod(mask.docs), batch, seq, seq, positions.device)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(batch, seq, n, args.head_dim).transpose(1, 2).requires_grad_()
+                   for n in (args.n_heads, args.n_kv_heads, args.n_kv_heads))
+        candidates = {
+            "causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            "dense": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True),
+            "per-document": lambda: per_document(q, k, v, mask.segment_lengths()),
+        }
+        times: dict[str, list[float]] = {name: [] for name in candidates}
+        for _ in range(reps + 1):
+            for name, fn in candidates.items():
+                start = wall_clock()
+                fn().sum().backward()
+                times[name].append(wall_clock() - start)
+        med = {name: statistics.median(t[1:]) for name, t in times.items()}
+        print(f"{shape:>8s} {len(mask.segment_lengths()):5d} {med['causal'] * 1e3:10.1f} "
+              f"{med['dense'] / med['causal']:8.2f} {med['per-document'] / med['causal']:15.2f}", flush=True)
+
+
+def per_document(q, k, v, segments):
+    from torchtitan.models.attention import per_document_sdpa
+
+    return per_document_sdpa(q, k, v, segments)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="8x256,8x2048", help="local batch x seq_len, comma-separated")
     parser.add_argument("--layout", default="fsdp2", help=f"one of {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=8, help="measured steps of each trainer")
     parser.add_argument("--warmup", type=int, default=2, help="steps of each left out of the statistics")
+    parser.add_argument("--kernels", action="store_true", help="time attention alone (one process), not steps")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -68,6 +118,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.kernels:
+        print(f"machine: {machine_description()}; load average before: {load_average()}", flush=True)
+        kernels(args.shapes, args.steps)
         return
     layout = LAYOUTS[args.layout]
     print(f"machine: {machine_description()}; {layout.name}; load average before: {load_average()}", flush=True)
