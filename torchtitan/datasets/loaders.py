@@ -14,7 +14,9 @@ Data flow
    ``inputs = window[:-1]`` and ``labels = window[1:]``.  Tokens left over at
    the end of the data (less than one window) are dropped.  With a held-out
    split (``split.py``) the documents it holds out for validation are left out
-   of the training stream before anything else happens.
+   of the training stream before anything else happens.  For document-masked
+   attention a batch also carries each input token's position within its
+   document, derived from the BOS tokens (``documents.py``).
 3. Samples are dealt out to data-parallel ranks in blocks.  With local batch
    ``B`` and DP degree ``D`` the global batch ``s`` is windows
    ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` receives the contiguous block
