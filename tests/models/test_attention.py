@@ -20,9 +20,9 @@ POSITIONS = torch.tensor([list(range(5)) + list(range(11)) + list(range(8)),
                           list(range(10)) + list(range(14))])
 
 
-def _qkv(dtype=torch.float64) -> list[torch.Tensor]:
+def _qkv(dtype=torch.float64, rows: int = B) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    return [torch.randn(B, n, L, D, dtype=dtype, requires_grad=True) for n in (H, H_KV, H_KV)]
+    return [torch.randn(rows, n, L, D, dtype=dtype, requires_grad=True) for n in (H, H_KV, H_KV)]
 
 
 def test_document_ids_and_mask_mod():
@@ -38,12 +38,17 @@ def test_document_ids_and_mask_mod():
     assert torch.equal(shifted, allowed[:, 12:18, :18])
 
 
-def test_per_document_sdpa_equals_the_dense_mask_forward_and_backward():
-    q, k, v = _qkv()
-    grad = torch.randn(B, H, L, D, dtype=torch.float64)
-    mask = build_document_mask(POSITIONS)
-    assert mask.segment_lengths() == [5, 11, 8, 10, 14]
-    allowed = dense_mask(document_causal_mask_mod(mask.docs), B, L, L, q.device)
+# Rows of one document each (merged into one batched call), then one of two documents.
+MIXED = torch.tensor([list(range(L)), list(range(L)), list(range(7)) + list(range(L - 7))])
+
+
+@pytest.mark.parametrize("positions, segments", [(POSITIONS, [5, 11, 8, 10, 14]), (MIXED, [L, L, 7, L - 7])])
+def test_per_document_sdpa_equals_the_dense_mask_forward_and_backward(positions, segments):
+    q, k, v = _qkv(rows=positions.shape[0])
+    grad = torch.randn(positions.shape[0], H, L, D, dtype=torch.float64)
+    mask = build_document_mask(positions)
+    assert mask.segment_lengths() == segments
+    allowed = dense_mask(document_causal_mask_mod(mask.docs), positions.shape[0], L, L, q.device)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
     # Head-transposed views of [B, L, heads, D], as the model hands them over, and contiguous ones.

@@ -169,24 +169,38 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torc
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _runs(segments: list[int], seq: int) -> list[tuple[int, int]]:
+    """(rows, length) pieces: consecutive one-document rows merge into one batched piece."""
+    runs: list[tuple[int, int]] = []
+    for n in segments:
+        if n == seq and runs and runs[-1][1] == seq:
+            runs[-1] = (runs[-1][0] + 1, seq)
+        else:
+            runs.append((1, n))
+    return runs
+
+
 def per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
     """One causal SDPA per document: q [B, H, L, D], k/v [B, H_kv, L, D] -> [B, H, L, D].
 
     The rows are laid end to end as [B*L, heads, D] (free when the tensors are head-transposed
     views of [B, L, heads, D], as in the model) and cut with one ``split``, so backward gathers
     the pieces' gradients with one concatenation instead of a full-size buffer per piece.
+    Consecutive rows that hold one document each go through one batched call.
     """
     batch, heads, seq, dim = q.shape
+    runs = _runs(segments, seq)
+    sizes = [rows * length for rows, length in runs]
 
     def pieces(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim).split(segments)
+        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim).split(sizes)
 
     gqa = heads != k.shape[1]
-    outs = [
-        F.scaled_dot_product_attention(a.transpose(0, 1)[None], b.transpose(0, 1)[None], c.transpose(0, 1)[None],
-                                       is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
-        for a, b, c in zip(pieces(q), pieces(k), pieces(v))
-    ]
+    outs = []
+    for (rows, length), a, b, c in zip(runs, pieces(q), pieces(k), pieces(v)):
+        a, b, c = (t.reshape(rows, length, t.shape[1], dim).transpose(1, 2) for t in (a, b, c))
+        out = F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).reshape(rows * length, heads, dim))
     return torch.cat(outs).view(batch, seq, heads, dim).transpose(1, 2)
 
 
