@@ -77,15 +77,16 @@ class ReferenceLoop:
         self.max_norm = t.max_norm
         loader = build_dataloader(dataset_name=t.dataset, dataset_path=t.dataset_path,
                                   tokenizer=build_tokenizer(cfg.model.tokenizer_path), seq_len=t.seq_len,
-                                  local_batch_size=t.batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
+                                  local_batch_size=t.batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+                                  positions=cfg.model.attn_mask_type == "block_causal")  # the trainer's mask too
         self.data = iter(loader)
 
     def step(self) -> None:
         import torch
         import torch.nn.functional as F
 
-        inputs, labels = next(self.data)
-        logits = self.model(inputs)
+        inputs, labels, *positions = next(self.data)
+        logits = self.model(inputs, *positions)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=True)

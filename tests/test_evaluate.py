@@ -33,6 +33,7 @@ def _write_jsonl(path: Path, documents: list[str]) -> str:
 
 def _train_and_validate(rank: int, world_size: int, dump: str, data: str, documents: list[str]) -> dict:
     from torchtitan.datasets import build_tokenizer
+    from torchtitan.datasets.documents import document_positions
     from torchtitan.trainer import Trainer
 
     cfg = _cfg(f"--job.dump_folder={dump}", "--training.steps=2", f"--training.seq_len={SEQ}",
@@ -47,7 +48,8 @@ def _train_and_validate(rank: int, world_size: int, dump: str, data: str, docume
     used = torch.tensor(windows[: len(windows) // BATCH * BATCH])
     model = trainer.model_parts[0].eval()
     with torch.no_grad():
-        logits = model(used[:, :-1])
+        # Validation masks documents as training does (block_causal, the default): the reference too.
+        logits = model(used[:, :-1], positions=document_positions(used[:, :-1], tokenizer.bos_id))
         reference = F.cross_entropy(logits.flatten(0, 1), used[:, 1:].flatten(), reduction="sum").double()
     model.train()
     out = {"validation": trainer.validation_losses, "reference": float(reference) / used[:, 1:].numel(),

@@ -37,6 +37,9 @@ def test_every_rank_exits_zero_run_after_run(tmp_path):
         done = {int(r) for r in re.findall(r"\[rank(\d+)\].*Training done", log)}
         assert done == set(range(ranks)), (layout, done, log[-3000:])
         assert "terminate called" not in log and "Signal" not in log, log[-3000:]
+        # The run names its attention mask and kernel (the default: documents masked).
+        kernel = "dense document mask (context parallel chunks)" if "cp" in layout else "one causal SDPA per document"
+        assert re.search(r"attention mask: block_causal .*kernel: .*" + re.escape(kernel), log), log[-3000:]
 
 
 def test_a_failure_inside_trainer_construction_is_logged_and_ends_the_job(tmp_path):

@@ -45,6 +45,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan.config import JobConfig
 from torchtitan.datasets import HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
+from torchtitan.datasets.loaders import document_bos
 from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 from torchtitan.distributed.collectives import reduce_scalar
@@ -63,6 +64,7 @@ def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int,
         dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
         train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, seq_len=t.seq_len,
         local_batch_size=validation_batch_size(cfg), dp_rank=dp_rank, dp_degree=dp_degree,
+        positions=cfg.model.attn_mask_type == "block_causal",  # validation masks as training does
     )
 
 
@@ -77,6 +79,8 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
         store = open_validation_store(dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
                                       train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v),
                                       tokenizer=tokenizer)
+        if store is not None and cfg.model.attn_mask_type == "block_causal":
+            document_bos(store)
     except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"validation data: {e}"]
     if store is None:  # streamed from the hub: endless per rank, so a pass has no end of its own
@@ -164,8 +168,8 @@ class Validator:
     def _evaluate(self) -> tuple[torch.Tensor, torch.Tensor | int, int]:
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         local_tokens = batches = 0
-        for inputs, labels in self._batches():
-            loss, tokens = self.forward_loss(inputs, labels)
+        for batch in self._batches():  # (inputs, labels), and the positions under block_causal
+            loss, tokens = self.forward_loss(*batch)
             if loss is not None:
                 local_sum += loss.double()
             local_tokens += tokens

@@ -51,8 +51,9 @@ class LossScale:
     and scale are float64 tensors on the labels' device: a step reads none of them on the host.
     """
 
-    def __init__(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], mesh: DeviceMesh | None):
-        local_tokens = torch.stack([count_tokens(labels) for _, labels in batches]).sum()
+    def __init__(self, batches: Sequence[tuple[torch.Tensor, ...]], mesh: DeviceMesh | None):
+        # A micro-batch is (inputs, labels) or (inputs, labels, positions): the labels are second.
+        local_tokens = torch.stack([count_tokens(batch[1]) for batch in batches]).sum()
         self._tokens_sum = start_sum(local_tokens.double(), mesh)
         self._ranks = 1 if mesh is None else mesh.size()
         self._global_tokens: torch.Tensor | None = None

@@ -91,7 +91,8 @@ def preflight(cfg: JobConfig, world_size: int) -> LaunchPlan:
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
                                     split=HeldOutSplit.from_config(cfg.validation), seq_len=t.seq_len,
-                                    global_batch=t.batch_size * data_degree)
+                                    global_batch=t.batch_size * data_degree,
+                                    positions=args.attn_mask_type == "block_causal")
     _raise_if(problems)
     return LaunchPlan(dims, grad_accum, args, tokenizer, pipeline)
 
@@ -99,7 +100,7 @@ def preflight(cfg: JobConfig, world_size: int) -> LaunchPlan:
 def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[ModelArgs, list[str]]:
     """The model to build, and problems with it. A named flavor takes the tokenizer's vocabulary; a
     release keeps its own, which must hold every token id of the tokenizer."""
-    args = model_args(cfg.model.name, cfg.model.flavor)
+    args = dataclasses.replace(model_args(cfg.model.name, cfg.model.flavor), attn_mask_type=cfg.model.attn_mask_type)
     problems: list[str] = []
     if cfg.model.flavor not in model_flavors(cfg.model.name):  # a release: model_args read it
         if tokenizer.n_words > args.vocab_size:

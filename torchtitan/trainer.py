@@ -33,6 +33,7 @@ from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_
 from torchtitan.metrics.wandb_run import wandb_run_from_config
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
+from torchtitan.models.attention import describe_kernel
 from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
@@ -80,6 +81,7 @@ class Trainer:
             seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
             dp_rank=data_rank, dp_degree=data_degree, split=HeldOutSplit.from_config(cfg.validation),
             shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
+            positions=self.model_args.attn_mask_type == "block_causal",  # batches then carry them third
         )
         if cfg.validation.held_out_fraction is not None and self.rank == 0:
             logger.info("Training data: %g of the documents held out for validation (split_seed %d)",
@@ -148,6 +150,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_args, self.cfg.training.seq_len)
         logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", self.cfg.model.flavor, f"{n_params:,}",
                     self.flops_per_token)
+        logger.info(describe_kernel(self.model_args.attn_mask_type, self.device.type,
+                                    compiled=self.cfg.training.compile, context_parallel=self.dims.cp_enabled))
         if self.pipeline is None:
             return [self._materialize(model)]
         logger.info("Pipeline %s, %d microbatches: %s", self.pipeline.schedule, self.pipeline.microbatches,
@@ -188,16 +192,17 @@ class Trainer:
         """Context that forward *and* backward of a micro-batch run under."""
         return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
 
-    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move a micro-batch to the device; under CP keep this rank's load-balanced sequence chunks."""
+    def shard_batch(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Move a micro-batch (inputs, labels[, positions]) to the device; under CP keep this rank's
+        load-balanced sequence chunks of each (positions too: the model all-gathers them for its mask)."""
         if self.dims.cp_enabled:
             cp_rank, cp_size = self.dims.rank_and_size("cp")
-            inputs, labels = shard_sequence(inputs, cp_rank, cp_size), shard_sequence(labels, cp_rank, cp_size)
-        return inputs.to(self.device), labels.to(self.device)
+            batch = tuple(shard_sequence(t, cp_rank, cp_size) for t in batch)
+        return tuple(t.to(self.device) for t in batch)
 
     def prepare(self, batches: MicroBatches) -> MicroBatches:
         """``shard_batch`` of every micro-batch of a step (``StepModel``)."""
-        return [self.shard_batch(inputs, labels) for inputs, labels in batches]
+        return [self.shard_batch(*batch) for batch in batches]
 
     def forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor],
                          before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -210,11 +215,11 @@ class Trainer:
         if self.pp_runner is not None:
             return self._pipeline_forward_backward(batches, scale)
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels) in enumerate(batches):
+        for i, (inputs, labels, *positions) in enumerate(batches):
             if before_micro_batch is not None:
                 before_micro_batch(i)
             with self.train_context():
-                loss_sum = self.loss_fn(self.model_parts[0](inputs), labels)
+                loss_sum = self.loss_fn(self.model_parts[0](inputs, *positions), labels)
                 # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
                 (loss_sum * scale().to(loss_sum.dtype)).backward()
             local_loss_sum += local_value(loss_sum).detach().double()
@@ -227,20 +232,20 @@ class Trainer:
         and every rank logs the true loss.
         """
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, labels in batches:
+        for inputs, labels, *positions in batches:
             with self.train_context():  # around forward and backward: the schedule interleaves them
-                local_loss_sum = local_loss_sum + self.pp_runner.step(inputs, labels, scale())
+                local_loss_sum = local_loss_sum + self.pp_runner.step(inputs, labels, scale(), *positions)
         return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
 
-    def validation_forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
-        and the tokens this rank scored."""
-        inputs, labels = self.shard_batch(inputs, labels)
+    def validation_forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Loss sum of one validation batch (inputs, labels[, positions]) through training's forward (None on a
+        PP rank without the output), and the tokens this rank scored."""
+        inputs, labels, *positions = self.shard_batch(*batch)
         with self.train_context():
             if self.pp_runner is None:
-                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                loss = self.loss_fn(self.model_parts[0](inputs, *positions), labels)
             else:
-                loss = self.pp_runner.forward_only(inputs, labels, self.loss_fn)
+                loss = self.pp_runner.forward_only(inputs, labels, self.loss_fn, *positions)
         return (None if loss is None else local_value(loss)), count_tokens(labels)
 
     def train_step(self, batches: MicroBatches) -> StepOutput:
@@ -317,7 +322,7 @@ class Trainer:
         self.step = out.step  # a fault-tolerant step that healed took a live peer's step
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
-        self.throughput.step_end(tokens=sum(inputs.numel() for inputs, _ in batches) / self.dims.non_data_parallel_size)
+        self.throughput.step_end(tokens=sum(batch[0].numel() for batch in batches) / self.dims.non_data_parallel_size)
         self.readout.add(out)
         if self.readout.steps_taken == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;

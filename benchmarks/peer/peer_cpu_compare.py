@@ -54,7 +54,8 @@ def project_overrides(work: Path, batch: int, seq: int, steps: int) -> list[str]
             f"--checkpoint.initial_load_path={work / 'init_hf'}", "--checkpoint.initial_load_format=hf",
             f"--lr_scheduler.warmup_steps={WARMUP_STEPS}", f"--lr_scheduler.lr_min={LR_MIN}",
             f"--lr_scheduler.decay_ratio={project_decay_ratio(WARMUP_STEPS, steps)!r}",
-            "--metrics.enable_tensorboard=false", "--job.print_args=false"]
+            "--metrics.enable_tensorboard=false", "--job.print_args=false",
+            "--model.attn_mask_type=causal"]  # the peer's CPU attention is causal SDPA (peer_cpu.build_model_spec)
 
 
 def project_worker(args: argparse.Namespace) -> None:
@@ -95,10 +96,11 @@ class _checked:
         self.it, self.window = it, window
 
     def __next__(self):
-        inputs, labels = next(self.it)
+        batch = next(self.it)
+        inputs, labels = batch[:2]
         if not (inputs.equal(self.window[:, :-1]) and labels.equal(self.window[:, 1:])):
             raise AssertionError("the project's loader and the dumped windows disagree")
-        return inputs, labels
+        return batch
 
 
 def _maybe_profile(folder: str | None, rank: int, path: Path):

@@ -56,6 +56,23 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 
+def test_block_causal_logits_are_transformers_logits_with_packed_position_ids(hf_dir) -> None:
+    """block_causal's positions, passed to transformers as ``position_ids``, give its packed-sequence logits."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, FLAVOR.vocab_size, (2, SEQ), generator=gen)
+    positions = torch.tensor([[*range(SEQ // 4), *range(SEQ - SEQ // 4)], [*range(SEQ // 2), *range(SEQ // 2)]])
+    model = Transformer(dataclasses.replace(FLAVOR, max_seq_len=SEQ, attn_mask_type="block_causal"))
+    load_into(model, str(hf_dir), "hf", model.args)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(tokens, positions=positions)
+        # Without a KV cache: transformers reads packed documents from position_ids only in training-style calls.
+        packed = theirs(tokens, position_ids=positions, use_cache=False).logits
+        across = theirs(tokens).logits  # no position_ids: one causal sequence per row
+    assert (ours - packed).abs().max().item() <= 1e-4
+    assert (ours - across).abs().max().item() > 1e-2
+
+
 def test_one_process_load_matches_hf_logits_with_and_without_rope_scaling(hf_dir, tmp_path) -> None:
     tokens = torch.randint(0, FLAVOR.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     model = Transformer(dataclasses.replace(FLAVOR, max_seq_len=SEQ))
@@ -182,7 +199,9 @@ def _two_rank_layout_losses(rank: int, world_size: int, dump: str, hf: str) -> d
         cfg = ConfigManager().parse_args([
             "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}/{name}", "--job.print_args=false",
             "--metrics.enable_tensorboard=false", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH}",
-            "--training.steps=1", "--lr_scheduler.warmup_steps=0", *overrides])
+            "--training.steps=1", "--lr_scheduler.warmup_steps=0",
+            "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
+            *overrides])
         return Trainer(cfg).train()
 
     tp2, pp2 = ["--parallelism.tensor_parallel_degree=2"], ["--parallelism.pipeline_parallel_degree=2",
@@ -231,6 +250,7 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
          "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
+         "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
          f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}", "--training.steps=1",
          "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0", "--lr_scheduler.warmup_steps=0",
          "--checkpoint.enable_checkpoint",

@@ -157,7 +157,9 @@ def _release_runs(rank: int, world_size: int, dump: str, runs: dict[str, list[st
         cfg = ConfigManager().parse_args([
             "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}/{folder}", "--job.print_args=false",
             "--metrics.enable_tensorboard=false", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH}",
-            "--training.steps=2", "--lr_scheduler.warmup_steps=0", *overrides])
+            "--training.steps=2", "--lr_scheduler.warmup_steps=0",
+            "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
+            *overrides])
         trainer = Trainer(cfg)
         model = trainer.model_parts[0]
         whole = model.output is not None and model.tok_embeddings is not None  # not a pipeline stage
@@ -222,6 +224,7 @@ def test_torchrun_tied_release_round_trip(releases, tmp_path, capsys) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
          "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
+         "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
          f"--model.flavor={release}", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}",
          "--training.steps=1", "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0",
          "--lr_scheduler.warmup_steps=0", "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only",

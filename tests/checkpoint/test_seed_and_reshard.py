@@ -109,7 +109,7 @@ def _first_batch_after_resume(rank: int, world_size: int, dump: str, overrides: 
     trainer = make_trainer(dump, *overrides)
     trainer.checkpointer.load()
     position = trainer.dataloader.dataset.state_dict()["next_window"]
-    inputs, _ = next(iter(trainer.dataloader))
+    inputs = next(iter(trainer.dataloader))[0]
     # The truth: windows 8 and 9 of the global stream, from a fresh dataset at the start.
     from torchtitan.datasets import build_dataloader, build_tokenizer
 

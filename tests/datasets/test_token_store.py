@@ -496,3 +496,68 @@ def test_a_position_saved_before_split_keys_still_loads(corpus, tokenizer, tmp_p
         loader(out, tokenizer, split=HeldOutSplit(0.2, seed=1)).dataset.load_state_dict(other)
     with pytest.raises(ValueError, match="unrecognised held-out split"):
         loader(out, tokenizer, split=HeldOutSplit(0.2, seed=1)).dataset.load_state_dict(dict(old, split="half"))
+
+
+# ---------------------------------------------------------------- positions (document-masked attention)
+
+
+def assert_document_positions(inputs: torch.Tensor, positions: torch.Tensor, bos_id: int) -> None:
+    """0 at a window's first token and at each BOS, else one more than the token before."""
+    assert positions.dtype == torch.int64 and positions.shape == inputs.shape
+    assert (positions[:, 0] == 0).all()
+    expected = torch.where(inputs[:, 1:] == bos_id, 0, positions[:, :-1] + 1)
+    assert torch.equal(positions[:, 1:], expected)
+
+
+def test_positions_restart_per_document_and_resume_exactly(store, tokenizer):
+    plain = take(loader(store, tokenizer, batch=2, rank=1, degree=2), 3)
+    dl = loader(store, tokenizer, batch=2, rank=1, degree=2, positions=True)
+    batches = take(dl, 2)
+    for (x, y, p), (x0, y0) in zip(batches, plain):
+        assert torch.equal(x, x0) and torch.equal(y, y0)  # the same windows, positions beside them
+        assert_document_positions(x, p, tokenizer.bos_id)
+    assert any((p[:, 1:] == 0).any() for _, _, p in batches)  # documents start inside these windows
+    state = dl.state_dict()
+    resumed = loader(store, tokenizer, batch=2, rank=1, degree=2, positions=True)
+    resumed.load_state_dict(state)
+    x, _, p = next(iter(resumed))
+    assert torch.equal(x, plain[2][0])
+    assert torch.equal(p, take(loader(store, tokenizer, batch=2, rank=1, degree=2, positions=True), 3)[2][2])
+
+
+def test_streamed_batches_carry_positions(corpus, tokenizer):
+    import datasets
+
+    from torchtitan.datasets.stream_dataset import ShardedStreamDataset
+
+    source = datasets.load_dataset("json", data_files=str(corpus[0]), split="train", streaming=True)
+    stream = ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer, seq_len=SEQ,
+                                  local_batch_size=2, dp_rank=0, dp_degree=1, infinite=False, name="hub",
+                                  positions=True)
+    for x, _, p in stream:
+        assert_document_positions(x, p, tokenizer.bos_id)
+
+
+def test_block_causal_refuses_a_store_without_document_boundaries(store, tmp_path):
+    import shutil
+
+    from torchtitan.config import ConfigError, ConfigManager
+    from torchtitan.preflight import preflight
+
+    bad = tmp_path / "no_bos"
+    shutil.copytree(store, bad)
+    index = json.loads((bad / "index.json").read_text())
+    del index["bos_id"]
+    (bad / "index.json").write_text(json.dumps(index))
+    argv = ["--job.config_file", "train_configs/debug_model.toml", f"--training.dataset_path={bad}",
+            f"--training.seq_len={SEQ}"]
+    with pytest.raises(ConfigError, match="records no BOS.*scripts/prepare_data.py.*--model.attn_mask_type=causal"):
+        preflight(ConfigManager().parse_args(argv), 1)
+    preflight(ConfigManager().parse_args([*argv, "--model.attn_mask_type=causal"]), 1)  # causal needs no boundaries
+
+
+def test_unknown_mask_type_is_refused_with_the_choices():
+    from torchtitan.config import ConfigError, ConfigManager
+
+    with pytest.raises(ConfigError, match="--model.attn_mask_type.*'document'.*choose one of block_causal, causal"):
+        ConfigManager().parse_args(["--model.attn_mask_type=document"])

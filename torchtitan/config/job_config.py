@@ -41,6 +41,11 @@ class Model:
         "Tokenizer: SentencePiece or Llama 3 tiktoken tokenizer.model, or a Hugging Face tokenizer.json (file or "
         "folder); the format is read from the content. Relative paths also resolve against the repository root",
     )
+    attn_mask_type: str = field_with_help(
+        "block_causal", "Attention mask: block_causal (a token attends only to earlier tokens of its own document, "
+        "RoPE restarts per document; as Llama 3 and TorchTitan train) or causal (every earlier token of the window, "
+        "across documents). See docs/attention_masks.md", choices=("block_causal", "causal"),
+    )
 
 
 @dataclass

@@ -14,7 +14,9 @@ Data flow
    ``inputs = window[:-1]`` and ``labels = window[1:]``.  Tokens left over at
    the end of the data (less than one window) are dropped.  With a held-out
    split (``split.py``) the documents it holds out for validation are left out
-   of the training stream before anything else happens.
+   of the training stream before anything else happens.  For document-masked
+   attention a batch also carries each input token's position within its
+   document, derived from the BOS tokens (``documents.py``).
 3. Samples are dealt out to data-parallel ranks in blocks.  With local batch
    ``B`` and DP degree ``D`` the global batch ``s`` is windows
    ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` receives the contiguous block
@@ -83,6 +85,7 @@ __all__ = [
     "build_dataloader",
     "build_validation_dataset",
     "check_training_data",
+    "document_bos",
     "open_token_store",
     "open_validation_store",
 ]
@@ -144,9 +147,22 @@ def open_token_store(
     return TokenStore(path)
 
 
+def document_bos(store: TokenStore) -> int:
+    """The BOS id that starts each document of ``store``: what its windows' positions are derived from."""
+    bos = store.index.get("bos_id")
+    if not isinstance(bos, int) or bos < 0:
+        raise ValueError(
+            f"token store {store.path} records no BOS token, so its document boundaries are unknown and "
+            "--model.attn_mask_type=block_causal cannot mask documents; prepare the store again with "
+            "scripts/prepare_data.py (every document then starts with BOS), or train with "
+            "--model.attn_mask_type=causal"
+        )
+    return bos
+
+
 def check_training_data(
     *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None, seq_len: int,
-    global_batch: int,
+    global_batch: int, positions: bool = False,
 ) -> list[str]:
     """Problems with the training data's token store, found before any process group exists.
 
@@ -160,6 +176,8 @@ def check_training_data(
                                  split=split)
         if store is not None:
             store.check_fits(seq_len, global_batch)
+            if positions:
+                document_bos(store)
     except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"{what}: {e}"]
     return []
@@ -180,6 +198,7 @@ def build_dataloader(
     seed: int = 0,
     prefetch: int = 2,
     cache_dir: str | None = None,
+    positions: bool = False,
 ) -> StatefulDataLoader:
     """Build this DP rank's loader of ``(inputs, labels)`` batches, each ``[local_batch_size, seq_len]``.
 
@@ -194,6 +213,9 @@ def build_dataloader(
 
     Hub datasets (``c4``) are streamed instead, each DP rank reading its own
     documents: their order depends on the DP degree (see ``stream_dataset.py``).
+
+    ``positions``: yield ``(inputs, labels, positions)``, each input's position within its
+    document (``documents.py``), which document-masked attention needs.
     """
     _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
     store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer, split=split,
@@ -203,6 +225,7 @@ def build_dataloader(
         dataset: IterableDataset = TokenStoreDataset(
             store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
             infinite=infinite, shuffle=shuffle, seed=seed, prefetch=prefetch, name=name,
+            positions_bos=document_bos(store) if positions else None,
         )
         # The dataset yields whole batches, and reads them ahead itself.
         return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
@@ -212,7 +235,7 @@ def build_dataloader(
                 name, dp_degree)
     dataset = ShardedStreamDataset(
         source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-        dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split,
+        dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split, positions=positions,
     )
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
 
@@ -258,6 +281,7 @@ def build_validation_dataset(
     dp_rank: int,
     dp_degree: int,
     cache_dir: str | None = None,
+    positions: bool = False,
 ) -> TokenStoreDataset | ShardedStreamDataset:
     """This DP rank's share of the validation data, in local batches; ``rewind()`` starts a pass again.
 
@@ -277,7 +301,8 @@ def build_validation_dataset(
     if store is not None:
         # No read-ahead thread: an evaluation may stop after validation.steps batches.
         return TokenStoreDataset(store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                                 dp_degree=dp_degree, infinite=False, shuffle=False, prefetch=0, name=name)
+                                 dp_degree=dp_degree, infinite=False, shuffle=False, prefetch=0, name=name,
+                                 positions_bos=document_bos(store) if positions else None)
     if own:
         source, text_field = open_source(dataset_name or "", dataset_path)
     else:
@@ -285,5 +310,5 @@ def build_validation_dataset(
     return ShardedStreamDataset(
         source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, infinite=True, name=name, split=None if own else split,
-        held_out=not own,
+        held_out=not own, positions=positions,
     )

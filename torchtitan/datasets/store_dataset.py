@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
+from torchtitan.datasets.documents import document_positions
 from torchtitan.datasets.split import SplitKey, describe
 from torchtitan.datasets.token_store import TokenStore
 from torchtitan.datasets.window_order import WindowPermutation
@@ -91,7 +92,9 @@ def check_position_maps(name: str, state_dict: dict[str, Any], seq_len: int, spl
 
 
 class TokenStoreDataset(IterableDataset, Stateful):
-    """Yields ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``."""
+    """Yields ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``; with ``positions_bos``
+    (the store's BOS id) ``(inputs, labels, positions)``, the inputs' positions within their documents
+    (``documents.py``)."""
 
     def __init__(
         self,
@@ -106,8 +109,10 @@ class TokenStoreDataset(IterableDataset, Stateful):
         seed: int = 0,
         prefetch: int = 2,
         name: str = "dataset",
+        positions_bos: int | None = None,
     ) -> None:
         self.store = store
+        self.positions_bos = positions_bos
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
@@ -133,11 +138,14 @@ class TokenStoreDataset(IterableDataset, Stateful):
             return lambda idx: idx
         return WindowPermutation(self.n_windows, self.seed, epoch)
 
-    def _batch(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, windows: np.ndarray) -> tuple[torch.Tensor, ...]:
         width = self.seq_len + 1
         rows = np.stack([self.store.read(int(w) * width, width) for w in windows])
         tokens = torch.from_numpy(rows)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.positions_bos is None:
+            return inputs, labels
+        return inputs, labels, document_positions(inputs, self.positions_bos)
 
     def _positions(self, epoch: int, base: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, torch.Tensor] | None]]:
         """(epoch, next_window after the batch, batch) from a position on; batch None ends a finite pass."""

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
+from torchtitan.datasets.documents import document_positions
 from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.tokenizer import Tokenizer
 
@@ -37,11 +38,12 @@ logger = logging.getLogger(__name__)
 
 
 class ShardedStreamDataset(IterableDataset, Stateful):
-    """Yields ``(inputs, labels)`` batches ``[local_batch_size, seq_len]`` from this DP rank's documents."""
+    """Yields ``(inputs, labels)`` batches ``[local_batch_size, seq_len]`` from this DP rank's documents; with
+    ``positions`` also the inputs' positions within their documents (``documents.py``)."""
 
     def __init__(self, *, source, text_field: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, infinite: bool = True, name: str = "dataset",
-                 split: HeldOutSplit | None = None, held_out: bool = False) -> None:
+                 split: HeldOutSplit | None = None, held_out: bool = False, positions: bool = False) -> None:
         """``split``: keep only the documents it does not hold out (``held_out=False``) or only those it does."""
         from datasets.distributed import split_dataset_by_node
 
@@ -56,6 +58,7 @@ class ShardedStreamDataset(IterableDataset, Stateful):
         self.name = name
         self.split = split
         self.held_out = held_out
+        self.positions = positions
         self._epoch = 0
         self._buffer: list[int] = []
 
@@ -73,7 +76,11 @@ class ShardedStreamDataset(IterableDataset, Stateful):
                     rows = torch.tensor(self._buffer[:need], dtype=torch.long).view(self.local_batch_size, width)
                     # Cut before yielding: a checkpoint taken while suspended holds the rest only.
                     del self._buffer[:need]
-                    yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+                    inputs, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+                    if self.positions:
+                        yield inputs, labels, document_positions(inputs, self.tokenizer.bos_id)
+                    else:
+                        yield inputs, labels
             self._epoch += 1
             self._buffer.clear()
             if not self.infinite:

@@ -86,6 +86,16 @@ def _lower_right_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
     return causal_lower_right(seq_len_q, seq_len_kv)
 
 
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """All-gather every CP rank's load-balanced slice of ``x`` along ``dim`` and return it in sequence order.
+
+    Differentiable: the backward reduce-scatters the gradient back to each rank's slice.
+    """
+    whole = funcol.all_gather_tensor_autograd(x, gather_dim=dim, group=mesh.get_group())
+    order = _global_order(mesh.size(), x.shape[dim] // 2, x.device)
+    return whole.index_select(dim, order)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Causal attention of local queries against the whole sequence's keys/values.
 
@@ -96,12 +106,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Device
     """
     cp_size, cp_rank = mesh.size(), mesh.get_local_rank()
     chunk = q.shape[2] // 2
-    # all_gather_tensor_autograd concatenates along dim 2; its backward reduce-scatters the grads.
-    group = mesh.get_group()
-    k_all = funcol.all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group)
-    v_all = funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group)
-    order = _global_order(cp_size, chunk, q.device)
-    k_all, v_all = k_all.index_select(2, order), v_all.index_select(2, order)
+    k_all, v_all = gather_sequence(k.contiguous(), mesh, dim=2), gather_sequence(v.contiguous(), mesh, dim=2)
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k_all, v_all = k_all.repeat_interleave(n_rep, dim=1), v_all.repeat_interleave(n_rep, dim=1)

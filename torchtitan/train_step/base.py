@@ -23,7 +23,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.distributed.grads import clip_grad_norm_, match_grad_placements
 from torchtitan.loss import LossScale
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+# A step's micro-batches: (inputs, labels), or (inputs, labels, positions) under document masking.
+MicroBatches = list[tuple[torch.Tensor, ...]]
 
 
 class StepModel(Protocol):

@@ -3,6 +3,8 @@
 import dataclasses
 from dataclasses import dataclass
 
+from torchtitan.models.attention import check_mask_type
+
 
 @dataclass
 class ModelArgs:
@@ -35,8 +37,13 @@ class ModelArgs:
     # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)).
     # False: every layer uses 0.02 / sqrt(2 * n_layers).
     depth_init: bool = True
+    # "block_causal": a token attends only to earlier tokens of its own document (documents are
+    # read from the positions passed to forward, which restart at 0 per document; RoPE uses them).
+    # "causal": every earlier token of the window, across documents. See docs/attention_masks.md.
+    attn_mask_type: str = "block_causal"
 
     def __post_init__(self) -> None:
+        check_mask_type(self.attn_mask_type)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads != 0:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
+from torchtitan.models.attention import DocumentMask, block_causal_attention, build_document_mask
 from torchtitan.models.llama3.args import ModelArgs
 
 
@@ -130,14 +131,19 @@ class Attention(nn.Module):
         n_rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def masked_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask) -> torch.Tensor:
+        """Document-masked attention (models/attention.py); context parallelism swaps this method out too."""
+        return block_causal_attention(q, k, v, documents)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism these are the local heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = self.rotary(xq, xk, rope_cache[..., :seqlen, :])
-        out = self.sdpa(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))
+        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        out = self.sdpa(q, k, v) if documents is None else self.masked_sdpa(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -172,8 +178,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        # A keyword: tensor parallelism lays out the positional inputs of attention only.
+        h = x + self.attention(self.attention_norm(x), rope_cache, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -267,20 +274,29 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: ids [B, L] (or hidden states [B, L, dim] on a stage without embeddings).
 
-        positions: [L] or [B, L] indices into the rope cache; None means 0..L-1.
+        positions: [L] or [B, L] indices into the rope cache; None means 0..L-1. Under the
+        ``block_causal`` mask they also delimit the documents: each restarts at 0 at a
+        document's first token (None: every row is one document).
         Returns logits [B, L, vocab] (hidden states on a stage without output).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Attention slices the cache to its own length: under sequence parallelism h holds only
         # part of the sequence here, while attention sees all of it.
         rope = self.rope_cache if positions is None else self.rope_cache[positions]
+        documents = None
+        if self.args.attn_mask_type == "block_causal" and positions is not None:
+            documents = self.document_mask(positions, tokens.shape[0])  # once per forward, shared by the layers
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, documents=documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
         return h
+
+    def document_mask(self, positions: torch.Tensor, batch: int) -> DocumentMask:
+        """The documents of this forward's rows; context parallelism swaps this for its global version."""
+        return build_document_mask(positions, batch)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once

@@ -32,6 +32,7 @@ from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_attention, local_positions
+from torchtitan.models.attention import cp_block_causal_attention, cp_document_mask
 from torchtitan.models.llama3.model import Attention
 from torchtitan.ops.cpu_kernels import onednn_available, use_cpu_kernels
 
@@ -128,10 +129,13 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
 
 # ---- context parallel --------------------------------------------------------
 def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Swap every block's attention for the all-gather CP attention and feed the model
-    the rotary positions of this rank's load-balanced sequence chunks."""
+    """Swap every block's attention (causal and document-masked) for the all-gather CP attention, build
+    document masks from the whole sequence's positions, and, when none are given, feed the model the
+    rotary positions of this rank's load-balanced sequence chunks."""
     for block in model.layers.values():
         block.attention.sdpa = partial(cp_attention, mesh=cp_mesh)
+        block.attention.masked_sdpa = partial(cp_block_causal_attention, mesh=cp_mesh)
+    model.document_mask = partial(cp_document_mask, mesh=cp_mesh)
     cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
     cached: dict[torch.device, torch.Tensor] = {}
 
