@@ -37,16 +37,22 @@ SLOW: dict[str, frozenset[str]] = {
     "checkpoint/test_resume.py": ALL,
     "checkpoint/test_seed_and_reshard.py": ALL,
     "config/test_config.py": frozenset({
-        "test_config_error_is_one_line_per_problem_and_nonzero_exit", "test_help_lists_every_option"}),
+        "test_config_error_is_one_line_per_problem_and_nonzero_exit",
+        "test_help_lists_every_option",
+    }),
     # The module's ``store`` fixture prepares with two worker processes.
     "datasets/test_token_store.py": frozenset({
         "test_bad_stores_are_named", "test_interrupted_preparation_is_not_used_and_resumes",
-        "test_prefetch_errors_reach_the_training_thread", "test_resume_anywhere_at_any_dp_degree",
+        "test_prefetch_errors_reach_the_training_thread", "test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit",
+        "test_positions_restart_per_document_and_resume_exactly",
+        "test_block_causal_refuses_a_store_without_document_boundaries", "test_resume_anywhere_at_any_dp_degree",
         "test_shuffled_stream_is_independent_of_dp_degree_and_accumulation",
         "test_store_holds_the_packed_stream",
         "test_trainer_preflight_names_a_bad_store_before_any_process_group"}),
     "distributed/test_context_parallel.py": frozenset({
-        "test_cp_attention_compiled_equals_full_attention", "test_cp_attention_equals_full_attention"}),
+        "test_cp_attention_compiled_equals_full_attention",
+        "test_cp_attention_equals_full_attention",
+    }),
     "distributed/test_layout_parity.py": ALL,
     "distributed/test_parallel_dims.py": frozenset({
         "test_meshes_on_eight_ranks", "test_world_size_one"}),
@@ -72,6 +78,38 @@ SLOW: dict[str, frozenset[str]] = {
     "test_tiers.py": frozenset({"test_full_run_lets_every_test_start_processes"}),
     "test_trainer.py": ALL,
     "train_step/test_host_reads.py": ALL,
+    "checkpoint/test_disk_full.py": frozenset({
+        "test_a_first_save_that_does_not_fit_is_named_and_writes_nothing",
+        "test_a_later_save_that_fills_the_disk_keeps_the_earlier_checkpoint_bitwise",
+        "test_the_check_before_a_save_uses_the_previous_checkpoints_size",
+    }),
+    "checkpoint/test_integrity.py": frozenset({
+        "test_a_flipped_byte_is_caught_and_the_restart_resumes_bitwise_from_the_step_before"}),
+    "distributed/test_document_mask.py": frozenset({
+        "test_cp_document_mask_matches_one_process",
+        "test_layouts_train_what_one_process_trains",
+    }),
+    "metrics/test_wandb.py": frozenset({
+        "test_missing_wandb_is_one_line_before_any_process_group",
+        "test_offline_run_has_tensorboards_scalars_and_the_config",
+        "test_resumed_job_continues_the_same_run",
+    }),
+    "models/test_attention.py": frozenset({
+        "test_compiled_block_uses_the_dense_mask_and_matches_eager"}),
+    "scripts/test_install.py": frozenset({
+        "test_cpu_build_pin_keeps_its_local_version",
+        "test_cuda_build_is_kept_and_pinned_by_its_distribution_version",
+        "test_old_torch_gets_the_cpu_default_first",
+    }),
+    "test_compat.py": frozenset({
+        "test_all_process_groups_lists_every_group",
+        "test_default_store",
+        "test_dtensor_rng_tracker",
+        "test_fsdp_param_groups_and_all_reduce_hook",
+        "test_functional_collectives",
+        "test_local_shape_and_global_offset",
+        "test_set_pg_timeout_changes_a_live_groups_timeout",
+    }),
 }
 
 _TESTS = Path(__file__).resolve().parent
