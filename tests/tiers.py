@@ -43,7 +43,8 @@ SLOW: dict[str, frozenset[str]] = {
     # The module's ``store`` fixture prepares with two worker processes.
     "datasets/test_token_store.py": frozenset({
         "test_bad_stores_are_named", "test_interrupted_preparation_is_not_used_and_resumes",
-        "test_prefetch_errors_reach_the_training_thread", "test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit",
+        "test_prefetch_errors_reach_the_training_thread",
+        "test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit",
         "test_positions_restart_per_document_and_resume_exactly",
         "test_block_causal_refuses_a_store_without_document_boundaries", "test_resume_anywhere_at_any_dp_degree",
         "test_shuffled_stream_is_independent_of_dp_degree_and_accumulation",
