@@ -23,7 +23,6 @@ from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.logging_setup import init_logger
 
 
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     manager = ConfigManager()

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from ft_heal import LARGE  # noqa: E402
+
 from torchtitan.checkpoint import integrity  # noqa: E402
 from torchtitan.models.llama3 import ModelArgs, Transformer, llama3_flavors  # noqa: E402
 

@@ -17,8 +17,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -294,7 +295,6 @@ def make_comm_counter(labels: dict[str, str] | None = None):
     Keys are ``kind@group``, the group named by ``labels`` (see ``group_labels``); values
     hold the calls and bytes.
     """
-    import torch
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
 from common import machine_description
+
 from torchtitan.ops.cpu_kernels import times_transposed
 
 SHAPES = [(256, 256), (128, 256), (768, 256), (256, 768), (2048, 256)]  # (out, in)

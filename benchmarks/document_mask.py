@@ -82,9 +82,10 @@ def kernels(shapes: str, reps: int) -> None:
         q, k, v = (torch.randn(batch, seq, n, args.head_dim).transpose(1, 2).requires_grad_()
                    for n in (args.n_heads, args.n_kv_heads, args.n_kv_heads))
         candidates = {
-            "causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-            "dense": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True),
-            "per-document": lambda: per_document(q, k, v, mask.segment_lengths()),
+            "causal": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            "dense": lambda q=q, k=k, v=v, allowed=allowed: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, enable_gqa=True),
+            "per-document": lambda q=q, k=k, v=v, mask=mask: per_document(q, k, v, mask.segment_lengths()),
         }
         times: dict[str, list[float]] = {name: [] for name in candidates}
         for _ in range(reps + 1):

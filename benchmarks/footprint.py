@@ -25,9 +25,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    LAYOUTS, build_trainer, end_worker, full_param_numel, group_labels, load_average, machine_description,
+    LAYOUTS,
+    build_trainer,
+    end_worker,
+    full_param_numel,
+    group_labels,
+    load_average,
+    machine_description,
     make_comm_counter,
-    peak_rss_bytes, run_workers, state_bytes,
+    peak_rss_bytes,
+    run_workers,
+    state_bytes,
 )
 
 WARMUP_STEPS = 2

@@ -37,6 +37,7 @@ ENTRY = str(REPO / "tests" / "fault_tolerance" / "ft_entry.py")
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 sys.path.insert(0, str(REPO))
 from torchtitan.distributed.lifecycle import free_port  # noqa: E402
+
 LARGE = {"dim": 768, "n_layers": 8, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 2048, "multiple_of": 256,
          "norm_eps": 1e-5, "rope_theta": 500000.0}
 

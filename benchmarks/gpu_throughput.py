@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -268,7 +267,7 @@ def run_peer(variant: str, layers: int, seq: int, steps: int, warmup: int, peer_
     env = dict(os.environ, PEER_SITE=peer_site)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
     out = proc.stdout + proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("PEER ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"exit {proc.returncode}\n{out[-3000:]}")
     info = json.loads(lines[-1][len("PEER "):])
@@ -331,7 +330,7 @@ def main() -> None:
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else []) \
             + (["--profile"] if args.profile else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             tail = (proc.stdout + proc.stderr)[-3000:]
             print(f"{variant}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)

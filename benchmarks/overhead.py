@@ -32,7 +32,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    LAYOUTS, build_trainer, end_worker, load_average, machine_description, run_workers, wall_clock,
+    LAYOUTS,
+    build_trainer,
+    end_worker,
+    load_average,
+    machine_description,
+    run_workers,
+    wall_clock,
 )
 
 
@@ -46,9 +52,9 @@ class ReferenceLoop:
 
         from torchtitan.datasets import build_dataloader, build_tokenizer
         from torchtitan.models.llama3 import Transformer
-        from torchtitan.optim import build_lr_scheduler
         from torchtitan.models.llama3.model import Attention
         from torchtitan.ops.cpu_kernels import use_cpu_kernels
+        from torchtitan.optim import build_lr_scheduler
 
         cfg, dims = trainer.cfg, trainer.dims
         if dims.dp_replicate > 1:

@@ -20,7 +20,6 @@ accepts. Both run on one process with no process group and need the memory for t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -56,8 +55,8 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
               max_shard_gib: float, dtype: str | None = None) -> str:
     import torch
 
-    from torchtitan.checkpoint.formats import check_export_target, export_hf as write_hf
-    from torchtitan.checkpoint.formats import read_model_weights
+    from torchtitan.checkpoint.formats import check_export_target, read_model_weights
+    from torchtitan.checkpoint.formats import export_hf as write_hf
     from torchtitan.config import ConfigManager
     from torchtitan.datasets import build_tokenizer
     from torchtitan.preflight import configured_model_args

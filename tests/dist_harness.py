@@ -13,8 +13,9 @@ import os
 import pickle
 import queue
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

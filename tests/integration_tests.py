@@ -41,8 +41,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 try:
     import tomllib
@@ -54,6 +54,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from torchtitan.distributed.lifecycle import free_port  # noqa: E402  (after the path)
 
+# The trainer's console lines, read with the patterns the package declares next to their formats.
+from torchtitan.metrics.logger import MESH_LINE as MESH_RE  # noqa: E402
+from torchtitan.metrics.logger import STEP_LINE as STEP_RE  # noqa: E402
+from torchtitan.metrics.logger import VALIDATION_LINE as VALIDATION_RE  # noqa: E402
+
 LAUNCHER = REPO / "run_llama_train.sh"
 CI_CONFIG = REPO / "train_configs" / "debug_model_ci.toml"
 GPU_CONFIG = REPO / "train_configs" / "debug_model.toml"
@@ -63,8 +68,7 @@ GPU_STEPS, GPU_SEQ_LEN = 20, 2048
 # micro-steps together), so their step-1 losses are comparable with the control's.
 GLOBAL_BATCH = 8
 CONTROL = "fsdp"
-# The trainer's console lines, read with the patterns the package declares next to their formats.
-from torchtitan.metrics.logger import MESH_LINE as MESH_RE, STEP_LINE as STEP_RE, VALIDATION_LINE as VALIDATION_RE  # noqa: E402,E501
+
 # A curve compared with another over several steps (resume into another layout) drifts by
 # float32 summation order, far below this bound (measured: benchmarks/README.md section 12).
 CURVE_RTOL_CPU = 1e-5

@@ -12,8 +12,9 @@ import importlib.metadata
 import inspect
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch

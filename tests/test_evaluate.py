@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
-from dist_harness import run_ranks
-from torchtitan.config import ConfigError, ConfigManager
 from conftest import REPO, load_script
+from dist_harness import run_ranks
+
+from torchtitan.config import ConfigError, ConfigManager
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 SEQ, BATCH = 16, 2

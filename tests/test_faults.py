@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from conftest import REPO, load_script
 
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")

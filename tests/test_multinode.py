@@ -18,8 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from integration_tests import read_losses
 from conftest import REPO
+from integration_tests import read_losses
 
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 LAYOUTS = {

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-
 import pytest
-
 from conftest import REPO, SHIPPED_TOKENIZER
+
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import build_tokenizer
 from torchtitan.models.llama3 import llama3_flavors

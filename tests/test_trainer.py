@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
+from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
-from dist_harness import run_ranks
 from torchtitan.config import ConfigManager
-from conftest import REPO
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 

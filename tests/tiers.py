@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.process
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 

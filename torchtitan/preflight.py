@@ -37,6 +37,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.parallel_dims import dp_shard_problem
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.distributed.seeding import sharded_dims_problem
+from torchtitan.evaluate import check_validation_data
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.metrics.wandb_run import wandb_problems
 from torchtitan.models import model_args, model_flavors
@@ -44,7 +45,6 @@ from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import ffn_hidden_dim
 from torchtitan.models.llama3.parallelize import selective_ac_interval
 from torchtitan.optim.lr_scheduler import validate_schedule
-from torchtitan.evaluate import check_validation_data
 
 
 @dataclasses.dataclass

@@ -23,22 +23,22 @@ from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
 from torchtitan.datasets.partition import job_data_slot
 from torchtitan.distributed import init_distributed, manual_seed, set_determinism
+from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
-from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
-from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.lifecycle import set_collective_timeout
+from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
+from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
 from torchtitan.loss import count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
-from torchtitan.metrics.wandb_run import wandb_run_from_config
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
+from torchtitan.metrics.wandb_run import wandb_run_from_config
 from torchtitan.models.attention import describe_kernel
 from torchtitan.models.llama3 import Transformer, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preflight import LaunchPlan, preflight
-from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
 from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
 from torchtitan.train_step.readout import StepReadout
 from torchtitan.train_step.select import build_step_strategy

@@ -61,7 +61,6 @@ def project_overrides(work: Path, batch: int, seq: int, steps: int) -> list[str]
 def project_worker(args: argparse.Namespace) -> None:
     """One rank of the project's trainer; stamps every step like ``peer_cpu.instrument``."""
     import torch
-
     from common import build_trainer, end_worker
     from peer_cpu import stamp
 

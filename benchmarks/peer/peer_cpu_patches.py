@@ -21,8 +21,6 @@ import datetime
 import functools
 from typing import Any
 
-import torch
-
 
 def force_cpu_device() -> None:
     """Before the peer is imported: its ``tools.utils`` reads the device type at import time."""

@@ -31,7 +31,6 @@ import tempfile
 from pathlib import Path
 
 
-
 def _peer_first_on_path() -> None:
     """The project's checkout must not shadow the peer's package of the same name."""
     here = Path(__file__).resolve()
@@ -102,6 +101,7 @@ def main() -> None:
 
 def main_gpu(args: argparse.Namespace) -> None:
     import torch
+
     import torchtitan
 
     os.environ.setdefault("RANK", "0")
@@ -126,6 +126,7 @@ def main_gpu(args: argparse.Namespace) -> None:
 
 def run_03(args, tok_dir: Path, data_dir: Path, work: Path) -> None:
     import torch
+
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -162,7 +163,8 @@ def run_03(args, tok_dir: Path, data_dir: Path, work: Path) -> None:
 
 def run_02(args, tok_dir: Path, data_dir: Path, work: Path) -> None:
     from torchtitan.models.llama3 import llama3_args
-    from torchtitan.train import Trainer, main as peer_main
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as peer_main
 
     llama3_args["8B"].n_layers = args.layers
     sys.argv = [

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 import torch.distributed as dist
-
 from conftest import REPO
+
 from torchtitan.config import ConfigManager
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")

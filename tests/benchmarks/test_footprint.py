@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from conftest import REPO
 
+from conftest import REPO
 
 
 def test_footprint_tp2_and_pp2_meet_the_targets(tmp_path):

@@ -8,12 +8,12 @@ import json
 import sys
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks" / "peer"))
 import peer_cpu  # noqa: E402
 import peer_cpu_compare  # noqa: E402
+
 from torchtitan.optim.lr_scheduler import lr_factor, resolve_decay_steps  # noqa: E402
 
 

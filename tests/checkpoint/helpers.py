@@ -9,10 +9,10 @@ import warnings
 from pathlib import Path
 
 import torch
+from conftest import REPO, SHIPPED_TOKENIZER
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import ConfigManager
-from conftest import REPO, SHIPPED_TOKENIZER
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 

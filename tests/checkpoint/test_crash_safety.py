@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dist_harness import run_ranks
 from helpers import DEBUG, REPO, train
-from torchtitan.models.llama3 import llama3_flavors
+
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.models.llama3 import llama3_flavors
 
 HERE = Path(__file__).resolve().parent
 

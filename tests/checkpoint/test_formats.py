@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # a test-only dependency (the dev extra)
-
+from conftest import REPO, load_script
 from dist_harness import run_ranks
+from helpers import hf_logits, hf_loss, reference_batch
+
 from torchtitan.checkpoint.formats import check_source, export_hf, load_into
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
 from torchtitan.models.llama3.model import ffn_hidden_dim
-from conftest import REPO, load_script
-from helpers import hf_logits, hf_loss, reference_batch
 
 DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
 SEQ, BATCH = 32, 2

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-
 from checkpoint.helpers import FSDP2, make_trainer
 from dist_harness import run_ranks
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from dist_harness import run_ranks
-from torchtitan.checkpoint.formats import check_source, load_into
 from conftest import REPO
+from dist_harness import run_ranks
 from helpers import hf_loss
+
+from torchtitan.checkpoint.formats import check_source, load_into
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models import model_args
 from torchtitan.models.llama3 import Transformer, llama3_flavors

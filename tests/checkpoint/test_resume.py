@@ -15,11 +15,19 @@ import signal
 
 import pytest
 import torch
-
 from dist_harness import run_ranks
 from helpers import (
-    DDP2, FSDP2, HSDP4, checkpoint_tensors, copy_checkpoint, digest, full_model_digests, make_trainer,
-    resume_and_inspect, rng_draws, train,
+    DDP2,
+    FSDP2,
+    HSDP4,
+    checkpoint_tensors,
+    copy_checkpoint,
+    digest,
+    full_model_digests,
+    make_trainer,
+    resume_and_inspect,
+    rng_draws,
+    train,
 )
 
 RUN = ["--training.steps=6", "--checkpoint.interval=3"]
@@ -135,9 +143,10 @@ def test_weights_only_export_loads_into_a_plain_model(fsdp_straight, tmp_path):
 def _model_args():
     import dataclasses
 
+    from conftest import SHIPPED_TOKENIZER
+
     from torchtitan.datasets import build_tokenizer
     from torchtitan.models.llama3 import llama3_flavors
-    from conftest import SHIPPED_TOKENIZER
 
     tokenizer = build_tokenizer(SHIPPED_TOKENIZER)
     return dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=tokenizer.n_words, max_seq_len=64)

@@ -13,11 +13,18 @@ import os
 import subprocess
 import sys
 
+from conftest import SHIPPED_TOKENIZER
 from dist_harness import run_ranks
 from helpers import (
-    DDP2, FSDP2, HSDP4, REPO, checkpoint_digests, copy_checkpoint, resume_and_inspect, train,
+    DDP2,
+    FSDP2,
+    HSDP4,
+    REPO,
+    checkpoint_digests,
+    copy_checkpoint,
+    resume_and_inspect,
+    train,
 )
-from conftest import SHIPPED_TOKENIZER
 
 PARITY = 1e-4  # relative, as in tests/distributed/test_layout_parity.py
 

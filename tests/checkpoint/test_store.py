@@ -76,7 +76,10 @@ def _split(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def test_model_view_merges_stages_under_original_fqns():
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
 
     from torchtitan.checkpoint.manager import _OPTIM_OPTIONS

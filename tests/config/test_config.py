@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from torchtitan.config import ConfigError, ConfigManager, to_toml
 from torchtitan.config.manager import tomllib
-from conftest import REPO
-
 
 
 def parse(*argv: str):

@@ -18,9 +18,9 @@ from torchtitan.datasets import (
     Tokenizer,
     build_dataloader,
     build_tokenizer,
+    embedded_corpus,
     ensure_embedded_corpus,
 )
-from torchtitan.datasets import embedded_corpus
 
 # torchdata calls a torch API that recent torch versions deprecate; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO, load_script
-from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer
-from torchtitan.datasets import prepare, store_cache
+
+from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer, prepare, store_cache
 from torchtitan.datasets.sources import TokenStoreError
 from torchtitan.datasets.token_store import TokenStore
 from torchtitan.datasets.window_order import WindowPermutation

@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 
 from torchtitan.datasets.tokenizer import (
-    LLAMA3_SPLIT_PATTERN, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, build_tokenizer,
+    LLAMA3_SPLIT_PATTERN,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    build_tokenizer,
     llama3_special_tokens,
 )
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.bias import causal_lower_right
 
-from dist_harness import run_ranks
 from torchtitan.distributed.context_parallel import (
-    _causal_mask, cp_attention, local_positions, shard_sequence,
+    _causal_mask,
+    cp_attention,
+    local_positions,
+    shard_sequence,
 )
 from torchtitan.models.llama3.model import repeat_kv
 

@@ -13,9 +13,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_harness import run_ranks
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.models.attention import document_ids
 from torchtitan.models.llama3 import ModelArgs, Transformer

@@ -13,11 +13,11 @@ import hashlib
 
 import pytest
 import torch
+from conftest import REPO
+from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
-from dist_harness import run_ranks
 from torchtitan.config import ConfigManager
-from conftest import REPO
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 30

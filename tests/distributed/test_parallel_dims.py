@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch.distributed as dist
-
 from dist_harness import run_ranks
+
 from torchtitan.distributed import FLATTENED_VIEWS, ParallelDims
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_harness import run_ranks
 from torchtitan.distributed import ParallelDims, manual_seed
 from torchtitan.distributed.seeding import sharded_offset
 

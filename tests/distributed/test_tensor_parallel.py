@@ -13,14 +13,14 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist_harness import run_ranks
-from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.distributed.grads import match_grad_placements
+from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.parallelize import apply_tp
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, multiple_of=32, max_seq_len=16)

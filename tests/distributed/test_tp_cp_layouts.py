@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-
 from dist_harness import run_ranks
 from test_layout_parity import _init_and_train, assert_validation_parity
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.distributed import ParallelDims
 from torchtitan.datasets.partition import data_slot
+from torchtitan.distributed import ParallelDims
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.preflight import preflight
 

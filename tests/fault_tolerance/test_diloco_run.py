@@ -32,11 +32,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
-
-from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
 STEPS, SYNC, FRAGMENTS, KILL_AT, CKPT_EVERY, RESTART_AT = 16, 4, 2, 4, 4, 12
 RESTART_LATE_S = 2.0

@@ -49,8 +49,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from torchtitan.distributed.lifecycle import free_port
 
 ENTRY = str(Path(__file__).with_name("ft_entry.py"))

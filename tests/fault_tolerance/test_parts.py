@@ -5,14 +5,14 @@ DiLoCo's fragments (every parameter in exactly one), and the startup wait's deci
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_ranks
+
 from torchtitan.fault_tolerance.state import HealState, init_optimizer_state
 
 

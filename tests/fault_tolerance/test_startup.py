@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
 LATE_STEPS, LATE_S = 3, 5.0

@@ -9,7 +9,13 @@ import pytest
 
 from torchtitan.logging_setup import init_logger
 from torchtitan.metrics.logger import (
-    BATCH_LINE, MESH_LINE, STEP_LINE, VALIDATION_LINE, format_batch_line, format_mesh_line, format_step_line,
+    BATCH_LINE,
+    MESH_LINE,
+    STEP_LINE,
+    VALIDATION_LINE,
+    format_batch_line,
+    format_mesh_line,
+    format_step_line,
     format_validation_line,
 )
 

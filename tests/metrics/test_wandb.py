@@ -12,11 +12,11 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 from conftest import REPO
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install -e '.[wandb]')")

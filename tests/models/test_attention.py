@@ -9,8 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.models.attention import (
-    DocumentMask, block_causal_attention, build_document_mask, check_mask_type, dense_mask,
-    document_causal_mask_mod, document_ids, per_document_sdpa,
+    DocumentMask,
+    block_causal_attention,
+    build_document_mask,
+    check_mask_type,
+    dense_mask,
+    document_causal_mask_mod,
+    document_ids,
+    per_document_sdpa,
 )
 from torchtitan.models.llama3 import ModelArgs, Transformer
 

@@ -25,7 +25,11 @@ from torchtitan.models.llama3.model import Attention, precompute_rope_cache, rep
 from torchtitan.models.llama3.parallelize import apply_activation_checkpointing
 from torchtitan.ops import cpu_kernels
 from torchtitan.ops.cpu_kernels import (
-    CROSS_ENTROPY_SLICE_BYTES, OneDNNLinear, onednn_available, rotate_pairs_complex, use_cpu_kernels,
+    CROSS_ENTROPY_SLICE_BYTES,
+    OneDNNLinear,
+    onednn_available,
+    rotate_pairs_complex,
+    use_cpu_kernels,
 )
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")

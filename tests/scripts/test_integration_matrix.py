@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import load_script
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
-from conftest import load_script
 
 it = load_script("tests/integration_tests.py")
 

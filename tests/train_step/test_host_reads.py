@@ -15,10 +15,9 @@ from __future__ import annotations
 import traceback
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from dist_harness import run_ranks
 from conftest import REPO
+from dist_harness import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 STEPS = 10

@@ -34,8 +34,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
-from torchtitan.models.llama3 import ModelArgs
-from torchtitan.models.llama3 import convert
+from torchtitan.models.llama3 import ModelArgs, convert
 
 logger = logging.getLogger(__name__)
 

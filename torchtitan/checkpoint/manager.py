@@ -31,17 +31,22 @@ import pickle
 import random
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from torchtitan.checkpoint import integrity, space
@@ -375,7 +380,7 @@ class CheckpointManager:
             path, manifest, error = None, {}, f"{type(e).__name__}: {e}"
         self._agree(error, "choosing the checkpoint", choice=None if path is None else path.name)
         if path is not None and self.rank == 0:
-            for leftover_step, leftovers in sorted(listing.partial.items()):
+            for _step, leftovers in sorted(listing.partial.items()):
                 for leftover in leftovers:
                     logger.warning("Checkpoint: skipping %s: an incomplete save (interrupted or still being "
                                    "written)", leftover)

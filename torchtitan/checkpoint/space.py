@@ -74,7 +74,7 @@ def checkpoint_bytes(path: Path) -> int | None:
 
 def previous_size(folder: Path, kind: str) -> int | None:
     """The size of the newest committed checkpoint of ``kind`` in ``folder``: what the next such save writes."""
-    for step, path in sorted(scan(folder).committed.items(), reverse=True):
+    for _step, path in sorted(scan(folder).committed.items(), reverse=True):
         try:
             if read_manifest(path).get("kind") == kind:
                 return checkpoint_bytes(path)

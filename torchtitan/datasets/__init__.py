@@ -9,7 +9,10 @@ first use, under a lock), ``window_order``, the two datasets (``store_dataset``,
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
 from torchtitan.datasets.loaders import (
-    build_dataloader, build_validation_dataset, check_training_data, open_validation_store,
+    build_dataloader,
+    build_validation_dataset,
+    check_training_data,
+    open_validation_store,
 )
 from torchtitan.datasets.sources import DATASETS, DatasetSpec, TokenStoreError
 from torchtitan.datasets.split import HeldOutSplit

@@ -72,7 +72,12 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
 from torchtitan.datasets.sources import (
-    DATASETS, SourceSpec, load_local_dataset, open_source, source_files, source_fingerprint,
+    DATASETS,
+    SourceSpec,
+    load_local_dataset,
+    open_source,
+    source_files,
+    source_fingerprint,
 )
 from torchtitan.datasets.split import HeldOutSplit
 from torchtitan.datasets.store_cache import ensure_store

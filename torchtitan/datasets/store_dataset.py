@@ -62,7 +62,7 @@ class _Prefetcher:
             self.thread.join(timeout)
 
 
-_LIVE: "weakref.WeakSet[_Prefetcher]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[_Prefetcher] = weakref.WeakSet()
 
 
 @atexit.register

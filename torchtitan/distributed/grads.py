@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.compat import REDISTRIBUTE_LOGGER
-
 
 # DTensor warns on every step that reducing a norm partial over (dp_shard, tp) takes two
 # all-reduces instead of one; for one scalar per mesh that costs nothing worth a warning.

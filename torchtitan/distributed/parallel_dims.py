@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+
 # The mesh dimension names, in the order the world mesh lays them out.
 def dp_shard_problem(dp_shard: int) -> str | None:
     """What is wrong with a dp_shard degree on its own (before the world size is known), or None."""
@@ -259,7 +260,7 @@ class ParallelDims:
         return self.cp * self.tp * self.pp
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallelism, world_size: int) -> ParallelDims:
         dims = cls(
             dp_replicate=parallelism.data_parallel_replicate_degree,
             dp_shard=parallelism.data_parallel_shard_degree,

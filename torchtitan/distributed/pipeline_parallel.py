@@ -32,7 +32,7 @@ reduces once per schedule step.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.distributed.collectives import local_value
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
+
 
 def prune_to_stage(whole: torch.nn.Module, plan: PipelinePlan, stage_id: int) -> torch.nn.Module:
     """A copy of ``whole`` (a meta-device Transformer) holding only stage ``stage_id``; FQNs unchanged."""

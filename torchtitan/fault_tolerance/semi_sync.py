@@ -195,7 +195,7 @@ class SemiSyncState:
     def reference_tensors(self) -> list[torch.Tensor]:
         """The global state every group must hold bitwise after a sync: references and outer momentum."""
         tensors: list[torch.Tensor] = []
-        for fqn, p, i, name in self.entries if self.outers else []:
+        for _fqn, p, i, name in self.entries if self.outers else []:
             tensors.append(self._reference(i, name))
             tensors.extend(self.outers[i].state[p].values())
         return tensors

@@ -31,7 +31,7 @@ continues in another's, is masked exactly as in one process.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

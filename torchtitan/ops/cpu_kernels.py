@@ -159,7 +159,7 @@ def cross_entropy_sum_sliced(logits: torch.Tensor, labels: torch.Tensor, ignore_
 # ---------------------------------------------------------------- the switch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _with_cpu_kernels(attention: type[nn.Module]) -> type[nn.Module]:
     """``attention`` with ``CpuAttentionKernels`` in front, one class per attention class."""
     return type(f"Cpu{attention.__name__}", (CpuAttentionKernels, attention), {})

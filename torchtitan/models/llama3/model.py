@@ -20,7 +20,6 @@ from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_no
 from torchtitan.models.attention import DocumentMask, block_causal_attention, build_document_mask
 from torchtitan.models.llama3.args import ModelArgs
 
-
 # ---------------------------------------------------------------- building blocks
 
 

@@ -16,15 +16,20 @@ Every step keeps the parameter FQNs unchanged (AC replaces forward in place, in-
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial, wraps
-from typing import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
