@@ -80,7 +80,7 @@ class TrafficLedger:
 
     dim_of_group: dict[str, str]
     phase: str = "build"
-    stats: dict[tuple[str, str, str], CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
+    stats: dict[tuple[str, str, str, str], CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
     group_ranks: dict[str, list[int]] = field(default_factory=dict)  # dim -> the global ranks of this rank's group
     recording: bool = False
 
@@ -97,20 +97,23 @@ class TrafficLedger:
         if dim not in self.group_ranks:
             self.group_ranks[dim] = dist.get_process_group_ranks(group)
         nbytes = _nbytes(out) if reader == "out" else _nbytes(args[int(reader[-1])])
-        s = self.stats[(dim, kind, self.phase)]
+        # FSDP2 and the pipeline call c10d directly; DTensor (TP, loss parallel, clipping) and CP go
+        # through functional collectives. The cost model overlaps the first kind with compute.
+        source = "c10d" if func.namespace == "c10d" else "functional"
+        s = self.stats[(dim, kind, self.phase, source)]
         s.count += 1
         s.bytes += nbytes
         return True
 
     def by_dim(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
-        for (dim, _, _), s in self.stats.items():
+        for (dim, _, _, _), s in self.stats.items():
             out[dim] += s.bytes
         return dict(out)
 
     def rows(self) -> list[dict]:
-        return [{"dim": d, "kind": k, "phase": p, "count": s.count, "bytes": s.bytes}
-                for (d, k, p), s in sorted(self.stats.items())]
+        return [{"dim": d, "kind": k, "phase": p, "via": v, "count": s.count, "bytes": s.bytes}
+                for (d, k, p, v), s in sorted(self.stats.items())]
 
 
 def crosses_nodes(ranks: list[int], gpus_per_node: int) -> bool:
