@@ -69,7 +69,7 @@ def plan_main(argv: list[str]) -> int:
     try:
         cfg = ConfigManager().parse_args(rest)
         if own.search:
-            return _search(cfg, own, cluster)
+            return _search(rest, own, cluster)
         from torchtitan.planning.cost import estimate
         from torchtitan.planning.dry_run import dry_run
         from torchtitan.planning.report import dry_run_text, estimate_text
@@ -86,10 +86,10 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-def _search(cfg, own, cluster) -> int:
+def _search(args: list[str], own, cluster) -> int:
     from torchtitan.planning.search import search
 
-    results = search(cfg, own.world_size, cluster)
+    results = search(args, own.world_size, cluster)
     if own.json:
         print(json.dumps({"layouts": [r.to_json() for r in results]}))
         return 0
