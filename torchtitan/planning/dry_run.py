@@ -201,6 +201,7 @@ def simulate_rank(cfg: JobConfig, plan: Plan, world_size: int, rank: int, steps:
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        _prebuild_cp_masks(cfg, dims)
         with fake, recorder, track_fsdp_storage(memory):
             job.register_state()
             job.init_optimizer_state(recorder)
@@ -210,6 +211,18 @@ def simulate_rank(cfg: JobConfig, plan: Plan, world_size: int, rank: int, steps:
         traffic.group_ranks.update(_all_group_ranks(dims, traffic))
         return RankRun(rank, coords, job.stage_ids, memory.report(), traffic, dict(compute.work),
                        time.perf_counter() - start)
+
+
+def _prebuild_cp_masks(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Build CP attention's causal masks before fake mode: a mask is a tensor subclass that cannot be
+    created under it (``cp_attention`` keeps them in a cache)."""
+    if not dims.cp_enabled:
+        return
+    from torchtitan.distributed.context_parallel import _lower_right_bias
+
+    chunk = cfg.training.seq_len // (2 * dims.cp)
+    for g in range(2 * dims.cp):
+        _lower_right_bias(chunk, (g + 1) * chunk)
 
 
 def _all_group_ranks(dims: ParallelDims, traffic: TrafficLedger) -> dict[str, list[int]]:

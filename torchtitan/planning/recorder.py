@@ -98,7 +98,8 @@ class StepRecorder(TorchDispatchMode):
 
 @contextlib.contextmanager
 def track_fsdp_storage(memory: MemoryLedger) -> Iterator[None]:
-    """Follow FSDP2's unsharded parameters, whose storages it resizes in place (no op the mode sees)."""
+    """Follow FSDP2's unsharded parameters, whose storages it resizes in place (no op the mode sees),
+    and tag the unsharded gradients it accumulates as gradients."""
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
 
     def alloc_and_note(tensor: torch.Tensor) -> None:
@@ -109,13 +110,28 @@ def track_fsdp_storage(memory: MemoryLedger) -> Iterator[None]:
         free(tensor)
         memory.note_resize(tensor, "gathered_parameters")
 
+    # Without gradient sync (PP micro-batches, accumulation under fault tolerance) FSDP2 keeps each
+    # parameter's unsharded gradient, in the reduce dtype, until the step's one reduce-scatter.
+    cls = _fsdp_param.FSDPParam
+    to_accumulated, accumulate = cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed
+
+    def note_accumulated(method):
+        def wrapper(self) -> None:
+            method(self)
+            if self.unsharded_accumulated_grad is not None:
+                memory.register(self.unsharded_accumulated_grad, "gradients")
+        return wrapper
+
     _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_and_note
     _fsdp_param.free_storage = free_and_note
+    cls.to_accumulated_grad_if_needed = note_accumulated(to_accumulated)
+    cls.accumulate_unsharded_grad_if_needed = note_accumulated(accumulate)
     try:
         yield
     finally:
         _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
         _fsdp_param.free_storage = free
+        cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed = to_accumulated, accumulate
 
 
 def _gpu_rotary(xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
