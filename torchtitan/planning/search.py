@@ -5,6 +5,7 @@ with 1F1B and Interleaved1F1B (one micro-batch per sequence of the local batch),
 degrees for long sequences (seq_len >= 32k), full and selective activation checkpointing, and the
 local batch that keeps the config's global batch. The preflight drops what it refuses; layouts that
 do not fit the cluster's memory are dropped; the rest are ranked by predicted tokens/s per GPU.
+Each pipelined layout is simulated on its first and last pipeline ranks only.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ def search(args: list[str], world_size: int, cluster: Cluster) -> list[Layout]:
             plan_job(trial, world_size)
         except ConfigError:
             continue
-        e = estimate(dry_run(trial, world_size), cluster)
+        pp = trial.parallelism.pipeline_parallel_degree
+        # The first and last pipeline ranks (embedding, output and the most in-flight micro-batches)
+        # stand for the pipeline: a search prices many layouts.
+        e = estimate(dry_run(trial, world_size, pp_ranks=sorted({0, pp - 1})), cluster)
         if e.fits:
             layouts.append(Layout(overrides, e))
     return sorted(layouts, key=lambda layout: -layout.estimate.tokens_per_second_per_gpu)
