@@ -24,7 +24,7 @@ _FREE = {"view", "_unsafe_view", "t", "transpose", "detach", "as_strided", "alia
          "view_as_complex", "_conj", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
          "chunk", "unflatten", "flatten", "lift_fresh", "_reshape_alias", "resolve_conj", "resolve_neg",
          "_record_function_enter_new", "_record_function_exit", "device", "set_", "_has_compatible_shallow_copy_type",
-         "record_stream", "zeros_like"}
+         "record_stream"}
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

@@ -80,10 +80,6 @@ class RankRun:
     work: dict[str, PhaseWork]
     seconds: float
 
-    @property
-    def steps_recorded(self) -> int:
-        return self._steps
-
     def to_json(self) -> dict:
         return {"rank": self.rank, "coords": self.coords, "pipeline_stages": self.stages,
                 "memory": self.memory.to_json(), "collectives": self.traffic.rows(),

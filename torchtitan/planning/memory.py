@@ -124,9 +124,3 @@ def fold(totals: dict[str, int]) -> dict[str, int]:
         if not k.startswith("activations@"):
             out[k] = out.get(k, 0) + v
     return out
-
-
-def allowance_bytes(peak: int, fraction: float, comm_buffer_bytes: int) -> int:
-    """The stated allowance on top of the tracked peak: allocator fragmentation and caching (a
-    fraction of the peak) and the communication library's own buffers (a fixed size per rank)."""
-    return int(peak * fraction) + comm_buffer_bytes
