@@ -1,7 +1,8 @@
 """Entry point: ``torchrun --nproc_per_node N train.py --job.config_file FILE [--section.key=value ...]``.
 
 Also runs as a single process (``python train.py ...``); ``python train.py --preflight_only ...``
-only checks the job (``run_llama_train.sh`` does so once before starting torchrun). A config problem prints one
+only checks the job (``run_llama_train.sh`` does so once before starting torchrun);
+``python train.py --dry_run --world_size N ...`` simulates it at that world size (docs/planning.md). A config problem prints one
 line per problem and exits with status 2 on every rank, before any process group
 exists; a checkpoint save that does not fit on its disk prints one line on every rank and
 exits with status 74 (``torchtitan/checkpoint/space.py``, docs/checkpoint_integrity.md);
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[:1] == ["--preflight_only"]:
         return preflight_only(manager, argv[1:])
+    if argv[:1] == ["--dry_run"]:  # the whole job simulated in this process on fake tensors (docs/planning.md)
+        from torchtitan.planning.cli import dry_run_main
+
+        return dry_run_main(argv[1:])
     trainer, status = None, 1
     shutdown_timeout = 60.0
     try:

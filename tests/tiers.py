@@ -23,8 +23,6 @@ import pytest
 # Module (relative to tests/) -> the tests in it that start processes; ALL: every test.
 ALL = frozenset({"*"})
 SLOW: dict[str, frozenset[str]] = {
-    "benchmarks/test_estimate_memory.py": frozenset({
-        "test_estimate_equals_real_gloo_ranks"}),
     "benchmarks/test_footprint.py": ALL,
     "checkpoint/test_crash_safety.py": ALL,
     "checkpoint/test_formats.py": frozenset({

@@ -58,13 +58,19 @@ class LaunchPlan:
     pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
 
 
-def preflight(cfg: JobConfig, world_size: int) -> LaunchPlan:
-    """Check the whole job without touching the network; raise ``ConfigError`` naming every problem."""
-    problems = check_config(cfg)
-    try:
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    except (FileNotFoundError, ValueError) as e:
-        problems.append(f"--model.tokenizer_path: {e}")
+def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None,
+              check_data: bool = True) -> LaunchPlan:
+    """Check the whole job without touching the network; raise ``ConfigError`` naming every problem.
+
+    A planner (``torchtitan/planning``) passes a stand-in ``tokenizer`` and ``check_data=False``: a job
+    is planned before its tokenizer and data are staged, and every other check runs as in a launch.
+    """
+    problems = check_config(cfg, check_data=check_data)
+    if tokenizer is None:
+        try:
+            tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        except (FileNotFoundError, ValueError) as e:
+            problems.append(f"--model.tokenizer_path: {e}")
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
     except ValueError as e:
@@ -87,6 +93,8 @@ def preflight(cfg: JobConfig, world_size: int) -> LaunchPlan:
     problems += check_checkpoint(cfg, world_size, lambda: Transformer(args), model_args=args)
     # Last, and only for an otherwise sound job: the data checks may prepare a token store.
     _raise_if(problems)
+    if not check_data:
+        return Plan(dims, grad_accum, args, tokenizer, pipeline)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
@@ -130,8 +138,10 @@ def _raise_if(problems: list[str]) -> None:
 
 
 # ---- the config alone -------------------------------------------------------
-def check_config(cfg: JobConfig) -> list[str]:
-    """Problems visible in the config alone: values a type cannot express, and options that contradict."""
+def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
+    """Problems visible in the config alone: values a type cannot express, and options that contradict.
+
+    ``check_data=False`` (a planner's dry run) skips whether the data set's files exist."""
     problems: list[str] = []
     p, t = cfg.parallelism, cfg.training
     problem = dp_shard_problem(p.data_parallel_shard_degree)
@@ -158,7 +168,7 @@ def check_config(cfg: JobConfig) -> list[str]:
     if t.dataset_path is None and t.dataset not in DATASETS:
         problems.append(f"--training.dataset={t.dataset}: unknown; choose one of {', '.join(DATASETS)} "
                         "or give --training.dataset_path")
-    if t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
+    if check_data and t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
         problems.append(f"--training.dataset_path={t.dataset_path}: no such file or folder")
     problems += wandb_problems(cfg.metrics.enable_wandb)
     return problems + _validation_problems(cfg)

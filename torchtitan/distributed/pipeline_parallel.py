@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -148,11 +149,15 @@ def build_pipeline(
     device: torch.device,
     materialize: Callable[[torch.nn.Module], torch.nn.Module],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    stage_io: Callable[[int], dict[str, Any]] | None = None,
 ) -> tuple[PipelineRunner, list[torch.nn.Module]]:
     """Build this rank's stages from the meta model ``whole`` and the schedule over them.
 
     ``materialize`` parallelizes a pruned stage, allocates it on the device and
     initializes it (the same steps the trainer applies to an unsplit model).
+    ``stage_io(stage_id)``, when given, states a stage's example inputs and outputs (and their
+    gradients) as ``PipelineStage`` keywords, so the schedule need not exchange shapes at its
+    first step (the planner's dry run needs this: it cannot read the exchanged sizes).
     Returns the runner and the stage modules, in ascending stage order.
     """
     pp_rank = pp_mesh.get_local_rank()
@@ -160,7 +165,8 @@ def build_pipeline(
     for stage_id in plan.stage_ids(pp_rank):
         part = materialize(prune_to_stage(whole, plan, stage_id))
         parts.append(part)
-        stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group()))
+        io = stage_io(stage_id) if stage_io is not None else {}
+        stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **io))
     loss = ScaledLoss(loss_fn)
     cls = SCHEDULES[plan.schedule]
     # scale_grads=False: the loss already carries the step's normalisation (see ScaledLoss).

@@ -1,0 +1,73 @@
+"""The planner's predictions against published runs (docs/planning.md, benchmarks/README.md §17).
+
+    python benchmarks/plan_validation.py [ROW ...]     # all rows, or the named ones
+
+Each row is a published run: its layout as train.py overrides, its cluster, and its published
+tokens/s per GPU (or MFU) and memory. The script prints one JSON line per row with the prediction.
+Nothing here feeds back into the model: the cluster constants come from their cited sources.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.planning.clusters import load_cluster  # noqa: E402
+from torchtitan.planning.cost import estimate  # noqa: E402
+from torchtitan.planning.dry_run import dry_run  # noqa: E402
+
+TT = "h100-hbm2e-96g-500w"
+C8, C70, C405 = (f"train_configs/llama3_{m}.toml" for m in ("8b", "70b", "405b"))
+_8B = ["--job.config_file", C8, "--training.seq_len=8192"]
+_CP = ["--job.config_file", C8, "--activation_checkpoint.mode=full", "--training.batch_size=1"]
+_405 = ["--job.config_file", C405, "--training.batch_size=32", "--parallelism.pipeline_parallel_microbatches=32",
+        "--parallelism.tensor_parallel_degree=8", "--parallelism.pipeline_parallel_degree=8"]
+# name: (cluster, world size, overrides, pp ranks simulated, published tokens/s/GPU, published MFU, published GiB)
+ROWS = {
+    "8b-fsdp8": (TT, 8, [*_8B, "--training.batch_size=2", "--activation_checkpoint.mode=selective"], None,
+                 5762, None, 82.4),
+    "8b-fsdp128": (TT, 128, [*_8B, "--training.batch_size=2", "--activation_checkpoint.mode=selective"], None,
+                   5605, None, 67.0),
+    "8b-cp1-32k": (TT, 8, [*_CP, "--training.seq_len=32768"], None, 3890, None, 83.9),
+    "8b-cp2-64k": (TT, 8, [*_CP, "--training.seq_len=65536", "--parallelism.context_parallel_degree=2"], None,
+                   2540, None, 84.2),
+    "8b-cp4-128k": (TT, 8, [*_CP, "--training.seq_len=131072", "--parallelism.context_parallel_degree=4"], None,
+                    1071, None, 84.0),
+    "8b-cp8-256k": (TT, 8, [*_CP, "--training.seq_len=262144", "--parallelism.context_parallel_degree=8"], None,
+                    548, None, 84.5),
+    "70b-fsdp32-tp8": (TT, 256, ["--job.config_file", C70, "--training.batch_size=16"], None, 829, None, 71.9),
+    "405b-1f1b": (TT, 512, [*_405, "--parallelism.pipeline_parallel_schedule=1F1B",
+                            "--parallelism.pipeline_parallel_stages_per_rank=1"], [0, 7], 100, None, 82.5),
+    "405b-interleaved": (TT, 512, [*_405, "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+                                   "--parallelism.pipeline_parallel_stages_per_rank=2"], [0, 7], 128, None, 72.7),
+    # Llama 3 paper (arXiv:2407.21783, Table 4): 8,192 H100s, TP 8, PP 16, DP 64, 16M tokens per batch.
+    "405b-llama3-paper": ("h100-sxm-80g", 8192, [
+        "--job.config_file", C405, "--training.batch_size=32", "--parallelism.tensor_parallel_degree=8",
+        "--parallelism.pipeline_parallel_degree=16", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+        "--parallelism.pipeline_parallel_stages_per_rank=2", "--parallelism.pipeline_parallel_microbatches=32"],
+        [0, 15], None, 0.43, None),
+}
+
+
+def main(names: list[str]) -> None:
+    for name in names or list(ROWS):
+        cluster, world, args, pp_ranks, tps, mfu, gib = ROWS[name]
+        start = time.perf_counter()
+        e = estimate(dry_run(ConfigManager().parse_args(args), world, pp_ranks=pp_ranks), load_cluster(cluster))
+        row = {"row": name, "cluster": cluster, "world_size": world, "overrides": args,
+               "published_tps": tps, "predicted_tps": e.tokens_per_second_per_gpu,
+               "published_mfu": mfu, "predicted_mfu": e.mfu,
+               "published_gib": gib, "predicted_gib": e.peak_memory_gib, "tracked_gib": e.tracked_peak_gib,
+               "bound": e.bound, "compute_s": e.compute_s, "exposed_comm_s": e.exposed_comm_s,
+               "bubble_s": e.bubble_s, "largest": e.largest_consumer, "seconds": time.perf_counter() - start}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

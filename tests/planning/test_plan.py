@@ -1,0 +1,147 @@
+"""The planner (torchtitan/planning, scripts/plan.py, train.py --dry_run) against hand counts, a real
+trainer's tensors and the preflight's own lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import REPO
+from torchtitan.config import ConfigManager
+from torchtitan.planning.clusters import ClusterError, load_cluster
+from torchtitan.planning.cost import estimate
+from torchtitan.planning.dry_run import dry_run
+
+DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _cfg(*overrides: str):
+    return ConfigManager().parse_args(["--job.config_file", DEBUG, "--metrics.enable_tensorboard=false", *overrides])
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_tp2():
+    return dry_run(_cfg("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2"), 4)
+
+
+def test_traffic_of_fsdp2_tp2_equals_the_hand_count(fsdp2_tp2):
+    from torchtitan.models import model_args
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_args("llama3", "debugmodel"))
+    # Per TP rank: linears and embeddings split 2 ways; norm weights whole (sequence parallel replicates them).
+    local = {name: p.numel() // (1 if "norm" in name else 2) for name, p in model.named_parameters()}
+    last = f"layers.{model.args.n_layers - 1}."
+    blocks_but_last = sum(n for k, n in local.items() if k.startswith("layers.") and not k.startswith(last))
+    rows = {(r["dim"], r["kind"], r["phase"]): r for r in fsdp2_tp2.ranks[0].traffic.rows()}
+    # bf16 all-gathers of every unit in forward; backward re-gathers every block but the last (kept
+    # gathered) and not the root (never resharded); one float32 reduce-scatter per unit in backward.
+    assert rows["dp_shard", "all_gather", "forward"]["bytes"] == 2 * sum(local.values())
+    assert rows["dp_shard", "all_gather", "forward"]["count"] == model.args.n_layers + 1
+    assert rows["dp_shard", "all_gather", "backward"]["bytes"] == 2 * blocks_but_last
+    assert rows["dp_shard", "reduce_scatter", "backward"]["bytes"] == 4 * sum(local.values())
+    assert rows["dp_shard", "reduce_scatter", "backward"]["count"] == model.args.n_layers + 1
+    assert rows["tp", "all_gather", "forward"]["count"] > 0  # sequence parallel gathers each region's input
+
+
+def test_memory_of_fsdp2_tp2_is_its_local_shards(fsdp2_tp2):
+    params = _meta_params()
+    # float32 master shards: linears and embeddings over all 4 ranks, norm weights over the 2 FSDP ranks.
+    shards = sum(4 * p.numel() // (2 if name.endswith("norm.weight") else 4) for name, p in params)
+    final = fsdp2_tp2.ranks[0].memory.final
+    assert final["parameters"] == shards
+    # AdamW: two float32 moments per element and one float32 step counter per parameter.
+    assert final["optimizer"] == 2 * shards + 4 * len(params)
+    peak = fsdp2_tp2.ranks[0].memory
+    assert peak.peak_bytes == sum(peak.at_peak.values()) > final["parameters"] + final["optimizer"]
+
+
+def _meta_params():
+    from torchtitan.models import model_args
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        return list(Transformer(model_args("llama3", "debugmodel")).named_parameters())
+
+
+def test_state_agrees_with_a_real_trainers_tensors(tmp_path, monkeypatch):
+    """The dry run's parameter and optimizer bytes equal what the real Trainer holds (rank 0 of a fake world)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from common import state_bytes
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan.trainer import Trainer
+
+    overrides = ["--parallelism.data_parallel_shard_degree=3", f"--job.dump_folder={tmp_path}",
+                 "--training.steps=1", "--lr_scheduler.warmup_steps=0", "--job.print_args=false"]
+    run = dry_run(_cfg(*overrides), 3)  # uneven: FSDP pads each shard to the largest
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        trainer = Trainer(_cfg(*overrides))
+        held = {}
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: held.update(state_bytes(trainer.model_parts, trainer.optimizer)))
+        trainer.train()
+        held["optimizer"] = state_bytes(trainer.model_parts, trainer.optimizer)["optimizer"]
+    finally:
+        dist.destroy_process_group()
+    final = run.ranks[0].memory.final
+    assert final["parameters"] == held["params"]
+    assert final["optimizer"] == held["optimizer"]
+
+
+def test_cost_model_orders_and_units(fsdp2_tp2):
+    fast, slow = load_cluster("h100-sxm-80g"), load_cluster("a100-80g")
+    a, b = estimate(fsdp2_tp2, fast), estimate(fsdp2_tp2, slow)
+    assert a.step_time_s < b.step_time_s and a.fits
+    assert a.step_time_s == pytest.approx(a.compute_s + a.exposed_comm_s + a.bubble_s)
+    assert 0 < a.mfu < 1 and set(a.comm_bytes_per_step) >= {"dp_shard", "tp"}
+
+
+def test_bad_config_fails_with_the_launchs_lines():
+    bad = ["--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=3"]
+    launch = subprocess.run([sys.executable, "train.py", "--preflight_only", *bad], cwd=REPO,
+                            env={**ENV, "WORLD_SIZE": "8"}, capture_output=True, text=True, timeout=300)
+    planned = _run("train.py", "--dry_run", "--world_size", "8", *bad)
+    assert launch.returncode == planned.returncode == 2
+    assert planned.stderr.strip() and planned.stderr == launch.stderr
+
+
+def test_plan_json_and_bad_inputs(tmp_path):
+    out = _run("scripts/plan.py", "--cluster", "h100-sxm-80g", "--world_size", "2", "--json",
+               "--job.config_file", DEBUG)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert {"fits", "peak_memory_gib", "step_time_s", "tokens_per_second_per_gpu", "mfu", "compute_s",
+            "exposed_comm_s", "bubble_s", "comm_bytes_per_step"} <= set(result)
+    unknown = _run("scripts/plan.py", "--cluster", "tpu-v9", "--world_size", "2", "--job.config_file", DEBUG)
+    assert unknown.returncode == 2 and "h100-sxm-80g" in unknown.stderr and "b200" in unknown.stderr
+    partial = tmp_path / "mine.toml"
+    partial.write_text("[device]\npeak_bf16_flops = 1e15\n")
+    with pytest.raises(ClusterError, match="hbm_gib is missing"):
+        load_cluster(str(partial))
+    odd = _run("scripts/plan.py", "--cluster", "h100-sxm-80g", "--world_size", "6", "--job.config_file", DEBUG,
+               "--parallelism.tensor_parallel_degree=4")
+    assert odd.returncode == 2 and "world_size" in odd.stderr
+
+
+def test_a_layout_that_does_not_fit_names_its_largest_consumer(fsdp2_tp2):
+    tiny = load_cluster("h100-sxm-80g")
+    import dataclasses
+
+    e = estimate(fsdp2_tp2, dataclasses.replace(tiny, hbm_gib=0.001))
+    assert not e.fits and e.largest_consumer.split()[0] in fsdp2_tp2.worst.memory.at_peak

@@ -1,0 +1,63 @@
+"""A dry run of each shipped train_configs/*.toml at its intended world size (8B at 8, 70B at 256, 405B at
+512 with PP), and the layout search at 8 ranks, whose best layout then trains for real through torchrun.
+
+These are the planner's heaviest tests: each dry run simulates a full-size model's step on fake
+tensors (8B about 9 s of CPU, 70B about 30 s, 405B two pipeline ranks about 2 x 30 s on the 2-core CI
+machine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.planning.dry_run import dry_run, plan_job
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("config, world, pp_ranks", [
+    ("llama3_8b.toml", 8, None),
+    ("llama3_70b.toml", 256, None),
+    ("llama3_405b.toml", 512, [0, 7]),  # the first and the last pipeline rank (embedding / output)
+])
+def test_shipped_config_dry_runs_at_its_world_size(config, world, pp_ranks):
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / config)])
+    run = dry_run(cfg, world, pp_ranks=pp_ranks)
+    assert len(run.ranks) == (len(pp_ranks) if pp_ranks else 1)
+    for r in run.ranks:
+        m = r.memory
+        assert m.peak_bytes > m.final["parameters"] + m.final["optimizer"] > 0
+        assert m.at_peak["activations"] + m.at_peak["in_flight"] + m.at_peak["backward"] > 0
+        assert r.work["backward"].matmul_flops > r.work["forward"].matmul_flops > 0
+    if pp_ranks:
+        assert run.ranks[0].stages == [0, 8] and run.ranks[1].stages == [7, 15]
+        assert run.ranks[0].traffic.by_dim()["pp"] > 0
+
+
+def test_search_returns_accepted_layouts_and_the_best_trains(tmp_path):
+    from torchtitan.planning.clusters import load_cluster
+    from torchtitan.planning.search import search
+
+    args = ["--job.config_file", str(REPO / "train_configs" / "debug_model_ci.toml"), "--training.batch_size=1"]
+    layouts = search(args, 8, load_cluster("h100-sxm-80g"))
+    assert layouts
+    speeds = [layout.estimate.tokens_per_second_per_gpu for layout in layouts]
+    assert speeds == sorted(speeds, reverse=True)
+    for layout in layouts:
+        try:
+            plan_job(ConfigManager().parse_args([*args, *layout.overrides]), 8)
+        except ConfigError as e:  # pragma: no cover - the assertion names the layout
+            pytest.fail(f"search returned a layout the preflight refuses: {layout.overrides}: {e}")
+    best = layouts[0].overrides
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "train.py", *args,
+         *best, "--training.steps=2", "--lr_scheduler.warmup_steps=0", f"--job.dump_folder={tmp_path}",
+         "--metrics.enable_tensorboard=false"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Training done: 2 steps" in out.stderr + out.stdout

@@ -1,0 +1,99 @@
+"""The planner's command line (``scripts/plan.py``) and ``train.py --dry_run``.
+
+    python scripts/plan.py --cluster NAME --world_size N [--json] [--search] [train.py overrides]
+    python train.py --dry_run --world_size N [train.py overrides]
+
+A config problem prints the preflight's lines (``config error: ...``) and exits 2, as a launch does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from torchtitan.config import ConfigError, ConfigManager
+
+
+def _parser(with_cluster: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--world_size", type=int, required=True, help="ranks of the job to plan")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--pp_ranks", type=str, default=None,
+                   help="comma-separated pipeline ranks to simulate (default: all of them)")
+    if with_cluster:
+        p.add_argument("--cluster", required=True, help="a cluster name or a .toml file of one's own")
+        p.add_argument("--search", action="store_true", help="rank the valid layouts for this world size")
+        p.add_argument("--top", type=int, default=5, help="layouts shown by --search")
+    return p
+
+
+def _config_errors(e: ConfigError) -> int:
+    for problem in e.problems:
+        print(f"config error: {problem}", file=sys.stderr)
+    return 2
+
+
+def dry_run_main(argv: list[str]) -> int:
+    """``train.py --dry_run``: the dry run's memory and traffic, no cluster model."""
+    own, rest = _parser(False).parse_known_args(argv)
+    from torchtitan.planning.dry_run import dry_run
+    from torchtitan.planning.report import dry_run_text
+
+    try:
+        run = dry_run(ConfigManager().parse_args(rest), own.world_size, pp_ranks=_ranks(own.pp_ranks))
+    except ConfigError as e:
+        return _config_errors(e)
+    if own.json:
+        print(json.dumps({"world_size": run.world_size, "notes": run.notes,
+                          "ranks": [r.to_json() for r in run.ranks]}))
+    else:
+        print(dry_run_text(run))
+    return 0
+
+
+def _ranks(text: str | None) -> list[int] | None:
+    return None if text is None else [int(x) for x in text.split(",")]
+
+
+def plan_main(argv: list[str]) -> int:
+    """``scripts/plan.py``: dry run plus the step-time model of a cluster, or the layout search."""
+    own, rest = _parser(True).parse_known_args(argv)
+    from torchtitan.planning.clusters import ClusterError, load_cluster
+
+    try:
+        cluster = load_cluster(own.cluster)
+    except ClusterError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        cfg = ConfigManager().parse_args(rest)
+        if own.search:
+            return _search(rest, own, cluster)
+        from torchtitan.planning.cost import estimate
+        from torchtitan.planning.dry_run import dry_run
+        from torchtitan.planning.report import dry_run_text, estimate_text
+
+        run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks))
+    except ConfigError as e:
+        return _config_errors(e)
+    est = estimate(run, cluster)
+    if own.json:
+        print(json.dumps(est.to_json()))
+    else:
+        print(dry_run_text(run))
+        print(estimate_text(est, cluster.name))
+    return 0
+
+
+def _search(args: list[str], own, cluster) -> int:
+    from torchtitan.planning.search import search
+
+    results = search(args, own.world_size, cluster)
+    if own.json:
+        print(json.dumps({"layouts": [r.to_json() for r in results]}))
+        return 0
+    from torchtitan.planning.search import search_text
+
+    print(search_text(results[: own.top], cluster.name))
+    return 0

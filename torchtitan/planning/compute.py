@@ -1,0 +1,104 @@
+"""The work of a dry-run step, op by op, at each rank's local shapes: matmul and attention FLOPs, and the
+bytes that the other (memory-bound) kernels read and write.
+
+The cost model (``cost.py``) turns these into time on a device: matmuls at the device's achievable
+matmul rate, attention at its attention kernel's rate, the rest at its memory bandwidth, plus a
+launch cost per kernel. Nothing here depends on a cluster.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from torchtitan.planning.memory import local_tensor
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
+# Ops that move no data (views, metadata, bookkeeping): no kernel on a GPU.
+_FREE = {"view", "_unsafe_view", "t", "transpose", "detach", "as_strided", "alias", "expand", "unsqueeze",
+         "squeeze", "permute", "split", "split_with_sizes", "slice", "select", "unbind", "view_as_real",
+         "view_as_complex", "_conj", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+         "chunk", "unflatten", "flatten", "lift_fresh", "_reshape_alias", "resolve_conj", "resolve_neg",
+         "_record_function_enter_new", "_record_function_exit", "device", "set_", "_has_compatible_shallow_copy_type",
+         "record_stream"}
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(local_tensor(t).shape)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [local_tensor(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def matmul_flops(func, args) -> int:
+    kind = _MATMULS[func]
+    if kind == "addmm":
+        args = args[1:]
+    a, b = _shape(args[0]), _shape(args[1])
+    if kind == "bmm":
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[0] * a[1] * b[1]
+
+
+def attention_flops(name: str, args) -> tuple[int, bool]:
+    """FLOPs of a scaled-dot-product attention op (forward or backward), and whether it is causal.
+
+    Counted over the whole score matrix, as ``flops_per_token`` counts it; a causal kernel skips
+    about half of it, which the cost model applies.
+    """
+    backward = "backward" in name
+    q, k = (args[1], args[2]) if backward else (args[0], args[1])
+    b, h, s_q, d = _shape(q)
+    s_k = _shape(k)[2]
+    forward = 4 * b * h * s_q * s_k * d
+    causal = any(a is True for a in args[3:])
+    return (2 * forward if backward else forward), causal
+
+
+@dataclass
+class PhaseWork:
+    matmul_flops: int = 0
+    attention_flops: int = 0
+    causal_attention_flops: int = 0
+    memory_bytes: int = 0  # read + written by the memory-bound kernels
+    kernels: int = 0
+
+
+@dataclass
+class ComputeLedger:
+    """Work by phase (forward / backward / optimizer), summed over the recorded steps."""
+
+    phase: str = "build"
+    recording: bool = False
+    work: dict[str, PhaseWork] = field(default_factory=lambda: defaultdict(PhaseWork))
+
+    def on_op(self, func, args, kwargs, out) -> None:
+        if not self.recording:
+            return
+        name = func._opname
+        if name in _FREE:
+            return
+        w = self.work[self.phase]
+        w.kernels += 1
+        if func in _MATMULS:
+            w.matmul_flops += matmul_flops(func, args)
+            return
+        if "scaled_dot_product" in name:
+            flops, causal = attention_flops(name, args)
+            w.attention_flops += flops
+            if causal:
+                w.causal_attention_flops += flops
+            return
+        w.memory_bytes += sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + _tensors(out))
+
+    def totals(self) -> PhaseWork:
+        total = PhaseWork()
+        for w in self.work.values():
+            for f in total.__dataclass_fields__:
+                setattr(total, f, getattr(total, f) + getattr(w, f))
+        return total

@@ -1,0 +1,145 @@
+"""The step-time model: a dry run's work and traffic on a named cluster.
+
+- Compute, per simulated rank and phase: matmul FLOPs at the achievable matmul rate; attention
+  FLOPs (halved for causal kernels, which skip the masked half) at the attention kernel's rate;
+  the bytes of every other kernel at the achievable HBM bandwidth; a launch cost per kernel.
+- Communication, per collective: ring algorithms, ``latency + bytes x factor / bus bandwidth`` with
+  factor (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce, 1 for send/recv. The
+  link is NVLink when the group's ranks share a node, else the network.
+- Overlap: FSDP's (and HSDP's) all-gathers and reduce-scatters are prefetched and run beside the
+  phase's compute, so only what exceeds it is exposed, plus the first all-gather and the last
+  reduce-scatter of the phase; TP/SP and CP collectives sit on the critical path (eager PyTorch), so
+  all of them are exposed; under PP the gradient reduce-scatters run after the schedule (exposed).
+  Pipeline send/recv are asynchronous; their time counts as exposed only beyond the bubble.
+- Pipeline bubble: (pp - 1) / (v x microbatches) of the rank's compute, v = stages per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan.planning.clusters import Cluster
+from torchtitan.planning.compute import PhaseWork
+from torchtitan.planning.dry_run import DryRun, RankRun
+from torchtitan.planning.memory import GIB
+from torchtitan.planning.traffic import crosses_nodes
+
+_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+           "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n,
+           "send": lambda n: 1.0, "recv": lambda n: 0.0}  # a recv's bytes are its peer's send
+
+# The stated allowance on top of the tracked peak: the caching allocator's fragmentation and
+# reserve (a fraction of the peak) and NCCL's own buffers and the CUDA context (a fixed size).
+ALLOCATOR_FRACTION = 0.10  # assumption: reserved/allocated of long training runs is 1.0-1.2; the middle
+COMM_AND_CONTEXT_GIB = 2.0  # assumption: CUDA context (~0.5 GiB) and NCCL channel buffers per communicator
+
+
+@dataclass
+class StepEstimate:
+    fits: bool
+    peak_memory_gib: float  # the worst rank's tracked peak plus the allowance
+    tracked_peak_gib: float
+    allowance_gib: float
+    largest_consumer: str
+    step_time_s: float
+    tokens_per_second_per_gpu: float
+    mfu: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    comm_bytes_per_step: dict[str, int]
+    comm_s_by_dim: dict[str, float] = field(default_factory=dict)
+    crosses_nodes_by_dim: dict[str, bool] = field(default_factory=dict)
+    bound: str = ""
+
+    def to_json(self) -> dict:
+        keys = ("fits", "peak_memory_gib", "step_time_s", "tokens_per_second_per_gpu", "mfu", "compute_s",
+                "exposed_comm_s", "bubble_s", "comm_bytes_per_step")
+        out = {k: getattr(self, k) for k in keys}
+        out.update(tracked_peak_gib=self.tracked_peak_gib, allowance_gib=self.allowance_gib,
+                   largest_consumer=self.largest_consumer, bound=self.bound, comm_s_by_dim=self.comm_s_by_dim,
+                   crosses_nodes_by_dim=self.crosses_nodes_by_dim)
+        return out
+
+
+def phase_compute_s(w: PhaseWork, c: Cluster) -> float:
+    attention = w.attention_flops - 0.5 * w.causal_attention_flops
+    return (w.matmul_flops / (c.peak_bf16_flops * c.matmul_efficiency)
+            + attention / (c.peak_bf16_flops * c.attention_efficiency)
+            + w.memory_bytes / (c.hbm_bandwidth * c.hbm_efficiency)
+            + w.kernels * c.kernel_launch_s)
+
+
+def collective_s(kind: str, nbytes: int, count: int, ranks: list[int], c: Cluster) -> float:
+    n = max(len(ranks), 1)
+    if n == 1:
+        return 0.0
+    inter = crosses_nodes(ranks, c.gpus_per_node)
+    bw, lat = (c.network_busbw, c.network_latency_s) if inter else (c.nvlink_busbw, c.nvlink_latency_s)
+    return count * lat + nbytes * _FACTOR.get(kind, lambda n: 1.0)(n) / bw
+
+
+def _rank_times(run: DryRun, r: RankRun, c: Cluster) -> tuple[float, float, float, dict[str, float]]:
+    """(compute, exposed communication, bubble, communication by dim) of one rank's step."""
+    compute = {phase: phase_compute_s(w, c) for phase, w in r.work.items() if phase != "build"}
+    pp = run.dims.pp
+    by_dim: dict[str, float] = {}
+    fsdp_by_phase: dict[str, float] = {}
+    fsdp_edges = exposed = 0.0
+    blocks = _local_blocks(run, r)
+    for row in r.traffic.rows():
+        ranks = r.traffic.group_ranks.get(row["dim"], [])
+        t = collective_s(row["kind"], row["bytes"], row["count"], ranks, c)
+        by_dim[row["dim"]] = by_dim.get(row["dim"], 0.0) + t
+        fsdp = row["via"] == "c10d" and row["dim"] != "pp"  # FSDP2's own collectives
+        if fsdp and row["phase"] in ("forward", "backward") and pp == 1:
+            fsdp_by_phase[row["phase"]] = fsdp_by_phase.get(row["phase"], 0.0) + t
+            fsdp_edges += t / blocks  # the first gather / last reduce of a phase has nothing to hide behind
+        elif fsdp and pp > 1 and row["kind"] == "all_gather":
+            exposed += t / blocks  # gathered once per step (kept across micro-batches), prefetched after the first
+        elif row["dim"] == "pp" and row["phase"] != "optimizer":
+            continue  # asynchronous; hidden in the schedule (see below)
+        else:
+            exposed += t
+    for phase, t in fsdp_by_phase.items():
+        exposed += max(0.0, t - compute.get(phase, 0.0))
+    exposed += fsdp_edges
+    total_compute = sum(compute.values())
+    bubble = 0.0
+    if pp > 1:
+        plan = run.plan.pipeline
+        step_compute = total_compute - compute.get("optimizer", 0.0)
+        bubble = (pp - 1) / (plan.stages_per_rank * plan.microbatches) * step_compute
+        exposed += max(0.0, by_dim.get("pp", 0.0) - bubble)
+    return total_compute, exposed, bubble, by_dim
+
+
+def _local_blocks(run: DryRun, r: RankRun) -> int:
+    n = run.plan.model_args.n_layers
+    if run.plan.pipeline is None:
+        return n
+    starts = run.plan.pipeline.layer_starts
+    return max(1, sum(starts[s + 1] - starts[s] for s in r.stages))
+
+
+def estimate(run: DryRun, c: Cluster) -> StepEstimate:
+    """Step time, throughput and memory of ``run`` on cluster ``c`` (the slowest simulated rank sets the pace)."""
+    times = [(_rank_times(run, r, c), r) for r in run.ranks]
+    (compute, exposed, bubble, by_dim), slowest = max(times, key=lambda tr: sum(tr[0][:3]))
+    step = compute + exposed + bubble
+    tokens_per_gpu = run.tokens_per_step / run.world_size / step
+    mfu = run.flops_per_token * tokens_per_gpu / c.peak_bf16_flops
+    worst = run.worst
+    tracked = worst.memory.peak_bytes / GIB
+    allowance = tracked * ALLOCATOR_FRACTION + COMM_AND_CONTEXT_GIB
+    split = worst.memory.at_peak
+    largest = max(split, key=split.get)
+    crossing = {d: crosses_nodes(ranks, c.gpus_per_node) for d, ranks in slowest.traffic.group_ranks.items()}
+    bound = max([("compute", compute), ("bubble", bubble)]
+                + [(f"communication ({d})", t) for d, t in by_dim.items() if exposed > 0.2 * step], key=lambda x: x[1])
+    return StepEstimate(
+        fits=tracked + allowance <= c.hbm_gib, peak_memory_gib=tracked + allowance, tracked_peak_gib=tracked,
+        allowance_gib=allowance, largest_consumer=f"{largest} ({split[largest] / GIB:.1f} GiB)",
+        step_time_s=step, tokens_per_second_per_gpu=tokens_per_gpu, mfu=mfu, compute_s=compute,
+        exposed_comm_s=exposed, bubble_s=bubble, comm_bytes_per_step=slowest.traffic.by_dim(),
+        comm_s_by_dim=by_dim, crosses_nodes_by_dim=crossing, bound=bound[0])

@@ -1,0 +1,347 @@
+"""A dry run of the real trainer at any world size, in one CPU process, on fake tensors.
+
+``dry_run(cfg, world_size)`` checks the job with the trainer's preflight, then, for each rank that
+differs (every pipeline rank; within one, rank 0 of every other dim holds the largest shard of every
+uneven split, which FSDP pads the others to), joins a fake process group of ``world_size`` ranks as
+that rank and builds what the trainer builds: the ``ParallelDims`` mesh, the model parallelized by
+``parallelize_llama`` (TP/SP/loss parallel, CP, AC, FSDP/HSDP and mixed precision), the pipeline
+stages and schedule, the optimizer and the LR schedule. It then runs real training steps (forward,
+backward over every micro-batch or the pipeline schedule, gradient clipping, the optimizer) under
+``FakeTensorMode``: shapes, dtypes and every op and collective, but no data and no memory of the
+model's size. A recorder (``StepRecorder``) counts each storage at its local size (``memory.py``),
+each collective by mesh dim (``traffic.py``) and each op's work (``compute.py``).
+
+What differs from a GPU run, and how it is handled:
+
+- the step runs the CPU code path with the GPU's dtype policy: ``parallelize_llama`` is told the
+  device is CUDA (bf16 compute over fp32 master weights when ``mixed_precision_param`` is auto) and
+  the CPU-only kernels (oneDNN linears, complex RoPE, GQA attention without repeated K/V, the loss in
+  row slices) are replaced for the run by the code that GPUs run (``gpu_code_paths``);
+- no weights are initialized (they are fake; init reads random values), the tokenizer and the data
+  set are not read (the flavor's vocabulary and random token ids stand in), and the checkpoint
+  manager is not built (it opens a gloo group and installs signal handlers);
+- the loss and grad norm are never read on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan.config import JobConfig
+from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.distributed import ParallelDims, clip_grad_norm_
+from torchtitan.distributed.context_parallel import shard_sequence
+from torchtitan.distributed.grads import match_grad_placements
+from torchtitan.loss import IGNORE_INDEX
+from torchtitan.models import model_args
+from torchtitan.models.llama3 import Transformer, flops_per_token
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.planning.compute import ComputeLedger, PhaseWork
+from torchtitan.planning.memory import MemoryLedger, MemoryReport
+from torchtitan.planning.recorder import StepRecorder, gpu_code_paths, track_fsdp_storage
+from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
+from torchtitan.preflight import LaunchPlan, preflight
+
+logger = logging.getLogger(__name__)
+
+
+class FlavorVocabulary(Tokenizer):
+    """Stands in for the tokenizer in a dry run: the flavor's vocabulary size, nothing to encode."""
+
+    kind = "flavor"
+
+    def __init__(self, n_words: int):
+        self.model_path, self.files, self.n_words = "(the flavor's vocabulary)", [], n_words
+        self.bos_id, self.eos_id = 0, 1
+
+
+@dataclass
+class RankRun:
+    """What one simulated rank allocated, sent and computed over the recorded steps."""
+
+    rank: int
+    coords: dict[str, int]
+    stages: list[int]
+    memory: MemoryReport
+    traffic: TrafficLedger
+    work: dict[str, PhaseWork]
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "coords": self.coords, "pipeline_stages": self.stages,
+                "memory": self.memory.to_json(), "collectives": self.traffic.rows(),
+                "work": {k: dataclasses.asdict(v) for k, v in self.work.items()}, "seconds": self.seconds}
+
+
+@dataclass
+class DryRun:
+    """The job as planned, and each simulated rank's run."""
+
+    cfg: JobConfig
+    world_size: int
+    plan: LaunchPlan
+    steps: int  # recorded steps (after one warm-up step)
+    ranks: list[RankRun] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.plan.dims
+
+    @property
+    def worst(self) -> RankRun:
+        return max(self.ranks, key=lambda r: r.memory.peak_bytes)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step in the whole job."""
+        t = self.cfg.training
+        return t.batch_size * t.seq_len * self.plan.grad_accum * self.dims.degree("dp")
+
+    @property
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.plan.model_args, self.cfg.training.seq_len)
+
+
+def plan_job(cfg: JobConfig, world_size: int) -> LaunchPlan:
+    """The trainer's preflight with the flavor's vocabulary and no data checks (``ConfigError`` on a bad job)."""
+    vocab = model_args(cfg.model.name, cfg.model.flavor).vocab_size if _known(cfg) else 0
+    return preflight(cfg, world_size, tokenizer=FlavorVocabulary(vocab), check_data=False)
+
+
+def _known(cfg: JobConfig) -> bool:
+    try:
+        model_args(cfg.model.name, cfg.model.flavor)
+        return True
+    except ValueError:
+        return False
+
+
+def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None) -> list[int]:
+    """Global ranks that differ: coordinate 0 on every dim but ``pp``, and every pp rank (or those asked for).
+
+    The world mesh puts ``pp`` outermost, so pp rank ``r`` with all other coordinates 0 is ``r * world / pp``.
+    """
+    chosen = range(dims.pp) if pp_ranks is None else pp_ranks
+    return [r * (dims.world_size // dims.pp) for r in chosen]
+
+
+def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
+            workers: int | None = None) -> DryRun:
+    """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs for one warm-up step and
+    ``steps`` recorded steps."""
+    plan = plan_job(cfg, world_size)
+    run = DryRun(cfg, world_size, plan, steps)
+    run.notes.append(f"vocabulary {plan.model_args.vocab_size} from --model.flavor={cfg.model.flavor}; random "
+                     "token ids stand in for the data set (no tokenizer or data read)")
+    if cfg.training.compile:
+        # Compiled blocks cannot run under a dispatch mode; the step is simulated eager.
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
+        run.notes.append("--training.compile: simulated eager (memory and traffic as eager; compile's fusion "
+                         "is not modelled)")
+    ranks = ranks_to_simulate(plan.dims, pp_ranks)
+    if len(ranks) == 1:
+        run.ranks.append(_simulate_in_child(cfg, plan, world_size, ranks[0], steps))
+        return run
+    # One forked process per rank, a few at a time: DTensor caches meshes (and their process-group
+    # names) across process groups, so each simulated rank needs a process of its own.
+    workers = max(1, min(len(ranks), workers or (os.cpu_count() or 1)))
+    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
+        run.ranks = pool.starmap(simulate_rank, [(cfg, plan, world_size, r, steps) for r in ranks])
+    return run
+
+
+def _simulate_in_child(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int) -> RankRun:
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        return pool.apply(simulate_rank, (cfg, plan, world_size, rank, steps))
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """This process as ``rank`` of a fake process group: collectives return at once and move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int) -> RankRun:
+    start = time.perf_counter()
+    with fake_world(rank, world_size), gpu_code_paths():
+        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        dims.build_mesh("cpu")
+        memory, compute = MemoryLedger(), ComputeLedger()
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        traffic = TrafficLedger({})
+        recorder = StepRecorder(memory, traffic, compute)
+        job = _Job(cfg, plan, dims, fake, memory, recorder)
+        traffic.dim_of_group = dim_of_groups(dims)
+        coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        _prebuild_cp_masks(cfg, dims)
+        with fake, recorder, track_fsdp_storage(memory):
+            job.register_state()
+            job.init_optimizer_state(recorder)
+            traffic.recording = compute.recording = True
+            for _ in range(steps):
+                job.train_step(recorder)
+        traffic.group_ranks.update(_all_group_ranks(dims, traffic))
+        return RankRun(rank, coords, job.stage_ids, memory.report(), traffic, dict(compute.work),
+                       time.perf_counter() - start)
+
+
+def _prebuild_cp_masks(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Build CP attention's causal masks before fake mode: a mask is a tensor subclass that cannot be
+    created under it (``cp_attention`` keeps them in a cache)."""
+    if not dims.cp_enabled:
+        return
+    from torchtitan.distributed.context_parallel import _lower_right_bias
+
+    chunk = cfg.training.seq_len // (2 * dims.cp)
+    for g in range(2 * dims.cp):
+        _lower_right_bias(chunk, (g + 1) * chunk)
+
+
+def _all_group_ranks(dims: ParallelDims, traffic: TrafficLedger) -> dict[str, list[int]]:
+    out = {}
+    for name in (*dims.enabled_dims, "dp_shard_cp", "dp", "dp_cp"):
+        mesh = dims.get_mesh(name)
+        if mesh is not None and name not in traffic.group_ranks:
+            out[name] = dist.get_process_group_ranks(mesh.get_group())
+    return out
+
+
+class _MicrobatchTag:
+    """A stage's forward pre-hook: tag what its forward allocates with (stage, micro-batch)."""
+
+    def __init__(self, recorder: StepRecorder, stage_id: int):
+        self.recorder, self.stage_id, self.calls = recorder, stage_id, 0
+
+    def __call__(self, module, args) -> None:
+        self.recorder.microbatch = f"{self.stage_id}.{self.calls}"
+        self.calls += 1
+
+
+class _Job:
+    """The trainer's parts for one simulated rank, built by the trainer's own functions."""
+
+    def __init__(self, cfg: JobConfig, plan: LaunchPlan, dims: ParallelDims, fake: FakeTensorMode, memory: MemoryLedger,
+                 recorder: StepRecorder):
+        self.cfg, self.plan, self.dims, self.fake, self.memory = cfg, plan, dims, fake, memory
+        self.device = torch.device("cpu")
+        with torch.device("meta"):
+            whole = Transformer(plan.model_args)
+        self.runner = None
+        if plan.pipeline is None:
+            self.parts = [self._materialize(whole)]
+            self.stage_ids: list[int] = []
+        else:
+            from torchtitan.planning.pipeline import build_fake_pipeline
+
+            self.runner, self.parts = build_fake_pipeline(whole, plan.pipeline, dims, self._materialize,
+                                                          self.loss_fn, cfg)
+            self.stage_ids = [s.stage_index for s in self.runner.stages]
+            for stage in self.runner.stages:  # tag each micro-batch's activations (memory.fold)
+                stage.submod.register_forward_pre_hook(_MicrobatchTag(recorder, stage.stage_index))
+        o, s = cfg.optimizer, cfg.lr_scheduler
+        with fake:
+            self.params = [p for part in self.parts for p in part.parameters()]
+            self.optimizer = build_optimizer(self.params, name=o.name, lr=o.lr, eps=o.eps,
+                                             weight_decay=o.weight_decay, betas=tuple(o.betas), device_type="cuda")
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
+            lr_min=s.lr_min, total_steps=cfg.training.steps)
+
+    def _materialize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``Trainer._materialize`` without the weight init: parallelize on meta, then allocate fake storage.
+
+        Parallelizing runs outside fake mode (the mesh's own tensors stay real); the device type
+        given is CUDA so that the GPU's dtype policy applies.
+        """
+        parallelize_llama(model, self.dims, self.cfg, "cuda")
+        with self.fake:
+            model.to_empty(device=self.device)
+            model.init_buffers(buffer_device=self.device)
+        model.train()
+        return model
+
+    def init_optimizer_state(self, recorder: StepRecorder) -> None:
+        """Create the optimizer state as a first step does (from zero gradients, without a forward)."""
+        with recorder.phase("optimizer"):
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def register_state(self) -> None:
+        for part in self.parts:
+            for p in part.parameters():
+                self.memory.register(p, "parameters")
+            for b in part.buffers():
+                self.memory.register(b, "buffers")
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The trainer's loss as a GPU computes it: one cross-entropy over the micro-batch's tokens."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t, vocab = self.cfg.training, self.plan.model_args.vocab_size
+        out = []
+        for _ in range(self.plan.grad_accum):
+            tokens = torch.randint(0, vocab, (t.batch_size, t.seq_len + 1))
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            if self.dims.cp_enabled:
+                cp_rank, cp_size = self.dims.rank_and_size("cp")
+                inputs, labels = shard_sequence(inputs, cp_rank, cp_size), shard_sequence(labels, cp_rank, cp_size)
+            out.append((inputs, labels))
+        return out
+
+    def train_context(self):
+        return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
+
+    def train_step(self, recorder: StepRecorder) -> None:
+        """One optimizer step as ``Trainer.train_step`` takes it; the loss scale is a constant (it is a
+        host number in the real step, and the dry run never reads device values)."""
+        batches = self.batches()
+        scale = 1.0 / (self.cfg.training.batch_size * self.cfg.training.seq_len)
+        for inputs, labels in batches:
+            with self.train_context():
+                if self.runner is None:
+                    with recorder.phase("forward"):
+                        logits = self.parts[0](inputs)
+                        with recorder.logits():
+                            loss = self.loss_fn(logits, labels)
+                    del logits
+                    with recorder.phase("backward"):
+                        (loss * scale).backward()
+                    del loss
+                else:  # the schedule interleaves forwards and backwards; the recorder tells them apart
+                    with recorder.phase("forward"):
+                        self.runner.step(inputs, labels, scale)
+            recorder.mark_gradients(self.params)
+        with recorder.phase("optimizer"):
+            match_grad_placements(self.params)
+            clip_grad_norm_(self.params, self.cfg.training.max_norm, pp_mesh=self.dims.get_mesh("pp"))
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,82 @@
+"""The pipeline of a dry run: the trainer's stages and schedule, with static stage shapes, stepped
+without reading device values.
+
+The schedule's first step normally exchanges each stage's input and output shapes, and votes on
+whether every stage stated them, over the pp group; both read numbers that a fake process group
+never delivers. The dry run states every stage's shapes (``stage_io``, worked out from the config
+as the model's forward makes them) and skips the vote: every stage is static.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.tensor import DTensor, Shard
+
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.pipeline_parallel import build_pipeline
+from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.models.llama3 import ModelArgs
+from torchtitan.models.llama3.parallelize import mixed_precision
+
+
+class FakePipeline:
+    """``PipelineRunner`` as the dry run drives it: ``step`` keeps the losses on the device."""
+
+    def __init__(self, runner):
+        self.runner, self.stages = runner, runner.stages
+        schedule = runner.schedule
+
+        def all_static(stages, has_backward, p2p_done) -> None:
+            for stage in stages:
+                stage._inference_mode = InferenceMode.STATIC
+
+        schedule._warmup_p2p = all_static
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> None:
+        self.runner.loss.scale = scale
+        args = (inputs,) if self.runner.has_first else ()
+        self.runner.schedule.step(*args, target=labels, losses=[])
+
+
+def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: PipelinePlan) -> Callable[[int], dict]:
+    """Each stage's example input and output on the meta device (gradients alike), as the model makes them.
+
+    Between stages flows the residual stream [micro-batch, sequence, dim] in the compute dtype, as a
+    plain tensor (sharded over the sequence under sequence parallelism). The first stage takes token
+    ids; the last returns the logits, a DTensor sharded over the vocabulary under loss parallel.
+    """
+    t, p = cfg.training, cfg.parallelism
+    mb = t.batch_size // plan.microbatches
+    seq = t.seq_len // dims.cp
+    dtype = mixed_precision(cfg, "cuda").param_dtype
+    hidden_seq = seq // dims.tp if dims.tp_enabled and p.enable_sequence_parallel else seq
+    meta = torch.device("meta")
+    hidden = torch.empty(mb, hidden_seq, args.dim, dtype=dtype, device=meta, requires_grad=True)
+
+    def logits() -> torch.Tensor:
+        if not dims.loss_parallel_enabled:
+            return torch.empty(mb, seq, args.vocab_size, dtype=dtype, device=meta, requires_grad=True)
+        unit_dp = not (dims.dp_enabled or dims.fsdp_enabled) and dtype != torch.float32
+        local = torch.empty(mb, seq, args.vocab_size // dims.tp, dtype=dtype, device=meta, requires_grad=True)
+        return DTensor.from_local(local, dims.tp_mesh(unit_dp=unit_dp), [Shard(-1)], run_check=False)
+
+    def io(stage_id: int) -> dict[str, Any]:
+        inputs = torch.empty(mb, seq, dtype=torch.long, device=meta) if stage_id == 0 else hidden
+        outputs = logits() if stage_id == plan.num_stages - 1 else hidden
+        return {"input_args": inputs, "output_args": outputs, "input_grads": (None if stage_id == 0 else inputs),
+                "output_grads": outputs}
+
+    return io
+
+
+def build_fake_pipeline(whole: torch.nn.Module, plan: PipelinePlan, dims: ParallelDims,
+                        materialize: Callable[[torch.nn.Module], torch.nn.Module],
+                        loss_fn: Callable, cfg: JobConfig) -> tuple[FakePipeline, list[torch.nn.Module]]:
+    io = stage_io(cfg, dims, whole.args, plan)
+    runner, parts = build_pipeline(whole, plan, dims.get_mesh("pp"), torch.device("cpu"), materialize, loss_fn,
+                                   stage_io=io)
+    return FakePipeline(runner), parts

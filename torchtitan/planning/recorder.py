@@ -1,0 +1,160 @@
+"""The dispatch mode that watches a dry-run step, and the GPU code paths the step runs under.
+
+``StepRecorder`` sees every op of the step (below it, ``FakeTensorMode`` computes shapes only) and
+hands it to the three ledgers: memory (each new storage, tagged by what the step is doing), traffic
+(each collective) and compute (each kernel's work). DTensor ops arrive at their global shapes; the
+ledgers read their local tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from torchtitan.models.llama3 import model as llama_model
+from torchtitan.planning.compute import ComputeLedger
+from torchtitan.planning.memory import MemoryLedger
+from torchtitan.planning.traffic import TrafficLedger
+
+c10d = torch.ops.c10d
+_GATHER_OUTPUT = {c10d._allgather_base_.default, c10d.allgather_into_tensor_coalesced_.default}
+_SCATTER_OUTPUT = {c10d._reduce_scatter_base_.default, c10d.reduce_scatter_tensor_coalesced_.default}
+
+
+class StepRecorder(TorchDispatchMode):
+    """Feeds every op of the step to the memory, traffic and compute ledgers."""
+
+    def __init__(self, memory: MemoryLedger, traffic: TrafficLedger, compute: ComputeLedger):
+        super().__init__()
+        self.memory, self.traffic, self.compute = memory, traffic, compute
+        self._phase = "build"
+        self._in_logits = 0
+        self.microbatch = ""  # set by the pipeline's stage hooks: "stage.microbatch"
+
+    # ---- what the step is doing ----------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        before = self._phase
+        self._set_phase(name)
+        try:
+            yield
+        finally:
+            self._set_phase(before)
+
+    def _set_phase(self, name: str) -> None:
+        self._phase = self.memory.phase = self.traffic.phase = self.compute.phase = name
+
+    @contextlib.contextmanager
+    def logits(self) -> Iterator[None]:
+        """Around the output projection and the loss: their tensors are the logits and loss inputs."""
+        self._in_logits += 1
+        try:
+            yield
+        finally:
+            self._in_logits -= 1
+
+    def _tag(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        if self._in_logits:
+            return "logits_and_loss"
+        if self._phase == "forward":
+            return f"activations@{self.microbatch}"
+        return "optimizer" if self._phase == "optimizer" else "buffers"
+
+    def mark_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """After a micro-batch's backward: every gradient's storage counts as a gradient."""
+        for p in params:
+            if p.grad is not None:
+                self.memory.register(p.grad, "gradients")
+
+    # ---- the ops ----------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        in_backward = torch._C._current_graph_task_id() != -1
+        self.memory.tag = self._tag()
+        out = func(*args, **kwargs)
+        phase_before = self.traffic.phase
+        if in_backward and self._phase == "forward":  # the pipeline schedule runs backward inside its step
+            self.traffic.phase = self.compute.phase = "backward"
+        if self.traffic.on_op(func, args, out):
+            if func in _GATHER_OUTPUT:
+                self.memory.register(args[0], "gathered_parameters")
+            elif func in _SCATTER_OUTPUT and in_backward:
+                self.memory.register(args[0], "gradients")
+        self.compute.on_op(func, args, kwargs, out)
+        self.traffic.phase = self.compute.phase = phase_before
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.memory.register(t)
+        return out
+
+
+@contextlib.contextmanager
+def track_fsdp_storage(memory: MemoryLedger) -> Iterator[None]:
+    """Follow FSDP2's unsharded parameters, whose storages it resizes in place (no op the mode sees),
+    and tag the unsharded gradients it accumulates as gradients."""
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_and_note(tensor: torch.Tensor) -> None:
+        alloc(tensor)
+        memory.note_resize(tensor, "gathered_parameters")
+
+    def free_and_note(tensor: torch.Tensor) -> None:
+        free(tensor)
+        memory.note_resize(tensor, "gathered_parameters")
+
+    # Without gradient sync (PP micro-batches, accumulation under fault tolerance) FSDP2 keeps each
+    # parameter's unsharded gradient, in the reduce dtype, until the step's one reduce-scatter.
+    cls = _fsdp_param.FSDPParam
+    to_accumulated, accumulate = cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed
+
+    def note_accumulated(method):
+        def wrapper(self) -> None:
+            method(self)
+            if self.unsharded_accumulated_grad is not None:
+                memory.register(self.unsharded_accumulated_grad, "gradients")
+        return wrapper
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_and_note
+    _fsdp_param.free_storage = free_and_note
+    cls.to_accumulated_grad_if_needed = note_accumulated(to_accumulated)
+    cls.accumulate_unsharded_grad_if_needed = note_accumulated(accumulate)
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
+        _fsdp_param.free_storage = free
+        cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed = to_accumulated, accumulate
+
+
+def _gpu_rotary(xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope_cache.unsqueeze(-2).chunk(2, dim=-1)
+    return llama_model.rotate_pairs(xq, cos, sin), llama_model.rotate_pairs(xk, cos, sin)
+
+
+def _gpu_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, llama_model.repeat_kv(k, n_rep), llama_model.repeat_kv(v, n_rep),
+                                          is_causal=True)
+
+
+@contextlib.contextmanager
+def gpu_code_paths() -> Iterator[None]:
+    """Run the model's GPU code on CPU tensors: real-valued RoPE, and attention over repeated K/V heads.
+
+    The model takes CPU-only shortcuts when its tensors are on the CPU (they differ in what they
+    allocate); a dry run plans a GPU job, so it swaps in the branches that GPU tensors take.
+    """
+    rotary, sdpa = llama_model.apply_rotary_emb, llama_model.Attention.sdpa
+    llama_model.apply_rotary_emb, llama_model.Attention.sdpa = _gpu_rotary, _gpu_sdpa
+    try:
+        yield
+    finally:
+        llama_model.apply_rotary_emb, llama_model.Attention.sdpa = rotary, sdpa

@@ -1,0 +1,43 @@
+"""Readable tables of a dry run and of its step estimate."""
+
+from __future__ import annotations
+
+from torchtitan.planning.cost import StepEstimate
+from torchtitan.planning.dry_run import DryRun
+from torchtitan.planning.memory import CATEGORIES, GIB
+
+
+def dry_run_text(run: DryRun) -> str:
+    d, t = run.dims, run.cfg.training
+    lines = [f"Dry run: llama3 {run.cfg.model.flavor} on {run.world_size} ranks (dp_replicate {d.dp_replicate} x "
+             f"dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp} x pp {d.pp}); local batch {t.batch_size} x seq "
+             f"{t.seq_len}, {run.plan.grad_accum} micro-step(s), AC {run.cfg.activation_checkpoint.mode}"]
+    lines += [f"  note: {n}" for n in run.notes]
+    for r in run.ranks:
+        m = r.memory
+        where = f" (pipeline stages {r.stages})" if r.stages else ""
+        lines.append(f"rank {r.rank}{where}: peak {m.peak_bytes / GIB:.2f} GiB tracked, in {m.peak_phase}"
+                     f" [simulated in {r.seconds:.1f} s]")
+        for c in CATEGORIES:
+            if m.at_peak.get(c):
+                lines.append(f"    {c:22s} {m.at_peak[c] / GIB:9.3f} GiB")
+    w = run.worst
+    lines.append(f"collectives per step (rank {w.rank}; bytes per rank):")
+    lines.append(f"    {'dim':14s} {'kind':15s} {'phase':10s} {'count':>6s} {'GiB':>10s}")
+    for row in w.traffic.rows():
+        lines.append(f"    {row['dim']:14s} {row['kind']:15s} {row['phase']:10s} {row['count']:6d} "
+                     f"{row['bytes'] / GIB:10.4f}")
+    return "\n".join(lines)
+
+
+def estimate_text(e: StepEstimate, cluster_name: str) -> str:
+    lines = [f"On {cluster_name}: {'fits' if e.fits else 'DOES NOT FIT'} - peak {e.peak_memory_gib:.1f} GiB "
+             f"({e.tracked_peak_gib:.1f} tracked + {e.allowance_gib:.1f} allowance); largest: {e.largest_consumer}",
+             f"  step {e.step_time_s:.3f} s = compute {e.compute_s:.3f} + exposed comm {e.exposed_comm_s:.3f} + "
+             f"bubble {e.bubble_s:.3f}; bound by {e.bound}",
+             f"  {e.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu:.1f}%",
+             "  communication per step:"]
+    for dim, nbytes in sorted(e.comm_bytes_per_step.items()):
+        where = "crosses nodes" if e.crosses_nodes_by_dim.get(dim) else "within a node"
+        lines.append(f"    {dim:14s} {nbytes / GIB:10.3f} GiB/rank {e.comm_s_by_dim.get(dim, 0.0):8.3f} s  ({where})")
+    return "\n".join(lines)

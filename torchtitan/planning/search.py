@@ -1,0 +1,102 @@
+"""``--search``: the valid layouts for a world size, each dry-run and costed, best first.
+
+Enumerated: tensor parallel degrees up to a node (1, 2, 4, 8), pipeline degrees (1, 2, 4, 8, 16)
+with 1F1B and Interleaved1F1B (one micro-batch per sequence of the local batch), context parallel
+degrees for long sequences (seq_len >= 32k), full and selective activation checkpointing, and the
+local batch that keeps the config's global batch. The preflight drops what it refuses; layouts that
+do not fit the cluster's memory are dropped; the rest are ranked by predicted tokens/s per GPU.
+Each pipelined layout is simulated on its first and last pipeline ranks only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.planning.clusters import Cluster
+from torchtitan.planning.cost import StepEstimate, estimate
+from torchtitan.planning.dry_run import dry_run, plan_job
+
+TP_DEGREES = (1, 2, 4, 8)
+PP_DEGREES = (1, 2, 4, 8, 16)
+CP_DEGREES = (1, 2, 4, 8)
+LONG_SEQUENCE = 32768
+
+
+@dataclass
+class Layout:
+    overrides: list[str]
+    estimate: StepEstimate
+
+    def to_json(self) -> dict:
+        return {**self.estimate.to_json(), "overrides": self.overrides}
+
+
+def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> list[list[str]]:
+    """Every layout to try, as train.py overrides (not yet checked by the preflight)."""
+    t, p = cfg.training, cfg.parallelism
+    global_batch = t.batch_size * _config_dp(cfg, world_size)
+    out = []
+    cps = CP_DEGREES if t.seq_len >= LONG_SEQUENCE else (1,)
+    for tp, pp, cp in itertools.product(TP_DEGREES, PP_DEGREES, cps):
+        if tp > gpus_per_node or world_size % (tp * pp * cp):
+            continue
+        dp = world_size // (tp * pp * cp)
+        if global_batch % dp:
+            continue
+        local = global_batch // dp
+        schedules = [("1F1B", 1), ("Interleaved1F1B", 2)] if pp > 1 else [(None, None)]
+        for (schedule, v), ac in itertools.product(schedules, ("full", "selective")):
+            o = [f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.pipeline_parallel_degree={pp}",
+                 f"--parallelism.context_parallel_degree={cp}", "--parallelism.data_parallel_replicate_degree=1",
+                 f"--parallelism.data_parallel_shard_degree={dp}", f"--training.batch_size={local}",
+                 f"--activation_checkpoint.mode={ac}"]
+            if schedule is not None:
+                o += [f"--parallelism.pipeline_parallel_schedule={schedule}",
+                      f"--parallelism.pipeline_parallel_stages_per_rank={v}",
+                      f"--parallelism.pipeline_parallel_microbatches={local}"]
+            if tp > 1 and t.compile:
+                o.append("--training.compile=false")  # compiled TP blocks are refused (preflight)
+            out.append(o)
+    return out
+
+
+def _config_dp(cfg: JobConfig, world_size: int) -> int:
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims.from_config(cfg.parallelism, world_size).degree("dp")
+
+
+def search(args: list[str], world_size: int, cluster: Cluster) -> list[Layout]:
+    """The layouts that the preflight accepts and that fit, best predicted tokens/s first.
+
+    ``args`` are the job's train.py arguments; each layout's overrides are appended to them.
+    """
+    cfg = ConfigManager().parse_args(args)
+    layouts = []
+    for overrides in candidate_overrides(cfg, world_size, cluster.gpus_per_node):
+        trial = ConfigManager().parse_args([*args, *overrides])
+        try:
+            plan_job(trial, world_size)
+        except ConfigError:
+            continue
+        pp = trial.parallelism.pipeline_parallel_degree
+        # The first and last pipeline ranks (embedding, output and the most in-flight micro-batches)
+        # stand for the pipeline: a search prices many layouts.
+        e = estimate(dry_run(trial, world_size, pp_ranks=sorted({0, pp - 1})), cluster)
+        if e.fits:
+            layouts.append(Layout(overrides, e))
+    return sorted(layouts, key=lambda layout: -layout.estimate.tokens_per_second_per_gpu)
+
+
+def search_text(layouts: list[Layout], cluster_name: str) -> str:
+    if not layouts:
+        return f"No layout fits on {cluster_name}."
+    lines = [f"Best layouts on {cluster_name} (predicted):"]
+    for i, layout in enumerate(layouts, 1):
+        e = layout.estimate
+        lines.append(f"{i:2d}. {e.tokens_per_second_per_gpu:9,.0f} tok/s/GPU  MFU {100 * e.mfu:5.1f}%  "
+                     f"peak {e.peak_memory_gib:6.1f} GiB  bound: {e.bound}")
+        lines.append("    " + " ".join(layout.overrides))
+    return "\n".join(lines)

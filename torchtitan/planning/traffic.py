@@ -1,0 +1,141 @@
+"""Every collective a dry-run step issues, recorded from the fake process group, grouped by mesh dim.
+
+The dry run's dispatch mode hands each collective op to ``TrafficLedger.on_op``. Its process group
+names the mesh dim it runs over (``dim_of_groups`` maps every group the mesh built), and its bytes
+per rank are those of the rank's buffer:
+
+- all-gather: the gathered output; reduce-scatter: the unreduced input; all-reduce, broadcast,
+  send and recv: the tensor; all-to-all: the input.
+
+Whether a group stays in a node or crosses the network depends on the cluster's GPUs per node, so
+the ledger keeps each group's global ranks and ``crosses_nodes`` decides for a given node size.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.distributed.parallel_dims import FLATTENED_VIEWS, MESH_DIM_NAMES, ParallelDims
+
+c10d, functional = torch.ops.c10d, torch.ops._c10d_functional
+
+# op -> (kind, where its process group is in args, how its bytes are read)
+# Byte readers: "arg0", "arg1" (a tensor or a list of tensors at that position), "out" (the result).
+_OPS: dict = {
+    c10d._allgather_base_.default: ("all_gather", 2, "arg0"),
+    c10d.allgather_.default: ("all_gather", 2, "arg0"),
+    c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 2, "arg0"),
+    c10d._reduce_scatter_base_.default: ("reduce_scatter", 2, "arg1"),
+    c10d.reduce_scatter_.default: ("reduce_scatter", 2, "arg1"),
+    c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 2, "arg1"),
+    c10d.allreduce_.default: ("all_reduce", 1, "arg0"),
+    c10d.allreduce_coalesced_.default: ("all_reduce", 1, "arg0"),
+    c10d.broadcast_.default: ("broadcast", 1, "arg0"),
+    c10d.send.default: ("send", 1, "arg0"),
+    c10d.recv_.default: ("recv", 1, "arg0"),
+    c10d.alltoall_base_.default: ("all_to_all", 2, "arg1"),
+    functional.all_gather_into_tensor.default: ("all_gather", "name2", "out"),
+    functional.all_gather_into_tensor_coalesced.default: ("all_gather", "name2", "out"),
+    functional.reduce_scatter_tensor.default: ("reduce_scatter", "name3", "arg0"),
+    functional.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", "name3", "arg0"),
+    functional.all_reduce.default: ("all_reduce", "name2", "arg0"),
+    functional.all_reduce_.default: ("all_reduce", "name2", "arg0"),
+    functional.all_reduce_coalesced.default: ("all_reduce", "name2", "arg0"),
+    functional.broadcast.default: ("broadcast", "name2", "arg0"),
+    functional.all_to_all_single.default: ("all_to_all", "name3", "arg0"),
+}
+COLLECTIVE_OPS = frozenset(_OPS)
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+def _group(func, args, where) -> dist.ProcessGroup:
+    if isinstance(where, int):
+        return dist.ProcessGroup.unbox(args[where])
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(args[int(where[-1])])
+
+
+@dataclass
+class CollectiveStats:
+    count: int = 0
+    bytes: int = 0  # per rank, summed over the step
+
+
+@dataclass
+class TrafficLedger:
+    """Collectives by (mesh dim, kind, phase), with each dim's group ranks."""
+
+    dim_of_group: dict[str, str]
+    phase: str = "build"
+    stats: dict[tuple[str, str, str, str], CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)  # dim -> the global ranks of this rank's group
+    recording: bool = False
+
+    def on_op(self, func, args, out) -> bool:
+        """Record ``func`` if it is a collective; True when it was one."""
+        spec = _OPS.get(func)
+        if spec is None:
+            return False
+        if not self.recording:
+            return True
+        kind, where, reader = spec
+        group = _group(func, args, where)
+        dim = self.dim_of_group.get(group.group_name, "other")
+        if dim not in self.group_ranks:
+            self.group_ranks[dim] = dist.get_process_group_ranks(group)
+        nbytes = _nbytes(out) if reader == "out" else _nbytes(args[int(reader[-1])])
+        # FSDP2 and the pipeline call c10d directly; DTensor (TP, loss parallel, clipping) and CP go
+        # through functional collectives. The cost model overlaps the first kind with compute.
+        source = "c10d" if func.namespace == "c10d" else "functional"
+        s = self.stats[(dim, kind, self.phase, source)]
+        s.count += 1
+        s.bytes += nbytes
+        return True
+
+    def by_dim(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (dim, _, _, _), s in self.stats.items():
+            out[dim] += s.bytes
+        return dict(out)
+
+    def rows(self) -> list[dict]:
+        return [{"dim": d, "kind": k, "phase": p, "via": v, "count": s.count, "bytes": s.bytes}
+                for (d, k, p, v), s in sorted(self.stats.items())]
+
+
+def crosses_nodes(ranks: list[int], gpus_per_node: int) -> bool:
+    """True when the group's ranks sit on more than one node (ranks are placed on nodes in order)."""
+    return len({r // gpus_per_node for r in ranks}) > 1
+
+
+def dim_of_groups(dims: ParallelDims) -> dict[str, str]:
+    """Process-group name -> the mesh dim (or flattened view) it belongs to, for every mesh of ``dims``."""
+    names: dict[str, str] = {}
+
+    def add(mesh: DeviceMesh | None, label_prefix: str = "") -> None:
+        if mesh is None:
+            return
+        for i, dim in enumerate(mesh.mesh_dim_names or ()):
+            names.setdefault(mesh.get_group(i).group_name, label_prefix + dim)
+
+    for name in (*MESH_DIM_NAMES, *FLATTENED_VIEWS):
+        mesh = dims.get_mesh(name)
+        if mesh is not None:
+            names.setdefault(mesh.get_group().group_name, name)
+    add(dims.world_mesh)
+    add(dims._unit_root)  # the second root mesh of DDP and unit-FSDP layouts, when built
+    names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
