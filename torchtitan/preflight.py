@@ -94,7 +94,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     # Last, and only for an otherwise sound job: the data checks may prepare a token store.
     _raise_if(problems)
     if not check_data:
-        return Plan(dims, grad_accum, args, tokenizer, pipeline)
+        return LaunchPlan(dims, grad_accum, args, tokenizer, pipeline)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import REPO
+
 from torchtitan.config import ConfigManager
 from torchtitan.planning.clusters import ClusterError, load_cluster
 from torchtitan.planning.cost import estimate

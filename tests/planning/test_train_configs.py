@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
+
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.planning.dry_run import dry_run, plan_job
 

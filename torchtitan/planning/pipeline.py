@@ -9,7 +9,8 @@ as the model's forward makes them) and skips the vote: every stage is static.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.pipelining._utils import InferenceMode

@@ -35,7 +35,7 @@ class Layout:
 
 def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> list[list[str]]:
     """Every layout to try, as train.py overrides (not yet checked by the preflight)."""
-    t, p = cfg.training, cfg.parallelism
+    t = cfg.training
     global_batch = t.batch_size * _config_dp(cfg, world_size)
     out = []
     cps = CP_DEGREES if t.seq_len >= LONG_SEQUENCE else (1,)

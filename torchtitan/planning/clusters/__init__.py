@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+import tomllib
 
 HERE = Path(__file__).parent
 
