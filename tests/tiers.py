@@ -109,6 +109,19 @@ SLOW: dict[str, frozenset[str]] = {
         "test_local_shape_and_global_offset",
         "test_set_pg_timeout_changes_a_live_groups_timeout",
     }),
+    "planning/test_plan.py": frozenset({
+        "test_a_layout_that_does_not_fit_names_its_largest_consumer",
+        "test_bad_config_fails_with_the_launchs_lines",
+        "test_cost_model_orders_and_units",
+        "test_memory_of_fsdp2_tp2_is_its_local_shards",
+        "test_plan_json_and_bad_inputs",
+        "test_state_agrees_with_a_real_trainers_tensors",
+        "test_traffic_of_fsdp2_tp2_equals_the_hand_count",
+    }),
+    "planning/test_train_configs.py": frozenset({
+        "test_search_returns_accepted_layouts_and_the_best_trains",
+        "test_shipped_config_dry_runs_at_its_world_size",
+    }),
 }
 
 _TESTS = Path(__file__).resolve().parent
