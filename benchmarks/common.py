@@ -332,7 +332,8 @@ def make_comm_counter(labels: dict[str, str] | None = None):
             return func(*args, **kwargs)
 
         def summary(self) -> dict[str, dict[str, int]]:
-            return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "sizes": self.sizes[k]} for k in sorted(self.calls)}
+            return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "sizes": self.sizes[k]}
+                    for k in sorted(self.calls)}
 
     return CommCounter()
 

@@ -50,7 +50,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"{machine_description()}; {args.tokens} tokens; GFLOP/s, median of {args.rounds} rounds")
-    print(f"{'W (out x in)':>13} {'product':>8} {'aten':>7} {'onednn':>7} {'ratio':>6} {'gap aten':>9} {'gap onednn':>10}")
+    print(f"{'W (out x in)':>13} {'product':>8} {'aten':>7} {'onednn':>7} {'ratio':>6} "
+          f"{'gap aten':>9} {'gap onednn':>10}")
     for out_f, in_f in SHAPES:
         x, w, g = torch.randn(args.tokens, in_f), torch.randn(out_f, in_f), torch.randn(args.tokens, out_f)
         exact = {"forward": x.double() @ w.double().t(), "dL/dx": g.double() @ w.double(),

@@ -169,7 +169,8 @@ def bench_step(tokenizer, cache, seq: int, batch: int, steps: int, step_ms: floa
                     total += time.perf_counter() - t0
                 old = best.get((degree, label), (float("inf"),) * 3)
                 best[degree, label] = (min(old[0], total / steps), min(old[1], data / steps), min(old[2], cpu / steps))
-    print("| DP degree | loader | step ms (wall) | data ms (wall) | data share (wall) | training-thread CPU ms in data |")
+    print("| DP degree | loader | step ms (wall) | data ms (wall) | data share (wall) "
+          "| training-thread CPU ms in data |")
     print("|---|---|---|---|---|---|")
     for (degree, label), (total, data, cpu) in best.items():
         print(f"| {degree} | {label} | {1000 * total:.1f} | {1000 * data:.2f} | {100 * data / total:.1f}% | "

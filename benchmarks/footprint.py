@@ -229,7 +229,8 @@ def report(name: str, r: dict) -> list[str]:
         want = r["analytic_comm"].get(kind)
         ratio = f"{got['bytes'] / want:.4f}" if want else "   -  "
         want_text = _fmt_mib(want / steps) if want else "       -"
-        lines.append(f"  {kind:36s} {got['calls'] / steps:6.1f}  {_fmt_mib(got['bytes'] / steps)}  {want_text}  {ratio}")
+        lines.append(f"  {kind:36s} {got['calls'] / steps:6.1f}  {_fmt_mib(got['bytes'] / steps)}  "
+                     f"{want_text}  {ratio}")
     return lines
 
 

@@ -163,7 +163,8 @@ def kernel_breakdown(prof, wall_s: float) -> dict:
     busy = sum(totals.values())
     return {"gpu_busy_ms_per_step": busy / 2e3, "wall_ms_per_step": wall_s * 1e3 / 2,
             "share_pct": {k: round(100 * v / busy, 1) for k, v in totals.items()} if busy else {},
-            "top_kernels_ms_per_step": {k: round(v / 2e3, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:40]}}
+            "top_kernels_ms_per_step": {k: round(v / 2e3, 2)
+                                        for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:40]}}
 
 
 def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, smoke: bool,
@@ -316,7 +317,8 @@ def main() -> None:
                                                       args.profile)))
         return
     results = []
-    variants = args.variants.split(",") + (PEER_VARIANTS if args.peer_site and args.variants == ",".join(VARIANTS) else [])
+    variants = args.variants.split(",") + (PEER_VARIANTS if args.peer_site and args.variants == ",".join(VARIANTS)
+                                           else [])
     for variant in variants:
         if variant.startswith("torchtitan"):
             try:
@@ -338,8 +340,10 @@ def main() -> None:
             continue
         results.append(json.loads(lines[-1][len("RESULT "):]))
         print(json.dumps(results[-1]), flush=True)
-    ref = {r["variant"].split("-", 1)[1]: r for r in results if r["variant"].startswith("reference") and "error" not in r}
-    print(f"{'variant':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU %':>6s} {'mem GiB':>8s} {'vs ref':>7s}  loss first->last")
+    ref = {r["variant"].split("-", 1)[1]: r for r in results
+           if r["variant"].startswith("reference") and "error" not in r}
+    print(f"{'variant':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU %':>6s} {'mem GiB':>8s} {'vs ref':>7s}  "
+          "loss first->last")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:22s} failed")

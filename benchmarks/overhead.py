@@ -5,9 +5,9 @@
     python benchmarks/overhead.py -- --metrics.log_freq=10  # config overrides for the trainer
 
 Both loops run in the same processes, on the same debug model, data, layout, FSDP policy
-(last block and root kept gathered after forward), optimizer (AdamW, fused, as the trainer picks on CPU and CUDA), linear-layer kernels
-(``training.cpu_matmul``) and gradient clipping. They take turns step by step in an ABBA order, so a change in the machine's load
-hits both alike. Before each step every rank waits at a barrier; a step's time is the
+(last block and root kept gathered after forward), optimizer (AdamW, fused, as the trainer picks on CPU and CUDA),
+linear-layer kernels (``training.cpu_matmul``) and gradient clipping. They take turns step by step in an ABBA order,
+so a change in the machine's load hits both alike. Before each step every rank waits at a barrier; a step's time is the
 slowest rank's. After the warm-up steps, the script prints the median step time of each
 loop, their ratio (target <= 1.03) and the median of the paired ratios.
 

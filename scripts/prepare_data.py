@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> Path:
     out = prepare_store(
         documents=documents, out_dir=args.out, tokenizer_path=tokenizer,
         source={"label": args.source, "files": files, "fingerprint": fingerprint}, split=split,
-        held_out=args.held_out_side, workers=args.workers, shard_chars=int(args.shard_mb * 2**20), progress=not args.no_progress,
+        held_out=args.held_out_side, workers=args.workers, shard_chars=int(args.shard_mb * 2**20),
+        progress=not args.no_progress,
     )
     print(out)
     return out

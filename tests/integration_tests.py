@@ -420,7 +420,8 @@ class Matrix:
         args = [f"--job.dump_folder={dump}"]
         if flavor.expect_error is None:
             # Losses are read back from TensorBoard at every step, whatever the config says.
-            args += ["--metrics.enable_tensorboard", "--metrics.log_freq=1", f"--training.batch_size={phase.local_batch()}"]
+            args += ["--metrics.enable_tensorboard", "--metrics.log_freq=1",
+                     f"--training.batch_size={phase.local_batch()}"]
             if self.args.steps:
                 args.append(f"--training.steps={self.args.steps}")
             if self.args.seq_len:

@@ -46,7 +46,8 @@ def test_selective_ac_option_is_checked_before_any_process_group(option):
     args = ["--activation_checkpoint.mode=selective", f"--activation_checkpoint.selective_ac_option={option}"]
     (line,) = check_config(parse(*args))
     assert line.startswith(f"--activation_checkpoint.selective_ac_option={option}: use 'op'")
-    assert check_config(parse("--activation_checkpoint.mode=full", "--activation_checkpoint.selective_ac_option=x")) == []
+    assert check_config(parse("--activation_checkpoint.mode=full",
+                              "--activation_checkpoint.selective_ac_option=x")) == []
     for good in ("op", "1", "3"):
         assert check_config(parse("--activation_checkpoint.mode=selective",
                                   f"--activation_checkpoint.selective_ac_option={good}")) == []
@@ -74,7 +75,8 @@ def test_gradient_accumulation_from_global_batch():
     assert gradient_accumulation_steps(parse("--training.gradient_accumulation_steps=3"), dp_degree=4) == (3, [])
     _, (problem,) = gradient_accumulation_steps(cfg, dp_degree=3)
     assert "is not a multiple of batch_size (2) x data-parallel degree (3) = 6" in problem
-    bad = parse("--training.batch_size=2", "--training.global_batch_size=16", "--training.gradient_accumulation_steps=4")
+    bad = parse("--training.batch_size=2", "--training.global_batch_size=16",
+                "--training.gradient_accumulation_steps=4")
     _, (problem,) = gradient_accumulation_steps(bad, dp_degree=4)
     assert "contradicts global_batch_size=16 (which implies 2)" in problem
     # In preflight it is one problem among the others, before any process group.

@@ -238,7 +238,8 @@ def _bf16_run(rank: int, world_size: int, dump: str, *overrides: str) -> dict:
                 # Inside forward FSDP2 has swapped in the compute-dtype copy of the weight.
                 module.register_forward_pre_hook(lambda mod, args: seen.add(mod.weight.dtype))
     losses = trainer.train()
-    return {"compute_dtypes": seen, "master_dtypes": {p.dtype for part in trainer.model_parts for p in part.parameters()},
+    return {"compute_dtypes": seen,
+            "master_dtypes": {p.dtype for part in trainer.model_parts for p in part.parameters()},
             "losses": losses}
 
 

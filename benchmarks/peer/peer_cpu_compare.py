@@ -50,7 +50,8 @@ def project_overrides(work: Path, batch: int, seq: int, steps: int) -> list[str]
     from peer_cpu import project_decay_ratio
 
     return [f"--training.batch_size={batch}", f"--training.seq_len={seq}", f"--training.steps={steps}",
-            f"--training.dataset_path={work / 'store'}", f"--model.tokenizer_path={work / 'tokenizer' / 'tokenizer.json'}",
+            f"--training.dataset_path={work / 'store'}",
+            f"--model.tokenizer_path={work / 'tokenizer' / 'tokenizer.json'}",
             f"--checkpoint.initial_load_path={work / 'init_hf'}", "--checkpoint.initial_load_format=hf",
             f"--lr_scheduler.warmup_steps={WARMUP_STEPS}", f"--lr_scheduler.lr_min={LR_MIN}",
             f"--lr_scheduler.decay_ratio={project_decay_ratio(WARMUP_STEPS, steps)!r}",

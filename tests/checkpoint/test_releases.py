@@ -170,8 +170,8 @@ def _release_runs(rank: int, world_size: int, dump: str, runs: dict[str, list[st
 
 
 def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> None:
-    """One two-rank world: 3.2 1B-shaped (tied) into TP 2 (and resumed), FSDP 2 and CP 2 from HF, 3.2 3B-shaped (tied) into FSDP 2
-    from Meta's layout, 3.1 8B-shaped into PP 2: step-1 loss = transformers' loss on the same batch."""
+    """One two-rank world: 3.2 1B-shaped (tied) into TP 2 (and resumed), FSDP 2 and CP 2 from HF, 3.2 3B-shaped (tied)
+    into FSDP 2 from Meta's layout, 3.1 8B-shaped into PP 2: step-1 loss = transformers' loss on the same batch."""
     meta_3b = meta_release(tmp_path / "meta-3B", releases["3.2-3B"])
 
     def hf(name: str) -> list[str]:
@@ -189,7 +189,8 @@ def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> N
             "8B pp2": [*hf("3.1-8B"), "--parallelism.pipeline_parallel_degree=2",
                        "--parallelism.pipeline_parallel_schedule=GPipe"]}
     results = run_ranks(_release_runs, 2, str(tmp_path / "dump"), runs, timeout=300)
-    source = {"1B tp2": "3.2-1B", "1B fsdp2": "3.2-1B", "1B cp2": "3.2-1B", "3B meta fsdp2": "3.2-3B", "8B pp2": "3.1-8B"}
+    source = {"1B tp2": "3.2-1B", "1B fsdp2": "3.2-1B", "1B cp2": "3.2-1B", "3B meta fsdp2": "3.2-3B",
+              "8B pp2": "3.1-8B"}
     for name, release in source.items():
         got = results[0][name]
         assert got["losses"] == results[1][name]["losses"], name

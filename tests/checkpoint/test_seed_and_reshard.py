@@ -46,7 +46,9 @@ def test_seed_checkpoint_starts_two_layouts_from_the_same_weights(tmp_path):
     out = subprocess.run(["bash", str(REPO / "scripts" / "create_seed_checkpoint.sh"), f"--job.dump_folder={seed_dump}",
                           "--job.print_args=false", "--metrics.enable_tensorboard=false", "--training.seed=42"],
                          capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "PYTHON": sys.executable})
+                         env={**os.environ,
+                              "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                              "PYTHON": sys.executable})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step: 1" not in out.stderr  # it wrote the checkpoint and trained nothing
     seed = seed_dump / "checkpoint" / "step-0"

@@ -223,7 +223,8 @@ sys.exit(0)
 
 
 def test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     # Without the exit-time join this aborted (SIGABRT, "terminate called without an active exception") 3 runs of 3.
     out = subprocess.run([sys.executable, "-c", _BUSY_EXIT, str(tmp_path / "store")], capture_output=True, text=True,
                          timeout=120, env=env)
@@ -299,7 +300,8 @@ def test_bad_stores_are_named(store, tokenizer, tmp_path):
         loader(truncated, tokenizer)
 
     n = TokenStore(store).n_tokens // (SEQ + 1)
-    with pytest.raises(TokenStoreError, match=re.escape(str(store)) + f" holds {n} window.*fewer than one global batch"):
+    with pytest.raises(TokenStoreError,
+                       match=re.escape(str(store)) + f" holds {n} window.*fewer than one global batch"):
         loader(store, tokenizer, batch=n, degree=2)
 
 

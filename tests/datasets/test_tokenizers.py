@@ -245,7 +245,8 @@ def test_token_store_prepares_with_every_backend(files, tmp_path) -> None:
         store.check_tokenizer(str(files[name]), tokenizer.n_words)
     changed = tmp_path / "hf_changed"
     changed.mkdir()
-    (changed / "tokenizer.json").write_text((files["hf"] / "tokenizer.json").read_text().replace('"<|eot_id|>"', '"<|eot|>"'))
+    (changed / "tokenizer.json").write_text(
+        (files["hf"] / "tokenizer.json").read_text().replace('"<|eot_id|>"', '"<|eot|>"'))
     (changed / "tokenizer_config.json").write_text((files["hf"] / "tokenizer_config.json").read_text())
     with pytest.raises(TokenStoreError, match="prepared with the tokenizer"):
         TokenStore(tmp_path / "hf").check_tokenizer(str(changed), build_tokenizer(str(changed)).n_words)

@@ -90,7 +90,8 @@ def _describe_meshes(rank: int, world_size: int, layouts: dict) -> dict:
         views = {}
         for view in (*ORDER, *FLATTENED_VIEWS):
             sub = dims.get_mesh(view)
-            views[view] = None if sub is None else (sub.get_local_rank(), sub.size(), dist.get_process_group_ranks(sub.get_group()))
+            views[view] = None if sub is None else (sub.get_local_rank(), sub.size(),
+                                                    dist.get_process_group_ranks(sub.get_group()))
         fsdp = dims.fsdp_mesh()
         out[name] = {
             "names": mesh.mesh_dim_names,

@@ -226,7 +226,8 @@ def _install() -> None:
             torch.save({"before": dump["before"], "before_sync": dump["before_sync"], "after": _global_state(ft),
                         "participants": ft.participants, "synced": ft.synced}, dump_file)
             dump["armed"] = False
-        line = {"step": out.step, "loss": float(out.loss), "state": state_hash(self), "began": began, "time": time.time(),
+        line = {"step": out.step, "loss": float(out.loss), "state": state_hash(self), "began": began,
+                "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
                 "heals": ft.heals if ft else 0, "allreduces": calls["n"], "allreduce_bytes": calls["bytes"],
                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}

@@ -191,7 +191,8 @@ def test_survivor_trains_alone_and_loses_at_most_one_step(ft_run):
     healthy = statistics.median(duration[step] for step in range(2, CRASH_AT + 1))
     stall = duration[CRASH_AT + 1] - healthy
     # The dead group is noticed by the failed all-reduce or the lighthouse's heartbeat timeout.
-    assert stall <= HEARTBEAT_MS / 1000 + 2, f"survivor stalled {stall:.1f} s after the crash (healthy step {healthy:.1f} s)"
+    assert stall <= HEARTBEAT_MS / 1000 + 2, (f"survivor stalled {stall:.1f} s after the crash "
+                                              f"(healthy step {healthy:.1f} s)")
 
 
 def test_rejoined_group_heals_and_matches_survivor_bitwise(ft_run):
@@ -374,22 +375,24 @@ CKPT_STEPS, CKPT_AT = 6, 3
 
 
 def _ckpt_args(folder: Path) -> list[str]:
-    return [*COMMON, f"--training.steps={CKPT_STEPS}", "--lr_scheduler.warmup_steps=1", "--checkpoint.enable_checkpoint",
-            f"--checkpoint.folder={folder}", f"--checkpoint.interval={CKPT_AT}"]
+    return [*COMMON, f"--training.steps={CKPT_STEPS}", "--lr_scheduler.warmup_steps=1",
+            "--checkpoint.enable_checkpoint", f"--checkpoint.folder={folder}", f"--checkpoint.interval={CKPT_AT}"]
 
 
 def _ft_groups(tmp: Path, name: str, args: list[str], address: str) -> dict[str, subprocess.Popen]:
     ft = ["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2", "--fault_tolerance.min_replicas=2",
           f"--fault_tolerance.lighthouse={address}"]
     return {f"{name}{g}": subprocess.Popen(
-        [sys.executable, ENTRY, *args, *ft, f"--fault_tolerance.replica_id={g}", f"--job.dump_folder={tmp / f'{name}{g}'}"],
+        [sys.executable, ENTRY, *args, *ft, f"--fault_tolerance.replica_id={g}",
+         f"--job.dump_folder={tmp / f'{name}{g}'}"],
         env=_env(tmp / f"{name}{g}"), stdout=open(tmp / f"{name}{g}.log", "w"), stderr=subprocess.STDOUT,
         start_new_session=True) for g in (0, 1)}
 
 
 def _plain(tmp: Path, name: str, args: list[str]) -> subprocess.Popen:
     """One plain process (no fault tolerance) training the two groups' global batch."""
-    return subprocess.Popen([sys.executable, ENTRY, *args, "--training.batch_size=2", f"--job.dump_folder={tmp / name}"],
+    return subprocess.Popen([sys.executable, ENTRY, *args, "--training.batch_size=2",
+                             f"--job.dump_folder={tmp / name}"],
                             env=_env(tmp / name), stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -129,7 +129,8 @@ def test_a_group_that_never_comes_costs_the_startup_timeout_only(alone_run):
     waited = g0[0]["time"] - g0[0]["began"]
     assert ALONE_TIMEOUT <= waited <= ALONE_TIMEOUT + 15, f"step 1 took {waited:.1f} s (timeout {ALONE_TIMEOUT} s)"
     assert g0[0]["participants"] == 1
-    assert "starting with replica group(s) [0] of 2 after waiting" in logs["g0"] and "missing: group(s) [1]" in logs["g0"]
+    assert ("starting with replica group(s) [0] of 2 after waiting" in logs["g0"]
+            and "missing: group(s) [1]" in logs["g0"])
 
 
 def test_a_group_that_comes_later_heals_as_before(alone_run):

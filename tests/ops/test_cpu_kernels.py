@@ -157,7 +157,8 @@ def test_onednn_values_and_gradients_agree_with_float64(shape, bias):
     torch.manual_seed(0)
     linear = _onednn_linear(48, 40, bias)
     x = torch.randn(*shape, requires_grad=True)
-    grad_out = torch.randn(*shape[:-1], 40).transpose(-1, -2).contiguous().transpose(-1, -2)  # strided, as autograd may give
+    # strided, as autograd may give
+    grad_out = torch.randn(*shape[:-1], 40).transpose(-1, -2).contiguous().transpose(-1, -2)
     with _CountOps() as ops:
         y = linear(x)
         y.backward(grad_out)

@@ -6,4 +6,5 @@ from torchtitan.checkpoint.selection import checkpoint_folder
 from torchtitan.checkpoint.stage_view import model_view
 from torchtitan.checkpoint.store import CheckpointKind
 
-__all__ = ["CheckpointKind", "CheckpointManager", "checkpoint_folder", "export_model_weights", "model_view", "read_model_weights"]
+__all__ = ["CheckpointKind", "CheckpointManager", "checkpoint_folder", "export_model_weights", "model_view",
+           "read_model_weights"]

@@ -12,8 +12,8 @@ Layout of ``<dump_folder>/<checkpoint.folder>``::
 A save writes into ``step-N.tmp``; only when every rank has written its files and
 DCP has written ``.metadata`` does rank 0 add ``checkpoint.json`` (the manifest: the
 step, what the checkpoint holds, the layout, every file's size and, see ``integrity.py``,
-every file's checksum) and rename the folder to ``step-N``. A rename within one folder is atomic on POSIX file systems, so
-a checkpoint is either visible and complete or not visible at all. Anything named
+every file's checksum) and rename the folder to ``step-N``. A rename within one folder is atomic on POSIX file
+systems, so a checkpoint is either visible and complete or not visible at all. Anything named
 ``step-N.<suffix>`` is an incomplete leftover and is skipped with a warning.
 """
 

@@ -93,9 +93,9 @@ class Training:
         "float32", "Gradient reduction dtype", choices=("float32", "bfloat16"))
     compile: bool = field_with_help(False, "torch.compile each transformer block")
     cpu_matmul: str = field_with_help(
-        "onednn", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU; faster than "
-        "MKL on AMD CPUs, where MKL keeps to AVX2: benchmarks/README.md section 11); aten = torch's default (MKL on "
-        "x86). TP linears use aten",
+        "onednn", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU; "
+        "faster than MKL on AMD CPUs, where MKL keeps to AVX2: benchmarks/README.md section 11); aten = torch's "
+        "default (MKL on x86). TP linears use aten",
         choices=("onednn", "aten"),
     )
     seed: int | None = field_with_help(None, "Base random seed; unset means no seeding (stated in the log)")

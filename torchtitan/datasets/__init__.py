@@ -1,4 +1,5 @@
-"""Data pipeline: embedded default corpus, tokenizers (SentencePiece, Llama 3 tiktoken, Hugging Face), token stores and their loaders.
+"""Data pipeline: embedded default corpus, tokenizers (SentencePiece, Llama 3 tiktoken, Hugging Face), token stores
+and their loaders.
 
 Modules, each importing only those before it: ``split`` and ``tokenizer``
 (leaves), ``sources`` (registry, local readers, fingerprints), ``token_store``

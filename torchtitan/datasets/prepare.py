@@ -280,6 +280,7 @@ def write_synthetic_store(out_dir: str | os.PathLike, n_tokens: int, *, shard_to
         shards.append({"file": f"shard_{number:05d}.bin", "tokens": int(tokens.size), "documents": 1})
     index = {"format": FORMAT, "version": VERSION, "dtype": "uint32", "vocab_size": 2**32, "bos_id": 0, "eos_id": 0,
              "tokenizer": {"path": "synthetic", "sha256": "synthetic"}, "source": {"fingerprint": "synthetic"},
-             "split": None, "shard_chars": 0, "shards": shards, "total_tokens": n_tokens, "total_documents": len(shards)}
+             "split": None, "shard_chars": 0, "shards": shards, "total_tokens": n_tokens,
+             "total_documents": len(shards)}
     _write_json(out / INDEX_NAME, index)
     return out

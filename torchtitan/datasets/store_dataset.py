@@ -242,7 +242,8 @@ class TokenStoreDataset(IterableDataset, Stateful):
                 return "no shuffling" if s is None else f"shuffling with seed {s}"
             raise ValueError(
                 f"{self.name}: checkpoint was taken with {say(state_dict['shuffle'])}, this run uses {say(mine)}; "
-                "the window order would differ: resume with the checkpoint's --training.shuffle and --training.shuffle_seed"
+                "the window order would differ: resume with the checkpoint's --training.shuffle and "
+                "--training.shuffle_seed"
             )
         self._epoch = int(state_dict["epoch"])
         self._next_window = int(state_dict["next_window"])

@@ -90,7 +90,8 @@ class TokenStore:
             try:
                 actual = file.stat().st_size
             except FileNotFoundError:
-                raise TokenStoreError(f"token store {self.path}: shard {file} is missing; prepare the store again") from None
+                raise TokenStoreError(
+                    f"token store {self.path}: shard {file} is missing; prepare the store again") from None
             if actual != tokens * self.dtype.itemsize:
                 raise TokenStoreError(
                     f"token store {self.path}: shard {file} has {actual} bytes, the index says "

@@ -46,5 +46,6 @@ def start_sum(value: torch.Tensor | float, mesh: DeviceMesh | None) -> Callable[
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
-    """The plain tensor of a loss; under loss parallel it is a replicated DTensor and every TP rank holds the full value."""
+    """The plain tensor of a loss; under loss parallel it is a replicated DTensor and every TP rank holds the full
+    value."""
     return loss.to_local() if isinstance(loss, DTensor) else loss

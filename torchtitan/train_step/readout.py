@@ -31,7 +31,8 @@ class StepReadout:
         self.steps_taken += 1
 
     def read(self, grad_norm: torch.Tensor | None = None) -> tuple[float, float]:
-        """The last loss and ``grad_norm`` on the host (one read with the unread losses); raises at a non-finite loss."""
+        """The last loss and ``grad_norm`` on the host (one read with the unread losses); raises at a non-finite
+        loss."""
         if not self._pending:
             return (self.losses[-1] if self.losses else math.nan), math.nan
         device = self._pending[-1][1].device

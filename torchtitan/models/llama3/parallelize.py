@@ -67,7 +67,8 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
     if dims.cp_enabled:
         apply_cp(model, dims.get_mesh("cp"), cfg.training.seq_len)
     if cfg.activation_checkpoint.mode != "none":
-        apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+        apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
+                                       cfg.activation_checkpoint.selective_ac_option)
     if cfg.training.compile:
         apply_compile(model)
     if dims.dp_enabled or dims.fsdp_enabled:
