@@ -2,8 +2,8 @@
 
 Also runs as a single process (``python train.py ...``); ``python train.py --preflight_only ...``
 only checks the job (``run_llama_train.sh`` does so once before starting torchrun);
-``python train.py --dry_run --world_size N ...`` simulates it at that world size (docs/planning.md). A config problem prints one
-line per problem and exits with status 2 on every rank, before any process group
+``python train.py --dry_run --world_size N ...`` simulates it at that world size (docs/planning.md).
+A config problem prints one line per problem and exits with status 2 on every rank, before any process group
 exists; a checkpoint save that does not fit on its disk prints one line on every rank and
 exits with status 74 (``torchtitan/checkpoint/space.py``, docs/checkpoint_integrity.md);
 any other failure during training is logged and exits with status 1, which makes

@@ -80,7 +80,8 @@ class TrafficLedger:
 
     dim_of_group: dict[str, str]
     phase: str = "build"
-    stats: dict[tuple[str, str, str, str], CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
+    stats: dict[tuple[str, str, str, str], CollectiveStats] = field(
+        default_factory=lambda: defaultdict(CollectiveStats))
     group_ranks: dict[str, list[int]] = field(default_factory=dict)  # dim -> the global ranks of this rank's group
     recording: bool = False
 
