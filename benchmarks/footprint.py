@@ -151,9 +151,9 @@ def worker(args: argparse.Namespace) -> None:
 
     trainer = build_trainer(args.dump, ["--metrics.enable_tensorboard=false", "--metrics.log_freq=1000",
                                         f"--training.steps={WARMUP_STEPS + args.steps + 1}", *args.overrides])
-    data_iter, losses = iter(trainer.dataloader), []
+    data_iter = iter(trainer.dataloader)
     for _ in range(WARMUP_STEPS):
-        trainer._run_step(data_iter, losses)
+        trainer._run_step(data_iter)
     # PyTorch's CommDebugMode would count calls only, and on torch 2.13 its module tracker
     # fails inside this model's forward (IndexError in _fw_set_module_hook), so the
     # counting mode of common.py does the work.
@@ -165,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
     counter = make_comm_counter(group_labels(trainer))
     with counter:
         for _ in range(args.steps):
-            trainer._run_step(data_iter, losses)
+            trainer._run_step(data_iter)
     held["optimizer"] = state_bytes(trainer.model_parts, trainer.optimizer)["optimizer"]
     with torch.device("meta"):
         numel = full_param_numel([Transformer(trainer.model_args)])  # the whole model, every stage

@@ -113,8 +113,8 @@ def worker(args: argparse.Namespace) -> None:
     total = args.warmup + args.steps
     trainer = build_trainer(args.dump, [f"--training.steps={total}", *args.overrides])
     reference = ReferenceLoop(trainer)
-    data_iter, losses = iter(trainer.dataloader), []
-    steps = {"trainer": lambda: trainer._run_step(data_iter, losses), "reference": reference.step}
+    data_iter = iter(trainer.dataloader)
+    steps = {"trainer": lambda: trainer._run_step(data_iter), "reference": reference.step}
     profiles = {name: cProfile.Profile() for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(total):
@@ -134,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         slowest = {name: [max(rank[name][i] for rank in everyone) for i in range(total)][args.warmup:]
                    for name in steps}
-        result = {"times": slowest, "load_average": load_average(), "final_loss": losses[-1]}
+        result = {"times": slowest, "load_average": load_average(), "final_loss": trainer.readout.read()[0]}
         if args.profile:
             result["profiles"] = {name: _top_functions(p) for name, p in profiles.items()}
         with open(args.result, "w") as f:

@@ -72,10 +72,10 @@ def project_worker(args: argparse.Namespace) -> None:
     rank, records = trainer.rank, []
     run_step, log = trainer._run_step, trainer._log
 
-    def timed_step(data_iter, losses):
+    def timed_step(data_iter):
         records.append({**stamp(),
                         "lr": trainer.lr_scheduler.get_last_lr()[0]})
-        return run_step(_checked(data_iter, windows[len(records) - 1, rank]), losses)
+        return run_step(_checked(data_iter, windows[len(records) - 1, rank]))
 
     def timed_log(loss, grad_norm, lr):
         records[-1].update(loss=float(loss), grad_norm=float(grad_norm))
