@@ -14,9 +14,11 @@ each collective by mesh dim (``traffic.py``) and each op's work (``compute.py``)
 What differs from a GPU run, and how it is handled:
 
 - the step runs the CPU code path with the GPU's dtype policy: ``parallelize_llama`` is told the
-  device is CUDA (bf16 compute over fp32 master weights when ``mixed_precision_param`` is auto) and
-  the CPU-only kernels (oneDNN linears, complex RoPE, GQA attention without repeated K/V, the loss in
-  row slices) are replaced for the run by the code that GPUs run (``gpu_code_paths``);
+  device is CUDA (bf16 compute over fp32 master weights when ``mixed_precision_param`` is auto), so
+  the eager-CPU kernels of ``ops/cpu_kernels.py`` are not swapped in and the model runs the code
+  that GPUs run; the loss is one cross-entropy, as on a GPU;
+- attention is causal over each whole window (no positions are passed): under ``block_causal`` a
+  GPU runs FlexAttention, whose work on packed documents is at most the causal figure;
 - no weights are initialized (they are fake; init reads random values), the tokenizer and the data
   set are not read (the flavor's vocabulary and random token ids stand in), and the checkpoint
   manager is not built (it opens a gloo group and installs signal handlers);
@@ -51,7 +53,7 @@ from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
-from torchtitan.planning.recorder import StepRecorder, gpu_code_paths, track_fsdp_storage
+from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
 from torchtitan.preflight import LaunchPlan, preflight
 
@@ -186,7 +188,7 @@ def fake_world(rank: int, world_size: int):
 
 def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int) -> RankRun:
     start = time.perf_counter()
-    with fake_world(rank, world_size), gpu_code_paths():
+    with fake_world(rank, world_size):
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh("cpu")
         memory, compute = MemoryLedger(), ComputeLedger()

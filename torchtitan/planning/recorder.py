@@ -12,12 +12,10 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from torchtitan.models.llama3 import model as llama_model
 from torchtitan.planning.compute import ComputeLedger
 from torchtitan.planning.memory import MemoryLedger
 from torchtitan.planning.traffic import TrafficLedger
@@ -132,29 +130,3 @@ def track_fsdp_storage(memory: MemoryLedger) -> Iterator[None]:
         _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
         _fsdp_param.free_storage = free
         cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed = to_accumulated, accumulate
-
-
-def _gpu_rotary(xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rope_cache.unsqueeze(-2).chunk(2, dim=-1)
-    return llama_model.rotate_pairs(xq, cos, sin), llama_model.rotate_pairs(xk, cos, sin)
-
-
-def _gpu_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    n_rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, llama_model.repeat_kv(k, n_rep), llama_model.repeat_kv(v, n_rep),
-                                          is_causal=True)
-
-
-@contextlib.contextmanager
-def gpu_code_paths() -> Iterator[None]:
-    """Run the model's GPU code on CPU tensors: real-valued RoPE, and attention over repeated K/V heads.
-
-    The model takes CPU-only shortcuts when its tensors are on the CPU (they differ in what they
-    allocate); a dry run plans a GPU job, so it swaps in the branches that GPU tensors take.
-    """
-    rotary, sdpa = llama_model.apply_rotary_emb, llama_model.Attention.sdpa
-    llama_model.apply_rotary_emb, llama_model.Attention.sdpa = _gpu_rotary, _gpu_sdpa
-    try:
-        yield
-    finally:
-        llama_model.apply_rotary_emb, llama_model.Attention.sdpa = rotary, sdpa
