@@ -8,6 +8,10 @@ the first, a wrapper the second, on the training thread of a real 2-rank FSDP ru
 make none; step 10 logs, saves and checks for preemption, and must make some (so the
 counter sees real reads). Adam's ``step`` counters are excluded: optimizers keep them on
 the host (not fused, not capturable), where reading them waits for nothing.
+
+The run trains ``causal``: under ``block_causal`` the eager-CPU kernel splits each row at its
+document boundaries, which it reads from host memory (a CPU tensor, so nothing waits); the
+CUDA path builds its block mask on the device (models/attention.py).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def _count_reads(rank: int, world_size: int, dump: str) -> list[tuple[int, str, 
         f"--job.config_file={CONFIG}", f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
         "--parallelism.data_parallel_shard_degree=2", "--training.batch_size=2",
         "--training.gradient_accumulation_steps=2", f"--training.steps={STEPS}", "--metrics.log_freq=10",
-        "--checkpoint.enable_checkpoint", "--checkpoint.interval=100"])
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval=100", "--model.attn_mask_type=causal"])
     trainer = Trainer(cfg)
     real_run, real_tolist = trainer.step_strategy.run, torch.Tensor.tolist
     mode: HostReads | None = None
