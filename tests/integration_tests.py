@@ -268,7 +268,7 @@ def build_flavors() -> list[Flavor]:
           (_phase(4, 4, {"dp_replicate": 4}, *_dp(4, 1)),)),
         f("fsdp_full_ac", "FSDP 4 + full activation checkpointing",
           (_phase(4, 4, {"dp_shard": 4}, *_dp(1, 4), ac_full),)),
-        f("fsdp_selective_ac_op", "FSDP 4 + selective AC, op policy (matmul/attention outputs kept)",
+        f("fsdp_selective_ac_op", "FSDP 4 + selective AC, op policy (every second linear output and attention kept)",
           (_phase(4, 4, {"dp_shard": 4}, *_dp(1, 4), ac_sel, "--activation_checkpoint.selective_ac_option=op"),)),
         f("fsdp_selective_ac_layer", "FSDP 2 + selective AC, every 2nd block",
           (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), ac_sel, "--activation_checkpoint.selective_ac_option=2"),)),

@@ -41,3 +41,33 @@ def test_checkpointed_blocks_recompute_and_keep_fqns_and_grads(mode, option, exp
 def test_bad_selective_option_is_rejected():
     with pytest.raises(ValueError, match="use 'op' or a positive integer"):
         apply_activation_checkpointing(Transformer(ARGS), "selective", "zero")
+
+
+class _CountProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the linear products (aten.mm) that run, forward and backward together."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.products += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "mode,option,recomputed_per_block", [("none", "", 0), ("full", "op", 6), ("selective", "op", 3)])
+def test_op_level_ac_recomputes_every_second_linear_product(mode, option, recomputed_per_block):
+    """A block has 7 linears (wq wk wv wo w1 w3 w2); op-level AC keeps the 1st, 3rd, ... and recomputes wk wo w3.
+
+    Full AC recomputes 6: the recompute stops once the last tensor backward needs exists (w2's input).
+    """
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights()
+    if mode != "none":
+        apply_activation_checkpointing(model, mode, option)
+    with _CountProducts() as count:
+        model(torch.arange(8).view(1, 8)).square().mean().backward()
+    linears = 7 * ARGS.n_layers + 1  # the blocks' and the output's: one forward and two backward products each
+    assert count.products == 3 * linears + recomputed_per_block * ARGS.n_layers

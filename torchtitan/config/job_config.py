@@ -175,7 +175,8 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: str = field_with_help("none", "Recompute activations in backward", choices=("none", "full", "selective"))
-    selective_ac_option: str = field_with_help("2", "Selective AC: 'op' (save matmuls only) or N (every N-th block)")
+    selective_ac_option: str = field_with_help(
+        "2", "Selective AC: 'op' (keep every second linear output and attention's) or N (every N-th block)")
 
 
 @dataclass
