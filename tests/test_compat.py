@@ -180,6 +180,26 @@ def test_redistribute_logger_name():
         f"DTensor's redistribution no longer logs as {compat.REDISTRIBUTE_LOGGER}: grads.py would not quiet it")
 
 
+def test_lower_right_causal_bias_has_no_storage_and_attends_as_the_public_one():
+    """CausalBias on an empty storage: SDPA gives the public factory's result bitwise, forward and backward."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = compat.lower_right_causal_bias(4, 12)
+    assert bias.untyped_storage().nbytes() == 0, "CausalBias: the storage-free bias holds memory"
+    assert causal_lower_right(4, 12).untyped_storage().nbytes() > 0, (
+        "torch.nn.attention.bias.causal_lower_right no longer allocates: compat.lower_right_causal_bias can go")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for n in (4, 12, 12))
+    results = []
+    for mask in (bias, causal_lower_right(4, 12), torch.ones(4, 12, dtype=torch.bool).tril(8)):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for got, want in zip(results[0], results[1], strict=True):
+        assert torch.equal(got, want), "CausalBias: the storage-free bias attends differently"
+    torch.testing.assert_close(results[0][0], results[2][0])  # and it is the lower-right causal mask
+
+
 def test_fused_kernel_devices_include_cpu():
     # torch.utils._foreach_utils._get_fused_kernels_supported_devices; without it only CUDA is fused.
     assert "cpu" in compat.fused_kernel_devices(), (

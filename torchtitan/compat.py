@@ -27,7 +27,7 @@ from torch.distributed import distributed_c10d
 __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups", "default_store",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
-    "install_dtensor_rng_tracker", "local_shape_and_global_offset", "semi_sync_local_step",
+    "install_dtensor_rng_tracker", "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
     "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step",
 ]
 
@@ -143,6 +143,23 @@ def fsdp_hooked_parameters(unit: torch.nn.Module) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- torch.optim
+
+
+def lower_right_causal_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
+    """``causal_lower_right(seq_len_q, seq_len_kv)`` without its storage.
+
+    The public factory calls ``CausalBias(variant, seq_len_q, seq_len_kv)``, and the Tensor
+    constructor reads those three ints as a shape: each bias then holds an unused float32 storage
+    of ``2 * seq_len_q * seq_len_kv`` elements (8 GiB for a 16k-token CP chunk against 256k keys;
+    seen on 2.13 and 2.14). Long-context CP builds one per chunk, so a strict-overcommit host
+    refuses it. The bias made here sits on an empty storage; SDPA's handling of it reads only the
+    variant and the two lengths.
+    """
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0, dtype=torch.bool))
+    CausalBias.__init__(bias, CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
+    return bias
 
 
 def fused_kernel_devices() -> tuple[str, ...]:

@@ -33,9 +33,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from torchtitan.compat import functional_collectives as funcol
+from torchtitan.compat import lower_right_causal_bias
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -80,10 +80,10 @@ def _causal_mask(n_q: int, n_kv: int, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _lower_right_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
-    """``causal_lower_right``, built once per shape: it holds only the sizes, and it is a
+    """A lower-right causal bias, built once per shape (with no storage: compat.py says why). It is a
     Tensor subclass, which cannot be created while a TorchDispatchMode is active (the
     communication counter of benchmarks/footprint.py is one)."""
-    return causal_lower_right(seq_len_q, seq_len_kv)
+    return lower_right_causal_bias(seq_len_q, seq_len_kv)
 
 
 def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
