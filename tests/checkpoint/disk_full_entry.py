@@ -7,6 +7,10 @@
 - ``UNDERESTIMATE=1``: the free-space check is told that every save is 1 byte. The check
   then passes, and a save that does not fit starts and meets the full disk while
   writing, as when another job fills a shared file system between the check and the write.
+- ``SKEWED_ASYNC=1``: the ranks look at a pending async save out of step, as on a cluster:
+  rank 0's quick look between steps waits until the save has finished, rank 1's sees nothing.
+  A rank that stopped alone on a failed save would then leave rank 1 in the next step's
+  collectives.
 """
 
 from __future__ import annotations
@@ -47,6 +51,22 @@ if os.environ.get("SMALL_DISK_BYTES"):
 if os.environ.get("UNDERESTIMATE") == "1":
     space.previous_size = lambda folder, kind: 1
     space.state_sizes = lambda state: {"everything": 1}
+
+if os.environ.get("SKEWED_ASYNC") == "1":
+    import concurrent.futures
+
+    from torchtitan.checkpoint.manager import CheckpointManager
+
+    finish = CheckpointManager._finish_pending
+
+    def skewed_finish(self, block=True, **kwargs):
+        if not block and os.environ["RANK"] == "1":
+            return None
+        if not block and self._pending is not None:
+            concurrent.futures.wait([self._pending.future], timeout=120)
+        return finish(self, block, **kwargs)
+
+    CheckpointManager._finish_pending = skewed_finish
 
 if __name__ == "__main__":
     import train

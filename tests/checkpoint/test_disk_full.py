@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 from checkpoint.test_crash_safety import _step_lines, _torchrun
 
 from torchtitan.checkpoint import integrity, space
@@ -65,27 +66,36 @@ def test_a_first_save_that_does_not_fit_is_named_and_writes_nothing(tmp_path):
         assert not folder.exists() or list(folder.iterdir()) == []
 
 
-def test_a_later_save_that_fills_the_disk_keeps_the_earlier_checkpoint_bitwise(tmp_path):
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_later_save_that_fills_the_disk_keeps_the_earlier_checkpoint_bitwise(tmp_path, async_mode):
+    """Async: step 4's save fails in the background; every rank names it at the step-6 save, none alone at step 5
+    (``SKEWED_ASYNC``: rank 0 sees the failure between steps, rank 1 does not)."""
+    good, failed, steps = (1, 2, 2) if async_mode == "disabled" else (2, 4, 6)
+    run = [f"--training.steps={steps}", f"--checkpoint.interval={good}", "--metrics.log_freq=1",
+           f"--checkpoint.async_mode={async_mode}"]
     with small_disk(tmp_path / "disk", ONE_CHECKPOINT_FITS) as (dump, env):
-        # The check before the save is fooled (UNDERESTIMATE): step 2's save starts and meets ENOSPC midway.
-        out = _torchrun(ENTRY, dump, *RUN, env={**env, "UNDERESTIMATE": "1"})
+        # The check before the save is fooled (UNDERESTIMATE): the second save starts and meets ENOSPC midway.
+        out = _torchrun(ENTRY, dump, *run, env={**env, "UNDERESTIMATE": "1", "SKEWED_ASYNC": "1"})
         folder = dump / "checkpoint"
         lines = _full_disk_lines(out.stderr)
         assert sorted(lines) == [0, 1], out.stderr[-3000:]
         assert lines[0] == lines[1]
-        assert lines[0].startswith("checkpoint: disk full: the save of step 2 filled the disk while writing; its "
-                                   f"partial folder was removed (needs 1 bytes in {folder}, ")
-        assert f"last good checkpoint: {folder / 'step-1'}." in lines[0]
+        assert lines[0].startswith(f"checkpoint: disk full: the save of step {failed} filled the disk while writing; "
+                                   f"its partial folder was removed (needs 1 bytes in {folder}, ")
+        assert f"last good checkpoint: {folder / f'step-{good}'}." in lines[0]
         assert re.search(r"exitcode\s*: 74", out.stderr)
-        assert sorted(p.name for p in folder.iterdir()) == ["step-1"]  # step-2.tmp removed
-        kept = folder / "step-1"
+        assert sorted(p.name for p in folder.iterdir()) == [f"step-{good}"]  # the partial folder removed
+        kept = folder / f"step-{good}"
         manifest = json.loads((kept / "checkpoint.json").read_text())
-        # Every byte of step 1 is as it was written (its checksums were taken while writing).
+        # Every byte of the kept checkpoint is as it was written (its checksums were taken while writing).
         assert integrity.bad_files(kept, manifest["checksums"], set(manifest["checksums"]["files"])) == []
+        if async_mode == "async":
+            assert steps in _step_lines(out.stderr)  # the failure waited for the next save, where every rank is
+            return
         shutil.copytree(kept, tmp_path / "restart" / "checkpoint" / "step-1")
 
     # The earlier checkpoint resumes: step 2 trains exactly as in the run that filled the disk.
-    restarted = _torchrun(Path(__file__).parents[2] / "train.py", tmp_path / "restart", *RUN)
+    restarted = _torchrun(Path(__file__).parents[2] / "train.py", tmp_path / "restart", *run)
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert re.search(r"loaded \S*step-1 ", restarted.stderr)
     assert "written without checksums" not in restarted.stderr and "corrupt" not in restarted.stderr

@@ -227,9 +227,9 @@ class CheckpointManager:
     def _raise_if_disk_full(self, error: BaseException, step: int, needed: int, together: bool = False) -> None:
         """A save that failed with ENOSPC/EDQUOT (DCP shares each rank's error with all): remove it, name it.
 
-        ``together``: a synchronous save, which DCP failed on every rank at once; the ranks then
-        measure the free space after the removal, and print the same line. An async save's
-        failure is seen by each rank when it next looks, so no rank waits for the others.
+        ``together``: every rank is here (a synchronous save, which DCP failed on every rank at
+        once, or an async one met at the next save or at close); the ranks then measure the free
+        space after the removal, and print the same line.
         """
         if not space.is_disk_full(error):
             return
@@ -265,15 +265,22 @@ class CheckpointManager:
         return ["model"] if kind in CheckpointKind.MODEL_ONLY else \
             ["dataloader", "lr_scheduler", "model", "optimizer", "rng", "train_state"]
 
-    def _finish_pending(self, block: bool = True) -> None:
+    def _finish_pending(self, block: bool = True, together: bool = True) -> None:
+        """Commit a finished async save; ``block`` waits for it, else only a successful one is taken.
+
+        A failed save is left pending until a blocking call, which every rank makes at the same
+        point (the next save, or ``close``): the ranks see a failure at different steps, and one
+        that stopped alone would leave the others waiting in a collective, its line unprinted by
+        them. ``together``: every rank is here (``close`` after a failure on this rank is not).
+        """
         pending = self._pending
-        if pending is None or (not block and not pending.future.done()):
+        if pending is None or (not block and not (pending.future.done() and pending.future.exception() is None)):
             return
         self._pending = None
         try:
             pending.future.result()  # re-raises a failed save on this rank
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            self._raise_if_disk_full(e, pending.step, pending.needed)
+            self._raise_if_disk_full(e, pending.step, pending.needed, together=together)
             raise
         self._commit(pending.step, pending.kind, pending.started, pending.writer)
 
@@ -326,7 +333,7 @@ class CheckpointManager:
             return
         self._closed = True
         try:
-            self._finish_pending()
+            self._finish_pending(together=wait_for_peers)
             if wait_for_peers:
                 self._barrier()
         finally:
