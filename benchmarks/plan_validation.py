@@ -29,6 +29,10 @@ _CP = ["--job.config_file", C8, "--activation_checkpoint.mode=full", "--training
 _405 = ["--job.config_file", C405, "--training.batch_size=32", "--parallelism.pipeline_parallel_microbatches=32",
         "--parallelism.tensor_parallel_degree=8", "--parallelism.pipeline_parallel_degree=8"]
 # name: (cluster, world size, overrides, pp ranks simulated, published tokens/s/GPU, published MFU, published GiB)
+_PAPER = ["--job.config_file", C405, "--training.batch_size=32", "--parallelism.tensor_parallel_degree=8",
+          "--parallelism.pipeline_parallel_degree=16", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+          "--parallelism.pipeline_parallel_stages_per_rank=2", "--parallelism.pipeline_parallel_microbatches=32"]
+
 ROWS = {
     "8b-fsdp8": (TT, 8, [*_8B, "--training.batch_size=2", "--activation_checkpoint.mode=selective"], None,
                  5762, None, 82.4),
@@ -46,12 +50,13 @@ ROWS = {
                             "--parallelism.pipeline_parallel_stages_per_rank=1"], [0, 7], 100, None, 82.5),
     "405b-interleaved": (TT, 512, [*_405, "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
                                    "--parallelism.pipeline_parallel_stages_per_rank=2"], [0, 7], 128, None, 72.7),
-    # Llama 3 paper (arXiv:2407.21783, Table 4): 8,192 H100s, TP 8, PP 16, DP 64, 16M tokens per batch.
-    "405b-llama3-paper": ("h100-sxm-80g", 8192, [
-        "--job.config_file", C405, "--training.batch_size=32", "--parallelism.tensor_parallel_degree=8",
-        "--parallelism.pipeline_parallel_degree=16", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
-        "--parallelism.pipeline_parallel_stages_per_rank=2", "--parallelism.pipeline_parallel_microbatches=32"],
-        [0, 15], None, 0.43, None),
+    # Llama 3 paper (arXiv:2407.21783, Table 4): 8,192 H100s, TP 8, PP 16, DP 64, 16M tokens per batch; its
+    # section 3.3.2 trains 8K sequences without activation checkpointing. The full-AC variant is what fits
+    # this project's schedule in 80 GB (benchmarks/README.md section 17).
+    "405b-llama3-paper": ("h100-sxm-80g", 8192, [*_PAPER, "--activation_checkpoint.mode=none"], [0, 15], None, 0.43,
+                          None),
+    "405b-llama3-paper-full-ac": ("h100-sxm-80g", 8192, [*_PAPER, "--activation_checkpoint.mode=full"], [0, 15], None,
+                                  0.43, None),
 }
 
 
