@@ -120,7 +120,7 @@ SLOW: dict[str, frozenset[str]] = {
     }),
     "planning/test_train_configs.py": frozenset({
         "test_search_returns_accepted_layouts_and_the_best_trains",
-        "test_shipped_config_dry_runs_at_its_world_size",
+        "test_shipped_configs_dry_run_at_their_world_sizes",
     }),
 }
 

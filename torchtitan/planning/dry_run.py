@@ -143,8 +143,35 @@ def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None) -> 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
             workers: int | None = None) -> DryRun:
-    """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs for one warm-up step and
-    ``steps`` recorded steps."""
+    """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs: the optimizer state
+    as a first step makes it, then ``steps`` recorded steps."""
+    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers)[0]
+
+
+def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1,
+             workers: int | None = None) -> list[DryRun]:
+    """``dry_run`` of several jobs (config, world size, pipeline ranks), every simulated rank of every job in
+    one pool of worker processes, so that a search or a set of configs keeps every core busy.
+
+    Each job is planned first, so a bad one raises its ``ConfigError`` before anything is simulated.
+    """
+    runs, tasks = [], []
+    for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
+        run, cfg = _planned(cfg, world_size, steps)
+        runs.append(run)
+        tasks += [(i, (cfg, run.plan, world_size, rank, steps)) for rank in ranks_to_simulate(run.dims, pp_ranks)]
+    # One forked process per simulated rank: DTensor caches meshes (and their process-group names)
+    # across process groups, so each simulated rank needs a process of its own.
+    workers = max(1, min(len(tasks), workers or (os.cpu_count() or 1)))
+    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
+        results = pool.starmap(simulate_rank, [args for _, args in tasks], chunksize=1)
+    for (i, _), rank_run in zip(tasks, results, strict=True):
+        runs[i].ranks.append(rank_run)
+    return runs
+
+
+def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobConfig]:
+    """The job's plan (``ConfigError`` on a bad job), and the config to simulate it with."""
     plan = plan_job(cfg, world_size)
     run = DryRun(cfg, world_size, plan, steps)
     run.notes.append(f"vocabulary {plan.model_args.vocab_size} from --model.flavor={cfg.model.flavor}; random "
@@ -154,22 +181,7 @@ def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int]
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
         run.notes.append("--training.compile: simulated eager (memory and traffic as eager; compile's fusion "
                          "is not modelled)")
-    ranks = ranks_to_simulate(plan.dims, pp_ranks)
-    if len(ranks) == 1:
-        run.ranks.append(_simulate_in_child(cfg, plan, world_size, ranks[0], steps))
-        return run
-    # One forked process per rank, a few at a time: DTensor caches meshes (and their process-group
-    # names) across process groups, so each simulated rank needs a process of its own.
-    workers = max(1, min(len(ranks), workers or (os.cpu_count() or 1)))
-    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-        run.ranks = pool.starmap(simulate_rank, [(cfg, plan, world_size, r, steps) for r in ranks])
-    return run
-
-
-def _simulate_in_child(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int) -> RankRun:
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(1) as pool:
-        return pool.apply(simulate_rank, (cfg, plan, world_size, rank, steps))
+    return run, cfg
 
 
 @contextlib.contextmanager

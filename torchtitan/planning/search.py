@@ -5,7 +5,8 @@ with 1F1B and Interleaved1F1B (one micro-batch per sequence of the local batch),
 degrees for long sequences (seq_len >= 32k), full and selective activation checkpointing, and the
 local batch that keeps the config's global batch. The preflight drops what it refuses; layouts that
 do not fit the cluster's memory are dropped; the rest are ranked by predicted tokens/s per GPU.
-Each pipelined layout is simulated on its first and last pipeline ranks only.
+Each pipelined layout is simulated on its first and last pipeline ranks only, and every simulated
+rank of every layout shares one pool of worker processes (one per core).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.planning.clusters import Cluster
 from torchtitan.planning.cost import StepEstimate, estimate
-from torchtitan.planning.dry_run import dry_run, plan_job
+from torchtitan.planning.dry_run import dry_runs, plan_job
 
 TP_DEGREES = (1, 2, 4, 8)
 PP_DEGREES = (1, 2, 4, 8, 16)
@@ -74,7 +75,7 @@ def search(args: list[str], world_size: int, cluster: Cluster) -> list[Layout]:
     ``args`` are the job's train.py arguments; each layout's overrides are appended to them.
     """
     cfg = ConfigManager().parse_args(args)
-    layouts = []
+    accepted, jobs = [], []
     for overrides in candidate_overrides(cfg, world_size, cluster.gpus_per_node):
         trial = ConfigManager().parse_args([*args, *overrides])
         try:
@@ -84,10 +85,12 @@ def search(args: list[str], world_size: int, cluster: Cluster) -> list[Layout]:
         pp = trial.parallelism.pipeline_parallel_degree
         # The first and last pipeline ranks (embedding, output and the most in-flight micro-batches)
         # stand for the pipeline: a search prices many layouts.
-        e = estimate(dry_run(trial, world_size, pp_ranks=sorted({0, pp - 1})), cluster)
-        if e.fits:
-            layouts.append(Layout(overrides, e))
-    return sorted(layouts, key=lambda layout: -layout.estimate.tokens_per_second_per_gpu)
+        accepted.append(overrides)
+        jobs.append((trial, world_size, sorted({0, pp - 1})))
+    runs = dry_runs(jobs)
+    layouts = [Layout(overrides, estimate(run, cluster)) for overrides, run in zip(accepted, runs, strict=True)]
+    return sorted([layout for layout in layouts if layout.estimate.fits],
+                  key=lambda layout: -layout.estimate.tokens_per_second_per_gpu)
 
 
 def search_text(layouts: list[Layout], cluster_name: str) -> str:
