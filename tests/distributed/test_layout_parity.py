@@ -2,14 +2,16 @@
 
 All runs use float32 on CPU/gloo, the debug model, ``training.deterministic`` and
 the same global batch (8 sequences): local batch 1 on 8 ranks, 8 on one process.
-They hold 5% of the documents out of training and validate on them (two global
-batches of 8) every 15 steps and at the last one: the validation loss must match
+They train 12 steps, hold 5% of the documents out of training and validate on them (two
+global batches of 8) every 6 steps and at the last one: the validation loss must match
 one process's too, and validating must leave training bitwise unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
+import time
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import ConfigManager
 
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
-STEPS = 30
+STEPS = 12
 
 # name -> (ranks, overrides); local batch is 8 / dp degree so the global batch is always 8.
 LAYOUTS = {
@@ -33,7 +35,7 @@ LAYOUTS = {
 CONTROL = (1, ["--training.batch_size=8"])
 HELD_OUT = "--validation.held_out_fraction=0.05"
 # The validation batch defaults to the training one, so the global validation batch is 8 in every layout.
-VALIDATION = [HELD_OUT, "--validation.enable", "--validation.freq=15", "--validation.steps=2"]
+VALIDATION = [HELD_OUT, "--validation.enable", "--validation.freq=6", "--validation.steps=2"]
 
 
 def make_trainer(dump: str, *overrides: str):
@@ -51,7 +53,8 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str], train: bool) -> dict:
+def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str], train: bool,
+                    tied: bool = True) -> dict:
     from torchtitan.distributed.layout_init import gather_full_state_dict
 
     trainer = make_trainer(dump, *VALIDATION, *overrides)
@@ -67,7 +70,8 @@ def _init_and_train(rank: int, world_size: int, dump: str, overrides: list[str],
     if train:
         out["losses"] = trainer.train()
         out["validation"] = trainer.validation_losses
-        out["tied"] = _tied_run(rank, dump, overrides)
+        if tied:
+            out["tied"] = _tied_run(rank, dump, overrides)
     return out
 
 
@@ -97,13 +101,35 @@ def control(tmp_path_factory) -> dict:
     return result
 
 
+def train_layouts(rank: int, world_size: int, root: str, layouts: dict[str, list[str]], steps: int | None = None,
+                  tied: bool = True) -> dict:
+    """Train each layout in turn in one process group: a world of that size is spawned once."""
+    out = {}
+    for i, (name, overrides) in enumerate(layouts.items()):
+        start = time.monotonic()
+        extra = [] if steps is None else [f"--training.steps={steps}"]
+        out[name] = _init_and_train(rank, world_size, f"{root}/{i}", [*extra, *overrides], True, tied=tied)
+        if rank == 0:  # shown with the failure if a later layout hangs and the harness times out
+            print(f"[{world_size} ranks] {name}: {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
+    return out
+
+
+def spawn_layouts(tmp_path_factory, layouts: dict[str, tuple[int, list[str]]], steps: int | None = None,
+                  tied: bool = True) -> dict[str, list[dict]]:
+    """Layout name -> every rank's result; one process group per world size trains its layouts in turn."""
+    results: dict[str, list[dict]] = {}
+    for world_size in sorted({ranks for ranks, _ in layouts.values()}):
+        of_size = {name: overrides for name, (ranks, overrides) in layouts.items() if ranks == world_size}
+        dump = str(tmp_path_factory.mktemp(f"world{world_size}"))
+        per_rank = run_ranks(train_layouts, world_size, dump, of_size, steps, tied, timeout=3000,
+                             collective_timeout=300)
+        results.update({name: [r[name] for r in per_rank] for name in of_size})
+    return results
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict:
-    results = {}
-    for name, (ranks, overrides) in LAYOUTS.items():
-        dump = str(tmp_path_factory.mktemp(name.replace(" ", "_")))
-        results[name] = run_ranks(_init_and_train, ranks, dump, overrides, True, timeout=400)
-    return results
+    return spawn_layouts(tmp_path_factory, LAYOUTS)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -145,7 +171,7 @@ def test_loss_parity_across_layouts(layouts, control):
         assert rel[0] <= 1e-6, name
         assert max(rel) <= 1e-4, (name, max(rel))
         assert_validation_parity(name, results, control)
-    assert reference[-1] < reference[0] - 1.0  # and the model does learn
+    assert reference[-1] < reference[0] - 0.5  # and the model does learn
 
 
 def test_tied_flavor_trains_tied_and_alike_in_every_layout(layouts, control):
@@ -185,7 +211,7 @@ def _training_state(trainer) -> dict:
 
 
 def _losses(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
-    trainer = make_trainer(dump, "--training.steps=8", HELD_OUT, *overrides)
+    trainer = make_trainer(dump, "--training.steps=6", HELD_OUT, *overrides)
     unchanged, validate = [], trainer.validate
 
     def watched_validate():
@@ -201,12 +227,12 @@ def _losses(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict
 def test_same_seed_same_layout_is_bitwise_reproducible_and_validation_does_not_disturb_training(tmp_path):
     fsdp2 = ["--parallelism.data_parallel_shard_degree=2"]
     first = run_ranks(_losses, 2, str(tmp_path / "a"), fsdp2)[0]
-    # The same run validating at steps 3, 6 and 8 (the last).
-    second = run_ranks(_losses, 2, str(tmp_path / "b"), [*fsdp2, "--validation.enable", "--validation.freq=3",
+    # The same run validating at steps 2, 4 and 6 (the last).
+    second = run_ranks(_losses, 2, str(tmp_path / "b"), [*fsdp2, "--validation.enable", "--validation.freq=2",
                                                          "--validation.steps=1"])[0]
     other_seed = run_ranks(_losses, 2, str(tmp_path / "c"), [*fsdp2, "--training.seed=7"])[0]
     assert first["losses"] == second["losses"]  # bitwise: exact float equality at every step
-    assert first["validation"] == {} and sorted(second["validation"]) == [3, 6, 8]
+    assert first["validation"] == {} and sorted(second["validation"]) == [2, 4, 6]
     # Parameters, optimizer state, RNG, data position and train mode: the same after each validation as before.
     assert second["unchanged"] == [True, True, True]
     assert first["losses"][0] != other_seed["losses"][0]

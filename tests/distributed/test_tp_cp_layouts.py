@@ -1,7 +1,8 @@
 """Tensor- and context-parallel layouts train the same model as one process.
 
 Same method as test_layout_parity.py (same seed, data and global batch of 8
-sequences, float32, deterministic), over 10 steps to keep CI short: the gathered
+sequences, float32, deterministic), over 6 steps to keep CI short (the tied flavor's
+layouts are test_layout_parity.py's and test_releases.py's): the gathered
 initial weights must equal the single-process init bitwise, every step's loss must
 stay within the parity tolerance of the control's, and so must the validation loss
 at the last step (held-out data, as in test_layout_parity.py). One process group per
@@ -10,14 +11,11 @@ world size trains its layouts one after another, so CI spawns each size once.
 
 from __future__ import annotations
 
-import sys
-import time
-
 import pytest
 from dist_harness import run_ranks
-from test_layout_parity import _init_and_train, assert_validation_parity
+from test_layout_parity import _init_and_train, assert_validation_parity, spawn_layouts
 
-STEPS = 10
+STEPS = 6
 TP2, CP2 = "--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2"
 
 
@@ -42,30 +40,13 @@ LAYOUTS = {
 def control(tmp_path_factory) -> dict:
     dump = str(tmp_path_factory.mktemp("control"))
     (result,) = run_ranks(_init_and_train, 1, dump, [f"--training.steps={STEPS}", "--training.batch_size=8"], True,
-                          timeout=1500)
+                          False, timeout=1500)
     return result
-
-
-def _train_layouts(rank: int, world_size: int, root: str, layouts: dict[str, list[str]]) -> dict:
-    out = {}
-    for i, (name, overrides) in enumerate(layouts.items()):
-        start = time.monotonic()
-        out[name] = _init_and_train(rank, world_size, f"{root}/{i}", [f"--training.steps={STEPS}", *overrides], True)
-        if rank == 0:  # shown with the failure if a later layout hangs and the harness times out
-            print(f"[{world_size} ranks] {name}: {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
-    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """Layout name -> every rank's result; one process group per world size trains its layouts in turn."""
-    results: dict[str, list[dict]] = {}
-    for world_size in sorted({ranks for ranks, _ in LAYOUTS.values()}):
-        layouts = {name: overrides for name, (ranks, overrides) in LAYOUTS.items() if ranks == world_size}
-        dump = str(tmp_path_factory.mktemp(f"world{world_size}"))
-        per_rank = run_ranks(_train_layouts, world_size, dump, layouts, timeout=3000, collective_timeout=300)
-        results.update({name: [r[name] for r in per_rank] for name in layouts})
-    return results
+    return spawn_layouts(tmp_path_factory, LAYOUTS, steps=STEPS, tied=False)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
