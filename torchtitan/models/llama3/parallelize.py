@@ -161,9 +161,10 @@ def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
 # Selective 'op' AC decides per op what a block keeps for backward. The linear layers' products are
 # most of the FLOPs and their outputs most of the memory, so it keeps every second one (the 1st,
 # 3rd, ... of the block: wq, wv, w1, w2 in a Llama block) and recomputes the others (wk, wo, w3):
-# about 45% less activation memory for about a tenth more matmul work. Attention's output is kept
-# (recomputing it costs the most per byte), and so is a tensor-parallel reduce-scatter's, so that
-# the recompute does not communicate again. Everything else (norms, pointwise ops) is recomputed.
+# three of seven forward products recomputed, for much less memory (benchmarks/README.md §17).
+# Attention's output is kept (recomputing it costs the most per byte), and so is a tensor-parallel
+# reduce-scatter's, so that the recompute does not communicate again. Everything else (norms,
+# pointwise ops) is recomputed.
 _LINEAR_PRODUCTS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
