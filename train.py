@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in e.problems:
             print(f"config error: {problem}", file=sys.stderr)
         status = 2
+        _wait_for_peer_reports("config_error")
     except Exception as e:
         status = _failure_status(e)
     finally:
@@ -70,9 +71,19 @@ def _failure_status(error: Exception) -> int:
 
     if isinstance(error, DiskFullError):
         logging.getLogger(__name__).error("%s", error)
+        _wait_for_peer_reports("disk_full")
         return DiskFullError.exit_status
     logging.getLogger(__name__).exception("Training failed")
     return 1
+
+
+def _wait_for_peer_reports(reason: str) -> None:
+    """Under torchrun, let every rank print its line before this one's exit makes torchrun stop them."""
+    sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from torchtitan.distributed.lifecycle import wait_for_peer_reports
+
+        wait_for_peer_reports(reason)
 
 
 def preflight_only(manager: ConfigManager, argv: list[str]) -> int:

@@ -53,6 +53,7 @@ SLOW: dict[str, frozenset[str]] = {
         "test_cp_attention_equals_full_attention",
     }),
     "distributed/test_layout_parity.py": ALL,
+    "distributed/test_lifecycle.py": ALL,
     "distributed/test_parallel_dims.py": frozenset({
         "test_meshes_on_eight_ranks", "test_world_size_one"}),
     "distributed/test_pipeline_parallel.py": frozenset({

@@ -93,6 +93,34 @@ def _store_barrier(name: str, timeout: timedelta) -> None:
             left = store.add(f"{key}/left", 0)
 
 
+def wait_for_peer_reports(reason: str, timeout_seconds: float = 10.0) -> bool:
+    """Before a rank exits on a failure that every rank reports (a config error, a full disk): wait for the others.
+
+    torchrun stops every rank as soon as one exits non-zero, so a rank that reports and
+    exits first can cut a slower peer off before that peer has printed its own line. Each
+    rank counts itself in through torchrun's agent store (not a collective: there may be no
+    process group yet, or a peer may be stuck in one) and waits, at most ``timeout_seconds``,
+    until every rank has. Without torchrun's agent nothing stops the peers early: no wait.
+    Returns whether every rank reported in time.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return True
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"torchtitan/reported/{reason}/{attempt}"
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout_seconds))
+        count = store.add(key, 1)
+        while count < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            count = store.add(key, 0)
+    except (RuntimeError, KeyError, ValueError):  # no store to reach: leave as before
+        return False
+    return count >= world
+
+
 def shutdown_distributed(ok: bool, timeout_seconds: float) -> bool:
     """The last thing a rank does: meet the others (on success), then destroy every process group.
 
