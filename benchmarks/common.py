@@ -9,6 +9,7 @@ figures describe the code users run.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -93,6 +94,20 @@ def load_average() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "unknown"
+
+
+def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The parser of a script that drives ``run_workers``: its own options go on top of the worker role's.
+
+    ``--worker``, ``--result`` and ``--dump`` are what ``run_workers`` passes to the script it
+    re-runs under torchrun (hidden from ``--help``); trainer overrides come last, after ``--``.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--dump", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer, after --")
+    return parser
 
 
 def run_workers(script: str, layout: Layout, worker_args: list[str], overrides: Iterable[str] = (),

@@ -26,7 +26,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LAYOUTS, build_trainer, end_worker, load_average, machine_description, run_workers, wall_clock  # noqa: E402
+from common import (  # noqa: E402
+    LAYOUTS,
+    benchmark_parser,
+    build_trainer,
+    end_worker,
+    load_average,
+    machine_description,
+    run_workers,
+    wall_clock,
+)
 
 MASKS = ("block_causal", "causal")
 
@@ -105,17 +114,13 @@ def per_document(q, k, v, segments):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--shapes", default="8x256,8x2048", help="local batch x seq_len, comma-separated")
     parser.add_argument("--layout", default="fsdp2", help=f"one of {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=8, help="measured steps of each trainer")
     parser.add_argument("--warmup", type=int, default=2, help="steps of each left out of the statistics")
     parser.add_argument("--kernels", action="store_true", help="time attention alone (one process), not steps")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--dump", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="extra config overrides, after --")
     args = parser.parse_args()
     if args.worker:
         worker(args)

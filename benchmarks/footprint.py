@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     LAYOUTS,
+    benchmark_parser,
     build_trainer,
     end_worker,
     full_param_numel,
@@ -235,14 +236,10 @@ def report(name: str, r: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=2, help="steady-state steps counted")
     parser.add_argument("--json", help="also write the raw results here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--dump", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="extra config overrides, after --")
     args = parser.parse_args()
     if args.worker:
         worker(args)

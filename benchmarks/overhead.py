@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     LAYOUTS,
+    benchmark_parser,
     build_trainer,
     end_worker,
     load_average,
@@ -154,16 +155,12 @@ def summarize(times: dict[str, list[float]]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--layouts", default="fsdp2,fsdp8,hsdp2x4")
     parser.add_argument("--steps", type=int, default=30, help="measured steps of each loop")
     parser.add_argument("--warmup", type=int, default=4, help="steps of each loop left out of the statistics")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's steps of each loop")
     parser.add_argument("--json", help="also write the raw results here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--dump", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer, after --")
     args = parser.parse_args()
     if args.worker:
         worker(args)
