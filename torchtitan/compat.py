@@ -142,7 +142,7 @@ def fsdp_hooked_parameters(unit: torch.nn.Module) -> list[torch.Tensor]:
     return hooked
 
 
-# ---------------------------------------------------------------- torch.optim
+# ---------------------------------------------------------------- torch.nn.attention
 
 
 def lower_right_causal_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
@@ -160,6 +160,9 @@ def lower_right_causal_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
     bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0, dtype=torch.bool))
     CausalBias.__init__(bias, CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
     return bias
+
+
+# ---------------------------------------------------------------- torch.optim
 
 
 def fused_kernel_devices() -> tuple[str, ...]:
