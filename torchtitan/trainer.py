@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,8 +43,6 @@ from torchtitan.train_step.readout import StepReadout
 from torchtitan.train_step.select import build_step_strategy
 
 logger = logging.getLogger(__name__)
-# torchdata 0.11 calls an API that torch 2.13 deprecated; the message says nothing to users.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 class Trainer:

@@ -28,7 +28,8 @@ from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _
 
 LATE_STEPS, LATE_S = 3, 5.0
 ALONE_STEPS, ALONE_TIMEOUT = 6, 2
-NOISE = ("returned a view tensor", "Unable to reset NCCL flight recorder recording", "The given buffer is not writable")
+NOISE = ("returned a view tensor", "Unable to reset NCCL flight recorder recording", "The given buffer is not writable",
+         "'set_vital' is deprecated")
 RUN = [*COMMON, "--lr_scheduler.warmup_steps=1"]
 
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -233,7 +234,7 @@ def build_dataloader(
             positions_bos=document_bos(store) if positions else None,
         )
         # The dataset yields whole batches, and reads them ahead itself.
-        return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
+        return _loader(dataset)
     # A hub dataset: streamed, each DP rank reading its own documents (the order then depends on D).
     source, text_field = open_source(dataset_name, dataset_path)
     logger.info("%s: streamed per DP rank (no token store): the sample order depends on the DP degree %d",
@@ -242,7 +243,7 @@ def build_dataloader(
         source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
         dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split, positions=positions,
     )
-    return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
+    return _loader(dataset)
 
 
 def open_validation_store(
@@ -317,3 +318,12 @@ def build_validation_dataset(
         dp_rank=dp_rank, dp_degree=dp_degree, infinite=True, name=name, split=None if own else split,
         held_out=not own, positions=positions,
     )
+
+
+def _loader(dataset: IterableDataset) -> StatefulDataLoader:
+    """The resumable loader around a dataset that yields whole batches and reads them ahead itself."""
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecated: the warning it prints
+        # at every loader says nothing a user can act on.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=torch.Generator())
