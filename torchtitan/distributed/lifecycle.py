@@ -65,10 +65,14 @@ def _restart_round_store(timeout: timedelta) -> dict:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
+    store = _agent_store(timeout)
     return {"store": dist.PrefixStore(f"torchtitan/round_{restart}", store), "rank": int(os.environ["RANK"]),
             "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+def _agent_store(timeout: timedelta) -> dist.TCPStore:
+    """A client of torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``): it outlives every worker and restart."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
 
 
 def _store_barrier(name: str, timeout: timedelta) -> None:
@@ -110,8 +114,7 @@ def wait_for_peer_reports(reason: str, timeout_seconds: float = 10.0) -> bool:
     key = f"torchtitan/reported/{reason}/{attempt}"
     deadline = time.monotonic() + timeout_seconds
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=timeout_seconds))
+        store = _agent_store(timedelta(seconds=timeout_seconds))
         count = store.add(key, 1)
         while count < world and time.monotonic() < deadline:
             time.sleep(0.05)
