@@ -5,7 +5,9 @@ only checks the job (``run_llama_train.sh`` does so once before starting torchru
 ``python train.py --dry_run --world_size N ...`` simulates it at that world size (docs/planning.md).
 A config problem prints one line per problem and exits with status 2 on every rank, before any process group
 exists; a checkpoint save that does not fit on its disk prints one line on every rank and
-exits with status 74 (``torchtitan/checkpoint/space.py``, docs/checkpoint_integrity.md);
+exits with status 74 (``torchtitan/checkpoint/space.py``, docs/checkpoint_integrity.md). In both cases,
+under torchrun, a rank waits (at most 10 s) until every rank has printed its line before it exits, since
+torchrun stops all ranks at the first exit;
 any other failure during training is logged and exits with status 1, which makes
 torchrun stop the other ranks rather than leave them waiting.
 
