@@ -82,7 +82,7 @@ def _failure_status(error: Exception) -> int:
 def _wait_for_peer_reports(reason: str) -> None:
     """Under torchrun, let every rank print its line before this one's exit makes torchrun stop them."""
     sys.stderr.flush()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process: no peers, and torch stays unimported
         from torchtitan.distributed.lifecycle import wait_for_peer_reports
 
         wait_for_peer_reports(reason)

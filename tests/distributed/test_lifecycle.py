@@ -10,37 +10,40 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+DEBUG = REPO / "train_configs" / "debug_model.toml"
 
-# Rank 0 is slow to find its problem; rank 1 reports at once. Both exit 2, as a config error does.
-_REPORTER = """
+# Rank 0 reaches its check 3 s late; rank 1 at once. "train": both go through train.py's main with an
+# unknown option (a config error, exit 2). "bare": the same line and exit with no wait, the control.
+_LAUNCH = """
 import os, sys, time
 rank = int(os.environ["RANK"])
 if rank == 0:
     time.sleep(3)
-print(f"problem seen by rank {rank}", file=sys.stderr, flush=True)
-if os.environ.get("WAIT_FOR_PEERS") == "1":
-    from torchtitan.distributed.lifecycle import wait_for_peer_reports
-    print(f"rank {rank} heard every peer: {wait_for_peer_reports('test', 30)}", file=sys.stderr, flush=True)
+if sys.argv[1] == "train":
+    import train
+    sys.exit(train.main(sys.argv[2:]))
+print(f"config error: seen by rank {rank}", file=sys.stderr, flush=True)
 sys.exit(2)
 """
 
 
-@pytest.mark.parametrize("wait", [False, True], ids=["no_wait", "wait"])
-def test_every_rank_reports_before_torchrun_stops_the_job(tmp_path, wait):
-    script = tmp_path / "reporter.py"
-    script.write_text(_REPORTER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WAIT_FOR_PEERS": "1" if wait else "0"}
+@pytest.mark.parametrize("mode", ["bare", "train"])
+def test_every_rank_prints_its_config_error_before_torchrun_stops_the_job(tmp_path, mode):
+    script = tmp_path / "launch.py"
+    script.write_text(_LAUNCH)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "--monitor-interval=0.1", str(script)],
+         "--monitor-interval=0.1", str(script), mode, "--job.config_file", str(DEBUG),
+         f"--job.dump_folder={tmp_path}", "--training.bogus=1"],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert out.returncode != 0
-    assert "problem seen by rank 1" in out.stderr, out.stderr[-2000:]
-    if wait:
-        assert "problem seen by rank 0" in out.stderr, out.stderr[-2000:]
-        assert out.stderr.count("heard every peer: True") == 2, out.stderr[-2000:]
-    else:  # the race the wait closes: torchrun stopped rank 0 while it was still sleeping
-        assert "problem seen by rank 0" not in out.stderr, out.stderr[-2000:]
+    lines = out.stderr.count("config error:")
+    if mode == "train":  # rank 1 waited for rank 0's line before it exited
+        assert lines == 2, out.stderr[-2000:]
+        assert out.stderr.count("unknown option --training.bogus") == 2, out.stderr[-2000:]
+    else:  # the race the wait closes: torchrun stopped rank 0 while it was still asleep
+        assert lines == 1 and "seen by rank 1" in out.stderr, out.stderr[-2000:]
