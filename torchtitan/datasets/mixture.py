@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
+from torchtitan.config.manager import ConfigError
 from torchtitan.datasets.documents import document_positions
 from torchtitan.datasets.interleave import Interleave
 from torchtitan.datasets.store_dataset import check_position_maps, read_ahead
@@ -205,11 +206,11 @@ class MixtureDataset(IterableDataset, Stateful):
             self._phase_start, self._taken = int(state_dict["phase_start"]), taken
             self._tokens_before = [tokens[s.name] - t * self.seq_len for s, t in zip(self.sources, taken)]
             return
-        if not self.new_phase:
-            raise ValueError(
+        if not self.new_phase:  # a ConfigError: train.py prints it as one line on every rank
+            raise ConfigError([
                 f"dataset_mix: the checkpoint's mixture is {_describe(theirs)}, this run's is "
                 f"{_describe(self.mixture)}; resume with the checkpoint's mixture, or pass {NEW_PHASE_OPTION} to "
-                "start a new phase of this mixture at the resumed step")
+                "start a new phase of this mixture at the resumed step"])
         self._phase_start = int(state_dict["phase_start"]) + sum(taken)
         self._taken = [0] * len(self.sources)
         self._tokens_before = [tokens.get(s.name, 0) for s in self.sources]
@@ -218,10 +219,10 @@ class MixtureDataset(IterableDataset, Stateful):
 
     def _new_phase_from_single(self) -> None:
         if not self.new_phase:
-            raise ValueError(
+            raise ConfigError([
                 f"dataset_mix: the checkpoint read a single dataset, this run reads the mixture "
                 f"{_describe(self.mixture)}; resume with the checkpoint's --training.dataset/dataset_path, or pass "
-                f"{NEW_PHASE_OPTION} to start the mixture as a new phase at the resumed step")
+                f"{NEW_PHASE_OPTION} to start the mixture as a new phase at the resumed step"])
         self._phase_start, self._taken = None, [0] * len(self.sources)
         self._tokens_before = [0] * len(self.sources)
 

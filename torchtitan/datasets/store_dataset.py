@@ -243,6 +243,11 @@ class TokenStoreDataset(IterableDataset, Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "mixture" in state_dict:  # a position of datasets/mixture.py: it counts samples per source
+            raise ValueError(
+                f"{self.name}: the checkpoint read a mixture (--training.dataset_mix), this run one dataset; resume "
+                "with the checkpoint's mixture, or give this dataset as a mixture of one source (weight 1) with "
+                "--training.dataset_mix_new_phase to start it as a new phase")
         check_position_maps(self.name, state_dict, self.seq_len, self.split)
         mine = self.seed if self.shuffle else None
         if "shuffle" in state_dict and state_dict["shuffle"] != mine:
