@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -9,6 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from torchtitan.config import ConfigManager, to_toml
 from torchtitan.config.manager import ConfigError
@@ -277,3 +283,24 @@ def test_preflight_names_a_mixture_with_a_dataset_path_and_a_missing_source(tmp_
                                 seq_len=SEQ, global_batch=4, mix=[{"path": "/a/web", "weight": 1.0},
                                                                   {"path": "/b/web", "weight": 1.0}])
     assert twins and "share a name" in twins[0] and "name =" in twins[0]
+
+
+def test_prepare_data_prepares_each_source_of_a_mixture_and_prints_the_tables(tmp_path, capsys, shipped_tokenizer):
+    from conftest import load_script
+
+    for name in ("web", "code"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} document {i}."}) + "\n"
+                                                        for i in range(60)))
+    config = tmp_path / "train.toml"
+    config.write_text(f"[validation]\nheld_out_fraction = 0.2\n"
+                      f"[[training.dataset_mix]]\npath = \"{tmp_path}/web.jsonl\"\nweight = 3\n"
+                      f"[[training.dataset_mix]]\npath = \"{tmp_path}/code.jsonl\"\nweight = 1\n")
+    load_script("scripts/prepare_data.py").main(["--mix", str(config), str(tmp_path / "stores"), "--workers", "1",
+                                                 "--no-progress", "--tokenizer", shipped_tokenizer])
+    tables = tomllib.loads(capsys.readouterr().out)["training"]["dataset_mix"]
+    assert [(t["path"], t["weight"]) for t in tables] == [(str(tmp_path / "stores" / "web"), 3.0),
+                                                          (str(tmp_path / "stores" / "code"), 1.0)]
+    for table in tables:
+        store, held = TokenStore(table["path"]), TokenStore(table["validation_path"])
+        assert store.split_key.side == "training" and held.split_key.side == "held_out"
+        assert store.n_tokens > held.n_tokens > 0

@@ -79,7 +79,7 @@ def test_fsdp2_mixture_resumes_in_one_process_and_matches_the_straight_run(tmp_p
     other = tmp_path / "other"
     shutil.copytree(tmp_path / "fsdp2" / "checkpoint" / "step-3", other / "checkpoint" / "step-3")
     refused = _run(other, _config(tmp_path, (0.5, 0.5)), 1, "--training.batch_size=4")
-    assert refused.returncode == 2, (refused.stdout + refused.stderr)[-3000:]
+    assert refused.returncode != 0 and "exitcode  : 2" in refused.stderr, refused.stderr[-3000:]  # a config error
     errors = [line for line in refused.stderr.splitlines() if line.startswith("config error:")]
     assert len(errors) == 1 and "web:0.7, code:0.3" in errors[0] and "web:0.5, code:0.5" in errors[0]
-    assert "--training.dataset_mix_new_phase" in errors[0] and "Traceback" not in refused.stderr
+    assert "--training.dataset_mix_new_phase" in errors[0] and "Training failed" not in refused.stderr
