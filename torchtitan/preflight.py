@@ -203,6 +203,7 @@ def _validation_problems(cfg: JobConfig) -> list[str]:
     if v.steps == 0 or v.steps < -1:
         problems.append(f"--validation.steps={v.steps}: give a number of batches >= 1, or -1 for the whole split")
     has_dataset = v.dataset is not None or v.dataset_path is not None
+    has_dataset = has_dataset or any(e.get("validation_path") for e in cfg.training.dataset_mix)  # per source
     if v.enable and not has_dataset and v.held_out_fraction is None:
         problems.append("--validation.enable needs data: set --validation.held_out_fraction (e.g. 0.01) to hold part "
                         "of the training data out, or --validation.dataset / --validation.dataset_path")

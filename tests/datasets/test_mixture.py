@@ -304,3 +304,20 @@ def test_prepare_data_prepares_each_source_of_a_mixture_and_prints_the_tables(tm
         store, held = TokenStore(table["path"]), TokenStore(table["validation_path"])
         assert store.split_key.side == "training" and held.split_key.side == "held_out"
         assert store.n_tokens > held.n_tokens > 0
+
+
+def test_validation_parts_are_each_sources_held_out_documents_or_its_validation_path(tmp_path, stores, tokenizer):
+    from torchtitan.datasets import HeldOutSplit
+    from torchtitan.datasets.loaders import build_mixture_validation
+
+    local = tmp_path / "notes.jsonl"
+    local.write_text("".join(json.dumps({"text": f"note number {i} says hello."}) + "\n" for i in range(400)))
+    mix = [{"path": str(local), "weight": 1.0},
+           {"path": str(stores["web"]), "weight": 1.0, "validation_path": str(stores["code"])},
+           {"path": str(stores["math"]), "weight": 1.0}]  # a prepared store without a held-out part
+    split = HeldOutSplit(0.25, 0)
+    parts = build_mixture_validation(mix, split=split, tokenizer=tokenizer, seq_len=SEQ, local_batch_size=1,
+                                     dp_rank=0, dp_degree=1, cache_dir=str(tmp_path / "cache"))
+    assert list(parts) == ["notes", "web"]
+    assert parts["notes"].store.split_key == split.key("held_out")
+    assert parts["web"].store.path == TokenStore(stores["code"]).path
