@@ -87,6 +87,19 @@ def test_the_order_is_pure_and_a_resume_at_any_slot_equals_the_uninterrupted_run
     assert inter.counts_at(10**12 + 3)[0] == 5 * 10**11 + inter.counts_at(3)[0]  # O(1) however far
 
 
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.15, 0.05], [0.123457, 0.876543]])  # a table; a long period walked
+def test_any_ranks_own_slots_are_those_of_the_whole_sequence(weights):
+    whole = Interleave(weights).take([0] * len(weights), 700)
+    inter = Interleave(weights)
+    assert (inter.period <= 1 << 16) == (len(weights) == 4)
+    for start, n in ((0, 5), (3, 64), (250, 17), (640, 60)):
+        assert inter.slots(start, n) == whole[start:start + n]
+        counts = [0] * len(weights)
+        Interleave(weights).take(counts, start + n)
+        assert inter.counts_at(start + n) == counts
+
+
 # ---------------------------------------------------------------- the stream
 
 

@@ -18,8 +18,9 @@ State and cost. The choice at slot ``n`` depends on the counts ``c_i`` alone (``
 sum), so the counts are the whole state: a resume loads them and goes on in O(1). Weights are
 turned into exact integers first (``0.7`` is ``7/10``), so no float rounding ever differs
 between machines. After ``W`` slots (the integer weights' sum) every lag is 0 again and the
-pattern repeats: ``counts_at(n)`` uses that to give the state at any slot without replaying
-the whole run.
+pattern repeats: one period, held as a table, gives any slot's source and sample number and
+the counts at any slot by arithmetic (``slots``, ``counts_at``), so a rank computes only its
+own slots of a global batch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
+import numpy as np
+
 __all__ = ["Interleave", "integer_weights"]
+
+# Periods up to this many slots are held as a table (a few MB at most), which makes a slot's source and
+# sample number arithmetic; a longer period (weights with many digits) is walked slot by slot.
+TABLE_LIMIT = 1 << 16
 
 
 def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:
@@ -52,6 +59,8 @@ class Interleave:
     def __init__(self, weights: Sequence[float]) -> None:
         self.weights = integer_weights(weights)
         self.period = sum(self.weights)  # W: after W slots every source has had exactly its weight
+        self._table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # one period, built on first use
+        self._cursor: tuple[int, list[int]] = (0, [0] * len(self.weights))  # a long period's last known state
 
     def next_source(self, counts: Sequence[int]) -> int:
         """The source of the next slot, given how many samples each source has given so far."""
@@ -77,11 +86,45 @@ class Interleave:
             counts[i] += 1
         return out
 
+    def _pattern(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """One period as arrays: each slot's source, its sample number within the period, and the counts
+        before each slot (``W + 1`` rows); None when the period is too long to hold."""
+        if self._table is None and self.period <= TABLE_LIMIT:
+            slots = self.take([0] * len(self.weights), self.period)
+            source = np.array([i for i, _ in slots], dtype=np.int64)
+            number = np.array([c for _, c in slots], dtype=np.int64)
+            before = np.zeros((self.period + 1, len(self.weights)), dtype=np.int64)
+            before[np.arange(1, self.period + 1), source] = 1
+            self._table = (source, number, np.cumsum(before, axis=0))
+        return self._table
+
+    def slots(self, start: int, n: int) -> list[tuple[int, int]]:
+        """Slots ``[start, start + n)`` as (source, that source's sample number), O(n) wherever they lie.
+
+        A rank asks for its own slots of a global batch only, so its cost does not grow with the DP degree.
+        """
+        table = self._pattern()
+        if table is None:  # a very long period: walk from the nearest known state
+            counts = self.counts_at(start)
+            return self.take(counts, n)
+        source, number, _ = table
+        out = []
+        for k in range(start, start + n):
+            q, r = divmod(k, self.period)
+            i = int(source[r])
+            out.append((i, q * self.weights[i] + int(number[r])))
+        return out
+
     def counts_at(self, n: int) -> list[int]:
-        """The counts after the first ``n`` slots, in O(W) time however large ``n`` is (the pattern repeats)."""
+        """The counts after the first ``n`` slots, however large ``n`` is (the pattern repeats every W slots)."""
         periods, rest = divmod(n, self.period)
-        counts = [0] * len(self.weights)
-        self.take(counts, rest)
+        table = self._pattern()
+        if table is not None:
+            return [periods * w + int(c) for w, c in zip(self.weights, table[2][rest])]
+        start, counts = self._cursor if self._cursor[0] <= rest else (0, [0] * len(self.weights))
+        counts = list(counts)
+        self.take(counts, rest - start)
+        self._cursor = (rest, list(counts))  # reads go forward: the next walk starts here
         return [periods * w + c for w, c in zip(self.weights, counts)]
 
     def lags(self, counts: Sequence[int]) -> list[float]:

@@ -133,16 +133,24 @@ class MixtureDataset(IterableDataset, Stateful):
 
     def _produce(self, taken: list[int], phase_start: int) -> Iterator[tuple[tuple[int, ...], tuple]]:
         """(counts after the batch, this rank's batch), one global batch after another, endlessly."""
-        counts = list(taken)
-        local = self.local_batch_size
-        first = self.dp_rank * local
+        local, global_batch = self.local_batch_size, self.local_batch_size * self.dp_degree
+        slot = sum(taken)
+        before = list(taken)
         while True:
-            slots = self.interleave.take(counts, local * self.dp_degree)
-            for i, c in slots:
-                if c and c % self.n_windows[i] == 0:
-                    logger.info("%s: source %s ran out after %d windows; starting its epoch %d (seeded)",
-                                self.name, self.sources[i].name, self.n_windows[i], c // self.n_windows[i])
-            yield tuple(counts), self._batch(slots[first:first + local], phase_start)
+            after = self.interleave.counts_at(slot + global_batch)
+            self._log_new_epochs(before, after)
+            mine = self.interleave.slots(slot + self.dp_rank * local, local)
+            yield tuple(after), self._batch(mine, phase_start)
+            slot, before = slot + global_batch, after
+
+    def _log_new_epochs(self, before: list[int], after: list[int]) -> None:
+        """Say which sources ran out in this global batch: a sample number in [before, after) starts an epoch."""
+        for i, (b, a) in enumerate(zip(before, after)):
+            n = self.n_windows[i]
+            first = max(1, -(-b // n)) * n  # the first positive multiple of n at or after b
+            for c in range(first, a, n):
+                logger.info("%s: source %s ran out after %d windows; starting its epoch %d (seeded)",
+                            self.name, self.sources[i].name, n, c // n)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         if self._phase_start is None:
@@ -201,6 +209,9 @@ class MixtureDataset(IterableDataset, Stateful):
         order = sorted(saved, key=int)
         theirs = [(str(saved[k]["name"]), float(saved[k]["weight"])) for k in order]
         taken = [int(state_dict["taken"][k]) for k in order]
+        if Interleave([w for _, w in theirs]).counts_at(sum(taken)) != taken:
+            raise ValueError(f"{self.name}: the checkpoint's counts per source {taken} are not the interleave's "
+                             "after that many samples: the data position is damaged; load an earlier checkpoint")
         tokens = {name: int(state_dict["tokens"][k]) for (name, _), k in zip(theirs, order)}
         if theirs == self.mixture:
             self._phase_start, self._taken = int(state_dict["phase_start"]), taken
