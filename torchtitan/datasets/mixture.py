@@ -10,9 +10,9 @@ therefore starts a new seeded epoch of itself (logged), while the others go on; 
 is dropped at epoch ends, so the stream does not depend on the global batch either.
 
 Global batch ``s`` is slots ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` reads slots
-``[s*B*D + r*B, ...)``, as for one store (``loaders.py``). Every rank runs the interleave
-over the whole global batch (integer arithmetic on the counts, microseconds per slot) and
-reads only its own windows. The order is thus a pure function of the seed, the mixture,
+``[s*B*D + r*B, ...)``, as for one store (``loaders.py``). A rank computes the source and
+sample number of its own slots only (the interleave's period, held as a table, makes that
+arithmetic) and reads only its own windows, so its cost does not grow with the DP degree. The order is thus a pure function of the seed, the mixture,
 the stores' contents and the phase's first slot, the same in every data-parallel layout.
 
 Checkpoint. The position is the phase's first slot and how many samples each source gave
