@@ -334,3 +334,10 @@ def test_validation_parts_are_each_sources_held_out_documents_or_its_validation_
     assert list(parts) == ["notes", "web"]
     assert parts["notes"].store.split_key == split.key("held_out")
     assert parts["web"].store.path == TokenStore(stores["code"]).path
+
+
+def test_one_index_of_a_window_order_is_the_arrays_entry():
+    from torchtitan.datasets.window_order import WindowPermutation
+
+    order = WindowPermutation(1000, 3, 1)
+    assert [order.at(i) for i in range(1000)] == order(np.arange(1000)).tolist()

@@ -12,8 +12,9 @@ is dropped at epoch ends, so the stream does not depend on the global batch eith
 Global batch ``s`` is slots ``[s*B*D, (s+1)*B*D)`` and DP rank ``r`` reads slots
 ``[s*B*D + r*B, ...)``, as for one store (``loaders.py``). A rank computes the source and
 sample number of its own slots only (the interleave's period, held as a table, makes that
-arithmetic) and reads only its own windows, so its cost does not grow with the DP degree. The order is thus a pure function of the seed, the mixture,
-the stores' contents and the phase's first slot, the same in every data-parallel layout.
+arithmetic) and reads only its own windows, so its cost does not grow with the DP degree.
+The order is thus a pure function of the seed, the mixture, the stores' contents and the
+phase's first slot, the same in every data-parallel layout.
 
 Checkpoint. The position is the phase's first slot and how many samples each source gave
 in it (plus the tokens each gave in earlier phases, for the metrics): the interleave's
@@ -119,7 +120,7 @@ class MixtureDataset(IterableDataset, Stateful):
                 self._orders.clear()
             order = self._orders[key] = WindowPermutation(
                 self.n_windows[source], _source_seed(self.seed, source, phase_start), epoch)
-        return int(order(np.array([index]))[0])
+        return order.at(index)
 
     def _batch(self, slots: list[tuple[int, int]], phase_start: int) -> tuple[torch.Tensor, ...]:
         width = self.seq_len + 1
