@@ -42,6 +42,14 @@ windows at the end of an epoch than a run without accumulation.)  With
 ``infinite=True`` the data is then re-read from the beginning (epoch + 1);
 otherwise iteration stops.
 
+Mixtures
+--------
+``training.dataset_mix`` names several sources with weights instead. Each is opened as a
+token store like ``dataset_path`` (``open_mixture_sources``), and ``mixture.py`` deals out one
+global stream of their windows in the interleave's exact proportions, with the same
+dealing to DP ranks as above; validation then reads each source's held-out part
+(``build_mixture_validation``).
+
 Checkpointing
 -------------
 The loader's ``state_dict()`` stores a position that does not depend on the DP
