@@ -287,10 +287,14 @@ def build_dataloader(
     _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
     if mix:
         sources = open_mixture_sources(mix, tokenizer=tokenizer, split=split, cache_dir=cache_dir)
-        return _loader(MixtureDataset(
+        mixture = MixtureDataset(
             sources=sources, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
             dp_degree=dp_degree, shuffle=shuffle, seed=seed, prefetch=prefetch, new_phase=new_phase,
-            positions_bos=document_bos(sources[0].store) if positions else None))
+            positions_bos=document_bos(sources[0].store) if positions else None)
+        if dp_rank == 0:
+            logger.info("Training data: %s, %s windows per source", mixture.name,
+                        "/".join(f"{n:,}" for n in mixture.n_windows))
+        return _loader(mixture)
     store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer, split=split,
                              cache_dir=cache_dir)
     name = dataset_path or dataset_name
