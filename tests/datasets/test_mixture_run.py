@@ -1,8 +1,9 @@
 """A mixture run through train.py under torchrun: FSDP 2 saves, one process resumes and matches the straight run.
 
 Also through the commands users type: the mixture comes from ``[[training.dataset_mix]]`` tables,
-the step line carries the tokens per source, validation reports the loss per held-out source, and
-a resume with other weights is refused in one line.
+the step line carries the tokens per source, validation reports the loss per held-out source, a
+resume with other weights is refused in one line, and with ``--training.dataset_mix_new_phase``
+starts a new phase at the resumed step.
 """
 
 from __future__ import annotations
@@ -83,3 +84,12 @@ def test_fsdp2_mixture_resumes_in_one_process_and_matches_the_straight_run(tmp_p
     errors = [line for line in refused.stderr.splitlines() if line.startswith("config error:")]
     assert len(errors) == 1 and "web:0.7, code:0.3" in errors[0] and "web:0.5, code:0.5" in errors[0]
     assert "--training.dataset_mix_new_phase" in errors[0] and "Training failed" not in refused.stderr
+
+    # Asked for, the new mixture starts a phase at the resumed step (3 steps x 4 windows = sample 12); the
+    # tokens per source go on from the checkpoint's (web 9 and code 3 windows of 64, then 6 and 6).
+    annealed = _run(other, tmp_path / "mix_0.5.toml", 1, "--training.batch_size=4",
+                    "--training.dataset_mix_new_phase")
+    log = annealed.stdout + annealed.stderr
+    assert annealed.returncode == 0, log[-4000:]
+    assert "new phase at sample 12 (the checkpoint's mixture was web:0.7, code:0.3)" in log, log[-3000:]
+    assert re.search(r"step: 6 .*  mix: web 960 code 576", log), log[-3000:]
