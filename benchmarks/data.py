@@ -5,7 +5,9 @@
     python benchmarks/data.py --sections loader resume
 
 ``loader``: one rank's tokens/s from the token store at DP degree 1/2/4/8 (rank 0 of D;
-every rank does the same work).  ``resume``: seconds from ``load_state_dict`` to the first
+every rank does the same work).  ``mixture``: the same for a weighted mixture of three
+stores against the one store, at DP degree 1/8/64 (every rank runs the interleave over
+the whole global batch).  ``resume``: seconds from ``load_state_dict`` to the first
 batch, at window 0, near the end of the embedded store's epoch, and at 10^6 windows of a
 synthetic store.  ``step``: the data share of an emulated step, with and without the
 prefetch thread.  ``prepare``: tokens/s of ``prepare_store`` per worker count on the
@@ -63,6 +65,47 @@ def bench_loader(tokenizer, cache, seq: int, batch: int, steps: int, rounds: int
     for degree in (1, 2, 4, 8):
         sw, sc = best[degree]
         print(f"| {degree} | {tokens / sw:,.0f} | {tokens / sc:,.0f} |")
+
+
+def _mixture_sources(cache: str) -> list[dict]:
+    """Three sources: the embedded corpus and its two halves as local files (each prepared into its own store)."""
+    from torchtitan.datasets import ensure_embedded_corpus
+
+    lines = Path(ensure_embedded_corpus()).read_text().splitlines(keepends=True)
+    halves = []
+    for name, part in (("first", lines[: len(lines) // 2]), ("second", lines[len(lines) // 2:])):
+        path = Path(cache) / f"{name}.jsonl"
+        path.write_text("".join(part))
+        halves.append(str(path))
+    return [{"dataset": "embedded", "weight": 0.5}, {"path": halves[0], "weight": 0.3},
+            {"path": halves[1], "weight": 0.2}]
+
+
+def bench_mixture(tokenizer, cache, seq: int, batch: int, steps: int, rounds: int) -> None:
+    from torchtitan.datasets import build_dataloader
+
+    mix = _mixture_sources(cache)
+    print(f"\n## mixture against one store: per-rank loader throughput (seq {seq}, local batch {batch}, rank 0 of D, "
+          f"{steps} batches after the first; best of {rounds} interleaved rounds; mixture 0.5/0.3/0.2 of 3 stores)")
+    degrees = (1, 8, 64)
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for _ in range(rounds):
+        for degree in degrees:
+            for kind in ("store", "mixture"):
+                loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
+                                          seq_len=seq, local_batch_size=batch, dp_rank=0, dp_degree=degree,
+                                          cache_dir=cache, mix=mix if kind == "mixture" else None)
+                wall, cpu = _time_batches(iter(loader), steps)
+                old = best.get((kind, degree), (float("inf"), float("inf")))
+                best[(kind, degree)] = (min(old[0], wall), min(old[1], cpu))
+    tokens = steps * batch * seq
+    print("| DP degree | one store tokens/s (wall) | mixture tokens/s (wall) | one store tokens/CPU-s | "
+          "mixture tokens/CPU-s | mixture / store (CPU) |")
+    print("|---|---|---|---|---|---|")
+    for degree in degrees:
+        (sw, sc), (mw, mc) = best[("store", degree)], best[("mixture", degree)]
+        print(f"| {degree} | {tokens / sw:,.0f} | {tokens / mw:,.0f} | {tokens / sc:,.0f} | {tokens / mc:,.0f} | "
+              f"{sc / mc:.2f} |")
 
 
 def _first_batch_seconds(make, state: dict) -> float:
@@ -179,8 +222,8 @@ def bench_step(tokenizer, cache, seq: int, batch: int, steps: int, step_ms: floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", nargs="+", default=["loader", "resume", "prepare", "step"],
-                   choices=["loader", "resume", "prepare", "step"])
+    p.add_argument("--sections", nargs="+", default=["loader", "mixture", "resume", "prepare", "step"],
+                   choices=["loader", "mixture", "resume", "prepare", "step"])
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=200, help="batches timed per token store setting")
@@ -199,6 +242,8 @@ def main() -> None:
         print(f"load average: {os.getloadavg()[0]:.1f} (2-core machine shared with other work: figures are noisy)")
         if "loader" in args.sections:
             bench_loader(tokenizer, cache, args.seq, args.batch, args.steps, args.rounds)
+        if "mixture" in args.sections:
+            bench_mixture(tokenizer, cache, args.seq, args.batch, args.steps, args.rounds)
         if "resume" in args.sections:
             bench_resume(tokenizer, cache, args.seq, args.batch)
         if "step" in args.sections:

@@ -14,6 +14,15 @@ the same command after a kill keeps the shards already finished.  Give the run's
 run holds documents out: they are left out of the store, and a run with other
 values refuses the store. With ``--held-out-side`` the store holds only those
 documents instead: the run's validation data, for ``--validation.dataset_path``.
+
+A mixture's sources, each into a store of its own, one after the other with every core::
+
+    python scripts/prepare_data.py --mix train.toml /data/stores
+
+reads the ``[[training.dataset_mix]]`` tables (and the held-out split of ``[validation]``) of
+the config file, prepares each source that is not a store yet into ``/data/stores/NAME`` (and
+its held-out documents into ``NAME-held_out`` when the config holds some out), and prints the
+tables to use instead, which name the stores.
 """
 
 from __future__ import annotations
@@ -61,36 +70,76 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hub-split", default="train", help="split of a hub dataset")
     p.add_argument("--text-field", default="text", help="record field holding the document text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--mix", action="store_true",
+                   help="source is a train config TOML: prepare each [[training.dataset_mix]] source into OUT/NAME")
     return p.parse_args(argv)
+
+
+def _documents(source: str, hub_split: str, text_field: str) -> tuple[Iterator[str], str, list[str]]:
+    """The documents of a source, its fingerprint and its files."""
+    if source.startswith("hub:"):
+        name, _, config = source[len("hub:"):].partition(":")
+        fingerprint = hashlib.sha256(f"{name}:{config}:{hub_split}".encode()).hexdigest()
+        return _hub_documents(name, config or None, hub_split, text_field), fingerprint, []
+    if source == "embedded":
+        paths = [Path(ensure_embedded_corpus())]
+    else:
+        paths = source_files(source)
+        if not paths:
+            raise SystemExit(f"{source}: no json/jsonl/parquet/txt files in it")
+    return iter_local_documents(paths, text_field), source_fingerprint(paths), [str(p) for p in paths]
+
+
+def _prepare(args: argparse.Namespace, source: str, out: str, tokenizer: str, split: HeldOutSplit | None,
+             held_out: bool) -> Path:
+    documents, fingerprint, files = _documents(source, args.hub_split, args.text_field)
+    return prepare_store(
+        documents=documents, out_dir=out, tokenizer_path=tokenizer,
+        source={"label": source, "files": files, "fingerprint": fingerprint}, split=split,
+        held_out=held_out, workers=args.workers, shard_chars=int(args.shard_mb * 2**20),
+        progress=not args.no_progress,
+    )
+
+
+def _prepare_mixture(args: argparse.Namespace, tokenizer: str) -> Path:
+    """Every source of the config's mixture into ``args.out/NAME``; prints the tables naming the stores."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.config.dataset_mix import mix_source_name
+    from torchtitan.datasets.token_store import is_store
+
+    cfg = ConfigManager().parse_args(["--job.config_file", args.source])
+    if not cfg.training.dataset_mix:
+        raise SystemExit(f"{args.source}: no [[training.dataset_mix]] tables in it")
+    split = HeldOutSplit.from_config(cfg.validation)
+    tables = []
+    for entry in cfg.training.dataset_mix:
+        name, path = mix_source_name(entry), entry.get("path")
+        table = {k: v for k, v in entry.items() if k not in ("path", "dataset")}
+        if path and is_store(os.path.expanduser(path)):
+            tables.append({"path": path, **table})
+            continue
+        source = path or entry["dataset"]
+        table["path"] = str(_prepare(args, source, os.path.join(args.out, name), tokenizer, split, False))
+        if split is not None and "validation_path" not in entry:
+            held = os.path.join(args.out, f"{name}-held_out")
+            table["validation_path"] = str(_prepare(args, source, held, tokenizer, split, True))
+        tables.append(table)
+    import tomli_w
+
+    print(tomli_w.dumps({"training": {"dataset_mix": tables}}))
+    return Path(args.out)
 
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     tokenizer = resolve_tokenizer_path(args.tokenizer)
+    if args.mix:
+        return _prepare_mixture(args, tokenizer)
     split = HeldOutSplit(args.held_out_fraction, args.split_seed) if args.held_out_fraction > 0 else None
     if args.held_out_side and split is None:
         raise SystemExit("--held-out-side keeps the documents --held-out-fraction holds out; give that fraction too")
-    if args.source.startswith("hub:"):
-        name, _, config = args.source[len("hub:"):].partition(":")
-        fingerprint = hashlib.sha256(f"{name}:{config}:{args.hub_split}".encode()).hexdigest()
-        documents: Iterator[str] = _hub_documents(name, config or None, args.hub_split, args.text_field)
-        files: list[str] = []
-    else:
-        if args.source == "embedded":
-            paths = [Path(ensure_embedded_corpus())]
-        else:
-            paths = source_files(args.source)
-            if not paths:
-                raise SystemExit(f"{args.source}: no json/jsonl/parquet/txt files in it")
-        fingerprint, files = source_fingerprint(paths), [str(p) for p in paths]
-        documents = iter_local_documents(paths, args.text_field)
-    out = prepare_store(
-        documents=documents, out_dir=args.out, tokenizer_path=tokenizer,
-        source={"label": args.source, "files": files, "fingerprint": fingerprint}, split=split,
-        held_out=args.held_out_side, workers=args.workers, shard_chars=int(args.shard_mb * 2**20),
-        progress=not args.no_progress,
-    )
+    out = _prepare(args, args.source, args.out, tokenizer, split, args.held_out_side)
     print(out)
     return out
 

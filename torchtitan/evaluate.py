@@ -45,21 +45,34 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan.config import JobConfig
 from torchtitan.datasets import HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
-from torchtitan.datasets.loaders import document_bos
+from torchtitan.datasets.loaders import build_mixture_validation, document_bos
 from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 from torchtitan.distributed.collectives import reduce_scalar
 
 logger = logging.getLogger(__name__)
 
+# One dataset, or a mixture's held-out parts by source name (each evaluated and reported alone, and together).
+ValidationData = TokenStoreDataset | ShardedStreamDataset | dict[str, TokenStoreDataset]
+
 
 def validation_batch_size(cfg: JobConfig) -> int:
     return cfg.validation.batch_size or cfg.training.batch_size
 
 
+def _per_source(cfg: JobConfig) -> bool:
+    """A mixture without a validation dataset of its own validates on each source's held-out part."""
+    return bool(cfg.training.dataset_mix) and cfg.validation.dataset is None and cfg.validation.dataset_path is None
+
+
 def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int,
-                          dp_degree: int) -> TokenStoreDataset | ShardedStreamDataset:
+                          dp_degree: int) -> ValidationData:
     v, t = cfg.validation, cfg.training
+    if _per_source(cfg):
+        return build_mixture_validation(
+            t.dataset_mix, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, seq_len=t.seq_len,
+            local_batch_size=validation_batch_size(cfg), dp_rank=dp_rank, dp_degree=dp_degree,
+            positions=cfg.model.attn_mask_type == "block_causal")
     return build_validation_dataset(
         dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
         train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, seq_len=t.seq_len,
@@ -75,6 +88,8 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
         return []
     batch = validation_batch_size(cfg)
     needed = batch * dp_degree
+    if _per_source(cfg):
+        return _check_source_parts(cfg, tokenizer, dp_degree)
     try:
         store = open_validation_store(dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
                                       train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v),
@@ -100,15 +115,42 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
             f"--validation.batch_size or --training.seq_len"]
 
 
+def _check_source_parts(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
+    """Each mixture source's held-out part must hold one validation batch; at least one source needs one."""
+    batch = validation_batch_size(cfg)
+    try:
+        parts = build_mixture_validation(cfg.training.dataset_mix, split=HeldOutSplit.from_config(cfg.validation),
+                                         tokenizer=tokenizer, seq_len=cfg.training.seq_len, local_batch_size=batch,
+                                         dp_rank=0, dp_degree=dp_degree)
+    except (OSError, ValueError) as e:
+        return [f"validation data of the mixture: {e}"]
+    if not parts:
+        return ["validation data: no source of --training.dataset_mix has a held-out part; set "
+                "--validation.held_out_fraction (sources prepared on first use), give a source table a "
+                "validation_path, or set --validation.dataset_path"]
+    return []
+
+
 @dataclasses.dataclass(frozen=True)
 class ValidationResult:
     loss: float  # mean token cross-entropy over every evaluated token
     tokens: int  # tokens evaluated, over all ranks
     batches: int  # global batches evaluated
+    sources: dict[str, ValidationResult] = dataclasses.field(default_factory=dict)  # a mixture's, by source
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss) if self.loss < 700 else math.inf
+
+    def source_metrics(self) -> dict[str, float]:
+        """``validation/loss/<source>`` of a mixture's held-out parts (empty otherwise)."""
+        return {f"validation/loss/{name}": r.loss for name, r in self.sources.items()}
+
+    def sources_line(self) -> str:
+        """The per-source losses, compact, to follow the validation line (empty without sources)."""
+        if not self.sources:
+            return ""
+        return "  per source: " + " ".join(f"{name} {r.loss:.5g}" for name, r in self.sources.items())
 
 
 class Validator:
@@ -123,7 +165,7 @@ class Validator:
     def __init__(
         self,
         cfg: JobConfig,
-        data: TokenStoreDataset | ShardedStreamDataset,
+        data: ValidationData,
         model_parts: list[torch.nn.Module],
         forward_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor]],
         loss_mesh: DeviceMesh | None,
@@ -134,41 +176,54 @@ class Validator:
         self.freq, self.max_batches, self.last_step = v.freq, v.steps, cfg.training.steps
         self.data, self.model_parts, self.forward_loss = data, model_parts, forward_loss
         self.loss_mesh, self.pp_mesh, self.device = loss_mesh, pp_mesh, device
-        self._warned_short = False
+        self.parts = data if isinstance(data, dict) else {"": data}  # "": the one dataset
+        self._warned_short: set[str] = set()
 
     def due(self, step: int) -> bool:
         """Every ``freq`` steps and at the last step."""
         return step % self.freq == 0 or step == self.last_step
 
-    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.data.rewind()
-        return iter(self.data)
+    def _batches(self, data: TokenStoreDataset | ShardedStreamDataset) -> Iterator[tuple[torch.Tensor, ...]]:
+        data.rewind()
+        return iter(data)
 
     @torch.no_grad()
     def run(self) -> ValidationResult:
+        """The loss over the validation data; for a mixture's parts also each part's, and the loss over all."""
         modes = [part.training for part in self.model_parts]
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 for part in self.model_parts:
                     part.eval()
-                local_sum, local_tokens, batches = self._evaluate()
+                local = {name: self._evaluate(data) for name, data in self.parts.items()}
         finally:
             for part, mode in zip(self.model_parts, modes):
                 part.train(mode)
             _reshard(self.model_parts)
-        if self.max_batches > 0 and batches < self.max_batches and not self._warned_short:
-            self._warned_short = True
-            logger.warning("validation: the data holds only %d global batch(es); --validation.steps=%d asks for "
-                           "more, so each evaluation covers the whole split once", batches, self.max_batches)
+        results = {name: self._reduce(name, *found) for name, found in local.items()}
+        if not isinstance(self.data, dict):
+            return results[""]
+        sums, tokens = sum(r.loss * r.tokens for r in results.values()), sum(r.tokens for r in results.values())
+        return ValidationResult(loss=sums / tokens, tokens=tokens, batches=sum(r.batches for r in results.values()),
+                                sources=results)
+
+    def _reduce(self, name: str, local_sum: torch.Tensor, local_tokens: torch.Tensor | int,
+                batches: int) -> ValidationResult:
+        if self.max_batches > 0 and batches < self.max_batches and name not in self._warned_short:
+            self._warned_short.add(name)
+            logger.warning("validation%s: the data holds only %d global batch(es); --validation.steps=%d asks for "
+                           "more, so each evaluation covers the whole split once", f" ({name})" if name else "",
+                           batches, self.max_batches)
         loss_sum = reduce_scalar(local_sum, "sum", self.pp_mesh)  # only the last stage holds it
         loss_sum = reduce_scalar(loss_sum, "sum", self.loss_mesh)
         tokens = reduce_scalar(float(local_tokens), "sum", self.loss_mesh)
         return ValidationResult(loss=loss_sum / tokens, tokens=int(tokens), batches=batches)
 
-    def _evaluate(self) -> tuple[torch.Tensor, torch.Tensor | int, int]:
+    def _evaluate(self, data: TokenStoreDataset | ShardedStreamDataset
+                  ) -> tuple[torch.Tensor, torch.Tensor | int, int]:
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         local_tokens = batches = 0
-        for batch in self._batches():  # (inputs, labels), and the positions under block_causal
+        for batch in self._batches(data):  # (inputs, labels), and the positions under block_causal
             loss, tokens = self.forward_loss(*batch)
             if loss is not None:
                 local_sum += loss.double()

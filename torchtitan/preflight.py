@@ -100,7 +100,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
                                     split=HeldOutSplit.from_config(cfg.validation), seq_len=t.seq_len,
                                     global_batch=t.batch_size * data_degree,
-                                    positions=args.attn_mask_type == "block_causal")
+                                    positions=args.attn_mask_type == "block_causal", mix=t.dataset_mix)
     _raise_if(problems)
     return LaunchPlan(dims, grad_accum, args, tokenizer, pipeline)
 
@@ -165,7 +165,10 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
             selective_ac_interval(ac.selective_ac_option)
         except ValueError as e:
             problems.append(f"--activation_checkpoint.{e}")
-    if t.dataset_path is None and t.dataset not in DATASETS:
+    if t.dataset_mix and t.dataset_path is not None:
+        problems.append(f"--training.dataset_path={t.dataset_path} and --training.dataset_mix both name the training "
+                        "data; give one (a single source is a mixture of one: weight 1)")
+    if not t.dataset_mix and t.dataset_path is None and t.dataset not in DATASETS:
         problems.append(f"--training.dataset={t.dataset}: unknown; choose one of {', '.join(DATASETS)} "
                         "or give --training.dataset_path")
     if check_data and t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
@@ -200,6 +203,7 @@ def _validation_problems(cfg: JobConfig) -> list[str]:
     if v.steps == 0 or v.steps < -1:
         problems.append(f"--validation.steps={v.steps}: give a number of batches >= 1, or -1 for the whole split")
     has_dataset = v.dataset is not None or v.dataset_path is not None
+    has_dataset = has_dataset or any(e.get("validation_path") for e in cfg.training.dataset_mix)  # per source
     if v.enable and not has_dataset and v.held_out_fraction is None:
         problems.append("--validation.enable needs data: set --validation.held_out_fraction (e.g. 0.01) to hold part "
                         "of the training data out, or --validation.dataset / --validation.dataset_path")

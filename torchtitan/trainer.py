@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
+from torchtitan.datasets.mixture import mixture_metrics, start_data_at
 from torchtitan.datasets.partition import job_data_slot
 from torchtitan.distributed import init_distributed, manual_seed, set_determinism
 from torchtitan.distributed.collectives import local_value, start_sum
@@ -79,6 +80,7 @@ class Trainer:
             dp_rank=data_rank, dp_degree=data_degree, split=HeldOutSplit.from_config(cfg.validation),
             shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
             positions=self.model_args.attn_mask_type == "block_causal",  # batches then carry them third
+            mix=cfg.training.dataset_mix, new_phase=cfg.training.dataset_mix_new_phase,
         )
         if cfg.validation.held_out_fraction is not None and self.rank == 0:
             logger.info("Training data: %g of the documents held out for validation (split_seed %d)",
@@ -273,6 +275,7 @@ class Trainer:
             self.checkpointer.save_seed()
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
+        start_data_at(self.dataloader, self.step * self.grad_accum * cfg.training.batch_size * self.data_degree)
         self.metrics_logger.start(self.step)  # a resumed job continues its W&B run
         data_iter = self.step_strategy.start(self.step)
         logger.info(format_batch_line(cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len,
@@ -340,17 +343,18 @@ class Trainer:
         t = self.cfg.training
         trained = self.step * self.grad_accum * t.batch_size * self.data_degree * t.seq_len
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
-                   "validation/tokens": result.tokens, "validation/train_tokens_seen": trained}
+                   "validation/tokens": result.tokens, "validation/train_tokens_seen": trained,
+                   **result.source_metrics()}
         if self.rank == 0:
             logger.info(format_validation_line(self.step, result.loss, result.perplexity, result.tokens,
-                                               result.batches, trained))
+                                               result.batches, trained) + result.sources_line())
         self.metrics_logger.log(self.step, metrics)
         self.validation_losses[self.step] = result.loss
         return result
 
     def _log(self, loss: float, grad_norm: float, lr: float) -> None:
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.throughput.metrics(),
-                   **device_memory(self.device)}
+                   **device_memory(self.device), **mixture_metrics(self.dataloader)}
         self.throughput.reset_window()
         if self.rank == 0:
             logger.info(format_step_line(self.step, metrics))

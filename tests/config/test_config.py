@@ -125,6 +125,8 @@ _CHANGED = {
     ("training", "seed_sharded_dims"): ["tp", "pp"],
     ("training", "global_batch_size"): 64,
     ("training", "dataset_path"): "data dir/with \"quotes\", a backslash \\ and ü",
+    ("training", "dataset_mix"): [{"path": "web dir/ü", "weight": 0.7},
+                                  {"dataset": "embedded", "weight": 0.3, "name": "docs", "validation_path": "v"}],
     ("optimizer", "betas"): [0.5, 0.125],
     ("lr_scheduler", "lr_min"): 0.1,
     ("lr_scheduler", "decay_ratio"): 0.3,

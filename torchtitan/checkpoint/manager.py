@@ -55,6 +55,7 @@ from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.stage_view import model_view
 from torchtitan.checkpoint.store import CheckpointKind, commit, purge, read_dcp_metadata, scan, tmp_dir, verify
 from torchtitan.config.dtypes import DTYPES
+from torchtitan.config.manager import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -505,11 +506,18 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = f"{type(e).__name__}: {e}"
         self._agree(error, f"loading {path}")
+        refusal = None
         try:
             self._apply(state)
+        except ConfigError as e:
+            # A saved position this run's options refuse (another data mixture): the same state and config on
+            # every rank give the same refusal, which train.py prints as one line rather than a traceback.
+            refusal = e
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = f"{type(e).__name__}: {e}"
         self._agree(error, f"applying {path}")
+        if refusal is not None:
+            raise refusal
 
     def _load_initial(self) -> None:
         """Start from ``initial_load_path`` (checked in preflight): each rank reads what it holds."""

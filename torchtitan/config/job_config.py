@@ -12,10 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from torchtitan.config.dataset_mix import CLI_FORM, parse_mix_entry
 
-def field_with_help(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None) -> Any:
-    """A dataclass field with a default, a help line and optional checks."""
-    meta = {"help": help, "choices": choices, "min": min}
+
+def field_with_help(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
+                    parse: Any = None) -> Any:
+    """A dataclass field with a default, a help line and optional checks (``parse``: how a ``list[dict]``
+    field reads one item, ``(value, from_cli) -> dict``)."""
+    meta = {"help": help, "choices": choices, "min": min, "parse": parse}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -74,6 +78,14 @@ class Training:
         None, "Token store folder (scripts/prepare_data.py), or local json/jsonl/parquet/text file or folder "
         "(prepared into a cached token store on first use); overrides the registry's source"
     )
+    dataset_mix: list[dict] = field_with_help(
+        [], "Weighted mixture of sources instead of dataset/dataset_path: in TOML [[training.dataset_mix]] tables "
+        "with path (or dataset) and weight (optional: name, validation_path); on the CLI " + CLI_FORM
+        + ". See docs/data.md", parse=parse_mix_entry)
+    dataset_mix_new_phase: bool = field_with_help(
+        False, "On resume, accept a dataset_mix that differs from the checkpoint's: a new phase starts at the "
+        "resumed step, its order a function of the new mixture, the seed and that step (without it such a "
+        "resume is refused)")
     shuffle: bool = field_with_help(True, "Token store: read the windows in a seeded order, another one each epoch")
     shuffle_seed: int = field_with_help(
         0, "Seed of that order; independent of training.seed, so the data stays put", min=0)

@@ -120,7 +120,13 @@ def _finite(number: float, given: Any) -> float:
     return number
 
 
-def _coerce(value: Any, ftype: _FieldType, from_cli: bool) -> Any:
+def _coerce(value: Any, ftype: _FieldType, from_cli: bool, parse: Any = None) -> Any:
+    if ftype.base is dict:  # a list of tables; each item read by the field's own parser
+        if from_cli and isinstance(value, str):
+            return [parse(v, True) for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{value!r} is not a list of tables")
+        return [parse(v, from_cli) for v in value]
     if ftype.optional and from_cli and isinstance(value, str) and value.strip().lower() in ("none", "null"):
         return None
     if ftype.is_list:
@@ -233,9 +239,9 @@ class ConfigManager:
     def _set(self, cfg, section, key, raw, where, *, from_cli: bool, problems: list[str]) -> None:
         f, ftype = self.fields[section][key]
         try:
-            value = _coerce(raw, ftype, from_cli)
+            value = _coerce(raw, ftype, from_cli, f.metadata.get("parse"))
         except ValueError as e:
-            problems.append(f"{where}: {e}" + ("" if ftype.base is bool else f" (expected {ftype.describe()})"))
+            problems.append(f"{where}: {e}" + ("" if ftype.base in (bool, dict) else f" (expected {ftype.describe()})"))
             return
         problem = _check_range(value, f)
         if problem:

@@ -4,7 +4,8 @@ and their loaders.
 Modules, each importing only those before it: ``split`` and ``tokenizer``
 (leaves), ``sources`` (registry, local readers, fingerprints), ``token_store``
 (reading a prepared store), ``prepare`` (writing one), ``store_cache`` (prepare on
-first use, under a lock), ``window_order``, the two datasets (``store_dataset``,
+first use, under a lock), ``window_order``, ``interleave`` (which source each sample of a
+weighted mixture comes from), the datasets (``store_dataset``, ``mixture``,
 ``stream_dataset``) and ``loaders``, the run's entry points.
 """
 

@@ -42,6 +42,14 @@ windows at the end of an epoch than a run without accumulation.)  With
 ``infinite=True`` the data is then re-read from the beginning (epoch + 1);
 otherwise iteration stops.
 
+Mixtures
+--------
+``training.dataset_mix`` names several sources with weights instead. Each is opened as a
+token store like ``dataset_path`` (``open_mixture_sources``), and ``mixture.py`` deals out one
+global stream of their windows in the interleave's exact proportions, with the same
+dealing to DP ranks as above; validation then reads each source's held-out part
+(``build_mixture_validation``).
+
 Checkpointing
 -------------
 The loader's ``state_dict()`` stores a position that does not depend on the DP
@@ -71,7 +79,9 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.config.dataset_mix import mix_source_name
 from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
+from torchtitan.datasets.mixture import MixSource, MixtureDataset
 from torchtitan.datasets.sources import (
     DATASETS,
     SourceSpec,
@@ -89,6 +99,8 @@ from torchtitan.datasets.tokenizer import Tokenizer
 
 __all__ = [
     "build_dataloader",
+    "build_mixture_validation",
+    "open_mixture_sources",
     "build_validation_dataset",
     "check_training_data",
     "document_bos",
@@ -168,14 +180,17 @@ def document_bos(store: TokenStore) -> int:
 
 def check_training_data(
     *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None, seq_len: int,
-    global_batch: int, positions: bool = False,
+    global_batch: int, positions: bool = False, mix: list[dict] | None = None,
 ) -> list[str]:
     """Problems with the training data's token store, found before any process group exists.
 
     Opens (on first use: prepares, under the cache lock) the store, so a store made with
     another tokenizer or split, a truncated shard, a missing index or too little data
     stops every rank alike with the folder named.  Hub datasets are not checked here.
+    With ``mix`` every source of the mixture is checked (each needs one window).
     """
+    if mix:
+        return _check_mixture(mix, tokenizer, split, seq_len, positions)
     what = f"--training.dataset_path={dataset_path}" if dataset_path else f"--training.dataset={dataset_name}"
     try:
         store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer,
@@ -187,6 +202,47 @@ def check_training_data(
     except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"{what}: {e}"]
     return []
+
+
+def _source_what(entry: dict) -> str:
+    return f"--training.dataset_mix source {mix_source_name(entry)} ({entry.get('path') or entry.get('dataset')})"
+
+
+def open_mixture_sources(mix: list[dict], *, tokenizer: Tokenizer, split: HeldOutSplit | None,
+                         cache_dir: str | None = None) -> list[MixSource]:
+    """Each source's token store (local files and the embedded corpus prepared on first use), with its weight."""
+    sources = []
+    for entry in mix:
+        try:
+            store = open_token_store(dataset_name=entry.get("dataset", ""), dataset_path=entry.get("path"),
+                                     tokenizer=tokenizer, split=split, cache_dir=cache_dir)
+        except (OSError, ValueError) as e:
+            raise type(e)(f"{_source_what(entry)}: {e}") from None
+        if store is None:
+            raise ValueError(
+                f"{_source_what(entry)}: a hub dataset is streamed per DP rank and cannot join a mixture, whose "
+                "order every layout shares; prepare it with scripts/prepare_data.py hub:NAME[:CONFIG] OUT (every "
+                "core) and give path = OUT")
+        sources.append(MixSource(mix_source_name(entry), float(entry["weight"]), store))
+    return sources
+
+
+def _check_mixture(mix: list[dict], tokenizer: Tokenizer, split: HeldOutSplit | None, seq_len: int,
+                   positions: bool) -> list[str]:
+    names = [mix_source_name(e) for e in mix]
+    if len(set(names)) != len(names):
+        return [f"--training.dataset_mix: two sources share a name ({', '.join(names)}); give each table a distinct "
+                "name = \"...\""]
+    problems = []
+    for entry in mix:
+        try:
+            (source,) = open_mixture_sources([entry], tokenizer=tokenizer, split=split)
+            source.store.check_fits(seq_len, 1)
+            if positions:
+                document_bos(source.store)
+        except (OSError, ValueError) as e:
+            problems.append(str(e) if str(e).startswith("--training") else f"{_source_what(entry)}: {e}")
+    return problems
 
 
 def build_dataloader(
@@ -205,6 +261,8 @@ def build_dataloader(
     prefetch: int = 2,
     cache_dir: str | None = None,
     positions: bool = False,
+    mix: list[dict] | None = None,
+    new_phase: bool = False,
 ) -> StatefulDataLoader:
     """Build this DP rank's loader of ``(inputs, labels)`` batches, each ``[local_batch_size, seq_len]``.
 
@@ -222,8 +280,21 @@ def build_dataloader(
 
     ``positions``: yield ``(inputs, labels, positions)``, each input's position within its
     document (``documents.py``), which document-masked attention needs.
+
+    ``mix`` (``training.dataset_mix`` entries), when given, replaces the dataset: a weighted
+    mixture of token stores (``mixture.py``); ``new_phase`` lets a resume change it.
     """
     _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
+    if mix:
+        sources = open_mixture_sources(mix, tokenizer=tokenizer, split=split, cache_dir=cache_dir)
+        mixture = MixtureDataset(
+            sources=sources, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+            dp_degree=dp_degree, shuffle=shuffle, seed=seed, prefetch=prefetch, new_phase=new_phase,
+            positions_bos=document_bos(sources[0].store) if positions else None)
+        if dp_rank == 0:
+            logger.info("Training data: %s, %s windows per source", mixture.name,
+                        "/".join(f"{n:,}" for n in mixture.n_windows))
+        return _loader(mixture)
     store = open_token_store(dataset_name=dataset_name, dataset_path=dataset_path, tokenizer=tokenizer, split=split,
                              cache_dir=cache_dir)
     name = dataset_path or dataset_name
@@ -318,6 +389,33 @@ def build_validation_dataset(
         dp_rank=dp_rank, dp_degree=dp_degree, infinite=True, name=name, split=None if own else split,
         held_out=not own, positions=positions,
     )
+
+
+def build_mixture_validation(
+    mix: list[dict], *, split: HeldOutSplit | None, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+    dp_rank: int, dp_degree: int, cache_dir: str | None = None, positions: bool = False,
+) -> dict[str, TokenStoreDataset]:
+    """Each mixture source's held-out part, by source name: its ``validation_path``, else (a source prepared on
+    first use) the documents ``split`` holds out of it. A prepared store without a ``validation_path`` has none."""
+    parts: dict[str, TokenStoreDataset] = {}
+    for entry in mix:
+        path = entry.get("path")
+        if entry.get("validation_path"):
+            store = open_token_store(dataset_name="", dataset_path=entry["validation_path"], tokenizer=tokenizer,
+                                     split=None, cache_dir=cache_dir, any_split=True)
+        elif split is not None and not (path and is_store(os.path.expanduser(path))):
+            store = open_token_store(dataset_name=entry.get("dataset", ""), dataset_path=path, tokenizer=tokenizer,
+                                     split=split, held_out=True, cache_dir=cache_dir)
+        else:
+            continue
+        if store is None:
+            continue  # a hub dataset: refused for training already
+        name = mix_source_name(entry)
+        parts[name] = TokenStoreDataset(
+            store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+            infinite=False, shuffle=False, prefetch=0, name=f"validation:{name}",
+            positions_bos=document_bos(store) if positions else None)
+    return parts
 
 
 def _loader(dataset: IterableDataset) -> StatefulDataLoader:

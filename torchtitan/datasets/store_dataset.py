@@ -39,7 +39,7 @@ from torchtitan.datasets.split import SplitKey, describe
 from torchtitan.datasets.token_store import TokenStore
 from torchtitan.datasets.window_order import WindowPermutation
 
-__all__ = ["TokenStoreDataset"]
+__all__ = ["TokenStoreDataset", "check_position_maps", "read_ahead"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,45 @@ def check_position_maps(name: str, state_dict: dict[str, Any], seq_len: int, spl
             f"{describe(split)}; its data position does not map onto another split: resume "
             "with the checkpoint's --validation.held_out_fraction and --validation.split_seed"
         )
+
+
+def read_ahead(produced: Iterator[tuple], depth: int, name: str) -> tuple[Iterator[tuple], _Prefetcher]:
+    """``produced`` read ``depth`` items ahead on a thread; an item whose last element is None ends it.
+
+    Errors of the thread are raised on the consumer's. Close the returned prefetcher when done.
+    """
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            for item in produced:
+                while not stop.is_set():
+                    try:
+                        buffer.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set() or item[-1] is None:
+                    return
+        except BaseException as e:  # handed to the consumer, which raises it on the training thread
+            buffer.put(e)
+        buffer.put(_END)
+
+    prefetcher = _Prefetcher(work, stop, name)
+
+    def consume() -> Iterator:
+        while True:
+            item = buffer.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item[-1] is None:
+                return
+
+    return consume(), prefetcher
 
 
 class TokenStoreDataset(IterableDataset, Stateful):
@@ -184,38 +223,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
                 prefetcher.close()
 
     def _prefetched(self, produced: Iterator) -> tuple[Iterator, _Prefetcher]:
-        buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-
-        def work() -> None:
-            try:
-                for item in produced:
-                    while not stop.is_set():
-                        try:
-                            buffer.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set() or item[2] is None:
-                        return
-            except BaseException as e:  # handed to the consumer, which raises it on the training thread
-                buffer.put(e)
-            buffer.put(_END)
-
-        prefetcher = _Prefetcher(work, stop, self.name)
-
-        def consume() -> Iterator:
-            while True:
-                item = buffer.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item[2] is None:
-                    return
-
-        return consume(), prefetcher
+        return read_ahead(produced, self.prefetch, self.name)
 
     def rewind(self) -> None:
         self._epoch = self._next_window = 0
@@ -235,6 +243,11 @@ class TokenStoreDataset(IterableDataset, Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "mixture" in state_dict:  # a position of datasets/mixture.py: it counts samples per source
+            raise ValueError(
+                f"{self.name}: the checkpoint read a mixture (--training.dataset_mix), this run one dataset; resume "
+                "with the checkpoint's mixture, or give this dataset as a mixture of one source (weight 1) with "
+                "--training.dataset_mix_new_phase to start it as a new phase")
         check_position_maps(self.name, state_dict, self.seq_len, self.split)
         mine = self.seed if self.shuffle else None
         if "shuffle" in state_dict and state_dict["shuffle"] != mine:

@@ -41,6 +41,7 @@ class WindowPermutation:
         self.mask = np.uint64((1 << (bits // 2)) - 1)
         digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8 * self.ROUNDS).digest()
         self.keys = [np.uint64(int.from_bytes(digest[8 * i : 8 * i + 8], "little")) for i in range(self.ROUNDS)]
+        self._int_keys = [int(k) for k in self.keys]
 
     def _round_trip(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self.half, x & self.mask
@@ -48,10 +49,14 @@ class WindowPermutation:
             left, right = right, left ^ (_mix(right ^ key) & self.mask)
         return (left << self.half) | right
 
+    def at(self, index: int) -> int:
+        """The permuted position of one index (the same as ``self(np.array([index]))[0]``, without NumPy)."""
+        return self._one(int(index))
+
     def _one(self, x: int) -> int:
         # The same network on Python ints: a step's few windows cost microseconds, not NumPy call overheads.
         half, mask, n = int(self.half), int(self.mask), self.n
-        keys = [int(k) for k in self.keys]
+        keys = self._int_keys
         while True:
             left, right = x >> half, x & mask
             for key in keys:

@@ -136,7 +136,8 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     """One console line for a log step; fields missing from ``metrics`` are left out.
 
     Read keys: loss, grad_norm, lr, tps, tflops, mfu_pct, max_reserved_gib /
-    max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s.
+    max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s, and a mixture's
+    ``data/tokens/<source>`` (tokens each source gave so far) as one compact field.
     """
     fields = [f"step: {step}"]
 
@@ -158,4 +159,19 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     eta = metrics.get("eta_s")
     if eta is not None:
         fields.append(f"eta: {format_duration(eta)}")
+    mix = [(key[len(_MIX_PREFIX):], value) for key, value in metrics.items()
+           if key.startswith(_MIX_PREFIX) and value is not None]
+    if mix:
+        fields.append("mix: " + " ".join(f"{name} {format_count(value)}" for name, value in mix))
     return "  ".join(fields)
+
+
+_MIX_PREFIX = "data/tokens/"
+
+
+def format_count(value: float) -> str:
+    """A count in 4 characters or so: 950, 12.3K, 4.56M, 7.89B, 1.2T."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.0f}"
