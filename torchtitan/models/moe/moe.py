@@ -112,6 +112,15 @@ class MoE(nn.Module):
         self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float64), persistent=False)
         self.aux_loss_count = 0
 
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Zero the counts, the logged auxiliary loss and the router bias (after ``to_empty``, before a load)."""
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
+        self.aux_loss_count = 0
+        if self.router.expert_bias is not None:
+            self.router.expert_bias.zero_()
+
     def _counting(self) -> bool:
         # A recompute under activation checkpointing runs inside the backward pass; the original
         # forward never does (it may run with grad on or off, so grad mode cannot tell them apart).
