@@ -289,6 +289,13 @@ def test_grouped_mm_runs_on_cpu_and_equals_per_group_products():
     out = compat.grouped_mm(x, w.transpose(-2, -1), torch.tensor([2, 2, 7], dtype=torch.int32))
     want = torch.cat([x[:2] @ w[0].t(), x[2:7] @ w[2].t()])
     assert torch.equal(out, want), "torch._grouped_mm no longer multiplies rows offs[g-1]:offs[g] by group g"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    compat._GROUPED_MM_PROBED.clear()
+    with FakeTensorMode():  # a fake-tensor trace (the planner) must not record a failed probe
+        compat.grouped_mm_supported(torch.device("cpu"), torch.float32)
+    assert compat._GROUPED_MM_PROBED[("cpu", torch.float32)], (
+        "torch._subclasses.fake_tensor.unset_fake_temporarily no longer lets the probe run on real tensors")
 
 
 def test_in_backward_pass_tells_a_recompute_from_the_forward():

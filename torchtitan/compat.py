@@ -189,7 +189,13 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """
     key = (torch.device(device).type, dtype)
     if key not in _GROUPED_MM_PROBED:
-        _GROUPED_MM_PROBED[key] = _probe_grouped_mm(torch.device(device), dtype)
+        # Probed on real tensors even inside a fake-tensor trace (the planner), whose answer would stick.
+        try:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+        except ImportError as e:
+            raise _missing("torch._subclasses.fake_tensor.unset_fake_temporarily") from e
+        with unset_fake_temporarily():
+            _GROUPED_MM_PROBED[key] = _probe_grouped_mm(torch.device(device), dtype)
     return _GROUPED_MM_PROBED[key]
 
 

@@ -2,11 +2,12 @@
 
 One 4-rank world runs every case (EP 4 on the whole world, EP 2 on a 2 x 2 (dp, ep) mesh).
 Each rank routes its own tokens; routing is uneven, and some experts (in one case all of
-a rank's experts) get no token. The parent then runs one process with all tokens and all
-experts and compares: the initial expert weights (bitwise: layout-invariant init), the
-output and input gradients of each rank's tokens, the router gradient summed over the ranks,
-each rank's expert-slice gradients (summed over the dp ranks that hold the same slice), the
-token counts and the bias after one auxiliary-loss-free update.
+a rank's experts) get no token; one case runs under activation checkpointing. The parent
+then runs one process with all tokens and all experts and compares: the initial expert
+weights (bitwise: layout-invariant init), the output and input gradients of each rank's
+tokens, the router gradient summed over the ranks, each rank's expert-slice gradients
+(summed over the dp ranks that hold the same slice), the token counts and the bias after
+one auxiliary-loss-free update.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ CASES: dict[str, dict[str, Any]] = {
                                    num_shared_experts=1)),
     "ep4_idle_rank_unaligned": dict(ep=4, bias={6: -1e9, 7: -1e9},  # rank 3's experts get nothing
                                     args=dict(hidden_dim=10, top_k=3)),
+    # Activation checkpointing: the recompute inside backward exchanges again and must not count again.
+    "ep2_checkpointed": dict(ep=2, bias={3: -1e9}, args=dict(norm_topk_prob=True), checkpoint=True),
 }
 
 
@@ -79,7 +82,12 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     initial = {n: _local(getattr(moe.experts, n)) for n in ("w1", "w2", "w3")}
     x, g = _batch(rank)
     x.requires_grad_(True)
-    y = moe(x)
+    if case.get("checkpoint"):
+        from torch.utils.checkpoint import checkpoint
+
+        y = checkpoint(moe, x, use_reentrant=False)
+    else:
+        y = moe(x)
     (y * g).sum().backward()
     gate_grad = moe.router.gate.weight.grad.clone()
     dist.all_reduce(gate_grad)  # the router is replicated: its gradient is summed over the data ranks

@@ -32,7 +32,8 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
         full = getattr(experts, name)
         if isinstance(full, DTensor):
             raise ValueError(f"experts.{name} is already a DTensor: apply expert parallelism once, before FSDP")
-        local = full.detach()[rank * per_rank : (rank + 1) * per_rank]
+        # A copy: a view would keep the full tensor's storage alive on a materialised model.
+        local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
     moe.dispatcher = AllToAllDispatcher(experts.num_experts, ep_mesh.get_group())
