@@ -62,7 +62,8 @@ def per_group_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
     where no token came: a rank whose experts got no token still has gradients to reduce.
     """
     pieces = torch.split(x, counts.tolist(), dim=0)
-    return torch.cat([piece @ weight[g].t() for g, piece in enumerate(pieces)])
+    # unbind, not weight[g]: the backward of E index ops would add E full-size zero gradients.
+    return torch.cat([piece @ w.t() for piece, w in zip(pieces, weight.unbind(0), strict=True)])
 
 
 class GroupedExperts(nn.Module):
