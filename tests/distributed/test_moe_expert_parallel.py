@@ -105,12 +105,29 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
                 bias=moe.router.expert_bias.clone())
 
 
-def _all_cases(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    return {name: _run_case(rank, case) for name, case in CASES.items()}
+def _refusal(rank: int) -> str:
+    """The error for 6 experts over EP 4, raised before any collective (no rank waits in one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.models.moe.parallel import apply_expert_parallel
+
+    with torch.device("meta"):
+        moe = MoE(MoEArgs(dim=16, hidden_dim=12, num_experts=6, top_k=2))
+    try:
+        apply_expert_parallel(moe, init_device_mesh("cpu", (WORLD,)))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {name: _run_case(rank, case) for name, case in CASES.items()}
+    out["refusal"] = _refusal(rank)
+    return out
 
 
 @pytest.fixture(scope="module")
-def world() -> list[dict[str, dict[str, Any]]]:
+def world() -> list[dict[str, Any]]:
     return run_ranks(_all_cases, WORLD, timeout=300)
 
 
@@ -154,6 +171,11 @@ def test_expert_parallel_equals_one_process(world, name):
         assert torch.equal(got["bias"], ref["bias"]), f"rank {rank}: bias after the update"
     for expert in (e for e, v in case["bias"].items() if v < -1e6):
         assert ref["counts"][expert] == 0, "the case must leave an expert without tokens"
+
+
+def test_experts_not_divisible_by_ep_are_refused_in_one_line_on_every_rank(world):
+    for results in world:
+        assert results["refusal"] == "moe num_experts=6 is not divisible by the expert-parallel degree 4"
 
 
 def test_bitwise_where_it_can_be(world):
