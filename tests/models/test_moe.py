@@ -111,14 +111,15 @@ def test_bias_chooses_experts_but_never_weights_them():
 
 
 def test_router_computes_in_float32_for_a_bf16_input():
+    """A bf16 router scores exactly as a float32 router holding the same (bf16-rounded) values."""
     torch.manual_seed(3)
-    router = TokenChoiceRouter(16, 8, 2)
-    x = torch.randn(10, 16)
-    w32, e32, _ = router(x)
     router_bf16 = TokenChoiceRouter(16, 8, 2).to(torch.bfloat16)
-    router_bf16.gate.weight.data.copy_(router.gate.weight.to(torch.bfloat16))
-    w16, _, s16 = router_bf16(x.to(torch.bfloat16))
-    assert w16.dtype == s16.dtype == torch.float32
+    router_32 = TokenChoiceRouter(16, 8, 2)
+    router_32.gate.weight.data.copy_(router_bf16.gate.weight.float())
+    x = torch.randn(10, 16).to(torch.bfloat16)
+    w16, e16, s16 = router_bf16(x)
+    w32, e32, s32 = router_32(x.float())
+    assert s16.dtype == torch.float32 and torch.equal(s16, s32) and torch.equal(w16, w32) and torch.equal(e16, e32)
 
 
 @pytest.mark.parametrize("kwargs, words", [
