@@ -277,3 +277,33 @@ def test_missing_internal_names_itself():
     version = importlib.metadata.version("torchft")
     with pytest.raises(compat.CompatError, match=rf"torchft {version} has no NotAnAlgorithm\._local_step"):
         compat.semi_sync_local_step(NotAnAlgorithm())
+
+
+def test_grouped_mm_runs_on_cpu_and_equals_per_group_products():
+    # torch._grouped_mm: the MoE experts' grouped GEMM (CPU kernel from torch 2.9).
+    assert compat.grouped_mm_supported(torch.device("cpu"), torch.float32), (
+        f"torch {torch.__version__}: torch._grouped_mm no longer runs on CPU in float32; the MoE experts "
+        "fall back to their per-expert loop (slower)")
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 8, requires_grad=True), torch.randn(3, 4, 8, requires_grad=True)
+    out = compat.grouped_mm(x, w.transpose(-2, -1), torch.tensor([2, 2, 7], dtype=torch.int32))
+    want = torch.cat([x[:2] @ w[0].t(), x[2:7] @ w[2].t()])
+    assert torch.equal(out, want), "torch._grouped_mm no longer multiplies rows offs[g-1]:offs[g] by group g"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    compat._GROUPED_MM_PROBED.clear()
+    with FakeTensorMode():  # a fake-tensor trace (the planner) must not record a failed probe
+        compat.grouped_mm_supported(torch.device("cpu"), torch.float32)
+    assert compat._GROUPED_MM_PROBED[("cpu", torch.float32)], (
+        "torch._subclasses.fake_tensor.unset_fake_temporarily no longer lets the probe run on real tensors")
+
+
+def test_in_backward_pass_tells_a_recompute_from_the_forward():
+    # torch._C._current_graph_task_id: -1 outside a backward pass.
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append(compat.in_backward_pass()))
+    assert not compat.in_backward_pass()
+    y.sum().backward()
+    assert seen == [True], "torch._C._current_graph_task_id no longer marks a running backward pass"

@@ -27,7 +27,8 @@ from torch.distributed import distributed_c10d
 __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups", "default_store",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
-    "install_dtensor_rng_tracker", "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
+    "grouped_mm", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
+    "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
     "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step",
 ]
 
@@ -160,6 +161,72 @@ def lower_right_causal_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
     bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0, dtype=torch.bool))
     CausalBias.__init__(bias, CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
     return bias
+
+
+# ---------------------------------------------------------------- torch._grouped_mm (mixture-of-experts)
+
+
+def grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``: rows ``offsets[g-1]:offsets[g]`` of ``x [M, K]`` times ``weight_t[g] [K, N]``.
+
+    ``offsets`` is the int32 running sum of the group sizes. Callers check
+    ``grouped_mm_supported`` first and keep an exact per-group loop for the rest.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        raise _missing("torch._grouped_mm")
+    return torch._grouped_mm(x, weight_t, offs=offsets)
+
+
+_GROUPED_MM_PROBED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here, forward and backward (probed once per device type and dtype).
+
+    The op is present from torch 2.8 but had no CPU kernel until 2.9 and takes only some dtypes
+    per device (CUDA: bf16 on sm80+), so a small call is the only reliable test; a failure means
+    the caller's per-expert loop, never an error.
+    """
+    key = (torch.device(device).type, dtype)
+    if key not in _GROUPED_MM_PROBED:
+        # Probed on real tensors even inside a fake-tensor trace (the planner), whose answer would stick.
+        try:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+        except ImportError as e:
+            raise _missing("torch._subclasses.fake_tensor.unset_fake_temporarily") from e
+        with unset_fake_temporarily():
+            _GROUPED_MM_PROBED[key] = _probe_grouped_mm(torch.device(device), dtype)
+    return _GROUPED_MM_PROBED[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        with torch.enable_grad():
+            x = torch.ones(6, 8, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([2, 6], device=device, dtype=torch.int32)
+            out = grouped_mm(x, w.transpose(-2, -1), offsets)
+            out.backward(torch.ones_like(out))
+        return bool(torch.all(out == 8)) and x.grad is not None and w.grad is not None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+# ---------------------------------------------------------------- autograd engine
+
+
+def in_backward_pass() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread right now.
+
+    Activation checkpointing recomputes a forward inside the backward pass (reentrant or not),
+    while the original forward runs outside it, with grad mode on or off; so this, and not
+    ``torch.is_grad_enabled()``, tells a recompute from the original forward.
+    """
+    if not hasattr(torch._C, "_current_graph_task_id"):
+        raise _missing("torch._C._current_graph_task_id")
+    return torch._C._current_graph_task_id() != -1
 
 
 # ---------------------------------------------------------------- torch.optim

@@ -1,0 +1,94 @@
+"""MoE experts on CPU: ``torch._grouped_mm`` against the exact per-expert loop, forward and backward.
+
+    python benchmarks/moe_grouped_mm.py [--rounds 5] [--repeats 3]
+
+One process, one thread (as each rank of a CPU run has). For a few expert shapes it times a
+``GroupedExperts`` (``torchtitan/models/moe/experts.py``) forward plus backward on tokens
+already grouped by expert, once through ``torch._grouped_mm`` and once through the per-expert
+loop (``use_grouped_mm=False``), taking turns round by round, and prints the median time and
+the largest difference of the two outputs (0: bit-identical). Routing is uneven: expert
+``e`` gets a share proportional to ``e + 1``, and one expert gets no token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import machine_description
+
+from torchtitan.models.moe.experts import GroupedExperts
+
+# (label, rows = tokens x top-k, dim, expert hidden, experts, dtype)
+SHAPES = [
+    ("debug MoE", 2048 * 2, 256, 256, 8, torch.float32),
+    ("Qwen3-MoE-like, narrow", 1024 * 8, 512, 192, 32, torch.float32),
+    ("wide experts", 1024 * 2, 512, 1024, 8, torch.float32),
+    ("debug MoE, bf16", 2048 * 2, 256, 256, 8, torch.bfloat16),
+]
+
+
+def uneven_counts(rows: int, experts: int) -> torch.Tensor:
+    """Rows per expert: expert e's share grows with e; expert 1 gets none."""
+    share = torch.arange(1, experts + 1, dtype=torch.float64)
+    share[1] = 0
+    counts = (share / share.sum() * rows).floor().long()
+    counts[-1] += rows - counts.sum()
+    return counts
+
+
+def step_seconds(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, grad: torch.Tensor,
+                 repeats: int) -> float:
+    def once() -> torch.Tensor:
+        experts.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_(True)
+        y = experts(xi, counts)
+        y.backward(grad)
+        return y
+
+    once()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    return (time.perf_counter() - start) / repeats
+
+
+def compare(rows: int, dim: int, hidden: int, num_experts: int, dtype: torch.dtype, rounds: int,
+            repeats: int) -> tuple[float, float, float]:
+    """(median ms grouped, median ms loop, max |difference| of the outputs)."""
+    torch.manual_seed(0)
+    pair = {flag: GroupedExperts(dim, hidden, num_experts, use_grouped_mm=flag).to(dtype) for flag in (True, False)}
+    for name in ("w1", "w2", "w3"):
+        value = torch.randn_like(getattr(pair[True], name)) * 0.02
+        for experts in pair.values():
+            getattr(experts, name).data.copy_(value)
+    x, grad = torch.randn(rows, dim, dtype=dtype), torch.randn(rows, dim, dtype=dtype)
+    counts = uneven_counts(rows, num_experts)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for flag, experts in pair.items():
+            times[flag].append(step_seconds(experts, x, counts, grad, repeats) * 1e3)
+    with torch.no_grad():
+        gap = (pair[True](x, counts) - pair[False](x, counts)).abs().max().item()
+    return statistics.median(times[True]), statistics.median(times[False]), gap
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{machine_description()}; forward + backward, ms, median of {args.rounds} rounds")
+    print(f"{'shape':>24} {'rows':>6} {'D':>5} {'F':>5} {'E':>3} {'dtype':>9} {'grouped':>8} {'loop':>8} "
+          f"{'loop/grouped':>12} {'max gap':>8}")
+    for label, rows, dim, hidden, num_experts, dtype in SHAPES:
+        grouped, loop, gap = compare(rows, dim, hidden, num_experts, dtype, args.rounds, args.repeats)
+        print(f"{label:>24} {rows:6d} {dim:5d} {hidden:5d} {num_experts:3d} {str(dtype)[6:]:>9} {grouped:8.1f} "
+              f"{loop:8.1f} {loop / grouped:12.2f} {gap:8.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Dropless token dispatch: tokens to their experts and back, deterministic in every step.
+
+A step of the MoE feed-forward, for ``T`` tokens each routed to ``k`` experts:
+
+1. ``sort_by_expert``: a stable sort of the ``T*k`` (token, slot) pairs by expert, and the
+   number of pairs per expert (``bincount``: no ``histc``, no atomics);
+2. ``permute``: the tokens gathered in that order (expert-major rows);
+3. a dispatcher's ``exchange``: ``LocalDispatcher`` keeps them (every expert here);
+   ``AllToAllDispatcher`` sends each expert's rows to the rank that holds it;
+4. the experts, grouped by local expert;
+5. the dispatcher's ``exchange_back``, the inverse of 3;
+6. ``combine``: rows back to (token, slot) order by a gather, then the weighted sum over
+   the k slots in slot order in float32. No ``scatter_add``/``index_add`` with repeated
+   indices, whose order of addition is not fixed on accelerators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Routing:
+    """The local sort of one forward: ``order[i]`` is the flat (token * k + slot) of sorted row ``i``."""
+
+    order: torch.Tensor  # [T*k] int64
+    counts: torch.Tensor  # [E] int64: this rank's (token, slot) pairs per global expert
+    num_tokens: int
+    top_k: int
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> Routing:
+    """Sort the (token, slot) pairs of ``experts [T, k]`` by expert, keeping token order within one."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return Routing(order, counts, experts.shape[0], experts.shape[1])
+
+
+def permute(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``x [T, D]`` -> ``[T*k, D]`` in expert-major order.
+
+    Each token is first repeated k times, so the gather reads every row once: its backward
+    writes each row once and the k copies are summed by a plain reduction, in a fixed order.
+    """
+    repeated = x.unsqueeze(1).expand(-1, routing.top_k, -1).reshape(-1, x.shape[-1])
+    return repeated.index_select(0, routing.order)
+
+
+def combine(out: torch.Tensor, routing: Routing, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs ``[T*k, D]`` (expert-major) -> ``sum_j weights[t, j] * out(t, j)`` as ``[T, D]``."""
+    inverse = torch.empty_like(routing.order)
+    inverse[routing.order] = torch.arange(routing.order.numel(), device=routing.order.device)
+    slots = out.index_select(0, inverse).view(routing.num_tokens, routing.top_k, -1).float()
+    weights = weights.float()
+    total = slots[:, 0] * weights[:, :1]
+    for slot in range(1, routing.top_k):  # slot order: the same sum on every layout and device
+        total = total + slots[:, slot] * weights[:, slot : slot + 1]
+    return total.to(dtype)
+
+
+class LocalDispatcher:
+    """Expert parallelism 1: every expert is here, the sorted rows are the experts' input."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts
+
+    def exchange(self, routed: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``(rows for the local experts grouped by expert, counts per local expert, state for exchange_back)``."""
+        return routed, routing.counts, None
+
+    def exchange_back(self, out: torch.Tensor, state: Any) -> torch.Tensor:
+        return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; its backward is the exchange in reverse."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # noqa: ANN001
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """Send ``in_splits[r]`` rows of ``x`` to rank ``r``, receive ``out_splits[r]`` from it (differentiable)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+@dataclass
+class _Exchanged:
+    to_expert_major: torch.Tensor  # [M]: received (rank-major) row of each expert-major row
+    out_splits: list[int]
+    in_splits: list[int]
+
+
+class AllToAllDispatcher:
+    """Expert parallelism over ``group``: rank ``r`` of ``ep`` holds experts ``[r*E/ep, (r+1)*E/ep)``.
+
+    The exchange sends each rank's sorted rows to the experts' ranks (counts first, then rows,
+    both with ``all_to_all_single``: gloo has no uneven list all-to-all), then regroups the
+    received rows from rank-major (source rank, expert) to expert-major (expert, source rank).
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        if num_experts % self.ep:
+            raise ValueError(f"moe num_experts={num_experts} is not divisible by the expert-parallel degree {self.ep}")
+        self.num_experts, self.num_local_experts = num_experts, num_experts // self.ep
+
+    def exchange(self, routed: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _Exchanged]:
+        counts = routing.counts
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.group)  # E/ep counts to each rank
+        by_rank = received_counts.view(self.ep, self.num_local_experts)  # [source rank, local expert]
+        in_splits = counts.view(self.ep, self.num_local_experts).sum(dim=1).tolist()
+        out_splits = by_rank.sum(dim=1).tolist()
+        received = all_to_all_rows(routed, out_splits, in_splits, self.group)
+        segment = torch.repeat_interleave(torch.arange(by_rank.numel(), device=counts.device), by_rank.reshape(-1))
+        expert_major_key = (segment % self.num_local_experts) * self.ep + segment // self.num_local_experts
+        to_expert_major = torch.argsort(expert_major_key, stable=True)
+        state = _Exchanged(to_expert_major, out_splits, in_splits)
+        return received.index_select(0, to_expert_major), by_rank.sum(dim=0), state
+
+    def exchange_back(self, out: torch.Tensor, state: _Exchanged) -> torch.Tensor:
+        back = torch.empty_like(state.to_expert_major)
+        back[state.to_expert_major] = torch.arange(back.numel(), device=back.device)
+        rank_major = out.index_select(0, back)
+        return all_to_all_rows(rank_major, state.in_splits, state.out_splits, self.group)

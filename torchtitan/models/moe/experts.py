@@ -1,0 +1,92 @@
+"""Routed experts stored stacked, computed as one grouped GEMM per weight where the shapes allow.
+
+``GroupedExperts`` holds ``w1 [E, F, D]`` (gate), ``w2 [E, D, F]`` (down) and ``w3 [E, F, D]``
+(up); expert ``e`` computes the SwiGLU ``w2[e] (silu(w1[e] x) * w3[e] x)``. Its input is the
+tokens already grouped by expert (``counts[e]`` rows each, in expert order).
+
+``torch._grouped_mm`` takes int32 offsets and row strides that are multiples of 16 bytes,
+and its backward fails on a stride-0 incoming gradient (``y.sum().backward()``). Where the
+op is missing, the widths are unaligned or there is no token, the exact per-expert loop
+runs instead, so no shape is refused. On CPU both give the same bits (tests/models/test_moe.py).
+Compute stays in the parameter dtype: on CPU bf16 products are many times slower than fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan import compat
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (grouped_mm's backward refuses stride 0)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - autograd's signature
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad.contiguous()
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: an expert-parallel weight is a DTensor sharded on dim 0."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can take ``x [M, K]`` against ``weight [G, N, K]`` here."""
+    step = 16 // weight.element_size() if 16 % weight.element_size() == 0 else 0
+    return (step > 0 and x.shape[0] > 0 and weight.shape[-1] % step == 0 and weight.shape[-2] % step == 0
+            and compat.grouped_mm_supported(weight.device, weight.dtype))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   use_grouped_mm: bool = True) -> torch.Tensor:
+    """Rows of ``x [M, K]`` (``counts[g]`` per group, in order) times ``weight[g].T`` (``weight [G, N, K]``)."""
+    if use_grouped_mm and grouped_mm_fits(x, weight):
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        out = compat.grouped_mm(x.contiguous(), weight.transpose(-2, -1), offsets)
+        return _ContiguousGrad.apply(out)
+    return per_group_linear(x, weight, counts)
+
+
+def per_group_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The exact loop: one matmul per group (reads the counts on the host).
+
+    Empty groups still take part (a 0-row product), so every weight gets a gradient, zero
+    where no token came: a rank whose experts got no token still has gradients to reduce.
+    """
+    pieces = torch.split(x, counts.tolist(), dim=0)
+    # unbind, not weight[g]: the backward of E index ops would add E full-size zero gradients.
+    return torch.cat([piece @ w.t() for piece, w in zip(pieces, weight.unbind(0), strict=True)])
+
+
+class GroupedExperts(nn.Module):
+    """``forward(x [M, D] grouped by expert, counts [E_local] int64) -> [M, D]`` in the parameter dtype.
+
+    ``num_experts`` is the global count; under expert parallelism each weight is a DTensor
+    sharded on dim 0 (``parallel.apply_expert_parallel``) and this rank computes its slice.
+    ``use_grouped_mm=False`` forces the per-expert loop (the benchmark's baseline).
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if counts.shape[0] != w1.shape[0]:
+            raise ValueError(f"GroupedExperts: {counts.shape[0]} token counts for {w1.shape[0]} local experts")
+        x = x.to(w1.dtype)
+        gate = grouped_linear(x, w1, counts, self.use_grouped_mm)
+        up = grouped_linear(x, w3, counts, self.use_grouped_mm)
+        return grouped_linear(F.silu(gate) * up, w2, counts, self.use_grouped_mm)

@@ -1,0 +1,39 @@
+"""Expert parallelism for one ``MoE`` module: its experts sharded over a 1-D ``ep`` mesh.
+
+``apply_expert_parallel(moe, ep_mesh)`` turns each stacked expert weight ``[E, ...]`` into a
+DTensor ``Shard(0)`` on ``ep_mesh`` (rank ``r`` keeps experts ``[r*E/ep, (r+1)*E/ep)``), made
+from this rank's slice with no collective (works on a meta model), and gives the module an
+``AllToAllDispatcher`` over the mesh's group. The router and the shared experts stay
+replicated: their gradients must be reduced over the data ranks as any dense weight's.
+Initialise after this with ``layout_init``: a ``Shard(0)`` weight draws only its rows, the
+same rows a single process draws for those experts.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from torchtitan.models.moe.dispatch import AllToAllDispatcher
+from torchtitan.models.moe.moe import MoE
+
+
+def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
+    """Shard ``moe``'s experts over the 1-D ``ep_mesh`` and dispatch tokens by all-to-all over it."""
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"expert parallelism needs a 1-D ep mesh; got {ep_mesh.ndim} dimensions")
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    experts = moe.experts
+    if experts.num_experts % ep:
+        raise ValueError(f"moe num_experts={experts.num_experts} is not divisible by the expert-parallel degree {ep}")
+    per_rank = experts.num_experts // ep
+    for name in ("w1", "w2", "w3"):
+        full = getattr(experts, name)
+        if isinstance(full, DTensor):
+            raise ValueError(f"experts.{name} is already a DTensor: apply expert parallelism once, before FSDP")
+        # A copy: a view would keep the full tensor's storage alive on a materialised model.
+        local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
+        sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+    moe.dispatcher = AllToAllDispatcher(experts.num_experts, ep_mesh.get_group())
