@@ -277,3 +277,140 @@ def test_missing_internal_names_itself():
     version = importlib.metadata.version("torchft")
     with pytest.raises(compat.CompatError, match=rf"torchft {version} has no NotAnAlgorithm\._local_step"):
         compat.semi_sync_local_step(NotAnAlgorithm())
+
+
+# ---------------------------------------------------------------- the planner's internals, on a fake world
+# The dry run (torchtitan/planning/) runs the trainer's step as one rank of a fake process group under
+# FakeTensorMode, and watches it with a dispatch mode. Each test below uses one internal that way.
+
+
+@pytest.fixture
+def fake_world() -> Any:
+    """This process as rank 1 of a 4-rank fake process group (compat.fake_process_group_store)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=compat.fake_process_group_store(), rank=1, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Ops(compat.TorchDispatchMode):
+    """Records each op, whether it ran in backward, and the storage ids of its outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[Any, bool, list[int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        storages = [compat.storage_id(t.untyped_storage())
+                    for t in compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.seen.append((func, compat.in_autograd_backward(), storages))
+        return out
+
+
+def test_fake_process_group_and_flatten_mesh(fake_world):
+    # torch.testing._internal.distributed.fake_pg.FakeStore (the "fake" backend) and DeviceMesh._flatten.
+    import torch.distributed as dist
+
+    flat = compat.flatten_mesh(fake_world, "ab")
+    assert flat.mesh_dim_names == ("ab",) and flat.size() == 4, "DeviceMesh._flatten no longer makes a 1-D mesh"
+    assert dist.get_process_group_ranks(flat.get_group()) == [0, 1, 2, 3]
+    t = torch.ones(3)
+    dist.all_reduce(t, group=flat.get_group())  # the fake backend returns at once and moves nothing
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_collective_ops_and_resolve_process_group(fake_world):
+    # torch.ops.c10d._allgather_base_ / _reduce_scatter_base_ and torch.ops._c10d_functional (the ops the
+    # planner's traffic ledger counts), and torch._C._distributed_c10d._resolve_process_group.
+    import torch.distributed as dist
+
+    group = fake_world.get_group("b")
+    ops = _Ops()
+    with ops, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the calls the project's code makes, deprecated or not
+        dist.all_gather_into_tensor(torch.empty(4), torch.ones(2), group=group)
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4), group=group)
+        compat.functional_collectives.all_gather_tensor_autograd(torch.ones(2), 0, group).wait()
+    funcs = [func for func, _, _ in ops.seen]
+    assert compat.c10d_op("_allgather_base_") in funcs, "all_gather_into_tensor no longer issues c10d._allgather_base_"
+    assert compat.c10d_op("_reduce_scatter_base_") in funcs, (
+        "reduce_scatter_tensor no longer issues c10d._reduce_scatter_base_")
+    gather = compat.functional_collective_ops().all_gather_into_tensor.default
+    assert gather in funcs, "the functional all-gather is no longer torch.ops._c10d_functional.all_gather_into_tensor"
+    assert compat.resolve_process_group(group.group_name) is group, (
+        "_resolve_process_group no longer maps a group name to its process group")
+
+
+def test_fake_tensors_dispatch_mode_and_backward():
+    # torch._subclasses.fake_tensor.FakeTensorMode, torch.utils._python_dispatch.TorchDispatchMode,
+    # torch.utils._pytree.tree_flatten, OpOverload._opname, UntypedStorage._cdata, torch._C._current_graph_task_id.
+    ops = _Ops()
+    with compat.FakeTensorMode(allow_non_fake_inputs=True), ops:
+        x = torch.randn(8, 4, requires_grad=True)
+        w = torch.randn(4, 2, requires_grad=True)
+        (x @ w).sum().backward()
+        same = compat.storage_id(x.untyped_storage()) == compat.storage_id(x.view(32).untyped_storage())
+        other = compat.storage_id(x.untyped_storage()) != compat.storage_id(w.untyped_storage())
+    assert type(x).__name__ == "FakeTensor", "FakeTensorMode no longer makes fake tensors"
+    assert same and other, "UntypedStorage._cdata no longer identifies a storage across its views"
+    mm = torch.ops.aten.mm.default
+    assert compat.op_name(mm) == "mm" and compat.op_name(compat.c10d_op("_allgather_base_")) == "_allgather_base_"
+    phases = {(compat.op_name(func), backward) for func, backward, _ in ops.seen if func == mm}
+    assert phases == {("mm", False), ("mm", True)}, (
+        f"torch._C._current_graph_task_id no longer tells forward from backward: {phases}")
+    assert not compat.in_autograd_backward()
+
+
+def test_dtensor_local(fake_world):
+    # DTensor._local_tensor: the shard as stored, read inside a dispatch mode.
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dt = distribute_tensor(torch.arange(8.0), fake_world["b"], [Shard(0)])
+    assert torch.equal(compat.dtensor_local(dt), dt.to_local()) and compat.dtensor_local(dt).shape == (4,)
+
+
+def test_fsdp_storage_hooks_see_gathers_frees_and_accumulated_gradients(fake_world):
+    # torch.distributed.fsdp._fully_shard: _fsdp_param.alloc_storage / free_storage,
+    # _fsdp_param_group.alloc_storage, FSDPParam.to_accumulated_grad_if_needed /
+    # accumulate_unsharded_grad_if_needed and .unsharded_accumulated_grad.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    before = (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage)
+    model = torch.nn.Linear(4, 4, bias=False)
+    fully_shard(model, mesh=compat.flatten_mesh(fake_world, "ab"),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model.set_requires_gradient_sync(False)  # as under PP micro-batches: the unsharded gradient is kept
+    sizes: list[int] = []
+    kept: list[torch.dtype] = []
+    after_each: list[int] = []
+    with compat.fsdp_storage_hooks(on_resize=lambda t: sizes.append(t.untyped_storage().nbytes()),
+                                   on_accumulated_grad=lambda g: kept.append(g.dtype)):
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            after_each.append(len(kept))
+    assert 32 in sizes and 0 in sizes, (
+        f"FSDP2 no longer allocates and frees unsharded storages through alloc_storage/free_storage: {sizes}")
+    assert 0 < after_each[0] < after_each[1] and set(kept) == {torch.float32}, (
+        f"FSDPParam's accumulated-gradient methods no longer keep the unsharded gradient in the reduce dtype: {kept}")
+    assert (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage) == before
+
+
+def test_skip_pipeline_shape_exchange_makes_every_stage_static(fake_world):
+    # The schedules' _warmup_p2p, torch.distributed.pipelining._utils.InferenceMode.STATIC, a stage's _inference_mode.
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    group = fake_world.get_group("b")  # rank 1 is the last of 2 stages
+    stage = PipelineStage(torch.nn.Linear(4, 4), 1, 2, torch.device("cpu"), input_args=torch.empty(1, 4),
+                          output_args=torch.empty(1, 4), group=group)
+    schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, target: out.sum())
+    compat.skip_pipeline_shape_exchange(schedule)
+    losses: list[torch.Tensor] = []
+    schedule.step(target=torch.zeros(2, 4), losses=losses)  # a fake recv delivers no shapes to exchange
+    assert stage._inference_mode == InferenceMode.STATIC and len(losses) == 2
