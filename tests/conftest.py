@@ -51,9 +51,5 @@ def free_port() -> Callable[[], int]:
     return _free_port
 
 
-# The slow/fast test tiers (marker, the table of tests that start processes, the fast tier's check).
-from tiers import (  # noqa: E402,F401 - pytest finds hooks by name in conftest
-    pytest_collection_modifyitems,
-    pytest_runtest_call,
-    pytest_runtest_setup,
-)
+# The fast tier's check: a test that starts a process without the slow mark fails there.
+from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: E402,F401 - pytest finds hooks by name

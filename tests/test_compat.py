@@ -124,6 +124,7 @@ def _ok(world: list[dict[str, Any]], name: str) -> list[Any]:
     return results
 
 
+@pytest.mark.slow
 def test_set_pg_timeout_changes_a_live_groups_timeout(world):
     # torch >= 2.14: torch.distributed.set_timeout; 2.11-2.13: distributed_c10d._set_pg_timeout.
     seconds, _ = _ok(world, "set_pg_timeout")
@@ -131,17 +132,20 @@ def test_set_pg_timeout_changes_a_live_groups_timeout(world):
                           "the timeout setter no longer reaches the group's backend")
 
 
+@pytest.mark.slow
 def test_default_store(world):
     # distributed_c10d._get_default_store (the rank-1 wait in the timeout probe went through it too).
     assert _ok(world, "default_store") == ["from rank 1", "from rank 0"]
 
 
+@pytest.mark.slow
 def test_all_process_groups_lists_every_group(world):
     # distributed_c10d._world.pg_map: the default group, the timeout probe's group and the mesh's.
     for count, has_world in _ok(world, "all_process_groups"):
         assert has_world and count >= 2, "distributed_c10d._world.pg_map no longer lists every process group"
 
 
+@pytest.mark.slow
 def test_fsdp_param_groups_and_all_reduce_hook(world):
     # FSDPModule._get_fsdp_state, FSDPState._fsdp_param_groups (2.11/2.12: _fsdp_param_group),
     # FSDPParamGroup._all_reduce_hook and .fsdp_params.
@@ -153,11 +157,13 @@ def test_fsdp_param_groups_and_all_reduce_hook(world):
         assert result["hooked_root"] == 0, "a unit without a hook was reported as hooked"
 
 
+@pytest.mark.slow
 def test_local_shape_and_global_offset(world):
     # torch.distributed.tensor._utils.compute_local_shape_and_global_offset.
     assert _ok(world, "local_shape_and_global_offset") == [True, True]
 
 
+@pytest.mark.slow
 def test_dtensor_rng_tracker(world):
     # torch.distributed.tensor._random: _rng_tracker, is_rng_supported_mesh, OffsetBasedRNGTracker.
     from torch.distributed.tensor import _random
@@ -169,6 +175,7 @@ def test_dtensor_rng_tracker(world):
         "OffsetBasedRNGTracker no longer takes run_state_sync: the tracker would broadcast rank 0's seed")
 
 
+@pytest.mark.slow
 def test_functional_collectives(world):
     # torch.distributed._functional_collectives (context parallelism's autograd all-gather).
     assert _ok(world, "functional_collectives") == [[0.0, 1.0]] * 2

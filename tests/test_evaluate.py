@@ -61,6 +61,7 @@ def _train_and_validate(rank: int, world_size: int, dump: str, data: str, docume
     return out
 
 
+@pytest.mark.slow
 def test_validation_loss_is_the_mean_token_loss_of_the_split_and_is_logged(tmp_path):
     documents = [f"validation document {i}: " + "the quick brown fox jumps " * (i + 2) for i in range(12)]
     data = _write_jsonl(tmp_path / "val.jsonl", documents)

@@ -21,7 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, load_script
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 ENTRY = str(REPO / "tests" / "fault_entry.py")

@@ -18,8 +18,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 from integration_tests import read_losses
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 LAYOUTS = {

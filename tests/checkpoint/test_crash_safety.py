@@ -16,6 +16,8 @@ from helpers import DEBUG, REPO, train
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models.llama3 import llama3_flavors
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 HERE = Path(__file__).resolve().parent
 
 

@@ -221,6 +221,7 @@ def _two_rank_layout_losses(rank: int, world_size: int, dump: str, hf: str) -> d
     return out
 
 
+@pytest.mark.slow
 def test_loads_into_tp2_pp2_cp2_ddp2_give_hf_step1_loss(hf_dir, tmp_path) -> None:
     expected = hf_loss(hf_dir, BATCH)  # TP, PP and CP have one data-parallel rank: the global batch is BATCH
     results = run_ranks(_two_rank_layout_losses, 2, str(tmp_path), str(hf_dir), timeout=300)
@@ -241,6 +242,7 @@ def _export_script():
     return load_script("scripts/export_checkpoint.py")
 
 
+@pytest.mark.slow
 def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys) -> None:
     """train.py under torchrun: FSDP 2 starts from the HF folder (loss = HF's), saves, exports back bitwise."""
     from safetensors.torch import load_file
@@ -296,6 +298,7 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
     assert diff <= 1e-4, diff
 
 
+@pytest.mark.slow  # starts no process, but takes about 20 s: out of the fast tier
 def test_8b_shaped_export_matches_transformers(tmp_path) -> None:
     """8B dimensions (GQA 32/8, FFN 14336, 3.1 rope scaling), 2 layers and a 256-word vocabulary: one process."""
     args = dataclasses.replace(llama3_flavors["8B"], n_layers=2, vocab_size=256)

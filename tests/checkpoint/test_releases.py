@@ -169,6 +169,7 @@ def _release_runs(rank: int, world_size: int, dump: str, runs: dict[str, list[st
     return out
 
 
+@pytest.mark.slow
 def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> None:
     """One two-rank world: 3.2 1B-shaped (tied) into TP 2 (and resumed), FSDP 2 and CP 2 from HF, 3.2 3B-shaped (tied)
     into FSDP 2 from Meta's layout, 3.1 8B-shaped into PP 2: step-1 loss = transformers' loss on the same batch."""
@@ -217,6 +218,7 @@ def _export_script():
     return module
 
 
+@pytest.mark.slow
 def test_torchrun_tied_release_round_trip(releases, tmp_path, capsys) -> None:
     """train.py under torchrun (FSDP 2) from a tied 3.2 1B-shaped release; the export loads back tied."""
     from safetensors import safe_open
@@ -269,6 +271,7 @@ def _launch(*overrides: str) -> subprocess.CompletedProcess:
                           timeout=120, env=env)
 
 
+@pytest.mark.slow
 def test_bad_releases_through_the_launcher_exit_2_one_line_each(releases, tmp_path) -> None:
     import shutil
 

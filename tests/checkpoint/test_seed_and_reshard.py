@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import SHIPPED_TOKENIZER
 from dist_harness import run_ranks
 from helpers import (
@@ -25,6 +26,8 @@ from helpers import (
     resume_and_inspect,
     train,
 )
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 PARITY = 1e-4  # relative, as in tests/distributed/test_layout_parity.py
 

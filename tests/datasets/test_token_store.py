@@ -74,6 +74,7 @@ def global_batches(path, tokenizer, degree, steps, batch, **kw):
 # ---------------------------------------------------------------- contents
 
 
+@pytest.mark.slow
 def test_store_holds_the_packed_stream(store, corpus, tokenizer):
     _, docs = corpus
     s = TokenStore(store)
@@ -105,6 +106,7 @@ def test_permutation_is_a_seeded_bijection():
     assert 0 <= int(WindowPermutation(10**12, 5, 0)(np.array([10**12 - 1]))[0]) < 10**12
 
 
+@pytest.mark.slow
 def test_shuffled_stream_is_independent_of_dp_degree_and_accumulation(store, tokenizer):
     d1 = global_batches(store, tokenizer, 1, 3, 8)
     d4 = global_batches(store, tokenizer, 4, 3, 2)
@@ -144,6 +146,7 @@ def test_epochs_reshuffle_and_cover_every_window(tmp_path):
     assert [len(list(r)) for r in ranks(False)] == [12, 12]  # a finite pass stops on every rank together
 
 
+@pytest.mark.slow
 def test_resume_anywhere_at_any_dp_degree(store, tokenizer):
     reference = global_batches(store, tokenizer, 1, 12, 4)
     n_per_epoch = (TokenStore(store).n_tokens // (SEQ + 1)) // 4
@@ -166,6 +169,7 @@ def test_resume_anywhere_at_any_dp_degree(store, tokenizer):
         iter(other)  # the loader hands the state to the dataset here
 
 
+@pytest.mark.slow
 def test_prefetch_errors_reach_the_training_thread(store, tokenizer, monkeypatch):
     dl = loader(store, tokenizer, batch=2)
     it = iter(dl)
@@ -222,6 +226,7 @@ sys.exit(0)
 """
 
 
+@pytest.mark.slow
 def test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -234,6 +239,7 @@ def test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit(tmp_path):
 # ---------------------------------------------------------------- preparation
 
 
+@pytest.mark.slow
 def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_path, monkeypatch, store):
     path, _ = corpus
     out = tmp_path / "s"
@@ -275,6 +281,7 @@ def test_malformed_json_line_stops_with_file_and_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_bad_stores_are_named(store, tokenizer, tmp_path):
     import shutil
 
@@ -388,6 +395,7 @@ def test_streaming_mode_shards_documents_and_resumes_at_its_dp_degree(corpus, to
         rank(0, degree=4).load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp_path):
     import shutil
 
@@ -510,6 +518,7 @@ def assert_document_positions(inputs: torch.Tensor, positions: torch.Tensor, bos
     assert torch.equal(positions[:, 1:], expected)
 
 
+@pytest.mark.slow
 def test_positions_restart_per_document_and_resume_exactly(store, tokenizer):
     plain = take(loader(store, tokenizer, batch=2, rank=1, degree=2), 3)
     dl = loader(store, tokenizer, batch=2, rank=1, degree=2, positions=True)
@@ -539,6 +548,7 @@ def test_streamed_batches_carry_positions(corpus, tokenizer):
         assert_document_positions(x, p, tokenizer.bos_id)
 
 
+@pytest.mark.slow
 def test_block_causal_refuses_a_store_without_document_boundaries(store, tmp_path):
     import shutil
 

@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import ConfigManager
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 DEBUG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 12
 

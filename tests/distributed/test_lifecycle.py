@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = REPO / "train_configs" / "debug_model.toml"
 

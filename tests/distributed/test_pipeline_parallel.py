@@ -159,6 +159,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 ALL_LAYOUTS = [name for layouts in LAYOUTS.values() for name in layouts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL_LAYOUTS)
 def test_pipeline_layout_matches_control(name, runs, control):
     results = runs[name]
@@ -189,6 +190,7 @@ def test_pipeline_layout_matches_control(name, runs, control):
     assert val_rel <= CURVE_RTOL
 
 
+@pytest.mark.slow
 def test_pipeline_ranks_hold_disjoint_stages(runs):
     # PP 2: ranks 0 and 1 split the model between them; PP 4 with two stages per rank likewise.
     for name, stages_per_rank in {"PP 2 1F1B": 1, "PP 4 Interleaved1F1B": 2}.items():
@@ -203,10 +205,12 @@ def test_pipeline_ranks_hold_disjoint_stages(runs):
     assert "layers.2.attention.wq.weight" in pp2[0]["full"] and "layers.3.attention.wq.weight" in pp2[1]["full"]
 
 
+@pytest.mark.slow
 def test_control_learns(control):
     assert control["losses"][-1] < control["losses"][0] - 0.1
 
 
+@pytest.mark.slow
 def test_bad_configs_fail_on_every_rank_without_a_collective(runs):
     errors = runs["errors 2"]
     assert errors[0] == errors[1]

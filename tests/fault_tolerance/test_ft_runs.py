@@ -53,6 +53,8 @@ from conftest import REPO
 
 from torchtitan.distributed.lifecycle import free_port
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ENTRY = str(Path(__file__).with_name("ft_entry.py"))
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 STEPS, CRASH_AT = 20, 8  # eight healthy steps compared with one process, then the crash

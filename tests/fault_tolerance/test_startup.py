@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 LATE_STEPS, LATE_S = 3, 5.0
 ALONE_STEPS, ALONE_TIMEOUT = 6, 2
 NOISE = ("returned a view tensor", "Unable to reset NCCL flight recorder recording", "The given buffer is not writable",

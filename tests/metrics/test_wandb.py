@@ -92,6 +92,7 @@ def _assert_config(logged: dict[str, Any], effective: dict[str, Any]) -> None:
             assert logged[section][key] == value, f"{section}.{key}"
 
 
+@pytest.mark.slow
 def test_offline_run_has_tensorboards_scalars_and_the_config(launches):
     first = launches["runs"][0]
     assert len(launches["runs"]) == 2, "one W&B run per launch, from rank 0 only"
@@ -104,6 +105,7 @@ def test_offline_run_has_tensorboards_scalars_and_the_config(launches):
     assert config["training"]["steps"] == 2 and config["metrics"]["enable_wandb"] is True
 
 
+@pytest.mark.slow
 def test_resumed_job_continues_the_same_run(launches):
     first, resumed = launches["runs"]
     run_id = (launches["dump"] / "wandb_run_id").read_text().strip()
@@ -114,6 +116,7 @@ def test_resumed_job_continues_the_same_run(launches):
     assert resumed["run"]["config"]["update"]["training"]["steps"] == 4
 
 
+@pytest.mark.slow
 def test_missing_wandb_is_one_line_before_any_process_group(tmp_path):
     # This interpreter's packages without wandb: python -S skips site-packages, PYTHONPATH gives the rest back.
     site_dir = Path(wandb.__file__).parents[1]

@@ -35,6 +35,7 @@ def fsdp2_tp2():
     return dry_run(_cfg("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2"), 4)
 
 
+@pytest.mark.slow
 def test_traffic_of_fsdp2_tp2_equals_the_hand_count(fsdp2_tp2):
     from torchtitan.models import model_args
     from torchtitan.models.llama3 import Transformer
@@ -56,6 +57,7 @@ def test_traffic_of_fsdp2_tp2_equals_the_hand_count(fsdp2_tp2):
     assert rows["tp", "all_gather", "forward"]["count"] > 0  # sequence parallel gathers each region's input
 
 
+@pytest.mark.slow
 def test_memory_of_fsdp2_tp2_is_its_local_shards(fsdp2_tp2):
     params = _meta_params()
     # float32 master shards: linears and embeddings over all 4 ranks, norm weights over the 2 FSDP ranks.
@@ -76,6 +78,7 @@ def _meta_params():
         return list(Transformer(model_args("llama3", "debugmodel")).named_parameters())
 
 
+@pytest.mark.slow
 def test_state_agrees_with_a_real_trainers_tensors(tmp_path, monkeypatch):
     """The dry run's parameter and optimizer bytes equal what the real Trainer holds (rank 0 of a fake world)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -104,6 +107,7 @@ def test_state_agrees_with_a_real_trainers_tensors(tmp_path, monkeypatch):
     assert final["optimizer"] == held["optimizer"]
 
 
+@pytest.mark.slow
 def test_cost_model_orders_and_units(fsdp2_tp2):
     fast, slow = load_cluster("h100-sxm-80g"), load_cluster("a100-80g")
     a, b = estimate(fsdp2_tp2, fast), estimate(fsdp2_tp2, slow)
@@ -112,6 +116,7 @@ def test_cost_model_orders_and_units(fsdp2_tp2):
     assert 0 < a.mfu < 1 and set(a.comm_bytes_per_step) >= {"dp_shard", "tp"}
 
 
+@pytest.mark.slow
 def test_bad_config_fails_with_the_launchs_lines():
     bad = ["--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=3"]
     launch = subprocess.run([sys.executable, "train.py", "--preflight_only", *bad], cwd=REPO,
@@ -121,6 +126,7 @@ def test_bad_config_fails_with_the_launchs_lines():
     assert planned.stderr.strip() and planned.stderr == launch.stderr
 
 
+@pytest.mark.slow
 def test_plan_json_and_bad_inputs(tmp_path):
     out = _run("scripts/plan.py", "--cluster", "h100-sxm-80g", "--world_size", "2", "--json",
                "--job.config_file", DEBUG)
@@ -139,6 +145,7 @@ def test_plan_json_and_bad_inputs(tmp_path):
     assert odd.returncode == 2 and "world_size" in odd.stderr
 
 
+@pytest.mark.slow
 def test_a_layout_that_does_not_fit_names_its_largest_consumer(fsdp2_tp2):
     tiny = load_cluster("h100-sxm-80g")
     import dataclasses

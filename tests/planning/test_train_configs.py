@@ -20,6 +20,7 @@ from torchtitan.planning.dry_run import dry_runs, plan_job
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_shipped_configs_dry_run_at_their_world_sizes():
     """8B at 8, 70B at 256, 405B at 512 (its first and last pipeline ranks: embedding / output), in one pool."""
     jobs = [("llama3_8b.toml", 8, None), ("llama3_70b.toml", 256, None), ("llama3_405b.toml", 512, [0, 7])]
@@ -37,6 +38,7 @@ def test_shipped_configs_dry_run_at_their_world_sizes():
     assert first.traffic.by_dim()["pp"] > 0
 
 
+@pytest.mark.slow
 def test_search_returns_accepted_layouts_and_the_best_trains(tmp_path):
     from torchtitan.planning.clusters import load_cluster
     from torchtitan.planning.search import search

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import traceback
 
+import pytest
 import torch
 from conftest import REPO
 from dist_harness import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 STEPS = 10
