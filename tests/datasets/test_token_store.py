@@ -544,8 +544,13 @@ def test_streamed_batches_carry_positions(corpus, tokenizer):
     stream = ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer, seq_len=SEQ,
                                   local_batch_size=2, dp_rank=0, dp_degree=1, infinite=False, name="hub",
                                   positions=True)
-    for x, _, p in stream:
+    batches = list(stream)
+    # Every full batch of the one pass: the corpus' tokens, each document with BOS and EOS, in rows of SEQ + 1.
+    tokens = sum(len(tokenizer.encode(doc, bos=True, eos=True)) for doc in corpus[1])
+    assert len(batches) == tokens // (2 * (SEQ + 1)) > 0
+    for x, _, p in batches:
         assert_document_positions(x, p, tokenizer.bos_id)
+    assert any((p[:, 1:] == 0).any() for _, _, p in batches)  # documents start inside these windows
 
 
 @pytest.mark.slow
