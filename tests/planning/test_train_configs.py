@@ -2,8 +2,9 @@
 512 with PP), and the layout search at 8 ranks, whose best layout then trains for real through torchrun.
 
 These are the planner's heaviest tests (and one cheap one that pins the 8B FSDP 8 prediction). The four
-simulated ranks of the three configs share one pool (8B about 9 s of CPU, 70B about 25 s, 405B two pipeline ranks about 2 x 30 s): 42 s on the idle
-2-core machine, against the 60 s the issue allows; the search test took 63 s there."""
+simulated ranks of the three configs share one pool (8B about 9 s of CPU, 70B about 25 s, 405B two
+pipeline ranks about 2 x 30 s): 42 s on the idle 2-core machine, against the 60 s the issue allows; the
+search test took 63 s there."""
 
 from __future__ import annotations
 
