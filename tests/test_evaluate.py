@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, load_script
+from conftest import DEBUG_CONFIG, load_script
 from dist_harness import run_ranks
 
 from torchtitan.config import ConfigError, ConfigManager
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 SEQ, BATCH = 16, 2
 
 

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, load_script
+from conftest import CI_CONFIG, REPO, load_script
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+CONFIG = CI_CONFIG
 ENTRY = str(REPO / "tests" / "fault_entry.py")
 
 stress_exit = load_script("scripts/stress_exit.py")

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import CI_CONFIG, REPO
 from integration_tests import read_losses
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+CONFIG = CI_CONFIG
 LAYOUTS = {
     "hsdp_2x2": ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2",
                  "--training.batch_size=2"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import REPO, SHIPPED_TOKENIZER
+from conftest import DEBUG_CONFIG, SHIPPED_TOKENIZER
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import build_tokenizer
@@ -11,7 +11,7 @@ from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import ffn_hidden_dim
 from torchtitan.preflight import check_config, gradient_accumulation_steps, preflight
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 
 
 def parse(*argv: str):

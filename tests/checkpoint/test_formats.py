@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers  # a test-only dependency (the dev extra)
-from conftest import REPO, load_script
+from conftest import DEBUG_CONFIG, REPO, load_script, run_torchrun
 from dist_harness import run_ranks
 from helpers import hf_logits, hf_loss, reference_batch
 
@@ -30,7 +27,7 @@ from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
 from torchtitan.models.llama3.model import ffn_hidden_dim
 
-DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG_TOML = DEBUG_CONFIG
 SEQ, BATCH = 32, 2
 FLAVOR = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=2048)
 
@@ -248,17 +245,15 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
     from safetensors.torch import load_file
 
     dump = tmp_path / "dump"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
-         "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
-         f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}", "--training.steps=1",
-         "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0", "--lr_scheduler.warmup_steps=0",
-         "--checkpoint.enable_checkpoint",
-         "--checkpoint.model_weights_only", f"--checkpoint.initial_load_path={hf_dir}",
-         "--checkpoint.initial_load_format=hf"],
-        capture_output=True, text=True, timeout=300, env=env,
+    out = run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}",
+        "--metrics.enable_tensorboard=false",
+        "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
+        f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}", "--training.steps=1",
+        "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0", "--lr_scheduler.warmup_steps=0",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.model_weights_only", f"--checkpoint.initial_load_path={hf_dir}",
+        "--checkpoint.initial_load_format=hf", timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loaded 57 tensors from" in out.stderr

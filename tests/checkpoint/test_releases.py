@@ -13,13 +13,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import REPO
+from conftest import DEBUG_CONFIG, REPO, run_torchrun
 from dist_harness import run_ranks
 from helpers import hf_loss
 
@@ -30,7 +29,7 @@ from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import model_fields
 from torchtitan.preflight import preflight
 
-DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG_TOML = DEBUG_CONFIG
 SEQ, BATCH, VOCAB = 32, 2, 2048
 _ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
          "rope_type": "llama3"}
@@ -224,16 +223,14 @@ def test_torchrun_tied_release_round_trip(releases, tmp_path, capsys) -> None:
     from safetensors import safe_open
 
     release, dump = releases["3.2-1B"], tmp_path / "dump"
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
-         "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
-         f"--model.flavor={release}", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}",
-         "--training.steps=1", "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0",
-         "--lr_scheduler.warmup_steps=0", "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only",
-         f"--checkpoint.initial_load_path={release}", "--checkpoint.initial_load_format=hf"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    out = run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}",
+        "--metrics.enable_tensorboard=false",
+        "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
+        f"--model.flavor={release}", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}",
+        "--training.steps=1", "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0",
+        "--lr_scheduler.warmup_steps=0", "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only",
+        f"--checkpoint.initial_load_path={release}", "--checkpoint.initial_load_format=hf", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     loss = float(re.search(r"step: 1 +loss: ([0-9.]+)", out.stderr).group(1))
     assert loss == pytest.approx(hf_loss(release, BATCH), abs=1e-4)  # the log prints 5 significant digits

@@ -14,13 +14,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SHIPPED_TOKENIZER
+from conftest import REPO, SHIPPED_TOKENIZER
 from dist_harness import run_ranks
 from helpers import (
     DDP2,
     FSDP2,
     HSDP4,
-    REPO,
     checkpoint_digests,
     copy_checkpoint,
     resume_and_inspect,

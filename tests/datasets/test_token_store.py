@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, load_script
+from conftest import DEBUG_CONFIG, REPO, load_script
 
 from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer, prepare, store_cache
 from torchtitan.datasets.sources import TokenStoreError
@@ -405,7 +405,7 @@ def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp
     bad = tmp_path / "bad"
     shutil.copytree(store, bad)
     (bad / "shard_00002.bin").write_bytes(b"")
-    cfg = ConfigManager().parse_args(["--job.config_file", "train_configs/debug_model.toml",
+    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG_CONFIG,
                                       f"--training.dataset_path={bad}", f"--training.seq_len={SEQ}"])
     with pytest.raises(ConfigError, match=re.escape(str(bad / "shard_00002.bin")) + ".*truncated"):
         preflight(cfg, 1)
@@ -565,7 +565,7 @@ def test_block_causal_refuses_a_store_without_document_boundaries(store, tmp_pat
     index = json.loads((bad / "index.json").read_text())
     del index["bos_id"]
     (bad / "index.json").write_text(json.dumps(index))
-    argv = ["--job.config_file", "train_configs/debug_model.toml", f"--training.dataset_path={bad}",
+    argv = ["--job.config_file", DEBUG_CONFIG, f"--training.dataset_path={bad}",
             f"--training.seq_len={SEQ}"]
     with pytest.raises(ConfigError, match="records no BOS.*scripts/prepare_data.py.*--model.attn_mask_type=causal"):
         preflight(ConfigManager().parse_args(argv), 1)

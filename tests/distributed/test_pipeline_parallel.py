@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import DEBUG_CONFIG
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -31,7 +31,7 @@ from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.pipeline_parallel import prune_to_stage
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 STEPS = 4
 RUN = [f"--training.steps={STEPS}", "--training.seq_len=32", "--validation.enable",
        "--validation.held_out_fraction=0.05", "--validation.steps=1"]

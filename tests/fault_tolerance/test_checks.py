@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import CI_CONFIG
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets.partition import data_slot
@@ -12,7 +11,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.preflight import preflight
 
-CI = str(Path(__file__).resolve().parents[2] / "train_configs" / "debug_model_ci.toml")
+CI = CI_CONFIG
 FT = ["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
       "--fault_tolerance.lighthouse=http://localhost:29510"]
 

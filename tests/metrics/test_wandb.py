@@ -17,23 +17,20 @@ from typing import Any
 
 import pytest
 import tomllib
-from conftest import REPO
+from conftest import DEBUG_CONFIG, REPO, run_torchrun
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install -e '.[wandb]')")
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 
 
 def _train(dump: Path, steps: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG, f"--job.dump_folder={dump}", f"--training.steps={steps}", "--job.print_args=false",
-         "--metrics.log_freq=1", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
-         "--metrics.wandb_project=titan-test", "--metrics.wandb_group=g1",
-         "--checkpoint.enable_checkpoint", "--checkpoint.interval=2"],
-        capture_output=True, text=True, timeout=600, env=env)
+    return run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG, f"--job.dump_folder={dump}", f"--training.steps={steps}",
+        "--job.print_args=false", "--metrics.log_freq=1", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
+        "--metrics.wandb_project=titan-test", "--metrics.wandb_group=g1",
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval=2",
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
 
 
 def _read_offline_run(run_dir: Path) -> dict[str, Any]:

@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO
+from conftest import DEBUG_CONFIG, REPO
 
 from torchtitan.config import ConfigManager
 from torchtitan.planning.clusters import ClusterError, load_cluster
 from torchtitan.planning.cost import estimate
 from torchtitan.planning.dry_run import dry_run
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 

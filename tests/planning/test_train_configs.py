@@ -8,19 +8,13 @@ search test took 63 s there."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, load_script
+from conftest import CI_CONFIG, REPO, load_script, run_torchrun
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.planning.clusters import load_cluster
 from torchtitan.planning.cost import estimate
 from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
-
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow  # the dry run's pool forks; one simulated rank, about 10 s
@@ -63,7 +57,7 @@ def test_search_returns_accepted_layouts_and_the_best_trains(tmp_path):
     from torchtitan.planning.clusters import load_cluster
     from torchtitan.planning.search import search
 
-    args = ["--job.config_file", str(REPO / "train_configs" / "debug_model_ci.toml"), "--training.batch_size=1"]
+    args = ["--job.config_file", CI_CONFIG, "--training.batch_size=1"]
     layouts = search(args, 8, load_cluster("h100-sxm-80g"))
     assert layouts
     speeds = [layout.estimate.tokens_per_second_per_gpu for layout in layouts]
@@ -74,10 +68,8 @@ def test_search_returns_accepted_layouts_and_the_best_trains(tmp_path):
         except ConfigError as e:  # pragma: no cover - the assertion names the layout
             pytest.fail(f"search returned a layout the preflight refuses: {layout.overrides}: {e}")
     best = layouts[0].overrides
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "train.py", *args,
-         *best, "--training.steps=2", "--lr_scheduler.warmup_steps=0", f"--job.dump_folder={tmp_path}",
-         "--metrics.enable_tensorboard=false"],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    out = run_torchrun(REPO / "train.py", *args, *best, "--training.steps=2", "--lr_scheduler.warmup_steps=0",
+                       f"--job.dump_folder={tmp_path}", "--metrics.enable_tensorboard=false", nproc=8, timeout=900,
+                       env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Training done: 2 steps" in out.stderr + out.stdout

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import CI_CONFIG, REPO
 
 _SHIM = """#!/usr/bin/env bash
 echo "$*" >>"$CALLS"
@@ -30,7 +30,7 @@ def test_launcher_runs_everything_on_the_python_it_is_given(tmp_path):
     shim.chmod(0o755)
     calls = tmp_path / "calls.log"
     env = {**os.environ, "PYTHON": str(shim), "REAL_PY": sys.executable, "CALLS": str(calls),
-           "PYTHONPATH": str(REPO), "CONFIG_FILE": str(REPO / "train_configs" / "debug_model_ci.toml")}
+           "PYTHONPATH": str(REPO), "CONFIG_FILE": CI_CONFIG}
     env.pop("NGPU", None)
     out = subprocess.run(["bash", str(REPO / "run_llama_train.sh"), "--training.steps=1",
                           "--lr_scheduler.warmup_steps=0", f"--job.dump_folder={tmp_path / 'dump'}",

@@ -20,13 +20,13 @@ import traceback
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import CI_CONFIG
 from dist_harness import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+CONFIG = CI_CONFIG
 STEPS = 10
 
 
