@@ -2,7 +2,8 @@
 
 Each test uses the internal the way the project does and checks that it still does what
 the project relies on, so that an upgrade that moves or changes one fails here, naming it,
-rather than in a training run. The distributed ones share one 2-rank gloo world.
+rather than in a training run. The distributed ones share one 2-rank gloo world; the planner's
+(torchtitan/planning/) run in this process as one rank of a fake process group, as the dry run does.
 """
 
 from __future__ import annotations
