@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEBUG_CONFIG, load_script
+from conftest import DEBUG_CONFIG, debug_config, load_script
 from dist_harness import run_ranks
 
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
 
 DEBUG = DEBUG_CONFIG
 SEQ, BATCH = 16, 2
 
 
 def _cfg(*overrides: str):
-    return ConfigManager().parse_args(["--job.config_file", DEBUG, "--job.print_args=false", *overrides])
+    return debug_config("--job.print_args=false", *overrides)
 
 
 def _write_jsonl(path: Path, documents: list[str]) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import DEBUG_CONFIG, SHIPPED_TOKENIZER
+from conftest import DEBUG_CONFIG, SHIPPED_TOKENIZER, debug_config
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import build_tokenizer
@@ -103,7 +103,7 @@ def test_validation_options():
 
 
 def _problems(world_size: int, *overrides: str) -> list[str]:
-    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, *overrides])
+    cfg = debug_config(*overrides)
     with pytest.raises(ConfigError) as info:
         preflight(cfg, world_size)
     return info.value.problems

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import DEBUG_CONFIG, REPO, run_torchrun
+from conftest import DEBUG_CONFIG, REPO, debug_config, run_torchrun
 from dist_harness import run_ranks
 from helpers import hf_loss
 
@@ -92,7 +92,7 @@ def test_published_configs_give_the_released_shapes(tmp_path) -> None:
 
 def test_unsupported_releases_are_one_line_preflight_errors(tmp_path) -> None:
     def problems(flavor: Path, *extra: str) -> list[str]:
-        cfg = ConfigManager().parse_args(["--job.config_file", DEBUG_TOML, f"--model.flavor={flavor}", *extra])
+        cfg = debug_config(f"--model.flavor={flavor}", *extra)
         with pytest.raises(ConfigError) as e:
             preflight(cfg, 2)
         return e.value.problems

@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from conftest import DEBUG_CONFIG
+from conftest import DEBUG_CONFIG, debug_config
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -303,11 +303,11 @@ def test_preflight_reports_pipeline_errors_before_any_process_group():
     from torchtitan.preflight import preflight
 
     with pytest.raises(ConfigError, match="choose one of"):
-        preflight(ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("OneFOneB")]), 2)
-    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("1F1B"), "--training.batch_size=2"])
+        preflight(debug_config(*_pp("OneFOneB")), 2)
+    cfg = debug_config(*_pp("1F1B"), "--training.batch_size=2")
     plan = preflight(cfg, 2)
     assert plan.pipeline is not None and plan.pipeline.layer_starts == (0, 3, 6)
-    assert preflight(ConfigManager().parse_args(["--job.config_file", DEBUG]), 2).pipeline is None
+    assert preflight(debug_config(), 2).pipeline is None
 
 
 def test_pruned_stage_keeps_fqns_and_the_unsplit_init():

@@ -11,9 +11,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEBUG_CONFIG, REPO
+from conftest import DEBUG_CONFIG, REPO, debug_config
 
-from torchtitan.config import ConfigManager
 from torchtitan.planning.clusters import ClusterError, load_cluster
 from torchtitan.planning.cost import estimate
 from torchtitan.planning.dry_run import dry_run
@@ -23,7 +22,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def _cfg(*overrides: str):
-    return ConfigManager().parse_args(["--job.config_file", DEBUG, "--metrics.enable_tensorboard=false", *overrides])
+    return debug_config("--metrics.enable_tensorboard=false", *overrides)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
