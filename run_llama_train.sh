@@ -9,6 +9,8 @@
 #                  Python start less per launch
 #   MAX_RESTARTS   times torchrun restarts the workers after a failure (default: 0); with
 #                  --fault_tolerance.enable a restarted group heals from its live peers
+#   PYTHON         the interpreter that runs everything here, torchrun and the ranks included
+#                  (default: python3), as in scripts/test.sh and scripts/install.sh
 # Several nodes (run this script once on each; see README "Multi-node"):
 #   NNODES         nodes in the job (default: 1, which runs torchrun --standalone)
 #   NODE_RANK      this node's index, 0..NNODES-1 (default: 0); node 0 hosts the rendezvous
@@ -20,8 +22,9 @@
 # Extra arguments are config overrides, e.g. --training.steps 30.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PY=${PYTHON:-python3}
 if [[ -z "${NGPU:-}" ]]; then
-  NGPU=$(python3 -c "import torch; print(torch.cuda.device_count() or 8)")
+  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() or 8)")
 fi
 CONFIG_FILE=${CONFIG_FILE:-"$here/train_configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
@@ -46,8 +49,9 @@ fi
 # Check the job once before any rank starts: a config problem exits 2 here with one line per
 # problem, not inside torchrun's report of failed ranks. Each rank still checks for itself.
 if [[ "${LAUNCH_PREFLIGHT:-1}" != 0 ]]; then
-  WORLD_SIZE=$((NGPU * NNODES)) python3 "$here/train.py" --preflight_only --job.config_file "$CONFIG_FILE" "$@" \
+  WORLD_SIZE=$((NGPU * NNODES)) "$PY" "$here/train.py" --preflight_only --job.config_file "$CONFIG_FILE" "$@" \
     || exit $?
 fi
-exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
+# torchrun as a module of that interpreter: it starts the ranks with the same one.
+exec "$PY" -m torch.distributed.run "${launch[@]}" --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
   "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"

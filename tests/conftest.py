@@ -1,26 +1,80 @@
-"""What the whole test suite shares: the repository root, the shipped tokenizer and free ports.
+"""What the whole test suite shares: the repository root, the shipped tokenizer, free ports, the debug
+configs, a trainer factory and a ``torchrun`` runner.
 
 Fixtures serve the test functions. Code that runs where no fixture reaches (a function
-spawned on ranks, a module-level helper) imports the constants: ``from conftest import REPO``,
+spawned on ranks, a module-level helper) imports the same things by name:
+``from conftest import REPO, DEBUG_CONFIG, debug_config, make_trainer, run_torchrun``,
 and ``load_script`` imports a script of the repository as a module.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 
 from torchtitan.distributed.lifecycle import free_port as _free_port
 
+if TYPE_CHECKING:
+    from torchtitan.config import JobConfig
+    from torchtitan.trainer import Trainer
+
 REPO = Path(__file__).resolve().parents[1]
 # The SentencePiece tokenizer that ships with the package (2048 words), absolute so that a
 # test passes from any working directory.
 SHIPPED_TOKENIZER = str(REPO / "torchtitan" / "datasets" / "assets" / "tokenizer.model")
+# The debug model (CPU, seconds) and its CI sizes, the configs most tests train.
+DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
+CI_CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+# Variables torchrun sets for its ranks: a launch from a process that has them would inherit them.
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def debug_config(*overrides: str, config: str = DEBUG_CONFIG) -> JobConfig:
+    """``config`` (the debug model's by default) parsed with ``overrides``, as ``train.py`` would."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", config, *overrides])
+
+
+def make_trainer(dump: str | Path, *overrides: str, config: str = DEBUG_CONFIG) -> Trainer:
+    """A ``Trainer`` of ``config`` writing under ``dump``: no printed arguments, no TensorBoard, then ``overrides``."""
+    from torchtitan.trainer import Trainer
+
+    return Trainer(debug_config(f"--job.dump_folder={dump}", "--job.print_args=false",
+                                "--metrics.enable_tensorboard=false", *overrides, config=config))
+
+
+def torchrun_command(script: str | Path, *args: str, nproc: int = 2, launch: Sequence[str] = ()) -> list[str]:
+    """The command line of ``script`` under ``torchrun --standalone`` with ``nproc`` ranks (``launch``: more
+    torchrun options)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launch,
+            str(script), *args]
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """This process' environment for a launch: the repository first on ``PYTHONPATH``, no torchrun variables."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+    for var in _TORCHRUN_VARS:
+        env.pop(var, None)
+    return env
+
+
+def run_torchrun(script: str | Path, *args: str, nproc: int = 2, launch: Sequence[str] = (), timeout: float = 600,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` (``train.py`` or a test's entry) under torchrun from the repository root, its output captured.
+
+    ``env`` adds to ``torchrun_env()``.
+    """
+    return subprocess.run(torchrun_command(script, *args, nproc=nproc, launch=launch), cwd=REPO,
+                          env=torchrun_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
 
 
 def load_script(relative_path: str) -> ModuleType:
@@ -51,9 +105,23 @@ def free_port() -> Callable[[], int]:
     return _free_port
 
 
-# The slow/fast test tiers (marker, the table of tests that start processes, the fast tier's check).
-from tiers import (  # noqa: E402,F401 - pytest finds hooks by name in conftest
-    pytest_collection_modifyitems,
-    pytest_runtest_call,
-    pytest_runtest_setup,
-)
+@pytest.fixture
+def debug_cfg() -> Callable[..., JobConfig]:
+    """``debug_cfg(*overrides, config=DEBUG_CONFIG)``: the debug config with overrides (``debug_config``)."""
+    return debug_config
+
+
+@pytest.fixture
+def trainer_factory() -> Callable[..., Trainer]:
+    """``trainer_factory(dump, *overrides)``: a Trainer of the debug config (``make_trainer``)."""
+    return make_trainer
+
+
+@pytest.fixture
+def torchrun() -> Callable[..., subprocess.CompletedProcess]:
+    """``torchrun(script, *args, nproc=2, ...)``: the script under torchrun, its output captured (``run_torchrun``)."""
+    return run_torchrun
+
+
+# The fast tier's check: a test that starts a process without the slow mark fails there.
+from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: E402,F401 - pytest finds hooks by name

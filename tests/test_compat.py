@@ -2,7 +2,8 @@
 
 Each test uses the internal the way the project does and checks that it still does what
 the project relies on, so that an upgrade that moves or changes one fails here, naming it,
-rather than in a training run. The distributed ones share one 2-rank gloo world.
+rather than in a training run. The distributed ones share one 2-rank gloo world; the planner's
+(torchtitan/planning/) run in this process as one rank of a fake process group, as the dry run does.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def _ok(world: list[dict[str, Any]], name: str) -> list[Any]:
     return results
 
 
+@pytest.mark.slow
 def test_set_pg_timeout_changes_a_live_groups_timeout(world):
     # torch >= 2.14: torch.distributed.set_timeout; 2.11-2.13: distributed_c10d._set_pg_timeout.
     seconds, _ = _ok(world, "set_pg_timeout")
@@ -131,17 +133,20 @@ def test_set_pg_timeout_changes_a_live_groups_timeout(world):
                           "the timeout setter no longer reaches the group's backend")
 
 
+@pytest.mark.slow
 def test_default_store(world):
     # distributed_c10d._get_default_store (the rank-1 wait in the timeout probe went through it too).
     assert _ok(world, "default_store") == ["from rank 1", "from rank 0"]
 
 
+@pytest.mark.slow
 def test_all_process_groups_lists_every_group(world):
     # distributed_c10d._world.pg_map: the default group, the timeout probe's group and the mesh's.
     for count, has_world in _ok(world, "all_process_groups"):
         assert has_world and count >= 2, "distributed_c10d._world.pg_map no longer lists every process group"
 
 
+@pytest.mark.slow
 def test_fsdp_param_groups_and_all_reduce_hook(world):
     # FSDPModule._get_fsdp_state, FSDPState._fsdp_param_groups (2.11/2.12: _fsdp_param_group),
     # FSDPParamGroup._all_reduce_hook and .fsdp_params.
@@ -153,11 +158,13 @@ def test_fsdp_param_groups_and_all_reduce_hook(world):
         assert result["hooked_root"] == 0, "a unit without a hook was reported as hooked"
 
 
+@pytest.mark.slow
 def test_local_shape_and_global_offset(world):
     # torch.distributed.tensor._utils.compute_local_shape_and_global_offset.
     assert _ok(world, "local_shape_and_global_offset") == [True, True]
 
 
+@pytest.mark.slow
 def test_dtensor_rng_tracker(world):
     # torch.distributed.tensor._random: _rng_tracker, is_rng_supported_mesh, OffsetBasedRNGTracker.
     from torch.distributed.tensor import _random
@@ -169,6 +176,7 @@ def test_dtensor_rng_tracker(world):
         "OffsetBasedRNGTracker no longer takes run_state_sync: the tracker would broadcast rank 0's seed")
 
 
+@pytest.mark.slow
 def test_functional_collectives(world):
     # torch.distributed._functional_collectives (context parallelism's autograd all-gather).
     assert _ok(world, "functional_collectives") == [[0.0, 1.0]] * 2
@@ -307,3 +315,138 @@ def test_in_backward_pass_tells_a_recompute_from_the_forward():
     assert not compat.in_backward_pass()
     y.sum().backward()
     assert seen == [True], "torch._C._current_graph_task_id no longer marks a running backward pass"
+# ---------------------------------------------------------------- the planner's internals, on a fake world
+# The dry run (torchtitan/planning/) runs the trainer's step as one rank of a fake process group under
+# FakeTensorMode, and watches it with a dispatch mode. Each test below uses one internal that way.
+
+
+@pytest.fixture
+def fake_world() -> Any:
+    """This process as rank 1 of a 4-rank fake process group (compat.fake_process_group_store)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=compat.fake_process_group_store(), rank=1, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Ops(compat.TorchDispatchMode):
+    """Records each op, whether it ran in backward, and the storage ids of its outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[Any, bool, list[int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        storages = [compat.storage_id(t.untyped_storage())
+                    for t in compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.seen.append((func, compat.in_autograd_backward(), storages))
+        return out
+
+
+def test_fake_process_group_and_flatten_mesh(fake_world):
+    # torch.testing._internal.distributed.fake_pg.FakeStore (the "fake" backend) and DeviceMesh._flatten.
+    import torch.distributed as dist
+
+    flat = compat.flatten_mesh(fake_world, "ab")
+    assert flat.mesh_dim_names == ("ab",) and flat.size() == 4, "DeviceMesh._flatten no longer makes a 1-D mesh"
+    assert dist.get_process_group_ranks(flat.get_group()) == [0, 1, 2, 3]
+    t = torch.ones(3)
+    dist.all_reduce(t, group=flat.get_group())  # the fake backend returns at once and moves nothing
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_collective_ops_and_resolve_process_group(fake_world):
+    # torch.ops.c10d._allgather_base_ / _reduce_scatter_base_ and torch.ops._c10d_functional (the ops the
+    # planner's traffic ledger counts), and torch._C._distributed_c10d._resolve_process_group.
+    import torch.distributed as dist
+
+    group = fake_world.get_group("b")
+    ops = _Ops()
+    with ops, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the calls the project's code makes, deprecated or not
+        dist.all_gather_into_tensor(torch.empty(4), torch.ones(2), group=group)
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4), group=group)
+        compat.functional_collectives.all_gather_tensor_autograd(torch.ones(2), 0, group).wait()
+    funcs = [func for func, _, _ in ops.seen]
+    assert compat.c10d_op("_allgather_base_") in funcs, "all_gather_into_tensor no longer issues c10d._allgather_base_"
+    assert compat.c10d_op("_reduce_scatter_base_") in funcs, (
+        "reduce_scatter_tensor no longer issues c10d._reduce_scatter_base_")
+    gather = compat.functional_collective_ops().all_gather_into_tensor.default
+    assert gather in funcs, "the functional all-gather is no longer torch.ops._c10d_functional.all_gather_into_tensor"
+    assert compat.resolve_process_group(group.group_name) is group, (
+        "_resolve_process_group no longer maps a group name to its process group")
+
+
+def test_fake_tensors_dispatch_mode_and_backward():
+    # torch._subclasses.fake_tensor.FakeTensorMode, torch.utils._python_dispatch.TorchDispatchMode,
+    # torch.utils._pytree.tree_flatten, OpOverload._opname, UntypedStorage._cdata, torch._C._current_graph_task_id.
+    ops = _Ops()
+    with compat.FakeTensorMode(allow_non_fake_inputs=True), ops:
+        x = torch.randn(8, 4, requires_grad=True)
+        w = torch.randn(4, 2, requires_grad=True)
+        (x @ w).sum().backward()
+        same = compat.storage_id(x.untyped_storage()) == compat.storage_id(x.view(32).untyped_storage())
+        other = compat.storage_id(x.untyped_storage()) != compat.storage_id(w.untyped_storage())
+    assert type(x).__name__ == "FakeTensor", "FakeTensorMode no longer makes fake tensors"
+    assert same and other, "UntypedStorage._cdata no longer identifies a storage across its views"
+    mm = torch.ops.aten.mm.default
+    assert compat.op_name(mm) == "mm" and compat.op_name(compat.c10d_op("_allgather_base_")) == "_allgather_base_"
+    phases = {(compat.op_name(func), backward) for func, backward, _ in ops.seen if func == mm}
+    assert phases == {("mm", False), ("mm", True)}, (
+        f"torch._C._current_graph_task_id no longer tells forward from backward: {phases}")
+    assert not compat.in_autograd_backward()
+
+
+def test_dtensor_local(fake_world):
+    # DTensor._local_tensor: the shard as stored, read inside a dispatch mode.
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dt = distribute_tensor(torch.arange(8.0), fake_world["b"], [Shard(0)])
+    assert torch.equal(compat.dtensor_local(dt), dt.to_local()) and compat.dtensor_local(dt).shape == (4,)
+
+
+def test_fsdp_storage_hooks_see_gathers_frees_and_accumulated_gradients(fake_world):
+    # torch.distributed.fsdp._fully_shard: _fsdp_param.alloc_storage / free_storage,
+    # _fsdp_param_group.alloc_storage, FSDPParam.to_accumulated_grad_if_needed /
+    # accumulate_unsharded_grad_if_needed and .unsharded_accumulated_grad.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    before = (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage)
+    model = torch.nn.Linear(4, 4, bias=False)
+    fully_shard(model, mesh=compat.flatten_mesh(fake_world, "ab"),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model.set_requires_gradient_sync(False)  # as under PP micro-batches: the unsharded gradient is kept
+    sizes: list[int] = []
+    kept: list[torch.dtype] = []
+    after_each: list[int] = []
+    with compat.fsdp_storage_hooks(on_resize=lambda t: sizes.append(t.untyped_storage().nbytes()),
+                                   on_accumulated_grad=lambda g: kept.append(g.dtype)):
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            after_each.append(len(kept))
+    assert 32 in sizes and 0 in sizes, (
+        f"FSDP2 no longer allocates and frees unsharded storages through alloc_storage/free_storage: {sizes}")
+    assert 0 < after_each[0] < after_each[1] and set(kept) == {torch.float32}, (
+        f"FSDPParam's accumulated-gradient methods no longer keep the unsharded gradient in the reduce dtype: {kept}")
+    assert (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage) == before
+
+
+def test_skip_pipeline_shape_exchange_makes_every_stage_static(fake_world):
+    # The schedules' _warmup_p2p, torch.distributed.pipelining._utils.InferenceMode.STATIC, a stage's _inference_mode.
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    group = fake_world.get_group("b")  # rank 1 is the last of 2 stages
+    stage = PipelineStage(torch.nn.Linear(4, 4), 1, 2, torch.device("cpu"), input_args=torch.empty(1, 4),
+                          output_args=torch.empty(1, 4), group=group)
+    schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, target: out.sum())
+    compat.skip_pipeline_shape_exchange(schedule)
+    losses: list[torch.Tensor] = []
+    schedule.step(target=torch.zeros(2, 4), losses=losses)  # a fake recv delivers no shapes to exchange
+    assert stage._inference_mode == InferenceMode.STATIC and len(losses) == 2

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, load_script
+from conftest import DEBUG_CONFIG, debug_config, load_script
 from dist_harness import run_ranks
 
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 SEQ, BATCH = 16, 2
 
 
 def _cfg(*overrides: str):
-    return ConfigManager().parse_args(["--job.config_file", DEBUG, "--job.print_args=false", *overrides])
+    return debug_config("--job.print_args=false", *overrides)
 
 
 def _write_jsonl(path: Path, documents: list[str]) -> str:
@@ -61,6 +61,7 @@ def _train_and_validate(rank: int, world_size: int, dump: str, data: str, docume
     return out
 
 
+@pytest.mark.slow
 def test_validation_loss_is_the_mean_token_loss_of_the_split_and_is_logged(tmp_path):
     documents = [f"validation document {i}: " + "the quick brown fox jumps " * (i + 2) for i in range(12)]
     data = _write_jsonl(tmp_path / "val.jsonl", documents)

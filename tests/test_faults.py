@@ -21,9 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, load_script
+import pytest
+from conftest import CI_CONFIG, REPO, load_script
 
-CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+CONFIG = CI_CONFIG
 ENTRY = str(REPO / "tests" / "fault_entry.py")
 
 stress_exit = load_script("scripts/stress_exit.py")

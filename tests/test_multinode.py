@@ -18,10 +18,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import REPO
+import pytest
+from conftest import CI_CONFIG, REPO
 from integration_tests import read_losses
 
-CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+CONFIG = CI_CONFIG
 LAYOUTS = {
     "hsdp_2x2": ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2",
                  "--training.batch_size=2"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import REPO, SHIPPED_TOKENIZER
+from conftest import DEBUG_CONFIG, SHIPPED_TOKENIZER, debug_config
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import build_tokenizer
@@ -11,7 +11,7 @@ from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import ffn_hidden_dim
 from torchtitan.preflight import check_config, gradient_accumulation_steps, preflight
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 
 
 def parse(*argv: str):
@@ -103,7 +103,7 @@ def test_validation_options():
 
 
 def _problems(world_size: int, *overrides: str) -> list[str]:
-    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, *overrides])
+    cfg = debug_config(*overrides)
     with pytest.raises(ConfigError) as info:
         preflight(cfg, world_size)
     return info.value.problems

@@ -1,7 +1,7 @@
 """The fast tier's check: with slow tests deselected, a test that starts a process unmarked fails.
 
 Runs an inner pytest session in this process on four small tests. In the fast tier nothing is
-started; the full run does start its processes, so that test is in ``tiers.SLOW``.
+started; the full run does start its processes, so that test is marked slow.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class _Outcomes:
 
 def _run_inner(folder: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> _Outcomes:
     (folder / "conftest.py").write_text(textwrap.dedent('''
-        from tiers import pytest_collection_modifyitems, pytest_runtest_call, pytest_runtest_setup  # noqa: F401
+        from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 
 
         def pytest_configure(config):
@@ -78,9 +78,10 @@ def test_fast_tier_fails_an_unmarked_test_that_starts_a_process(tmp_path, monkey
                            "test_starts_a_multiprocessing_process_unmarked": "failed",
                            "test_starts_nothing": "passed"}
     assert "starts a process (subprocess) but is not marked slow" in got.text["test_starts_a_subprocess_unmarked"]
-    assert "tests/tiers.py" in got.text["test_starts_a_multiprocessing_process_unmarked"]
+    assert "mark it @pytest.mark.slow" in got.text["test_starts_a_multiprocessing_process_unmarked"]
 
 
+@pytest.mark.slow
 def test_full_run_lets_every_test_start_processes(tmp_path, monkeypatch):
     got = _run_inner(tmp_path, monkeypatch, "-k", "not test_marked_slow")
     assert got.outcome == {"test_starts_a_subprocess_unmarked": "passed",

@@ -7,25 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
-from conftest import REPO
+from conftest import DEBUG_CONFIG, REPO, run_torchrun
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config import ConfigManager
+pytestmark = pytest.mark.slow  # every test here starts processes
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 
 
 def make_trainer(dump: str, *overrides: str):
-    from torchtitan.trainer import Trainer
-
-    cfg = ConfigManager().parse_args(
-        ["--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
-         "--metrics.enable_tensorboard=false", "--metrics.log_freq=100", *overrides]
-    )
-    return Trainer(cfg)
+    return conftest.make_trainer(dump, "--metrics.log_freq=100", *overrides)
 
 
 # The 8-rank FSDP/HSDP/DDP training runs and their loss parity with one process live in
@@ -88,13 +83,10 @@ def test_single_process_cli_run_writes_config_and_tensorboard(tmp_path):
 
 
 def test_bad_tp_config_fails_on_every_rank_before_any_collective(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2", "--training.seq_len=63",
-         f"--job.dump_folder={tmp_path}", f"--checkpoint.initial_load_path={tmp_path / 'no_hf_folder'}"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
+    out = run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2",
+        "--training.seq_len=63", f"--job.dump_folder={tmp_path}",
+        f"--checkpoint.initial_load_path={tmp_path / 'no_hf_folder'}", timeout=300)
     assert out.returncode != 0
     assert out.stderr.count("config error: --training.seq_len=63 must be divisible by") == 2, out.stderr[-2000:]
     # Weights to start from are checked in the same pass, on every rank.
@@ -123,13 +115,10 @@ def test_activation_checkpointing_modes_recompute_exactly(tmp_path):
 
 
 def test_config_error_under_torchrun_exits_on_every_rank(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=3", f"--job.dump_folder={tmp_path}",
-         "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=every2"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )
+    out = run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=3",
+        f"--job.dump_folder={tmp_path}", "--activation_checkpoint.mode=selective",
+        "--activation_checkpoint.selective_ac_option=every2", timeout=120)
     assert out.returncode != 0
     # One line per problem from each rank, naming the degrees and the world size, and the AC option (once
     # found only while wrapping the model, after the process group existed); nobody waits on a collective.

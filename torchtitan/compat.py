@@ -15,7 +15,10 @@ of the package may import it.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.metadata
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +28,10 @@ import torch.distributed._functional_collectives as functional_collectives  # no
 from torch.distributed import distributed_c10d
 
 __all__ = [
-    "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups", "default_store",
+    "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
+    "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh", "fsdp_storage_hooks",
+    "functional_collective_ops", "in_autograd_backward", "op_name", "resolve_process_group",
+    "skip_pipeline_shape_exchange", "storage_id",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
@@ -45,6 +51,28 @@ def _missing(internal: str, package: str = "torch") -> CompatError:
     return CompatError(
         f"{package} {version} has no {internal}, which torchtitan relies on; torchtitan/compat.py needs a branch "
         f"for this version (tested versions: docs/versions.md)")
+
+
+# Private classes and functions used as they are (a base class, a mode), read on first use: where one is
+# gone, ``from torchtitan.compat import X`` raises CompatError naming it, and the rest of the package
+# still imports. (They stay out of ``__all__``, which lists what the module defines.)
+_AS_THEY_ARE = {
+    "FakeTensorMode": "torch._subclasses.fake_tensor",
+    "TorchDispatchMode": "torch.utils._python_dispatch",
+    "tree_flatten": "torch.utils._pytree",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _AS_THEY_ARE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _AS_THEY_ARE[name]
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise _missing(f"{module}.{name}") from e
+    globals()[name] = value
+    return value
 
 
 # ---------------------------------------------------------------- c10d: process groups
@@ -75,6 +103,54 @@ def all_process_groups() -> list[dist.ProcessGroup]:
     return list(world.pg_map)
 
 
+def fake_process_group_store() -> dist.Store:
+    """A store for ``init_process_group("fake", ...)``, whose collectives return at once and move nothing.
+
+    Importing torch's fake process group registers the "fake" backend; it lives in torch's
+    testing internals (all versions).
+    """
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise _missing("torch.testing._internal.distributed.fake_pg.FakeStore") from e
+    return FakeStore()
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names by its group name."""
+    try:
+        from torch._C._distributed_c10d import _resolve_process_group
+    except ImportError as e:
+        raise _missing("torch._C._distributed_c10d._resolve_process_group") from e
+    return _resolve_process_group(group_name)
+
+
+def c10d_op(name: str) -> Any:
+    """``torch.ops.c10d.<name>.default``, for the private ops (``_allgather_base_``, ``_reduce_scatter_base_``)."""
+    packet = getattr(torch.ops.c10d, name, None)
+    if packet is None or not hasattr(packet, "default"):
+        raise _missing(f"torch.ops.c10d.{name}")
+    return packet.default
+
+
+def functional_collective_ops() -> Any:
+    """The namespace of the functional collectives' ops, ``torch.ops._c10d_functional`` (all versions)."""
+    namespace = torch.ops._c10d_functional
+    if not hasattr(namespace, "all_gather_into_tensor"):  # torch.ops makes any namespace; its ops tell
+        raise _missing("torch.ops._c10d_functional")
+    return namespace
+
+
+# ---------------------------------------------------------------- DeviceMesh
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D mesh named ``name`` over all of ``mesh``'s dims (``DeviceMesh._flatten``, all versions)."""
+    if not hasattr(mesh, "_flatten"):
+        raise _missing("DeviceMesh._flatten")
+    return mesh._flatten(mesh_dim_name=name)
+
+
 # ---------------------------------------------------------------- DTensor
 
 # DTensor's redistribution logger, whose per-step notes the gradient-norm code quiets.
@@ -89,6 +165,13 @@ def local_shape_and_global_offset(shape: torch.Size | tuple[int, ...], mesh: Any
     except ImportError as e:
         raise _missing("torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from e
     return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """A DTensor's local shard as it is stored, without ``to_local``'s autograd op (inside a dispatch mode)."""
+    if not hasattr(t, "_local_tensor"):
+        raise _missing("DTensor._local_tensor")
+    return t._local_tensor
 
 
 def install_dtensor_rng_tracker(mesh: Any) -> bool:
@@ -141,6 +224,105 @@ def fsdp_hooked_parameters(unit: torch.nn.Module) -> list[torch.Tensor]:
         if group._all_reduce_hook is not None:
             hooked.extend(fsdp_param.sharded_param for fsdp_param in group.fsdp_params)
     return hooked
+
+
+@contextlib.contextmanager
+def fsdp_storage_hooks(on_resize: Callable[[torch.Tensor], None],
+                       on_accumulated_grad: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Within it, FSDP2 calls ``on_resize(t)`` after it allocates or frees an unsharded parameter's storage,
+    and ``on_accumulated_grad(g)`` after it keeps an unsharded gradient ``g`` between backwards.
+
+    FSDP2 resizes those storages in place, which no op shows a dispatch mode; without gradient sync
+    it keeps each unsharded gradient, in the reduce dtype, until the step's one reduce-scatter.
+    Patched: the module functions ``_fsdp_param.alloc_storage``/``free_storage`` (and the
+    ``_fsdp_param_group`` module's own binding of ``alloc_storage``) and two ``FSDPParam`` methods.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError as e:
+        raise _missing("torch.distributed.fsdp._fully_shard._fsdp_param / _fsdp_param_group") from e
+    cls = getattr(_fsdp_param, "FSDPParam", None)
+    for owner, name in ((_fsdp_param, "alloc_storage"), (_fsdp_param, "free_storage"),
+                        (_fsdp_param_group, "alloc_storage"), (cls, "to_accumulated_grad_if_needed"),
+                        (cls, "accumulate_unsharded_grad_if_needed")):
+        if not hasattr(owner, name):
+            raise _missing(f"torch.distributed.fsdp._fully_shard.{getattr(owner, '__name__', owner)}.{name}")
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+    to_accumulated, accumulate = cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed
+
+    def alloc_and_note(tensor: torch.Tensor) -> None:
+        alloc(tensor)
+        on_resize(tensor)
+
+    def free_and_note(tensor: torch.Tensor) -> None:
+        free(tensor)
+        on_resize(tensor)
+
+    def note_accumulated(method: Callable[[Any], None]) -> Callable[[Any], None]:
+        def wrapper(self: Any) -> None:
+            method(self)
+            if self.unsharded_accumulated_grad is not None:
+                on_accumulated_grad(self.unsharded_accumulated_grad)
+        return wrapper
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_and_note
+    _fsdp_param.free_storage = free_and_note
+    cls.to_accumulated_grad_if_needed = note_accumulated(to_accumulated)
+    cls.accumulate_unsharded_grad_if_needed = note_accumulated(accumulate)
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
+        _fsdp_param.free_storage = free
+        cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed = to_accumulated, accumulate
+
+
+# ---------------------------------------------------------------- pipelining
+
+
+def skip_pipeline_shape_exchange(schedule: Any) -> None:
+    """Make ``schedule``'s first step take every stage as static, with no exchange of shapes over the pp group.
+
+    The schedule's warm-up (``_warmup_p2p``) sends each stage's shapes and votes on whether every
+    stage stated them; a stage in ``InferenceMode.STATIC`` (its ``_inference_mode``) uses the
+    shapes it was given. A fake process group delivers no numbers, so the dry run skips the warm-up.
+    """
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError as e:
+        raise _missing("torch.distributed.pipelining._utils.InferenceMode") from e
+    if not hasattr(schedule, "_warmup_p2p") or not hasattr(InferenceMode, "STATIC"):
+        raise _missing(f"{type(schedule).__name__}._warmup_p2p / InferenceMode.STATIC")
+
+    def all_static(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = all_static
+
+
+# ---------------------------------------------------------------- dispatch and autograd
+
+
+def op_name(func: Any) -> str:
+    """An ``OpOverload``'s op name without namespace or overload (``mm`` for ``aten.mm.default``)."""
+    if not hasattr(func, "_opname"):
+        raise _missing("OpOverload._opname")
+    return func._opname
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """An id of the storage itself, the same for every tensor that views it (fake storages too)."""
+    if not hasattr(storage, "_cdata"):
+        raise _missing("UntypedStorage._cdata")
+    return storage._cdata
+
+
+def in_autograd_backward() -> bool:
+    """Whether this thread runs inside an autograd backward pass now."""
+    if not hasattr(torch._C, "_current_graph_task_id"):
+        raise _missing("torch._C._current_graph_task_id")
+    return torch._C._current_graph_task_id() != -1
 
 
 # ---------------------------------------------------------------- torch.nn.attention

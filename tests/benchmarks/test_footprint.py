@@ -12,7 +12,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def test_footprint_tp2_and_pp2_meet_the_targets(tmp_path):

@@ -8,13 +8,12 @@ import shutil
 import warnings
 from pathlib import Path
 
+import conftest
 import torch
-from conftest import REPO, SHIPPED_TOKENIZER
+from conftest import DEBUG_CONFIG, SHIPPED_TOKENIZER
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config import ConfigManager
-
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 
 FSDP2 = ["--parallelism.data_parallel_shard_degree=2", "--training.batch_size=2"]
 DDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1",
@@ -24,14 +23,8 @@ HSDP4 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_p
 
 
 def make_trainer(dump: str, *overrides: str):
-    from torchtitan.trainer import Trainer
-
-    cfg = ConfigManager().parse_args(
-        ["--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
-         "--metrics.enable_tensorboard=false", "--metrics.log_freq=100", "--training.deterministic",
-         "--checkpoint.enable_checkpoint", "--lr_scheduler.warmup_steps=2", *overrides]
-    )
-    return Trainer(cfg)
+    return conftest.make_trainer(dump, "--metrics.log_freq=100", "--training.deterministic",
+                                 "--checkpoint.enable_checkpoint", "--lr_scheduler.warmup_steps=2", *overrides)
 
 
 def digest(t: torch.Tensor) -> str:

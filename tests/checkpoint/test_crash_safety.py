@@ -6,31 +6,26 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, run_torchrun
 from dist_harness import run_ranks
-from helpers import DEBUG, REPO, train
+from helpers import DEBUG, train
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models.llama3 import llama3_flavors
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 HERE = Path(__file__).resolve().parent
 
 
 def _torchrun(script: Path, dump: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", **(env or {})}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         "--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
-         "--metrics.enable_tensorboard=false", "--training.deterministic", "--checkpoint.enable_checkpoint",
-         "--parallelism.data_parallel_shard_degree=2", *overrides],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
+    return run_torchrun(
+        script, "--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
+        "--metrics.enable_tensorboard=false", "--training.deterministic", "--checkpoint.enable_checkpoint",
+        "--parallelism.data_parallel_shard_degree=2", *overrides, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def _step_lines(log: str) -> dict[int, str]:

@@ -47,6 +47,7 @@ def _full_disk_lines(log: str) -> dict[int, str]:
 RUN = ["--training.steps=2", "--checkpoint.interval=1", "--metrics.log_freq=1"]
 
 
+@pytest.mark.slow
 def test_a_first_save_that_does_not_fit_is_named_and_writes_nothing(tmp_path):
     with small_disk(tmp_path / "disk", NOTHING_FITS) as (dump, env):
         out = _torchrun(ENTRY, dump, *RUN, env=env)
@@ -66,6 +67,7 @@ def test_a_first_save_that_does_not_fit_is_named_and_writes_nothing(tmp_path):
         assert not folder.exists() or list(folder.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_a_later_save_that_fills_the_disk_keeps_the_earlier_checkpoint_bitwise(tmp_path, async_mode):
     """Async: step 4's save fails in the background; every rank names it at the step-6 save, none alone at step 5
@@ -102,6 +104,7 @@ def test_a_later_save_that_fills_the_disk_keeps_the_earlier_checkpoint_bitwise(t
     assert _step_lines(restarted.stderr)[2] == _step_lines(out.stderr)[2]
 
 
+@pytest.mark.slow
 def test_the_check_before_a_save_uses_the_previous_checkpoints_size(tmp_path):
     """A later save that does not fit stops before writing: the size of the step before decides."""
     with small_disk(tmp_path / "disk", ONE_CHECKPOINT_FITS) as (dump, env):

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers  # a test-only dependency (the dev extra)
-from conftest import REPO, load_script
+from conftest import DEBUG_CONFIG, REPO, load_script, run_torchrun
 from dist_harness import run_ranks
 from helpers import hf_logits, hf_loss, reference_batch
 
@@ -30,7 +27,7 @@ from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
 from torchtitan.models.llama3.model import ffn_hidden_dim
 
-DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG_TOML = DEBUG_CONFIG
 SEQ, BATCH = 32, 2
 FLAVOR = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=2048)
 
@@ -221,6 +218,7 @@ def _two_rank_layout_losses(rank: int, world_size: int, dump: str, hf: str) -> d
     return out
 
 
+@pytest.mark.slow
 def test_loads_into_tp2_pp2_cp2_ddp2_give_hf_step1_loss(hf_dir, tmp_path) -> None:
     expected = hf_loss(hf_dir, BATCH)  # TP, PP and CP have one data-parallel rank: the global batch is BATCH
     results = run_ranks(_two_rank_layout_losses, 2, str(tmp_path), str(hf_dir), timeout=300)
@@ -241,22 +239,21 @@ def _export_script():
     return load_script("scripts/export_checkpoint.py")
 
 
+@pytest.mark.slow
 def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys) -> None:
     """train.py under torchrun: FSDP 2 starts from the HF folder (loss = HF's), saves, exports back bitwise."""
     from safetensors.torch import load_file
 
     dump = tmp_path / "dump"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
-         "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
-         f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}", "--training.steps=1",
-         "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0", "--lr_scheduler.warmup_steps=0",
-         "--checkpoint.enable_checkpoint",
-         "--checkpoint.model_weights_only", f"--checkpoint.initial_load_path={hf_dir}",
-         "--checkpoint.initial_load_format=hf"],
-        capture_output=True, text=True, timeout=300, env=env,
+    out = run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}",
+        "--metrics.enable_tensorboard=false",
+        "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
+        f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}", "--training.steps=1",
+        "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0", "--lr_scheduler.warmup_steps=0",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.model_weights_only", f"--checkpoint.initial_load_path={hf_dir}",
+        "--checkpoint.initial_load_format=hf", timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loaded 57 tensors from" in out.stderr
@@ -296,6 +293,7 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
     assert diff <= 1e-4, diff
 
 
+@pytest.mark.slow  # starts no process, but takes about 20 s: out of the fast tier
 def test_8b_shaped_export_matches_transformers(tmp_path) -> None:
     """8B dimensions (GQA 32/8, FFN 14336, 3.1 rope scaling), 2 layers and a 256-word vocabulary: one process."""
     args = dataclasses.replace(llama3_flavors["8B"], n_layers=2, vocab_size=256)

@@ -14,6 +14,7 @@ import logging
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -93,6 +94,7 @@ def _verifies(path: Path) -> bool:
     return integrity.bad_files(path, checksums, set(checksums["files"])) == []
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_is_caught_and_the_restart_resumes_bitwise_from_the_step_before(tmp_path):
     out = run_ranks(_corrupt_then_load, 2, str(tmp_path), timeout=400)
     shard = tmp_path / "checkpoint" / "step-4" / SHARD

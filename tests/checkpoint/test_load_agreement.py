@@ -12,9 +12,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 from checkpoint.helpers import FSDP2, make_trainer
 from dist_harness import run_ranks
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 INJECTED = "injected: this rank's manifest is unreadable"
 

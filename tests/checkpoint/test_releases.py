@@ -13,13 +13,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import REPO
+from conftest import DEBUG_CONFIG, REPO, debug_config, run_torchrun
 from dist_harness import run_ranks
 from helpers import hf_loss
 
@@ -30,7 +29,7 @@ from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.models.llama3.convert import model_fields
 from torchtitan.preflight import preflight
 
-DEBUG_TOML = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG_TOML = DEBUG_CONFIG
 SEQ, BATCH, VOCAB = 32, 2, 2048
 _ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
          "rope_type": "llama3"}
@@ -93,7 +92,7 @@ def test_published_configs_give_the_released_shapes(tmp_path) -> None:
 
 def test_unsupported_releases_are_one_line_preflight_errors(tmp_path) -> None:
     def problems(flavor: Path, *extra: str) -> list[str]:
-        cfg = ConfigManager().parse_args(["--job.config_file", DEBUG_TOML, f"--model.flavor={flavor}", *extra])
+        cfg = debug_config(f"--model.flavor={flavor}", *extra)
         with pytest.raises(ConfigError) as e:
             preflight(cfg, 2)
         return e.value.problems
@@ -169,6 +168,7 @@ def _release_runs(rank: int, world_size: int, dump: str, runs: dict[str, list[st
     return out
 
 
+@pytest.mark.slow
 def test_real_configs_load_and_train_tied_in_fsdp_tp_pp(releases, tmp_path) -> None:
     """One two-rank world: 3.2 1B-shaped (tied) into TP 2 (and resumed), FSDP 2 and CP 2 from HF, 3.2 3B-shaped (tied)
     into FSDP 2 from Meta's layout, 3.1 8B-shaped into PP 2: step-1 loss = transformers' loss on the same batch."""
@@ -217,21 +217,20 @@ def _export_script():
     return module
 
 
+@pytest.mark.slow
 def test_torchrun_tied_release_round_trip(releases, tmp_path, capsys) -> None:
     """train.py under torchrun (FSDP 2) from a tied 3.2 1B-shaped release; the export loads back tied."""
     from safetensors import safe_open
 
     release, dump = releases["3.2-1B"], tmp_path / "dump"
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
-         "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
-         f"--model.flavor={release}", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}",
-         "--training.steps=1", "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0",
-         "--lr_scheduler.warmup_steps=0", "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only",
-         f"--checkpoint.initial_load_path={release}", "--checkpoint.initial_load_format=hf"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    out = run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG_TOML, f"--job.dump_folder={dump}",
+        "--metrics.enable_tensorboard=false",
+        "--model.attn_mask_type=causal",  # transformers' loss attends across the packed documents
+        f"--model.flavor={release}", f"--training.seq_len={SEQ}", f"--training.batch_size={BATCH // 2}",
+        "--training.steps=1", "--parallelism.data_parallel_shard_degree=2", "--optimizer.lr=0",
+        "--lr_scheduler.warmup_steps=0", "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only",
+        f"--checkpoint.initial_load_path={release}", "--checkpoint.initial_load_format=hf", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     loss = float(re.search(r"step: 1 +loss: ([0-9.]+)", out.stderr).group(1))
     assert loss == pytest.approx(hf_loss(release, BATCH), abs=1e-4)  # the log prints 5 significant digits
@@ -269,6 +268,7 @@ def _launch(*overrides: str) -> subprocess.CompletedProcess:
                           timeout=120, env=env)
 
 
+@pytest.mark.slow
 def test_bad_releases_through_the_launcher_exit_2_one_line_each(releases, tmp_path) -> None:
     import shutil
 

@@ -30,6 +30,8 @@ from helpers import (
     train,
 )
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 RUN = ["--training.steps=6", "--checkpoint.interval=3"]
 
 

@@ -13,18 +13,20 @@ import os
 import subprocess
 import sys
 
-from conftest import SHIPPED_TOKENIZER
+import pytest
+from conftest import REPO, SHIPPED_TOKENIZER
 from dist_harness import run_ranks
 from helpers import (
     DDP2,
     FSDP2,
     HSDP4,
-    REPO,
     checkpoint_digests,
     copy_checkpoint,
     resume_and_inspect,
     train,
 )
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 PARITY = 1e-4  # relative, as in tests/distributed/test_layout_parity.py
 

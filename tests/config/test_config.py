@@ -210,6 +210,7 @@ def _run_train(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_help_lists_every_option():
     out = _run_train("--help")
     assert out.returncode == 0
@@ -220,6 +221,7 @@ def test_help_lists_every_option():
             assert f.metadata["help"] in out.stdout
 
 
+@pytest.mark.slow
 def test_config_error_is_one_line_per_problem_and_nonzero_exit():
     out = _run_train("--training.stpes=3", "--training.steps=x")
     assert out.returncode == 2

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, load_script
+from conftest import DEBUG_CONFIG, REPO, load_script
 
 from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer, prepare, store_cache
 from torchtitan.datasets.sources import TokenStoreError
@@ -74,6 +74,7 @@ def global_batches(path, tokenizer, degree, steps, batch, **kw):
 # ---------------------------------------------------------------- contents
 
 
+@pytest.mark.slow
 def test_store_holds_the_packed_stream(store, corpus, tokenizer):
     _, docs = corpus
     s = TokenStore(store)
@@ -105,6 +106,7 @@ def test_permutation_is_a_seeded_bijection():
     assert 0 <= int(WindowPermutation(10**12, 5, 0)(np.array([10**12 - 1]))[0]) < 10**12
 
 
+@pytest.mark.slow
 def test_shuffled_stream_is_independent_of_dp_degree_and_accumulation(store, tokenizer):
     d1 = global_batches(store, tokenizer, 1, 3, 8)
     d4 = global_batches(store, tokenizer, 4, 3, 2)
@@ -144,6 +146,7 @@ def test_epochs_reshuffle_and_cover_every_window(tmp_path):
     assert [len(list(r)) for r in ranks(False)] == [12, 12]  # a finite pass stops on every rank together
 
 
+@pytest.mark.slow
 def test_resume_anywhere_at_any_dp_degree(store, tokenizer):
     reference = global_batches(store, tokenizer, 1, 12, 4)
     n_per_epoch = (TokenStore(store).n_tokens // (SEQ + 1)) // 4
@@ -166,6 +169,7 @@ def test_resume_anywhere_at_any_dp_degree(store, tokenizer):
         iter(other)  # the loader hands the state to the dataset here
 
 
+@pytest.mark.slow
 def test_prefetch_errors_reach_the_training_thread(store, tokenizer, monkeypatch):
     dl = loader(store, tokenizer, batch=2)
     it = iter(dl)
@@ -222,6 +226,7 @@ sys.exit(0)
 """
 
 
+@pytest.mark.slow
 def test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -234,6 +239,7 @@ def test_a_busy_prefetch_thread_does_not_abort_the_interpreters_exit(tmp_path):
 # ---------------------------------------------------------------- preparation
 
 
+@pytest.mark.slow
 def test_interrupted_preparation_is_not_used_and_resumes(corpus, tokenizer, tmp_path, monkeypatch, store):
     path, _ = corpus
     out = tmp_path / "s"
@@ -275,6 +281,7 @@ def test_malformed_json_line_stops_with_file_and_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_bad_stores_are_named(store, tokenizer, tmp_path):
     import shutil
 
@@ -388,6 +395,7 @@ def test_streaming_mode_shards_documents_and_resumes_at_its_dp_degree(corpus, to
         rank(0, degree=4).load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp_path):
     import shutil
 
@@ -397,7 +405,7 @@ def test_trainer_preflight_names_a_bad_store_before_any_process_group(store, tmp
     bad = tmp_path / "bad"
     shutil.copytree(store, bad)
     (bad / "shard_00002.bin").write_bytes(b"")
-    cfg = ConfigManager().parse_args(["--job.config_file", "train_configs/debug_model.toml",
+    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG_CONFIG,
                                       f"--training.dataset_path={bad}", f"--training.seq_len={SEQ}"])
     with pytest.raises(ConfigError, match=re.escape(str(bad / "shard_00002.bin")) + ".*truncated"):
         preflight(cfg, 1)
@@ -510,6 +518,7 @@ def assert_document_positions(inputs: torch.Tensor, positions: torch.Tensor, bos
     assert torch.equal(positions[:, 1:], expected)
 
 
+@pytest.mark.slow
 def test_positions_restart_per_document_and_resume_exactly(store, tokenizer):
     plain = take(loader(store, tokenizer, batch=2, rank=1, degree=2), 3)
     dl = loader(store, tokenizer, batch=2, rank=1, degree=2, positions=True)
@@ -535,10 +544,16 @@ def test_streamed_batches_carry_positions(corpus, tokenizer):
     stream = ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer, seq_len=SEQ,
                                   local_batch_size=2, dp_rank=0, dp_degree=1, infinite=False, name="hub",
                                   positions=True)
-    for x, _, p in stream:
+    batches = list(stream)
+    # Every full batch of the one pass: the corpus' tokens, each document with BOS and EOS, in rows of SEQ + 1.
+    tokens = sum(len(tokenizer.encode(doc, bos=True, eos=True)) for doc in corpus[1])
+    assert len(batches) == tokens // (2 * (SEQ + 1)) > 0
+    for x, _, p in batches:
         assert_document_positions(x, p, tokenizer.bos_id)
+    assert any((p[:, 1:] == 0).any() for _, _, p in batches)  # documents start inside these windows
 
 
+@pytest.mark.slow
 def test_block_causal_refuses_a_store_without_document_boundaries(store, tmp_path):
     import shutil
 
@@ -550,7 +565,7 @@ def test_block_causal_refuses_a_store_without_document_boundaries(store, tmp_pat
     index = json.loads((bad / "index.json").read_text())
     del index["bos_id"]
     (bad / "index.json").write_text(json.dumps(index))
-    argv = ["--job.config_file", "train_configs/debug_model.toml", f"--training.dataset_path={bad}",
+    argv = ["--job.config_file", DEBUG_CONFIG, f"--training.dataset_path={bad}",
             f"--training.seq_len={SEQ}"]
     with pytest.raises(ConfigError, match="records no BOS.*scripts/prepare_data.py.*--model.attn_mask_type=causal"):
         preflight(ConfigManager().parse_args(argv), 1)

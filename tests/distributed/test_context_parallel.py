@@ -45,6 +45,7 @@ def _attention_matches(rank: int, world_size: int, compiled: bool) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_equals_full_attention(cp):
     results = run_ranks(_attention_matches, cp, False)
@@ -61,6 +62,7 @@ def test_cp_attention_equals_full_attention(cp):
     assert len(work) == 1
 
 
+@pytest.mark.slow
 def test_cp_attention_compiled_equals_full_attention():
     for r in run_ranks(_attention_matches, 2, True, timeout=400):
         assert r["out"] < 1e-12

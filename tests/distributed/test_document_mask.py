@@ -62,6 +62,7 @@ def _cp_matches_one_process(rank: int, world_size: int) -> dict:
     return {"out": float((out.detach() - shard(full.detach())).abs().max()), "grads": grads, "causal": causal}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_document_mask_matches_one_process(cp):
     # Boundaries inside chunks and documents across chunks, for cp=4's chunks of 4 tokens (cp=2: of 8).
@@ -120,6 +121,7 @@ def _train(rank: int, world_size: int, dump: str, layouts: dict[str, list[str]])
     return out
 
 
+@pytest.mark.slow
 def test_layouts_train_what_one_process_trains(short_documents, tmp_path):
     data = f"--training.dataset_path={short_documents}"
     (control,) = run_ranks(_train, 1, str(tmp_path / "control"),

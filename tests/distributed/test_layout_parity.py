@@ -13,15 +13,16 @@ import hashlib
 import sys
 import time
 
+import conftest
 import pytest
 import torch
-from conftest import REPO
+from conftest import DEBUG_CONFIG
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config import ConfigManager
+pytestmark = pytest.mark.slow  # every test here starts processes
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 STEPS = 12
 
 # name -> (ranks, overrides); local batch is 8 / dp degree so the global batch is always 8.
@@ -39,14 +40,8 @@ VALIDATION = [HELD_OUT, "--validation.enable", "--validation.freq=6", "--validat
 
 
 def make_trainer(dump: str, *overrides: str):
-    from torchtitan.trainer import Trainer
-
-    cfg = ConfigManager().parse_args(
-        ["--job.config_file", DEBUG, f"--job.dump_folder={dump}", "--job.print_args=false",
-         "--metrics.enable_tensorboard=false", "--metrics.log_freq=1000", "--training.deterministic",
-         f"--training.steps={STEPS}", *overrides]
-    )
-    return Trainer(cfg)
+    return conftest.make_trainer(dump, "--metrics.log_freq=1000", "--training.deterministic",
+                                 f"--training.steps={STEPS}", *overrides)
 
 
 def _digest(t: torch.Tensor) -> str:

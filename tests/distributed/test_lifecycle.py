@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import DEBUG_CONFIG, run_torchrun
 
-REPO = Path(__file__).resolve().parents[2]
-DEBUG = REPO / "train_configs" / "debug_model.toml"
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+DEBUG = DEBUG_CONFIG
 
 # Rank 0 reaches its check 3 s late; rank 1 at once. "train": both go through train.py's main with an
 # unknown option (a config error, exit 2). "bare": the same line and exit with no wait, the control.
@@ -31,15 +28,8 @@ sys.exit(2)
 def test_every_rank_prints_its_config_error_before_torchrun_stops_the_job(tmp_path, mode):
     script = tmp_path / "launch.py"
     script.write_text(_LAUNCH)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "--monitor-interval=0.1", str(script), mode, "--job.config_file", str(DEBUG),
-         f"--job.dump_folder={tmp_path}", "--training.bogus=1"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )
+    out = run_torchrun(script, mode, "--job.config_file", DEBUG, f"--job.dump_folder={tmp_path}",
+                       "--training.bogus=1", launch=["--monitor-interval=0.1"], timeout=120)
     assert out.returncode != 0
     lines = out.stderr.count("config error:")
     if mode == "train":  # rank 1 waited for rank 0's line before it exited

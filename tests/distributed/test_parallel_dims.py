@@ -133,6 +133,7 @@ def _ravel(coords: list[int], shape: list[int]) -> int:
     return index
 
 
+@pytest.mark.slow
 def test_meshes_on_eight_ranks():
     results = run_ranks(_describe_meshes, 8, LAYOUTS)
     for name, degrees in LAYOUTS.items():
@@ -157,6 +158,7 @@ def test_meshes_on_eight_ranks():
     assert results[0]["ddp8"]["views"]["dp"][1] == 8  # ... and under DDP-only
 
 
+@pytest.mark.slow
 def test_world_size_one():
     (result,) = run_ranks(_describe_meshes, 1, {"single": (1, 1, 1, 1, 1)})
     got = result["single"]

@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import DEBUG_CONFIG, debug_config
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -31,7 +31,7 @@ from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.pipeline_parallel import prune_to_stage
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 STEPS = 4
 RUN = [f"--training.steps={STEPS}", "--training.seq_len=32", "--validation.enable",
        "--validation.held_out_fraction=0.05", "--validation.steps=1"]
@@ -159,6 +159,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 ALL_LAYOUTS = [name for layouts in LAYOUTS.values() for name in layouts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL_LAYOUTS)
 def test_pipeline_layout_matches_control(name, runs, control):
     results = runs[name]
@@ -189,6 +190,7 @@ def test_pipeline_layout_matches_control(name, runs, control):
     assert val_rel <= CURVE_RTOL
 
 
+@pytest.mark.slow
 def test_pipeline_ranks_hold_disjoint_stages(runs):
     # PP 2: ranks 0 and 1 split the model between them; PP 4 with two stages per rank likewise.
     for name, stages_per_rank in {"PP 2 1F1B": 1, "PP 4 Interleaved1F1B": 2}.items():
@@ -203,10 +205,12 @@ def test_pipeline_ranks_hold_disjoint_stages(runs):
     assert "layers.2.attention.wq.weight" in pp2[0]["full"] and "layers.3.attention.wq.weight" in pp2[1]["full"]
 
 
+@pytest.mark.slow
 def test_control_learns(control):
     assert control["losses"][-1] < control["losses"][0] - 0.1
 
 
+@pytest.mark.slow
 def test_bad_configs_fail_on_every_rank_without_a_collective(runs):
     errors = runs["errors 2"]
     assert errors[0] == errors[1]
@@ -299,11 +303,11 @@ def test_preflight_reports_pipeline_errors_before_any_process_group():
     from torchtitan.preflight import preflight
 
     with pytest.raises(ConfigError, match="choose one of"):
-        preflight(ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("OneFOneB")]), 2)
-    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, *_pp("1F1B"), "--training.batch_size=2"])
+        preflight(debug_config(*_pp("OneFOneB")), 2)
+    cfg = debug_config(*_pp("1F1B"), "--training.batch_size=2")
     plan = preflight(cfg, 2)
     assert plan.pipeline is not None and plan.pipeline.layer_starts == (0, 3, 6)
-    assert preflight(ConfigManager().parse_args(["--job.config_file", DEBUG]), 2).pipeline is None
+    assert preflight(debug_config(), 2).pipeline is None
 
 
 def test_pruned_stage_keeps_fqns_and_the_unsplit_init():

@@ -34,6 +34,7 @@ def _seed_tables(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_two_eight_rank_tables_and_real_draws():
     results = run_ranks(_seed_tables, 8)
     assert [r["pp_tp"][0] for r in results] == [123, 124, 125, 126, 123, 124, 125, 126]
@@ -60,6 +61,7 @@ def _four_dim_seeds(rank: int, world_size: int) -> tuple[int, int, list[float]]:
     return seed, reordered, draws
 
 
+@pytest.mark.slow
 def test_four_dim_mesh_default_order():
     results = run_ranks(_four_dim_seeds, 16, timeout=300)
     for rank, (seed, reordered, _) in enumerate(results):
@@ -102,6 +104,7 @@ def _seed_without_collectives(rank: int, world_size: int) -> int:
     return seed
 
 
+@pytest.mark.slow
 def test_no_collective_is_issued():
     seeds = run_ranks(_seed_without_collectives, 4, collective_timeout=20)
     assert seeds == [7, -1, 9, -1]
@@ -130,6 +133,7 @@ def _unknown_dim(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_unknown_dim_rejected_on_every_rank():
     messages = run_ranks(_unknown_dim, 2)
     assert all("zz" in m for m in messages)

@@ -23,6 +23,8 @@ from torchtitan.distributed.grads import match_grad_placements
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.parallelize import apply_tp
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, multiple_of=32, max_seq_len=16)
 
 

@@ -15,6 +15,8 @@ import pytest
 from dist_harness import run_ranks
 from test_layout_parity import _init_and_train, assert_validation_parity, spawn_layouts
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS = 6
 TP2, CP2 = "--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2"
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import CI_CONFIG, debug_config
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets.partition import data_slot
@@ -12,24 +11,24 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.preflight import preflight
 
-CI = str(Path(__file__).resolve().parents[2] / "train_configs" / "debug_model_ci.toml")
+CI = CI_CONFIG
 FT = ["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
       "--fault_tolerance.lighthouse=http://localhost:29510"]
 
 
 def _problems(world_size: int, *overrides: str) -> list[str]:
-    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, *overrides])
+    cfg = debug_config(*FT, *overrides, config=CI)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     return check_fault_tolerance(cfg, dims)
 
 
 def test_a_sound_group_passes_and_disabled_checks_nothing(monkeypatch):
     assert _problems(2) == []
-    cfg = ConfigManager().parse_args(["--job.config_file", CI, "--parallelism.data_parallel_replicate_degree=2"])
+    cfg = debug_config("--parallelism.data_parallel_replicate_degree=2", config=CI)
     assert check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 2)) == []
     # The lighthouse may come from the environment instead.
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
-    cfg = ConfigManager().parse_args(["--job.config_file", CI, "--fault_tolerance.enable"])
+    cfg = debug_config("--fault_tolerance.enable", config=CI)
     assert check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 1)) == []
 
 
@@ -80,7 +79,7 @@ def test_semi_sync_methods_pass(method):
 
 def test_missing_lighthouse_and_seed(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
-    cfg = ConfigManager().parse_args(["--job.config_file", CI, "--fault_tolerance.enable"])
+    cfg = debug_config("--fault_tolerance.enable", config=CI)
     cfg.training.seed = None
     problems = check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 1))
     assert any("needs a lighthouse" in p and "torchft_lighthouse" in p for p in problems), problems
@@ -97,14 +96,14 @@ def test_missing_torchft_says_how_to_install(monkeypatch):
 
 
 def test_preflight_reports_ft_problems_and_counts_every_group_in_the_global_batch():
-    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, "--fault_tolerance.replica_id=5"])
+    cfg = debug_config(*FT, "--fault_tolerance.replica_id=5", config=CI)
     with pytest.raises(ConfigError) as info:
         preflight(cfg, 1)
     assert any("replica_id=5 is out of range" in p for p in info.value.problems)
     # 2 groups x 1 rank x batch 1: a global batch of 4 means 2 micro-steps per step.
-    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, "--training.global_batch_size=4"])
+    cfg = debug_config(*FT, "--training.global_batch_size=4", config=CI)
     assert preflight(cfg, 1).grad_accum == 2
-    cfg = ConfigManager().parse_args(["--job.config_file", CI, *FT, "--training.global_batch_size=3"])
+    cfg = debug_config(*FT, "--training.global_batch_size=3", config=CI)
     with pytest.raises(ConfigError, match="data-parallel degree \\(2\\)"):
         preflight(cfg, 1)
 

@@ -37,6 +37,8 @@ from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS, SYNC, FRAGMENTS, KILL_AT, CKPT_EVERY, RESTART_AT = 16, 4, 2, 4, 4, 12
 RESTART_LATE_S = 2.0
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9

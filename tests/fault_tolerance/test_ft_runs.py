@@ -49,12 +49,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import CI_CONFIG, REPO, torchrun_command
 
 from torchtitan.distributed.lifecycle import free_port
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ENTRY = str(Path(__file__).with_name("ft_entry.py"))
-CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+CONFIG = CI_CONFIG
 STEPS, CRASH_AT = 20, 8  # eight healthy steps compared with one process, then the crash
 HEARTBEAT_MS = 1000
 ACCUM = 2
@@ -76,13 +78,14 @@ def _env(record: Path, **extra: str) -> dict[str, str]:
 
 def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], restarts: int,
            layout: tuple[str, ...] = ("--parallelism.data_parallel_shard_degree=2",)) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={restarts}", ENTRY, *COMMON, f"--job.dump_folder={tmp / f'g{replica_id}'}",
-           *layout, "--fault_tolerance.enable",
-           f"--fault_tolerance.replica_id={replica_id}", "--fault_tolerance.num_replica_groups=2",
-           "--fault_tolerance.replica_check_freq=1",
-           f"--fault_tolerance.lighthouse={lighthouse}", "--fault_tolerance.timeout_seconds=10",
-           "--fault_tolerance.quorum_timeout_seconds=60", "--comm.train_timeout_seconds=30"]
+    cmd = torchrun_command(
+        ENTRY, *COMMON, f"--job.dump_folder={tmp / f'g{replica_id}'}",
+        *layout, "--fault_tolerance.enable",
+        f"--fault_tolerance.replica_id={replica_id}", "--fault_tolerance.num_replica_groups=2",
+        "--fault_tolerance.replica_check_freq=1",
+        f"--fault_tolerance.lighthouse={lighthouse}", "--fault_tolerance.timeout_seconds=10",
+        "--fault_tolerance.quorum_timeout_seconds=60", "--comm.train_timeout_seconds=30",
+        launch=[f"--max-restarts={restarts}"])
     return subprocess.Popen(cmd, env=env, stdout=open(tmp / f"g{replica_id}.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -129,6 +129,7 @@ def _hook_coverage(rank: int, world_size: int) -> list[str]:
     return errors
 
 
+@pytest.mark.slow
 def test_a_parameter_outside_every_hooked_unit_is_refused():
     (errors,) = run_ranks(_hook_coverage, 1, timeout=120)
     assert len(errors) == 1

@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_command
 from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 LATE_STEPS, LATE_S = 3, 5.0
 ALONE_STEPS, ALONE_TIMEOUT = 6, 2
@@ -41,8 +44,8 @@ def _ft(replica_id: int, address: str, timeout: int) -> list[str]:
 
 
 def _torchrun(tmp: Path, name: str, nproc: int, args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", ENTRY,
-           *RUN, f"--training.steps={LATE_STEPS}", f"--job.dump_folder={tmp / name}", *args]
+    cmd = torchrun_command(ENTRY, *RUN, f"--training.steps={LATE_STEPS}", f"--job.dump_folder={tmp / name}", *args,
+                           nproc=nproc)
     return subprocess.Popen(cmd, env=_env(tmp / name), stdout=open(tmp / f"{name}.log", "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -17,23 +17,20 @@ from typing import Any
 
 import pytest
 import tomllib
-from conftest import REPO
+from conftest import DEBUG_CONFIG, REPO, run_torchrun
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install -e '.[wandb]')")
 
-DEBUG = str(REPO / "train_configs" / "debug_model.toml")
+DEBUG = DEBUG_CONFIG
 
 
 def _train(dump: Path, steps: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-         "--job.config_file", DEBUG, f"--job.dump_folder={dump}", f"--training.steps={steps}", "--job.print_args=false",
-         "--metrics.log_freq=1", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
-         "--metrics.wandb_project=titan-test", "--metrics.wandb_group=g1",
-         "--checkpoint.enable_checkpoint", "--checkpoint.interval=2"],
-        capture_output=True, text=True, timeout=600, env=env)
+    return run_torchrun(
+        REPO / "train.py", "--job.config_file", DEBUG, f"--job.dump_folder={dump}", f"--training.steps={steps}",
+        "--job.print_args=false", "--metrics.log_freq=1", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
+        "--metrics.wandb_project=titan-test", "--metrics.wandb_group=g1",
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval=2",
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
 
 
 def _read_offline_run(run_dir: Path) -> dict[str, Any]:
@@ -92,6 +89,7 @@ def _assert_config(logged: dict[str, Any], effective: dict[str, Any]) -> None:
             assert logged[section][key] == value, f"{section}.{key}"
 
 
+@pytest.mark.slow
 def test_offline_run_has_tensorboards_scalars_and_the_config(launches):
     first = launches["runs"][0]
     assert len(launches["runs"]) == 2, "one W&B run per launch, from rank 0 only"
@@ -104,6 +102,7 @@ def test_offline_run_has_tensorboards_scalars_and_the_config(launches):
     assert config["training"]["steps"] == 2 and config["metrics"]["enable_wandb"] is True
 
 
+@pytest.mark.slow
 def test_resumed_job_continues_the_same_run(launches):
     first, resumed = launches["runs"]
     run_id = (launches["dump"] / "wandb_run_id").read_text().strip()
@@ -114,6 +113,7 @@ def test_resumed_job_continues_the_same_run(launches):
     assert resumed["run"]["config"]["update"]["training"]["steps"] == 4
 
 
+@pytest.mark.slow
 def test_missing_wandb_is_one_line_before_any_process_group(tmp_path):
     # This interpreter's packages without wandb: python -S skips site-packages, PYTHONPATH gives the rest back.
     site_dir = Path(wandb.__file__).parents[1]

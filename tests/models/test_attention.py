@@ -145,6 +145,7 @@ def test_block_causal_backward_matches_documents_alone():
         torch.testing.assert_close(packed[n], p.grad, rtol=1e-9, atol=1e-10, msg=n)
 
 
+@pytest.mark.slow
 def test_compiled_block_uses_the_dense_mask_and_matches_eager():
     model = _model("block_causal")
     tokens = torch.randint(0, 97, (B, L))

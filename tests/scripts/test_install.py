@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 # The stand-in interpreter: pip records what it was asked, anything else runs the real Python.
@@ -65,6 +66,7 @@ def _run_install(tmp_path: Path, dist_version: str, module_version: str) -> list
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_cuda_build_is_kept_and_pinned_by_its_distribution_version(tmp_path: Path):
     # PyPI's CUDA wheel: distribution 2.14.1, torch.__version__ 2.14.1+cu130. Pinning the latter
     # made pip fail with ResolutionImpossible.
@@ -74,11 +76,13 @@ def test_cuda_build_is_kept_and_pinned_by_its_distribution_version(tmp_path: Pat
     assert calls[0]["args"][-2:] == ["-e", ".[dev]"]
 
 
+@pytest.mark.slow
 def test_cpu_build_pin_keeps_its_local_version(tmp_path: Path):
     calls = _run_install(tmp_path, "2.13.0+cpu", "2.13.0+cpu")
     assert [c["constraints"].strip() for c in calls] == ["torch==2.13.0+cpu"]
 
 
+@pytest.mark.slow
 def test_old_torch_gets_the_cpu_default_first(tmp_path: Path):
     calls = _run_install(tmp_path, "2.10.0", "2.10.0")
     assert calls[0]["args"] == ["install", "-q", "torch==2.13.0"], calls

@@ -135,6 +135,7 @@ def test_missing_events_is_an_error(tmp_path, capsys):
     assert "no TensorBoard events" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     control = fake_run(tmp_path, "control", CONTROL)
@@ -144,6 +145,7 @@ def test_plot_is_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_runs_jobs_through_the_launcher(tmp_path, capsys):
     """One process, two steps: batch 2 against batch 1 x 2 micro-steps (the same global batch)."""
     rc = loss_compare.main([

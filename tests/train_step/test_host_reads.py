@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import traceback
 
+import pytest
 import torch
-from conftest import REPO
+from conftest import CI_CONFIG
 from dist_harness import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+CONFIG = CI_CONFIG
 STEPS = 10
 
 

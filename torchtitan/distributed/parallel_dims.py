@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchtitan.compat import flatten_mesh
+
 
 # The mesh dimension names, in the order the world mesh lays them out.
 def dp_shard_problem(dp_shard: int) -> str | None:
@@ -121,7 +123,7 @@ class ParallelDims:
             # One dim is already its own view; flattening it again would only add an alias.
             # Keep the flattened meshes: slicing them back off the root mesh is deprecated.
             if len(present) >= 2:
-                self._views[view] = mesh[tuple(present)]._flatten(mesh_dim_name=view)
+                self._views[view] = flatten_mesh(mesh[tuple(present)], view)
         self._mesh = mesh
         return mesh
 

@@ -12,8 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from torchtitan.compat import op_name, tree_flatten
 from torchtitan.planning.memory import local_tensor
 
 aten = torch.ops.aten
@@ -80,7 +80,7 @@ class ComputeLedger:
     def on_op(self, func, args, kwargs, out) -> None:
         if not self.recording:
             return
-        name = func._opname
+        name = op_name(func)
         if name in _FREE:
             return
         w = self.work[self.phase]

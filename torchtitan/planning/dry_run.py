@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store
 from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims, clip_grad_norm_
@@ -187,11 +187,9 @@ def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobCo
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int):
     """This process as ``rank`` of a fake process group: collectives return at once and move nothing."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -210,7 +208,7 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         job = _Job(cfg, plan, dims, fake, memory, recorder)
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
         _prebuild_cp_masks(cfg, dims)
         with fake, recorder, track_fsdp_storage(memory):
             job.register_state()

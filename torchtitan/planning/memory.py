@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan.compat import dtensor_local, storage_id
+
 GIB = 2**30
 
 # The categories of the report, in its order. ``activations`` are forward outputs kept for backward;
@@ -30,7 +32,7 @@ CATEGORIES = ("parameters", "gathered_parameters", "gradients", "optimizer", "ac
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage a rank really holds: a DTensor's local shard, else the tensor."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return dtensor_local(t) if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -64,7 +66,7 @@ class MemoryLedger:
     def register(self, t: torch.Tensor, category: str | None = None) -> None:
         """Count ``t``'s storage once (later views of it are free); ``category`` re-tags a known one."""
         storage = local_tensor(t).untyped_storage()
-        key = storage._cdata
+        key = storage_id(storage)
         entry = self._live.get(key)
         if entry is None:
             nbytes = storage.nbytes()
@@ -79,7 +81,7 @@ class MemoryLedger:
     def note_resize(self, t: torch.Tensor, category: str) -> None:
         """A storage resized in place (FSDP2's unsharded parameters): count its new size."""
         storage = local_tensor(t).untyped_storage()
-        entry = self._live.get(storage._cdata)
+        entry = self._live.get(storage_id(storage))
         if entry is None:
             self.register(t, category)
             return

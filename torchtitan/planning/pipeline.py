@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan.compat import skip_pipeline_shape_exchange
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_parallel import build_pipeline
@@ -29,13 +29,7 @@ class FakePipeline:
 
     def __init__(self, runner):
         self.runner, self.stages = runner, runner.stages
-        schedule = runner.schedule
-
-        def all_static(stages, has_backward, p2p_done) -> None:
-            for stage in stages:
-                stage._inference_mode = InferenceMode.STATIC
-
-        schedule._warmup_p2p = all_static
+        skip_pipeline_shape_exchange(runner.schedule)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> None:
         self.runner.loss.scale = scale

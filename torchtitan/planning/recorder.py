@@ -12,17 +12,15 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from torchtitan.compat import TorchDispatchMode, c10d_op, fsdp_storage_hooks, in_autograd_backward, tree_flatten
 from torchtitan.planning.compute import ComputeLedger
 from torchtitan.planning.memory import MemoryLedger
 from torchtitan.planning.traffic import TrafficLedger
 
 c10d = torch.ops.c10d
-_GATHER_OUTPUT = {c10d._allgather_base_.default, c10d.allgather_into_tensor_coalesced_.default}
-_SCATTER_OUTPUT = {c10d._reduce_scatter_base_.default, c10d.reduce_scatter_tensor_coalesced_.default}
+_GATHER_OUTPUT = {c10d_op("_allgather_base_"), c10d.allgather_into_tensor_coalesced_.default}
+_SCATTER_OUTPUT = {c10d_op("_reduce_scatter_base_"), c10d.reduce_scatter_tensor_coalesced_.default}
 
 
 class StepRecorder(TorchDispatchMode):
@@ -58,7 +56,7 @@ class StepRecorder(TorchDispatchMode):
             self._in_logits -= 1
 
     def _tag(self) -> str:
-        if torch._C._current_graph_task_id() != -1:
+        if in_autograd_backward():
             return "backward"
         if self._in_logits:
             return "logits_and_loss"
@@ -75,7 +73,7 @@ class StepRecorder(TorchDispatchMode):
     # ---- the ops ----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        in_backward = torch._C._current_graph_task_id() != -1
+        in_backward = in_autograd_backward()
         self.memory.tag = self._tag()
         out = func(*args, **kwargs)
         phase_before = self.traffic.phase
@@ -94,39 +92,8 @@ class StepRecorder(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def track_fsdp_storage(memory: MemoryLedger) -> Iterator[None]:
+def track_fsdp_storage(memory: MemoryLedger) -> contextlib.AbstractContextManager[None]:
     """Follow FSDP2's unsharded parameters, whose storages it resizes in place (no op the mode sees),
     and tag the unsharded gradients it accumulates as gradients."""
-    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
-
-    def alloc_and_note(tensor: torch.Tensor) -> None:
-        alloc(tensor)
-        memory.note_resize(tensor, "gathered_parameters")
-
-    def free_and_note(tensor: torch.Tensor) -> None:
-        free(tensor)
-        memory.note_resize(tensor, "gathered_parameters")
-
-    # Without gradient sync (PP micro-batches, accumulation under fault tolerance) FSDP2 keeps each
-    # parameter's unsharded gradient, in the reduce dtype, until the step's one reduce-scatter.
-    cls = _fsdp_param.FSDPParam
-    to_accumulated, accumulate = cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed
-
-    def note_accumulated(method):
-        def wrapper(self) -> None:
-            method(self)
-            if self.unsharded_accumulated_grad is not None:
-                memory.register(self.unsharded_accumulated_grad, "gradients")
-        return wrapper
-
-    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_and_note
-    _fsdp_param.free_storage = free_and_note
-    cls.to_accumulated_grad_if_needed = note_accumulated(to_accumulated)
-    cls.accumulate_unsharded_grad_if_needed = note_accumulated(accumulate)
-    try:
-        yield
-    finally:
-        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
-        _fsdp_param.free_storage = free
-        cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed = to_accumulated, accumulate
+    return fsdp_storage_hooks(on_resize=lambda t: memory.note_resize(t, "gathered_parameters"),
+                              on_accumulated_grad=lambda g: memory.register(g, "gradients"))

@@ -20,17 +20,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.compat import c10d_op, functional_collective_ops, resolve_process_group
 from torchtitan.distributed.parallel_dims import FLATTENED_VIEWS, MESH_DIM_NAMES, ParallelDims
 
-c10d, functional = torch.ops.c10d, torch.ops._c10d_functional
+c10d, functional = torch.ops.c10d, functional_collective_ops()
 
 # op -> (kind, where its process group is in args, how its bytes are read)
 # Byte readers: "arg0", "arg1" (a tensor or a list of tensors at that position), "out" (the result).
 _OPS: dict = {
-    c10d._allgather_base_.default: ("all_gather", 2, "arg0"),
+    c10d_op("_allgather_base_"): ("all_gather", 2, "arg0"),
     c10d.allgather_.default: ("all_gather", 2, "arg0"),
     c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 2, "arg0"),
-    c10d._reduce_scatter_base_.default: ("reduce_scatter", 2, "arg1"),
+    c10d_op("_reduce_scatter_base_"): ("reduce_scatter", 2, "arg1"),
     c10d.reduce_scatter_.default: ("reduce_scatter", 2, "arg1"),
     c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 2, "arg1"),
     c10d.allreduce_.default: ("all_reduce", 1, "arg0"),
@@ -63,9 +64,7 @@ def _nbytes(x) -> int:
 def _group(func, args, where) -> dist.ProcessGroup:
     if isinstance(where, int):
         return dist.ProcessGroup.unbox(args[where])
-    from torch._C._distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(args[int(where[-1])])
+    return resolve_process_group(args[int(where[-1])])
 
 
 @dataclass
