@@ -55,18 +55,18 @@ if os.environ.get("UNDERESTIMATE") == "1":
 if os.environ.get("SKEWED_ASYNC") == "1":
     import concurrent.futures
 
-    from torchtitan.checkpoint.manager import CheckpointManager
+    from torchtitan.checkpoint.saver import Saver
 
-    finish = CheckpointManager._finish_pending
+    finish = Saver.finish_pending
 
     def skewed_finish(self, block=True, **kwargs):
         if not block and os.environ["RANK"] == "1":
             return None
-        if not block and self._pending is not None:
-            concurrent.futures.wait([self._pending.future], timeout=120)
+        if not block and self.pending is not None:
+            concurrent.futures.wait([self.pending.future], timeout=120)
         return finish(self, block, **kwargs)
 
-    CheckpointManager._finish_pending = skewed_finish
+    Saver.finish_pending = skewed_finish
 
 if __name__ == "__main__":
     import train

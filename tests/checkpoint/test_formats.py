@@ -189,8 +189,8 @@ def _two_rank_layout_losses(rank: int, world_size: int, dump: str, hf: str) -> d
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("torchtitan.checkpoint.manager").addHandler(handler)
-    logging.getLogger("torchtitan.checkpoint.manager").setLevel(logging.INFO)
+    logging.getLogger("torchtitan.checkpoint").addHandler(handler)
+    logging.getLogger("torchtitan.checkpoint").setLevel(logging.INFO)
 
     def run(name: str, *overrides: str) -> list[float]:
         cfg = ConfigManager().parse_args([

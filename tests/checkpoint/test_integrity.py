@@ -52,7 +52,7 @@ def _load_error(trainer) -> str:
 
 def _corrupt_then_load(rank: int, world_size: int, dump: str) -> dict:
     lines = _Lines()
-    logger = logging.getLogger("torchtitan.checkpoint.manager")
+    logger = logging.getLogger("torchtitan.checkpoint")
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
     straight = make_trainer(dump, *COMMON)

@@ -32,7 +32,7 @@ def _load_outcome(trainer) -> tuple[str, float]:
 
 
 def _faulty_loads(rank: int, world_size: int, dump: str) -> dict:
-    import torchtitan.checkpoint.manager as manager
+    import torchtitan.checkpoint.loader as loader
 
     # Short training timeout: the loads below must not need it, they must fail at once.
     # Without checksums: a truncated file must fail DCP's own read here (with them, the damaged
@@ -44,11 +44,11 @@ def _faulty_loads(rank: int, world_size: int, dump: str) -> dict:
     # 1. Rank 1 cannot choose the checkpoint.
     trainer = make_trainer(dump, *common, "--training.steps=4")
     if rank == 1:
-        real = manager.choose_checkpoint
-        manager.choose_checkpoint = lambda cfg, _: (None, {}, [INJECTED])
+        real = loader.choose_checkpoint
+        loader.choose_checkpoint = lambda cfg, _: (None, {}, [INJECTED])
     out["choose"] = _load_outcome(trainer)
     if rank == 1:
-        manager.choose_checkpoint = real
+        loader.choose_checkpoint = real
 
     # 2. Rank 1's own data file is cut short (DCP names each rank's file __<rank>_0.distcp) after
     #    the preflight, which would have refused it, and before the load.

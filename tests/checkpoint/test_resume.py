@@ -155,16 +155,16 @@ def _model_args():
 
 
 def _train_counting_async(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
-    import torchtitan.checkpoint.manager as manager
+    import torchtitan.checkpoint.saver as saver
 
     calls = []
-    original = manager.dcp.async_save
+    original = saver.dcp.async_save
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    manager.dcp.async_save = counting
+    saver.dcp.async_save = counting
     return {**train(rank, world_size, dump, overrides), "async_saves": len(calls)}
 
 

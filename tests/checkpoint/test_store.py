@@ -82,7 +82,7 @@ def test_model_view_merges_stages_under_original_fqns():
         set_optimizer_state_dict,
     )
 
-    from torchtitan.checkpoint.manager import _OPTIM_OPTIONS
+    from torchtitan.checkpoint.states import OPTIM_OPTIONS
 
     whole = _tiny_model()
     parts = _split(whole)
@@ -99,7 +99,7 @@ def test_model_view_merges_stages_under_original_fqns():
         p.grad = torch.randn_like(p)
     optimizer.step()
     model_sd = get_model_state_dict(view)
-    optim_sd = get_optimizer_state_dict(view, optimizer, options=_OPTIM_OPTIONS)
+    optim_sd = get_optimizer_state_dict(view, optimizer, options=OPTIM_OPTIONS)
     names = {n for n, _ in whole.named_parameters()}
     assert set(model_sd) == names
     # Flattened: one key per parameter and state, so pipeline ranks never write the same key.
@@ -114,7 +114,7 @@ def test_model_view_merges_stages_under_original_fqns():
         for p in fresh_view.parameters():
             p.zero_()
     set_model_state_dict(fresh_view, model_sd)
-    set_optimizer_state_dict(fresh_view, fresh_optimizer, optim_sd, options=_OPTIM_OPTIONS)
+    set_optimizer_state_dict(fresh_view, fresh_optimizer, optim_sd, options=OPTIM_OPTIONS)
     for (name, a), (_, b) in zip(view.named_parameters(), fresh_view.named_parameters()):
         assert torch.equal(a, b), name
         assert torch.equal(optimizer.state[a]["exp_avg"], fresh_optimizer.state[b]["exp_avg"]), name

@@ -12,8 +12,7 @@ import signal
 import threading
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from torchtitan.checkpoint.agreement import any_rank
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +56,6 @@ class PreemptionWatch:
         max over all ranks at the same step makes every rank take the same decision there,
         so they all enter the save together and none waits forever.
         """
-        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # The default group, from the training thread: the checkpoint group may be busy
-            # with an async save in its background thread.
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        # The default group, from the training thread: the checkpoint group may be busy
+        # with an async save in its background thread.
+        return any_rank(self.signalled)

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The names of the states every checkpoint may hold, from their registry (preflight checks
+# ``exclude_from_loading`` against them); states.py knows nothing of the folder, so no circle.
+from torchtitan.checkpoint.states import STATE_KEYS as STATE_KEYS  # noqa: F401 - re-exported
+
 MANIFEST = "checkpoint.json"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 1
-# What a full checkpoint holds; ``exclude_from_loading`` names a subset of these.
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
 class CheckpointKind:

@@ -1,0 +1,165 @@
+"""Writing checkpoints: the state a save holds, free space checked first, DCP's write, the commit.
+
+A save writes into ``step-N.tmp`` and rank 0 commits it (manifest, checksums, rename; see
+``store.py``) once every rank's files are written, so a crash never leaves a visible
+partial checkpoint. A save that cannot fit, or fills the disk midway, ends the job with
+one ``DiskFullError`` line on every rank (``space.py``). An async save runs DCP's writes
+in the background and is committed later, at the next save, ``maybe_save`` or ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.checkpoint import integrity, space
+from torchtitan.checkpoint.agreement import Agreement
+from torchtitan.checkpoint.states import StateRegistry
+from torchtitan.checkpoint.store import CheckpointKind, commit, purge, tmp_dir
+from torchtitan.config.dtypes import DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    kind: str
+    future: Future
+    started: float
+    writer: dcp.FileSystemWriter
+    needed: int
+
+
+class Saver:
+    """Writes and commits this run's checkpoints into ``folder``; every method is called on every rank."""
+
+    def __init__(self, ck: Any, folder: Path, states: StateRegistry, agreement: Agreement, *, rank: int,
+                 layout: dict[str, int], tmp_tag: str = "") -> None:
+        self.ck, self.folder, self.states, self.agreement = ck, folder, states, agreement
+        self.rank, self.layout = rank, layout
+        self.tmp_tag = tmp_tag  # fault tolerance: each replica group writes into a temporary folder of its own
+        self.pending: _PendingSave | None = None
+        self.protected: set[int] = set()  # steps never purged: the checkpoint this run loaded
+
+    def state(self, step: int, kind: str) -> dict[str, Any]:
+        """What a save of ``kind`` holds: every state, or the model alone (weights-only: cast to ``export_dtype``)."""
+        state = self.states.save_state(step, model_only=kind in CheckpointKind.MODEL_ONLY)
+        if kind == CheckpointKind.WEIGHTS_ONLY:
+            dtype = DTYPES[self.ck.export_dtype]
+            state["model"] = {k: v.detach().to(dtype) if v.is_floating_point() else v
+                              for k, v in state["model"].items()}
+        return state
+
+    def barrier(self) -> None:
+        if self.agreement.group is not None:
+            dist.barrier(group=self.agreement.group)
+
+    def write(self, step: int, kind: str, state: dict[str, Any], sync: bool) -> None:
+        """Write ``state`` as checkpoint ``step`` of ``kind``: committed here when ``sync``, else later."""
+        self.finish_pending()
+        tmp = tmp_dir(self.folder, step, self.tmp_tag)
+        if self.rank == 0 and tmp.exists():
+            # An earlier attempt at this step was interrupted; it was never visible.
+            shutil.rmtree(tmp)
+        self.barrier()  # nobody measures the free space, nor creates files in tmp, before rank 0 cleared it
+        needed = self._check_space(step, kind, state)
+        writer = integrity.ChecksummingWriter(str(tmp)) if self.ck.checksums else dcp.FileSystemWriter(str(tmp))
+        started = time.monotonic()
+        group = self.agreement.group
+        if sync:
+            try:
+                dcp.save(state, storage_writer=writer, process_group=group)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                self._raise_if_disk_full(e, step, needed, together=True)
+                raise
+            self._commit(step, kind, started, writer)
+        else:
+            response = dcp.async_save(state, storage_writer=writer, process_group=group)
+            # torch returns a Future, or with custom staging a response holding one.
+            future = getattr(response, "upload_completion", response)
+            self.pending = _PendingSave(step, kind, future, started, writer, needed)
+            if self.rank == 0:
+                logger.info("Checkpoint step %d: async save started (staged in %.2fs)", step,
+                            time.monotonic() - started)
+
+    def _check_space(self, step: int, kind: str, state: dict[str, Any]) -> int:
+        """Before any write: the bytes this save needs; DiskFullError on every rank when any rank lacks them.
+
+        The ranks agree (one gather of each one's free space and state sizes) because their
+        measures of a shared file system may differ by what others wrote meanwhile, and a
+        rank that raised alone would leave the others waiting in DCP's collectives; the
+        union of the state sizes is also the whole save's under pipeline parallelism.
+        """
+        previous = space.previous_size(self.folder, kind)
+        sizes = {} if previous else space.state_sizes(state)
+        outcomes = self.agreement.gather((space.free_bytes(self.folder), sizes))
+        merged = {key: size for _, sizes_of_rank in outcomes for key, size in sizes_of_rank.items()}
+        needed = previous or sum(merged.values())
+        free = min(free_of_rank for free_of_rank, _ in outcomes)
+        if free < needed:
+            raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, free, midway=False))
+        return needed
+
+    def _raise_if_disk_full(self, error: BaseException, step: int, needed: int, together: bool = False) -> None:
+        """A save that failed with ENOSPC/EDQUOT (DCP shares each rank's error with all): remove it, name it.
+
+        ``together``: every rank is here (a synchronous save, which DCP failed on every rank at
+        once, or an async one met at the next save or at close); the ranks then measure the free
+        space after the removal, and print the same line.
+        """
+        if not space.is_disk_full(error):
+            return
+        tmp = tmp_dir(self.folder, step, self.tmp_tag)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes: DCP failed them together
+        if together:
+            self.barrier()
+        raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, space.free_bytes(self.folder),
+                                                       midway=True)) from None
+
+    def _commit(self, step: int, kind: str, started: float, writer: dcp.FileSystemWriter) -> None:
+        # DCP's save returns on rank 0 only after every rank reported its writes and the
+        # global metadata is written, so rank 0 alone can make the checkpoint visible.
+        if self.rank != 0:
+            return
+        manifest = {"kind": kind, "states": self.states.names(model_only=kind in CheckpointKind.MODEL_ONLY),
+                    "layout": self.layout,
+                    "dtype": self.ck.export_dtype if kind == CheckpointKind.WEIGHTS_ONLY else "as trained",
+                    "torch_version": torch.__version__}
+        if isinstance(writer, integrity.ChecksummingWriter):
+            tmp = tmp_dir(self.folder, step, self.tmp_tag)
+            manifest["checksums"] = integrity.collect(tmp, writer.metadata_checksum())
+        path = commit(self.folder, step, manifest, self.tmp_tag)
+        logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
+        # Never the checkpoint this run loaded, nor the one just written (an older run may have left higher steps).
+        for gone in purge(self.folder, self.ck.keep_latest_k, {step} | self.protected):
+            logger.info("Checkpoint: deleted %s (keep_latest_k=%d)", gone, self.ck.keep_latest_k)
+
+    def finish_pending(self, block: bool = True, together: bool = True) -> None:
+        """Commit a finished async save; ``block`` waits for it, else only a successful one is taken.
+
+        A failed save is left pending until a blocking call, which every rank makes at the same
+        point (the next save, or ``close``): the ranks see a failure at different steps, and one
+        that stopped alone would leave the others waiting in a collective, its line unprinted by
+        them. ``together``: every rank is here (``close`` after a failure on this rank is not).
+        """
+        pending = self.pending
+        if pending is None or (not block and not (pending.future.done() and pending.future.exception() is None)):
+            return
+        self.pending = None
+        try:
+            pending.future.result()  # re-raises a failed save on this rank
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._raise_if_disk_full(e, pending.step, pending.needed, together=together)
+            raise
+        self._commit(pending.step, pending.kind, pending.started, pending.writer)
