@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -141,7 +141,7 @@ class Trainer:
                                             wandb_run=wandb_run_from_config(cfg) if self.rank == 0 else None)
 
     # ---- training -------------------------------------------------------------
-    def train_step(self, batches: list[Batch]) -> StepOutput:
+    def train_step(self, batches: Sequence[Batch | Sequence[torch.Tensor]]) -> StepOutput:
         """One optimizer step over ``batches`` (the micro-batches), by the job's step strategy."""
         return self.step_strategy.run(batches, self.step)
 

@@ -16,7 +16,7 @@ device tensors, and the trainer reads them only on the steps that need them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,8 +86,9 @@ class StepStrategy:
         """Begin training after ``step`` (0, or a loaded checkpoint's): the batches from the loaded position on."""
         return iter(self.parts.dataloader)
 
-    def run(self, batches: list[Batch], step: int) -> StepOutput:
-        """Take optimizer step number ``step`` over ``batches`` (the micro-batches)."""
+    def run(self, batches: Sequence[Batch | Sequence[torch.Tensor]], step: int) -> StepOutput:
+        """Take optimizer step number ``step`` over ``batches`` (the micro-batches: ``Batch``es, or a loader's
+        tuples, which the runner names)."""
         callbacks = self.parts.callbacks
         callbacks.begin(self, step)
         out = self._run(self.parts.runner.prepare(batches), step)

@@ -11,7 +11,7 @@ device value on the host.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,15 +46,16 @@ class ModelRunner:
         """Context that forward *and* backward of a micro-batch run under."""
         return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
 
-    def shard_batch(self, batch: Batch) -> Batch:
-        """``batch`` on the device; under CP this rank's load-balanced sequence chunks of every field
-        (positions too: the model all-gathers them for its mask)."""
+    def shard_batch(self, batch: Batch | Sequence[torch.Tensor]) -> Batch:
+        """``batch`` (a ``Batch``, or a loader's tuple, named here) on the device; under CP this rank's
+        load-balanced sequence chunks of every field (positions too: the model all-gathers them for its mask)."""
+        batch = Batch.of(batch)
         if self.dims.cp_enabled:
             cp_rank, cp_size = self.dims.rank_and_size("cp")
             batch = batch.map(lambda t: shard_sequence(t, cp_rank, cp_size))
         return batch.map(lambda t: t.to(self.device))
 
-    def prepare(self, batches: list[Batch]) -> list[Batch]:
+    def prepare(self, batches: Sequence[Batch | Sequence[torch.Tensor]]) -> list[Batch]:
         """``shard_batch`` of every micro-batch of a step."""
         return [self.shard_batch(batch) for batch in batches]
 
@@ -103,7 +104,7 @@ class ModelRunner:
             self.callbacks.emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
         return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
 
-    def validation_forward(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def validation_forward(self, batch: Batch | Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
         and the tokens this rank scored."""
         batch = self.shard_batch(batch)
