@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.logging_setup import init_logger
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, callbacks: Sequence[Callable] = ()) -> int:
+    """Train (or check, or plan) the job ``argv`` describes; the exit status. ``callbacks`` are the trainer's
+    step callbacks (``torchtitan/train_step/callbacks.py``; the fault-injection tests pass theirs)."""
     argv = sys.argv[1:] if argv is None else argv
     manager = ConfigManager()
     if "--help" in argv or "-h" in argv:
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         init_logger()
         from torchtitan.trainer import Trainer  # imported late: --help and config errors stay fast
 
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, callbacks)
         trainer.train()  # closes the checkpointer (waits for an async save) and the metrics
         status = 0
     except ConfigError as e:

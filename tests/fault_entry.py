@@ -2,7 +2,8 @@
 
 - ``stop:<rank>:<step>``: that rank sends itself SIGSTOP as step ``<step>`` begins (a
   hung peer: alive, connections open, never answering), after writing the time to
-  ``$FAULT_FILE``. The other ranks then wait in the step's first collectives.
+  ``$FAULT_FILE``; a step callback of the trainer. The other ranks then wait in the step's
+  first collectives.
 - ``slow_save:<seconds>``: the checkpoint that a SIGTERM triggers writes its data files,
   then hangs that long before it could be committed.
 - ``stop_save:<rank>:<step>``: the same, as that rank begins the checkpoint save of
@@ -17,6 +18,7 @@ when it knew it, even when torchrun stops the rank before it exits.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -25,19 +27,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchtitan.train_step.callbacks import StepCallback, StepEvent, StepPoint  # noqa: E402
 
-def _install_stop(rank: int, step: int) -> None:
-    from torchtitan.trainer import Trainer
 
-    real = Trainer.train_step
+def _stop_at(rank: int, step: int) -> StepCallback:
+    """A step callback: that rank sends itself SIGSTOP as step ``step`` begins."""
 
-    def train_step(self, batches):
-        if int(os.environ["RANK"]) == rank and self.step == step:
+    def callback(event: StepEvent) -> None:
+        if event.point is StepPoint.STEP_START and int(os.environ["RANK"]) == rank and event.step == step:
             Path(os.environ["FAULT_FILE"]).write_text(f"{time.time()}\n")
             os.kill(os.getpid(), signal.SIGSTOP)
-        return real(self, batches)
 
-    Trainer.train_step = train_step
+    return callback
 
 
 def _install_slow_preempted_save(seconds: float) -> None:
@@ -98,28 +99,21 @@ def _record(status: int) -> None:
         Path(exits, os.environ["RANK"]).write_text(f"{status} {time.time()}\n")
 
 
-def _record_failures() -> None:
-    # The moment training fails on this rank: torchrun may stop the rank (SIGTERM) while it
-    # tears down, before train.main() returns.
-    from torchtitan.trainer import Trainer
+class _RecordFailure(logging.Handler):
+    """Note this rank's failure the moment train.py logs it: torchrun may stop the rank (SIGTERM)
+    while it tears down, before train.main() returns."""
 
-    real = Trainer.train
-
-    def train(self):
-        try:
-            return real(self)
-        except BaseException:
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
             _record(1)
-            raise
-
-    Trainer.train = train
 
 
 if __name__ == "__main__":
     fault = os.environ.get("FAULT", "")
+    callbacks = []
     if fault.startswith("stop:"):
         _, rank, step = fault.split(":")
-        _install_stop(int(rank), int(step))
+        callbacks.append(_stop_at(int(rank), int(step)))
     elif fault.startswith("stop_save:"):
         _, rank, step = fault.split(":")
         _install_stop_in_save(int(rank), int(step))
@@ -127,10 +121,10 @@ if __name__ == "__main__":
         _install_build_failure(int(fault.split(":")[1]))
     elif fault.startswith("slow_save:"):
         _install_slow_preempted_save(float(fault.split(":")[1]))
-    _record_failures()
+    logging.getLogger("train").addHandler(_RecordFailure())  # train.py logs a training failure there
     import train
 
-    status = train.main()
+    status = train.main(sys.argv[1:], callbacks)
     _record(status)
     sys.stdout.flush()
     sys.stderr.flush()

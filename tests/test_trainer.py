@@ -14,6 +14,8 @@ from conftest import DEBUG_CONFIG, REPO, run_torchrun
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
+from torchtitan.batch import Batch
+
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 DEBUG = DEBUG_CONFIG
@@ -30,8 +32,8 @@ def make_trainer(dump: str, *overrides: str):
 def _grads_after_one_backward(rank: int, world_size: int, dump: str, overrides: list[str], n_micro: int) -> dict:
     trainer = make_trainer(dump, *overrides)
     data = iter(trainer.dataloader)
-    batches = trainer.prepare([next(data) for _ in range(n_micro)])
-    trainer.forward_backward(batches, trainer.step_strategy.local_scale(batches))
+    batches = trainer.runner.prepare([Batch.of(next(data)) for _ in range(n_micro)])
+    trainer.runner.forward_backward(batches, trainer.step_strategy.local_scale(batches))
     grads = {}
     for name, param in trainer.model_parts[0].named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad

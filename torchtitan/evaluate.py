@@ -43,6 +43,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from torchtitan.batch import Batch
 from torchtitan.config import JobConfig
 from torchtitan.datasets import HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
 from torchtitan.datasets.loaders import build_mixture_validation, document_bos
@@ -156,7 +157,7 @@ class ValidationResult:
 class Validator:
     """Evaluates the model's loss on this rank's share of the validation data.
 
-    ``forward_loss(inputs, labels)`` returns the loss sum of one local batch (None on a
+    ``forward_loss(batch)`` returns the loss sum of one local ``Batch`` (None on a
     pipeline rank without the last stage) and the number of tokens this rank scored
     (its CP share, a tensor on the device); the trainer supplies it so that validation runs exactly the forward
     that training runs.
@@ -167,7 +168,7 @@ class Validator:
         cfg: JobConfig,
         data: ValidationData,
         model_parts: list[torch.nn.Module],
-        forward_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor]],
+        forward_loss: Callable[[Batch], tuple[torch.Tensor | None, torch.Tensor]],
         loss_mesh: DeviceMesh | None,
         pp_mesh: DeviceMesh | None,
         device: torch.device,
@@ -224,7 +225,7 @@ class Validator:
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         local_tokens = batches = 0
         for batch in self._batches(data):  # (inputs, labels), and the positions under block_causal
-            loss, tokens = self.forward_loss(*batch)
+            loss, tokens = self.forward_loss(Batch.of(batch))
             if loss is not None:
                 local_sum += loss.double()
             local_tokens += tokens

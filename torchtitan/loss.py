@@ -9,32 +9,42 @@ whatever the data-parallel degree, the context-parallel degree and the accumulat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.batch import Batch
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.ops.cpu_kernels import cross_entropy_sum_sliced
 
 IGNORE_INDEX = -100  # label of a position that is not scored
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, cpu_slices: bool = True) -> torch.Tensor:
     """Sum (not mean) of the token cross-entropies of one micro-batch, in float32.
 
     Under loss parallel the logits are a DTensor sharded over the vocabulary and the result
     a replicated DTensor; the caller must be inside ``loss_parallel()``.
 
     On an eager CPU the logits are scored in row slices (ops/cpu_kernels.py): the same gradient
-    bitwise, the value to rounding.
+    bitwise, the value to rounding. ``cpu_slices=False`` makes the one call a GPU makes (the
+    planner's dry run runs on CPU tensors what a GPU would).
     """
     logits, labels = logits.flatten(0, 1).float(), labels.flatten()
-    sliced = cross_entropy_sum_sliced(logits, labels, IGNORE_INDEX)
+    sliced = cross_entropy_sum_sliced(logits, labels, IGNORE_INDEX) if cpu_slices else None
     if sliced is not None:
         return sliced
     return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def training_loss(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss a step on ``device_type`` computes: ``cross_entropy_sum`` as that device's kernels run it."""
+    if device_type == "cpu":
+        return cross_entropy_sum
+    return functools.partial(cross_entropy_sum, cpu_slices=False)
 
 
 def count_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -51,9 +61,8 @@ class LossScale:
     and scale are float64 tensors on the labels' device: a step reads none of them on the host.
     """
 
-    def __init__(self, batches: Sequence[tuple[torch.Tensor, ...]], mesh: DeviceMesh | None):
-        # A micro-batch is (inputs, labels) or (inputs, labels, positions): the labels are second.
-        local_tokens = torch.stack([count_tokens(batch[1]) for batch in batches]).sum()
+    def __init__(self, batches: Sequence[Batch], mesh: DeviceMesh | None):
+        local_tokens = torch.stack([count_tokens(batch.labels) for batch in batches]).sum()
         self._tokens_sum = start_sum(local_tokens.double(), mesh)
         self._ranks = 1 if mesh is None else mesh.size()
         self._global_tokens: torch.Tensor | None = None

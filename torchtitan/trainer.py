@@ -1,4 +1,5 @@
-"""The training loop: build mesh -> seed -> model on meta -> parallelize -> init -> optimizer -> train.
+"""The training loop: build mesh -> seed -> data -> model runner (model on meta -> parallelize -> init ->
+optimizer, ``train_step/build.py``) -> step strategy -> checkpointer -> train.
 
 Everything that can be checked without communication (degrees, flavor, tokenizer,
 dataset, batch arithmetic, checkpoints) is checked in ``torchtitan/preflight.py``
@@ -8,38 +9,30 @@ instead of hanging.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.batch import Batch
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
 from torchtitan.datasets.mixture import mixture_metrics, start_data_at
 from torchtitan.datasets.partition import job_data_slot
 from torchtitan.distributed import init_distributed, manual_seed, set_determinism
-from torchtitan.distributed.collectives import local_value, start_sum
-from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.lifecycle import set_collective_timeout
-from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
-from torchtitan.loss import count_tokens, cross_entropy_sum
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.metrics.wandb_run import wandb_run_from_config
-from torchtitan.models.attention import describe_kernel
-from torchtitan.models.llama3 import Transformer, flops_per_token
-from torchtitan.models.llama3.parallelize import parallelize_llama
-from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preflight import LaunchPlan, preflight
-from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
+from torchtitan.train_step.base import StepOutput, StepParts
+from torchtitan.train_step.build import build_runner
+from torchtitan.train_step.callbacks import StepCallback, StepCallbacks
 from torchtitan.train_step.readout import StepReadout
 from torchtitan.train_step.select import build_step_strategy
 
@@ -47,8 +40,14 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
+    """Builds a job (mesh, data, the model runner, the step strategy, the checkpointer) and trains it.
+
+    ``callbacks`` are called at the named points of every step (``train_step/callbacks.py``).
+    """
+
+    def __init__(self, cfg: JobConfig, callbacks: Iterable[StepCallback] = ()):
         self.cfg = cfg
+        self.callbacks = StepCallbacks(callbacks)
         plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.dims, self.grad_accum, self.model_args = plan.dims, plan.grad_accum, plan.model_args
         self.pipeline = plan.pipeline
@@ -85,19 +84,11 @@ class Trainer:
         if cfg.validation.held_out_fraction is not None and self.rank == 0:
             logger.info("Training data: %g of the documents held out for validation (split_seed %d)",
                         cfg.validation.held_out_fraction, cfg.validation.split_seed)
-        # One module per pipeline stage held by this rank; a single part without PP.
-        self.pp_runner: PipelineRunner | None = None
-        self.model_parts: list[torch.nn.Module] = self._build_model()
-        t, o = cfg.training, cfg.optimizer
-        self.optimizer = build_optimizer(
-            [p for part in self.model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
-            weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=self.device.type,
-        )
-        s = cfg.lr_scheduler
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
-            lr_min=s.lr_min, total_steps=t.steps,
-        )
+        # The model parts (one per pipeline stage held by this rank; a single part without PP), the
+        # pipeline schedule, the optimizer and the LR schedule: built as the planner's dry run builds them.
+        self.runner = build_runner(cfg, self.dims, plan, self.device, self.callbacks)
+        self.model_parts: list[torch.nn.Module] = self.runner.model_parts
+        self.optimizer, self.lr_scheduler = self.runner.optimizer, self.runner.lr_scheduler
         self.step = 0
         self.readout = StepReadout()  # the steps' losses, read on the host only on the steps that need them
         self._setup_metrics()
@@ -106,14 +97,13 @@ class Trainer:
         if cfg.validation.enable:
             self.validator = Validator(
                 cfg, build_validation_data(cfg, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
-                self.validation_forward, self.loss_mesh, self.dims.get_mesh("pp"), self.device,
+                self.runner.validation_forward, self.loss_mesh, self.dims.get_mesh("pp"), self.device,
             )
         # The plain step, or this replica group's step under fault tolerance; built before the
         # checkpointer, which it tells who writes the job's checkpoints and what else they hold.
         self.step_strategy = build_step_strategy(cfg, StepParts(
-            model=self, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            loss_mesh=self.loss_mesh, pp_mesh=self.dims.get_mesh("pp"), max_norm=t.max_norm,
-            dataloader=self.dataloader), self.device)
+            runner=self.runner, loss_mesh=self.loss_mesh, pp_mesh=self.dims.get_mesh("pp"),
+            max_norm=cfg.training.max_norm, dataloader=self.dataloader), self.device)
         self.checkpointer = CheckpointManager(
             cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dims=self.dims, rank=self.rank, model_args=self.model_args,
@@ -141,113 +131,19 @@ class Trainer:
         if self.rank == 0:
             logger.info("Seeded: rank 0 seed %d, sharded dims %s", rank_seed, t.seed_sharded_dims)
 
-    def _build_model(self) -> list[torch.nn.Module]:
-        """The model parts this rank holds: the whole model, or its pipeline stages."""
-        with torch.device("meta"):
-            model = Transformer(self.model_args)
-        n_params = model.num_params()
-        self.flops_per_token = flops_per_token(self.model_args, self.cfg.training.seq_len)
-        logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", self.cfg.model.flavor, f"{n_params:,}",
-                    self.flops_per_token)
-        logger.info(describe_kernel(self.model_args.attn_mask_type, self.device.type,
-                                    compiled=self.cfg.training.compile, context_parallel=self.dims.cp_enabled))
-        if self.pipeline is None:
-            return [self._materialize(model)]
-        logger.info("Pipeline %s, %d microbatches: %s", self.pipeline.schedule, self.pipeline.microbatches,
-                    self.pipeline.describe())
-        self.pp_runner, parts = build_pipeline(model, self.pipeline, self.dims.get_mesh("pp"), self.device,
-                                               self._materialize, self.loss_fn)
-        return parts
-
-    def _materialize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Parallelize a meta model (or pipeline stage), allocate it on the device and initialize it."""
-        parallelize_llama(model, self.dims, self.cfg, self.device.type)
-        model.to_empty(device=self.device)
-        if self.cfg.training.seed is None:
-            model.init_weights(buffer_device=self.device)
-        else:
-            # Same full weights for a given seed whatever the layout; see layout_init.py.
-            model.init_buffers(buffer_device=self.device)
-            init_params_layout_invariant(model, self.cfg.training.seed)
-        model.train()
-        return model
-
     def _setup_metrics(self) -> None:
         cfg = self.cfg
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         if peak is None and self.rank == 0:
             logger.info("MFU not reported: no peak FLOP/s known for device %s", self.device)
-        self.throughput = Throughput(total_steps=cfg.training.steps, flops_per_token=self.flops_per_token,
+        self.throughput = Throughput(total_steps=cfg.training.steps, flops_per_token=self.runner.flops_per_token,
                                      peak_flops=peak)
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
         self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank,
                                             wandb_run=wandb_run_from_config(cfg) if self.rank == 0 else None)
 
     # ---- training -------------------------------------------------------------
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels)
-
-    def train_context(self) -> contextlib.AbstractContextManager:
-        """Context that forward *and* backward of a micro-batch run under."""
-        return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
-
-    def shard_batch(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Move a micro-batch (inputs, labels[, positions]) to the device; under CP keep this rank's
-        load-balanced sequence chunks of each (positions too: the model all-gathers them for its mask)."""
-        if self.dims.cp_enabled:
-            cp_rank, cp_size = self.dims.rank_and_size("cp")
-            batch = tuple(shard_sequence(t, cp_rank, cp_size) for t in batch)
-        return tuple(t.to(self.device) for t in batch)
-
-    def prepare(self, batches: MicroBatches) -> MicroBatches:
-        """``shard_batch`` of every micro-batch of a step (``StepModel``)."""
-        return [self.shard_batch(*batch) for batch in batches]
-
-    def forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor],
-                         before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Accumulate ``loss sum * scale()`` gradients over the micro-batches; return this rank's loss sum.
-
-        Plain or through the pipeline schedule (``StepModel``). The loss sum stays on the device
-        (no host sync per micro-batch). ``scale()`` is first called after the first forward, so
-        the token count is summed while that forward runs.
-        """
-        if self.pp_runner is not None:
-            return self._pipeline_forward_backward(batches, scale)
-        local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels, *positions) in enumerate(batches):
-            if before_micro_batch is not None:
-                before_micro_batch(i)
-            with self.train_context():
-                loss_sum = self.loss_fn(self.model_parts[0](inputs, *positions), labels)
-                # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
-                (loss_sum * scale().to(loss_sum.dtype)).backward()
-            local_loss_sum += local_value(loss_sum).detach().double()
-        return local_loss_sum
-
-    def _pipeline_forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``forward_backward`` through the pipeline schedule: each local batch is one schedule step.
-
-        The loss sum lives on the last stage, so it is summed over ``pp`` (other stages add 0)
-        and every rank logs the true loss.
-        """
-        local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, labels, *positions in batches:
-            with self.train_context():  # around forward and backward: the schedule interleaves them
-                local_loss_sum = local_loss_sum + self.pp_runner.step(inputs, labels, scale(), *positions)
-        return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
-
-    def validation_forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Loss sum of one validation batch (inputs, labels[, positions]) through training's forward (None on a
-        PP rank without the output), and the tokens this rank scored."""
-        inputs, labels, *positions = self.shard_batch(*batch)
-        with self.train_context():
-            if self.pp_runner is None:
-                loss = self.loss_fn(self.model_parts[0](inputs, *positions), labels)
-            else:
-                loss = self.pp_runner.forward_only(inputs, labels, self.loss_fn, *positions)
-        return (None if loss is None else local_value(loss)), count_tokens(labels)
-
-    def train_step(self, batches: MicroBatches) -> StepOutput:
+    def train_step(self, batches: Sequence[Batch | Sequence[torch.Tensor]]) -> StepOutput:
         """One optimizer step over ``batches`` (the micro-batches), by the job's step strategy."""
         return self.step_strategy.run(batches, self.step)
 
@@ -316,13 +212,13 @@ class Trainer:
         cfg = self.cfg
         self.step += 1
         self.throughput.step_begin()
-        batches = [next(data_iter) for _ in range(self.grad_accum)]
+        batches = [Batch.of(next(data_iter)) for _ in range(self.grad_accum)]
         self.throughput.data_loaded()
         out = self.train_step(batches)
         self.step = out.step  # a fault-tolerant step that healed took a live peer's step
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
-        self.throughput.step_end(tokens=sum(batch[0].numel() for batch in batches) / self.dims.non_data_parallel_size)
+        self.throughput.step_end(tokens=sum(b.inputs.numel() for b in batches) / self.dims.non_data_parallel_size)
         self.readout.add(out)
         if self.readout.steps_taken == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;

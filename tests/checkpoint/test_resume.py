@@ -30,6 +30,8 @@ from helpers import (
     train,
 )
 
+from torchtitan.train_step.callbacks import StepEvent, StepPoint
+
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 RUN = ["--training.steps=6", "--checkpoint.interval=3"]
@@ -64,16 +66,13 @@ def ddp_straight(tmp_path_factory):
 
 def _preempted(rank: int, world_size: int, dump: str, overrides: list[str], at_step: int, signalled: int) -> dict:
     trainer = make_trainer(dump, *overrides)
-    original = trainer.train_step
 
-    def train_step(batches):
-        out = original(batches)
-        if rank == signalled and trainer.step == at_step:
+    def sigterm_at_step_end(event: StepEvent) -> None:
+        if event.point is StepPoint.STEP_END and rank == signalled and event.step == at_step:
             # As a scheduler would: only this one rank is told, in the middle of the step.
             os.kill(os.getpid(), signal.SIGTERM)
-        return out
 
-    trainer.train_step = train_step
+    trainer.callbacks.add(sigterm_at_step_end)
     losses = trainer.train()
     # close() hands SIGTERM back to the handler that was there before (the default here).
     return {"losses": losses, "step": trainer.step,

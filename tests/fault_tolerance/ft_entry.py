@@ -31,6 +31,10 @@ and a hash of the global state (DiLoCo's reference parameters and outer momentum
 - ``$FT_PAUSE_AFTER_STEP=N:PATH``: after committing step N, wait until PATH exists (another
   group's ``$FT_MARK_FIRST_STEP``), so that this group is still training when that one comes.
 - ``$FT_MARK_FIRST_STEP=PATH``: create PATH as the first step begins (before its quorum).
+
+The recording and the faults are the trainer's step callbacks (``torchtitan/train_step/callbacks.py``):
+at ``STEP_START``, ``GRADIENTS_READY`` and ``STEP_END``. torchft's own manager is instrumented where no
+step point reaches (its all-reduces counted, its construction delayed, its sync's inputs captured).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.compat import semi_sync_local_step
+from torchtitan.train_step.callbacks import StepCallback, StepEvent, StepPoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -56,17 +61,18 @@ def _local_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def state_hash(trainer, optimizer: bool = True) -> str:
-    """A hash of this rank's shards of the weights and of Adam's state, and of the learning rate."""
+def state_hash(parts, optimizer: bool = True) -> str:
+    """A hash of this rank's shards of the weights and of Adam's state, and of the learning rate (``parts``: the
+    step's ``StepParts``)."""
     h = hashlib.sha256()
-    for part in trainer.model_parts:
+    for part in parts.model_parts:
         for name, p in part.named_parameters():
             h.update(name.encode())
             h.update(_local_bytes(p))
-            for key, value in sorted(trainer.optimizer.state[p].items()) if optimizer else ():
+            for key, value in sorted(parts.optimizer.state[p].items()) if optimizer else ():
                 h.update(key.encode())
                 h.update(_local_bytes(value))
-    h.update(repr([g["lr"] for g in trainer.optimizer.param_groups]).encode())
+    h.update(repr([g["lr"] for g in parts.optimizer.param_groups]).encode())
     return h.hexdigest()
 
 
@@ -140,121 +146,134 @@ def _capture_before_sync(dump: dict) -> None:
     _StreamingDiLoCoFragment.prepare_sync, LocalSGD._average = prepare_sync, average
 
 
-def _dump_gradients_at(step: int, path: Path) -> None:
-    """Wrap ``Trainer.forward_backward``: at ``step`` save the reduced, unclipped gradients (rank 0)."""
-    from torchtitan.trainer import Trainer
+def _dump_gradients(step: int, path: Path) -> StepCallback:
+    """At ``GRADIENTS_READY`` of ``step`` (its first try): save the reduced, unclipped gradients (rank 0)."""
+    done: list[bool] = []
 
-    real, done = Trainer.forward_backward, []
+    def callback(event: StepEvent) -> None:
+        if event.point is not StepPoint.GRADIENTS_READY or event.step != step or done:
+            return
+        done.append(True)
+        grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                 for part in event.strategy.parts.model_parts for name, p in part.named_parameters()}
+        if os.environ.get("RANK", "0") == "0":
+            torch.save(grads, path)
 
-    def forward_backward(self, *args, **kwargs):
-        out = real(self, *args, **kwargs)
-        if self.step == step and not done:
-            done.append(True)
-            grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-                     for part in self.model_parts for name, p in part.named_parameters()}
-            if os.environ.get("RANK", "0") == "0":
-                torch.save(grads, path)
-        return out
-
-    Trainer.forward_backward = forward_backward
+    return callback
 
 
-def _install() -> None:
-    from torchtitan.trainer import Trainer
+class _Recorder:
+    """The step callbacks of this entry: record every committed step; inject the faults the environment asks for."""
 
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if "FT_SLOW_RESTARTED_RANK0" in os.environ and restarted and os.environ.get("RANK") == "0":
-        _slow_restarted_rank0(float(os.environ["FT_SLOW_RESTARTED_RANK0"]))
+    def __init__(self) -> None:
+        env = os.environ
+        self.record = Path(f"{env['FT_RECORD']}.{env.get('RANK', '0')}")
+        self.first_round = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.crash_at = int(env.get("FT_CRASH_AT_STEP", "0"))
+        self.crash_in_sync = int(env.get("FT_CRASH_IN_SYNC_AT_STEP", "0"))
+        self.throttle = float(env.get("FT_THROTTLE_ALONE", "0"))
+        self.together = env.get("FT_START_TOGETHER")
+        self.corrupt_at = int(env.get("FT_CORRUPT_AT_STEP", "0"))
+        pause_at, _, self.pause_path = env.get("FT_PAUSE_AFTER_STEP", "0:").partition(":")
+        self.pause_at = int(pause_at)
+        self.mark = env.get("FT_MARK_FIRST_STEP")
+        self.dump_at = int(env.get("FT_DUMP_SYNC_AT_STEP", "0"))
+        self.dump_file, self.dump = Path(f"{self.record}.sync.pt"), {}
+        if self.dump_at:
+            _capture_before_sync(self.dump)
+        self.calls = {"n": 0, "bytes": 0, "step": 0}
+        self.dumping, self.began = False, 0.0
 
-    real = Trainer.train_step
-    record = Path(f"{os.environ['FT_RECORD']}.{os.environ.get('RANK', '0')}")
-    crash_at = int(os.environ.get("FT_CRASH_AT_STEP", "0"))
-    first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    throttle = float(os.environ.get("FT_THROTTLE_ALONE", "0"))
+    def __call__(self, event: StepEvent) -> None:
+        if event.point is StepPoint.STEP_START:
+            self.step_start(event)
+        elif event.point is StepPoint.STEP_END:
+            self.step_end(event)
 
-    together = os.environ.get("FT_START_TOGETHER")
-    corrupt_at = int(os.environ.get("FT_CORRUPT_AT_STEP", "0"))
+    def counting(self, real_allreduce):
+        calls = self.calls
 
-    pause_at, _, pause_path = os.environ.get("FT_PAUSE_AFTER_STEP", "0:").partition(":")
-    mark = os.environ.get("FT_MARK_FIRST_STEP")
-
-    calls = {"n": 0, "bytes": 0, "step": 0}
-    dump_at = int(os.environ.get("FT_DUMP_SYNC_AT_STEP", "0"))
-    dump_file, dump = Path(f"{record}.sync.pt"), {}
-    if dump_at:
-        _capture_before_sync(dump)
-    if "FT_DUMP_GRADS_AT_STEP" in os.environ and first_round:  # a restarted group's step 1 is a heal
-        _dump_gradients_at(int(os.environ["FT_DUMP_GRADS_AT_STEP"]), Path(f"{record}.grads.pt"))
-    crash_in_sync = int(os.environ.get("FT_CRASH_IN_SYNC_AT_STEP", "0"))
-
-    def counting(real_allreduce):
         def allreduce(tensor, *args, **kwargs):
-            if first_round and calls["step"] == crash_in_sync and calls["n"] == 1:
+            if self.first_round and calls["step"] == self.crash_in_sync and calls["n"] == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             calls["n"] += 1
             calls["bytes"] += tensor.numel() * tensor.element_size()
             return real_allreduce(tensor, *args, **kwargs)
         return allreduce
 
-    def train_step(self, batches):
-        nonlocal together
-        ft = self.step_strategy if hasattr(self.step_strategy, "manager") else None  # None: a plain run
-        if ft is not None and not calls.get("wrapped"):
-            ft.manager.allreduce = counting(ft.manager.allreduce)
-            calls["wrapped"] = True
-        calls["n"] = calls["bytes"] = 0
-        calls["step"] = self.step
-        if self.step == corrupt_at and os.environ.get("RANK", "0") == "0":
+    def step_start(self, event: StepEvent) -> None:
+        ft = _fault_tolerant(event)
+        if ft is not None and not self.calls.get("wrapped"):
+            ft.manager.allreduce = self.counting(ft.manager.allreduce)
+            self.calls["wrapped"] = True
+        self.calls.update(n=0, bytes=0, step=event.step)
+        if event.step == self.corrupt_at and os.environ.get("RANK", "0") == "0":
             with torch.no_grad():
-                p = next(self.model_parts[0].parameters())
+                p = next(event.strategy.parts.model_parts[0].parameters())
                 (p.to_local() if isinstance(p, DTensor) else p).view(-1)[0] += 1e-3
-        if together and first_round:
-            folder, count = together.rsplit(":", 1)
-            Path(folder, f"{self.cfg.fault_tolerance.replica_id}.{os.environ.get('RANK', '0')}").touch()
+        if self.together and self.first_round:
+            folder, count = self.together.rsplit(":", 1)
+            Path(folder, f"{getattr(ft, 'replica_id', 0)}.{os.environ.get('RANK', '0')}").touch()
             while len(list(Path(folder).iterdir())) < int(count):
                 time.sleep(0.05)
-            together = None
-        if mark:
-            Path(mark).touch()
+            self.together = None
+        if self.mark:
+            Path(self.mark).touch()
         semi = getattr(ft, "semi_sync_state", None)
-        dumping = self.step == dump_at and semi is not None and not dump_file.exists()
-        if dumping:
-            dump.update(armed=True, fqn={id(p): fqn for fqn, p, _, _ in semi.entries}, before=_global_state(ft))
-        began = time.time()
-        out = real(self, batches)
-        if dumping:
-            torch.save({"before": dump["before"], "before_sync": dump["before_sync"], "after": _global_state(ft),
-                        "participants": ft.participants, "synced": ft.synced}, dump_file)
-            dump["armed"] = False
-        line = {"step": out.step, "loss": float(out.loss), "state": state_hash(self), "began": began,
+        self.dumping = event.step == self.dump_at and semi is not None and not self.dump_file.exists()
+        if self.dumping:
+            self.dump.update(armed=True, fqn={id(p): fqn for fqn, p, _, _ in semi.entries}, before=_global_state(ft))
+        self.began = time.time()
+
+    def step_end(self, event: StepEvent) -> None:
+        ft, out, parts = _fault_tolerant(event), event.output, event.strategy.parts
+        if self.dumping:
+            torch.save({"before": self.dump["before"], "before_sync": self.dump["before_sync"],
+                        "after": _global_state(ft), "participants": ft.participants, "synced": ft.synced},
+                       self.dump_file)
+            self.dump["armed"] = False
+        line = {"step": out.step, "loss": float(out.loss), "state": state_hash(parts), "began": self.began,
                 "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
-                "heals": ft.heals if ft else 0, "allreduces": calls["n"], "allreduce_bytes": calls["bytes"],
+                "heals": ft.heals if ft else 0, "allreduces": self.calls["n"], "allreduce_bytes": self.calls["bytes"],
                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), "pid": os.getpid()}
         semi_sync = getattr(ft, "semi_sync_state", None)
         if semi_sync is not None:
             line.update(synced=ft.synced, syncs=ft.manager.current_step(),
                         local_step=semi_sync_local_step(semi_sync.algo),
-                        global_state=global_hash(ft) if semi_sync.outers else state_hash(self, optimizer=False))
-        with record.open("a") as f:
+                        global_state=global_hash(ft) if semi_sync.outers else state_hash(parts, optimizer=False))
+        with self.record.open("a") as f:
             f.write(json.dumps(line) + "\n")
-        if first_round and out.step == crash_at:
-            _wait_for_group_records(crash_at)  # torchrun stops the others as soon as one rank dies
+        if self.first_round and out.step == self.crash_at:
+            _wait_for_group_records(self.crash_at)  # torchrun stops the others as soon as one rank dies
             if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-        if self.step == int(pause_at):
-            _wait_for_file(Path(pause_path))
-        if throttle and ft is not None and ft.participants == 1:
-            time.sleep(throttle)
-        return out
+        if event.step == self.pause_at:
+            _wait_for_file(Path(self.pause_path))
+        if self.throttle and ft is not None and ft.participants == 1:
+            time.sleep(self.throttle)
 
-    Trainer.train_step = train_step
+
+def _fault_tolerant(event: StepEvent):
+    """The fault-tolerant step running ``event``'s step; None in a plain run."""
+    return event.strategy if hasattr(event.strategy, "manager") else None
+
+
+def callbacks() -> list[StepCallback]:
+    """This entry's step callbacks (and the torchft instrumentation that no step point reaches)."""
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if "FT_SLOW_RESTARTED_RANK0" in os.environ and restarted and os.environ.get("RANK") == "0":
+        _slow_restarted_rank0(float(os.environ["FT_SLOW_RESTARTED_RANK0"]))
+    out: list[StepCallback] = [_Recorder()]
+    if "FT_DUMP_GRADS_AT_STEP" in os.environ and not restarted:  # a restarted group's step 1 is a heal
+        record = Path(f"{os.environ['FT_RECORD']}.{os.environ.get('RANK', '0')}")
+        out.insert(0, _dump_gradients(int(os.environ["FT_DUMP_GRADS_AT_STEP"]), Path(f"{record}.grads.pt")))
+    return out
 
 
 if __name__ == "__main__":
     if "FT_PIDS" in os.environ:  # torchrun starts workers in sessions of their own: the test kills them by pid
         Path(os.environ["FT_PIDS"], str(os.getpid())).touch()
-    _install()
     import train
 
-    sys.exit(train.main(sys.argv[1:]))
+    sys.exit(train.main(sys.argv[1:], callbacks()))

@@ -54,6 +54,11 @@ def test_traffic_of_fsdp2_tp2_equals_the_hand_count(fsdp2_tp2):
     assert rows["dp_shard", "reduce_scatter", "backward"]["bytes"] == 4 * sum(local.values())
     assert rows["dp_shard", "reduce_scatter", "backward"]["count"] == model.args.n_layers + 1
     assert rows["tp", "all_gather", "forward"]["count"] > 0  # sequence parallel gathers each region's input
+    # The trainer's own step (PlainStep) ran: its token count before the forward and its loss sum after the
+    # backward, one float64 all-reduce each over the ranks that see different tokens.
+    for phase in ("build", "optimizer"):
+        row = rows["dp_shard", "all_reduce", phase]
+        assert (row["count"], row["bytes"]) == (1, 8), phase
 
 
 @pytest.mark.slow

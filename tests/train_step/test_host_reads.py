@@ -24,6 +24,8 @@ from conftest import CI_CONFIG
 from dist_harness import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtitan.train_step.callbacks import StepEvent, StepPoint
+
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 CONFIG = CI_CONFIG
@@ -58,22 +60,22 @@ def _count_reads(rank: int, world_size: int, dump: str) -> list[tuple[int, str, 
         "--training.gradient_accumulation_steps=2", f"--training.steps={STEPS}", "--metrics.log_freq=10",
         "--checkpoint.enable_checkpoint", "--checkpoint.interval=100", "--model.attn_mask_type=causal"])
     trainer = Trainer(cfg)
-    real_run, real_tolist = trainer.step_strategy.run, torch.Tensor.tolist
+    real_tolist = torch.Tensor.tolist
     mode: HostReads | None = None
 
-    def run(batches, step):
+    def watch_from_step_2(event: StepEvent) -> None:
         nonlocal mode
-        if step == 2:  # from step 2 on: Adam's step counters exist, the first step's set-up is done
+        if event.point is StepPoint.STEP_START and event.step == 2:
+            # From step 2 on: Adam's step counters exist, the first step's set-up is done.
             skip = {id(s["step"]) for s in trainer.optimizer.state.values()}
             mode = HostReads(trainer, skip).__enter__()
-        return real_run(batches, step)
 
     def tolist(self):
         if mode is not None:
             mode.note("tolist", self)
         return real_tolist(self)
 
-    trainer.step_strategy.run = run
+    trainer.callbacks.add(watch_from_step_2)
     torch.Tensor.tolist = tolist
     try:
         trainer.train()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
+from torchtitan.batch import Batch
 from torchtitan.distributed.collectives import local_value
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
 
@@ -92,50 +93,50 @@ class PipelineRunner:
         self.has_last = any(s.is_last for s in stages)
 
     def forward_only(
-        self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        positions: torch.Tensor | None = None,
+        self, batch: Batch, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor | None:
-        """``loss_fn(model(inputs), labels)`` through the stages, forward only; None on ranks without the last stage.
+        """``loss_fn(model(inputs), labels)`` of ``batch`` through the stages, forward only; None on ranks without
+        the last stage.
 
         For evaluation under ``torch.no_grad()``. The schedule is not used: its state (buffers
         shaped for training microbatches, backward set-up) stays exactly as training left it,
         and the validation batch need not divide into microbatches. The whole local batch goes
         through one stage after another, each stage's output sent point to point to the rank
         holding the next stage; every rank walks the stages in the same order, so each send
-        meets its receive. ``positions`` (document-masked attention) go to every stage.
+        meets its receive. The batch's other model inputs (positions, for document-masked attention)
+        go to every stage.
         """
         pp_rank, group = self.pp_mesh.get_local_rank(), self.pp_mesh.get_group()
         by_id = {stage.stage_index: stage for stage in self.stages}
-        n, x, loss = self.plan.num_stages, inputs, None
+        n, x, loss, kwargs = self.plan.num_stages, batch.inputs, None, batch.model_kwargs()
         for stage_id in range(n):
             if self.plan.stage_owner(stage_id) != pp_rank:
                 continue
             stage = by_id[stage_id]
             if stage_id > 0 and self.plan.stage_owner(stage_id - 1) != pp_rank:
                 x = _recv(dist.get_global_rank(group, self.plan.stage_owner(stage_id - 1)), stage.device)
-            out = stage.submod(x) if positions is None else stage.submod(x, positions=positions)
+            out = stage.submod(x, **kwargs)
             if stage_id == n - 1:
-                loss = loss_fn(out, labels)
+                loss = loss_fn(out, batch.labels)
             elif self.plan.stage_owner(stage_id + 1) == pp_rank:
                 x = out
             else:
                 _send(out, dist.get_global_rank(group, self.plan.stage_owner(stage_id + 1)))
         return loss
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
-             positions: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, batch: Batch, scale: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one local batch; returns its loss sum, float64 on the device (0 on ranks
         without the last stage). ``scale`` is a float64 0-dim tensor; nothing is read on the host.
 
-        ``positions`` (document-masked attention) reach every stage: the schedule splits keyword
-        inputs into microbatches like the tokens and hands each stage its microbatch's.
+        The batch's other model inputs (positions, for document-masked attention) reach every stage:
+        the schedule splits keyword inputs into microbatches like the tokens and hands each stage its
+        microbatch's.
         """
         self.loss.scale = scale
         losses: list[torch.Tensor] = []
         # Only the first stage consumes the tokens; the schedule hands the labels to the last stage's loss.
-        args = (inputs,) if self.has_first else ()
-        kwargs = {} if positions is None else {"positions": positions}
-        self.schedule.step(*args, target=labels, losses=losses, **kwargs)
+        args = (batch.inputs,) if self.has_first else ()
+        self.schedule.step(*args, target=batch.labels, losses=losses, **batch.model_kwargs())
         total = torch.zeros((), dtype=torch.float64, device=scale.device)
         for loss in losses:  # one at a time, in order: the same rounding as a sum of Python floats
             total = total + local_value(loss).detach()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from torchtitan.batch import Batch
 from torchtitan.compat import semi_sync_local_step
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.fault_tolerance.data import GroupPosition, RepositionableBatches
@@ -22,7 +23,7 @@ from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint
 from torchtitan.fault_tolerance.semi_sync import SemiSyncState
 from torchtitan.fault_tolerance.state import HealState
 from torchtitan.fault_tolerance.step import FaultTolerantStep
-from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
+from torchtitan.train_step.base import StepOutput, StepParts
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class SemiSyncStep(FaultTolerantStep):
         self.syncs = 0  # committed syncs of this process (tests and logs)
         self.synced = False  # whether the last step ended with a committed sync
         self.started_at = 0  # the step training began after: 0, or a loaded checkpoint's
+        self._syncs_before = 0  # torchft's step (the syncs) before this step's optimizer step
 
     def start(self, step: int) -> RepositionableBatches:
         """Begin after ``step``: torchft's step (the syncs) comes from the checkpoint's semi-sync state, if any.
@@ -65,29 +67,28 @@ class SemiSyncStep(FaultTolerantStep):
             return self.manager.participating_rank() == 0
         return self.replica_id == 0 and self.started_at == 0
 
-    def run(self, batches: MicroBatches, step: int) -> StepOutput:
+    def _run(self, batches: list[Batch], step: int) -> StepOutput:
         """One inner step over ``batches`` (and a sync when due); the loss and grad norm are this group's."""
-        parts = self.parts
         self.position.step = step
         self.state.refresh()  # what a peer healing at this step's sync receives
-        batches = parts.model.prepare(batches)
         scale = self.local_scale(batches)  # inner steps average over the group's own tokens
-        local_loss_sum = parts.model.forward_backward(batches, scale, self.reduce_on_last(batches))
-        loss_sum = start_sum(local_loss_sum, parts.loss_mesh)
-        grad_norm = self.clip()
-        lr = self.current_lr()
-        syncs_before = self.manager.current_step()
-        parts.optimizer.step()  # torchft's post-step hook syncs here when due (and may heal this group)
-        self._after_inner_step(syncs_before)
-        parts.lr_scheduler.step()
-        self.zero_grad()
-        return StepOutput(step=self.position.step, loss=loss_sum() / scale.global_tokens, grad_norm=grad_norm, lr=lr)
+        local_loss_sum = self.forward_backward(batches, scale, self.reduce_on_last(batches))
+        out = self.finish(step, start_sum(local_loss_sum, self.parts.loss_mesh), scale)
+        assert out is not None  # no vote here: a sync commits (or not) inside the optimizer step
+        return out
 
-    def _after_inner_step(self, syncs_before: int) -> None:
+    # ---- the tail's hooks: torchft's hook on the optimizer step syncs when due (and may heal this group)
+    def commit(self) -> bool:
+        return True
+
+    def before_optimizer_step(self) -> None:
+        self._syncs_before = self.manager.current_step()
+
+    def after_optimizer_step(self) -> None:
         self.synced = False
         if semi_sync_local_step(self.semi_sync_state.algo) != 0:
             return  # no sync at this step
-        if self.manager.current_step() > syncs_before:  # committed (a heal also moved it to the peer's count)
+        if self.manager.current_step() > self._syncs_before:  # committed (a heal also moved it to the peer's count)
             self.synced = True
             self.syncs += 1
             self.participants = self.manager.num_participants()
@@ -96,6 +97,9 @@ class SemiSyncStep(FaultTolerantStep):
         self.discarded += 1
         logger.warning("Fault tolerance: the sync at step %d was discarded (%s); the reference parameters are kept",
                        self.position.step, self.manager.errored() or "too few live groups")
+
+    def after_step(self) -> None:
+        """The replica check runs after a committed sync (``after_optimizer_step``), not every step."""
 
     def _maybe_check_replicas(self) -> None:
         """Every ``replica_check_freq`` syncs: the groups compare their reference parameters and outer momentum

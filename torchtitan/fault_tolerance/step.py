@@ -24,13 +24,14 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
+from torchtitan.batch import Batch
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.fault_tolerance.data import GroupPosition, RepositionableBatches
 from torchtitan.fault_tolerance.hooks import set_gradient_sync
 from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint, model_and_optimizer_tensors
 from torchtitan.fault_tolerance.state import HealState
 from torchtitan.loss import LossScale, scale_over
-from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts, StepStrategy
+from torchtitan.train_step.base import StepOutput, StepParts, StepStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -92,43 +93,45 @@ class FaultTolerantStep(StepStrategy):
         """The job's checkpoints are written by one live group: the one ranked first in the step's quorum."""
         return self.manager.participating_rank() == 0
 
-    def run(self, batches: MicroBatches, step: int) -> StepOutput:
+    def _run(self, batches: list[Batch], step: int) -> StepOutput:
         """One committed optimizer step over ``batches``; the same batches again after a discarded one."""
         self.position.step = step
-        batches = self.parts.model.prepare(batches)
         while True:
-            out = self._attempt(batches)
+            out = self._attempt(batches, step)
             if out is not None:
                 return out
             self.discarded += 1
             logger.warning("Fault tolerance: step %d discarded (%s); retrying the same batches", self.position.step,
                            self.manager.errored() or "too few live groups")
 
-    def reduce_on_last(self, batches: MicroBatches) -> Callable[[int], None]:
+    def reduce_on_last(self, batches: list[Batch]) -> Callable[[int], None]:
         """Before each micro-batch: FSDP reduces (and the cross-group hooks run) on the last one only."""
         last = len(batches) - 1
         return lambda i: set_gradient_sync(self.parts.model_parts, i == last)
 
-    def _attempt(self, batches: MicroBatches) -> StepOutput | None:
-        """forward/backward -> clip -> the commit vote -> optimizer step; None when the step was discarded."""
-        parts = self.parts
+    def _attempt(self, batches: list[Batch], step: int) -> StepOutput | None:
+        """forward/backward -> the tail, with the commit vote; None when the step was discarded."""
         self.state.refresh()
         self.manager.start_quorum()
         scale = CrossGroupLossScale(self.local_scale(batches), self.manager)
-        local_loss_sum = parts.model.forward_backward(batches, scale, self.reduce_on_last(batches))
-        loss_sum = sum_across_groups(self.manager, start_sum(local_loss_sum, parts.loss_mesh)())
-        grad_norm = self.clip()
-        if not self.manager.should_commit():  # a healing group takes its peer's state in here
-            self.zero_grad()
-            return None
-        lr = self.current_lr()  # a step that healed runs at its peer's learning rate
-        self.participants = self.manager.num_participants()
-        parts.optimizer.step()
-        parts.lr_scheduler.step()
-        self.zero_grad()
-        self._maybe_check_replicas()
+        local_loss_sum = self.forward_backward(batches, scale, self.reduce_on_last(batches))
         # The same in every live group: they all stop together at a non-finite loss.
-        return StepOutput(step=self.position.step, loss=loss_sum / scale.global_tokens, grad_norm=grad_norm, lr=lr)
+        loss_sum = sum_across_groups(self.manager, start_sum(local_loss_sum, self.parts.loss_mesh)())
+        return self.finish(step, lambda: loss_sum, scale)
+
+    # ---- the tail's hooks ------------------------------------------------------------
+    def commit(self) -> bool:
+        """The groups' vote; a healing group takes its peer's state in here."""
+        return self.manager.should_commit()
+
+    def before_optimizer_step(self) -> None:
+        self.participants = self.manager.num_participants()
+
+    def after_step(self) -> None:
+        self._maybe_check_replicas()
+
+    def step_taken(self, step: int) -> int:
+        return self.position.step
 
     def _maybe_check_replicas(self) -> None:
         step = self.position.step

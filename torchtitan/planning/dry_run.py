@@ -3,25 +3,27 @@
 ``dry_run(cfg, world_size)`` checks the job with the trainer's preflight, then, for each rank that
 differs (every pipeline rank; within one, rank 0 of every other dim holds the largest shard of every
 uneven split, which FSDP pads the others to), joins a fake process group of ``world_size`` ranks as
-that rank and builds what the trainer builds: the ``ParallelDims`` mesh, the model parallelized by
-``parallelize_llama`` (TP/SP/loss parallel, CP, AC, FSDP/HSDP and mixed precision), the pipeline
-stages and schedule, the optimizer and the LR schedule. It then runs real training steps (forward,
-backward over every micro-batch or the pipeline schedule, gradient clipping, the optimizer) under
-``FakeTensorMode``: shapes, dtypes and every op and collective, but no data and no memory of the
-model's size. A recorder (``StepRecorder``) counts each storage at its local size (``memory.py``),
-each collective by mesh dim (``traffic.py``) and each op's work (``compute.py``).
+that rank and builds what the trainer builds, with the trainer's own ``build_runner``: the
+``ParallelDims`` mesh, the model parallelized by ``parallelize_llama`` (TP/SP/loss parallel, CP, AC,
+FSDP/HSDP and mixed precision), the pipeline stages and schedule, the optimizer and the LR schedule.
+It then runs the trainer's own step (``PlainStep``: loss scale, forward and backward over every
+micro-batch or the pipeline schedule, gradient clipping, the optimizer and LR steps, the loss sums)
+under ``FakeTensorMode``: shapes, dtypes and every op and collective, but no data and no memory of
+the model's size. A recorder (``StepRecorder``), told what the step is doing through the step's
+callbacks, counts each storage at its local size (``memory.py``), each collective by mesh dim
+(``traffic.py``) and each op's work (``compute.py``).
 
 What differs from a GPU run, and how it is handled:
 
-- the step runs the CPU code path with the GPU's dtype policy: ``parallelize_llama`` is told the
-  device is CUDA (bf16 compute over fp32 master weights when ``mixed_precision_param`` is auto), so
+- the step runs the CPU code path with the GPU's dtype policy: ``build_runner`` is told the device
+  type is CUDA (bf16 compute over fp32 master weights when ``mixed_precision_param`` is auto), so
   the eager-CPU kernels of ``ops/cpu_kernels.py`` are not swapped in and the model runs the code
   that GPUs run; the loss is one cross-entropy, as on a GPU;
 - attention is causal over each whole window (no positions are passed): under ``block_causal`` a
   GPU runs FlexAttention, whose work on packed documents is at most the causal figure;
-- no weights are initialized (they are fake; init reads random values), the tokenizer and the data
-  set are not read (the flavor's vocabulary and random token ids stand in), and the checkpoint
-  manager is not built (it opens a gloo group and installs signal handlers);
+- no weights are initialized (they are fake; init reads random values: ``init_weights=False``), the
+  tokenizer and the data set are not read (the flavor's vocabulary and random token ids stand in),
+  and the checkpoint manager is not built (it opens a gloo group and installs signal handlers);
 - the loss and grad norm are never read on the host.
 """
 
@@ -37,25 +39,24 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.batch import Batch
 from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store
 from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
-from torchtitan.distributed import ParallelDims, clip_grad_norm_
-from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.grads import match_grad_placements
-from torchtitan.loss import IGNORE_INDEX
+from torchtitan.distributed import ParallelDims
 from torchtitan.models import model_args
-from torchtitan.models.llama3 import Transformer, flops_per_token
-from torchtitan.models.llama3.parallelize import parallelize_llama
-from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.models.llama3 import flops_per_token
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
+from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
 from torchtitan.preflight import LaunchPlan, preflight
+from torchtitan.train_step.base import StepParts
+from torchtitan.train_step.build import BuildOptions, build_runner
+from torchtitan.train_step.callbacks import StepCallbacks
+from torchtitan.train_step.plain import PlainStep
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
             job.init_optimizer_state(recorder)
             traffic.recording = compute.recording = True
             for _ in range(steps):
-                job.train_step(recorder)
+                job.train_step()
         traffic.group_ranks.update(_all_group_ranks(dims, traffic))
         return RankRun(rank, coords, job.stage_ids, memory.report(), traffic, dict(compute.work),
                        time.perf_counter() - start)
@@ -254,106 +255,55 @@ class _MicrobatchTag:
 
 
 class _Job:
-    """The trainer's parts for one simulated rank, built by the trainer's own functions."""
+    """The trainer's parts for one simulated rank, built by the trainer's own ``build_runner`` and stepped by
+    its own ``PlainStep``; the recorder follows the step through the step's callbacks."""
 
     def __init__(self, cfg: JobConfig, plan: LaunchPlan, dims: ParallelDims, fake: FakeTensorMode, memory: MemoryLedger,
                  recorder: StepRecorder):
-        self.cfg, self.plan, self.dims, self.fake, self.memory = cfg, plan, dims, fake, memory
-        self.device = torch.device("cpu")
-        with torch.device("meta"):
-            whole = Transformer(plan.model_args)
-        self.runner = None
-        if plan.pipeline is None:
-            self.parts = [self._materialize(whole)]
-            self.stage_ids: list[int] = []
-        else:
-            from torchtitan.planning.pipeline import build_fake_pipeline
-
-            self.runner, self.parts = build_fake_pipeline(whole, plan.pipeline, dims, self._materialize,
-                                                          self.loss_fn, cfg)
-            self.stage_ids = [s.stage_index for s in self.runner.stages]
-            for stage in self.runner.stages:  # tag each micro-batch's activations (memory.fold)
+        self.cfg, self.plan, self.dims, self.memory = cfg, plan, dims, memory
+        # Parallelized for the GPU (its dtype policy and kernels), allocated as fake tensors, not initialized.
+        options = BuildOptions(
+            device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
+            stage_io=None if plan.pipeline is None else stage_io(cfg, dims, plan.model_args, plan.pipeline))
+        self.runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
+        self.stage_ids: list[int] = []
+        if self.runner.pp_runner is not None:
+            make_stages_static(self.runner.pp_runner)
+            self.stage_ids = [s.stage_index for s in self.runner.pp_runner.stages]
+            for stage in self.runner.pp_runner.stages:  # tag each micro-batch's activations (memory.fold)
                 stage.submod.register_forward_pre_hook(_MicrobatchTag(recorder, stage.stage_index))
-        o, s = cfg.optimizer, cfg.lr_scheduler
-        with fake:
-            self.params = [p for part in self.parts for p in part.parameters()]
-            self.optimizer = build_optimizer(self.params, name=o.name, lr=o.lr, eps=o.eps,
-                                             weight_decay=o.weight_decay, betas=tuple(o.betas), device_type="cuda")
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
-            lr_min=s.lr_min, total_steps=cfg.training.steps)
-
-    def _materialize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``Trainer._materialize`` without the weight init: parallelize on meta, then allocate fake storage.
-
-        Parallelizing runs outside fake mode (the mesh's own tensors stay real); the device type
-        given is CUDA so that the GPU's dtype policy applies.
-        """
-        parallelize_llama(model, self.dims, self.cfg, "cuda")
-        with self.fake:
-            model.to_empty(device=self.device)
-            model.init_buffers(buffer_device=self.device)
-        model.train()
-        return model
+        self.params = self.runner.parameters()
+        self.strategy = PlainStep(StepParts(runner=self.runner, loss_mesh=dims.get_mesh("dp_cp"),
+                                            pp_mesh=dims.get_mesh("pp"), max_norm=cfg.training.max_norm,
+                                            dataloader=None))
+        self.steps_taken = 0
 
     def init_optimizer_state(self, recorder: StepRecorder) -> None:
         """Create the optimizer state as a first step does (from zero gradients, without a forward)."""
         with recorder.phase("optimizer"):
             for p in self.params:
                 p.grad = torch.zeros_like(p)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.runner.optimizer.step()
+            self.runner.optimizer.zero_grad(set_to_none=True)
 
     def register_state(self) -> None:
-        for part in self.parts:
+        for part in self.runner.model_parts:
             for p in part.parameters():
                 self.memory.register(p, "parameters")
             for b in part.buffers():
                 self.memory.register(b, "buffers")
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The trainer's loss as a GPU computes it: one cross-entropy over the micro-batch's tokens."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                               ignore_index=IGNORE_INDEX)
-
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self) -> list[Batch]:
+        """A step's micro-batches of random token ids (the step cuts them to this rank's CP share)."""
         t, vocab = self.cfg.training, self.plan.model_args.vocab_size
         out = []
         for _ in range(self.plan.grad_accum):
             tokens = torch.randint(0, vocab, (t.batch_size, t.seq_len + 1))
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            if self.dims.cp_enabled:
-                cp_rank, cp_size = self.dims.rank_and_size("cp")
-                inputs, labels = shard_sequence(inputs, cp_rank, cp_size), shard_sequence(labels, cp_rank, cp_size)
-            out.append((inputs, labels))
+            out.append(Batch(inputs=tokens[:, :-1], labels=tokens[:, 1:]))
         return out
 
-    def train_context(self):
-        return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
-
-    def train_step(self, recorder: StepRecorder) -> None:
-        """One optimizer step as ``Trainer.train_step`` takes it; the loss scale is a constant (it is a
-        host number in the real step, and the dry run never reads device values)."""
-        batches = self.batches()
-        scale = 1.0 / (self.cfg.training.batch_size * self.cfg.training.seq_len)
-        for inputs, labels in batches:
-            with self.train_context():
-                if self.runner is None:
-                    with recorder.phase("forward"):
-                        logits = self.parts[0](inputs)
-                        with recorder.logits():
-                            loss = self.loss_fn(logits, labels)
-                    del logits
-                    with recorder.phase("backward"):
-                        (loss * scale).backward()
-                    del loss
-                else:  # the schedule interleaves forwards and backwards; the recorder tells them apart
-                    with recorder.phase("forward"):
-                        self.runner.step(inputs, labels, scale)
-            recorder.mark_gradients(self.params)
-        with recorder.phase("optimizer"):
-            match_grad_placements(self.params)
-            clip_grad_norm_(self.params, self.cfg.training.max_norm, pp_mesh=self.dims.get_mesh("pp"))
-            self.optimizer.step()
-            self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+    def train_step(self) -> None:
+        """One optimizer step, by the trainer's own step (``PlainStep.run``): its loss scale, forward/backward
+        (plain or the pipeline schedule), clipping, optimizer and LR steps; no value is read on the host."""
+        self.steps_taken += 1
+        self.strategy.run(self.batches(), self.steps_taken)

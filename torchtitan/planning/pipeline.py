@@ -1,5 +1,5 @@
-"""The pipeline of a dry run: the trainer's stages and schedule, with static stage shapes, stepped
-without reading device values.
+"""The pipeline of a dry run: the trainer's stages and schedule (``build_runner`` builds them), with static
+stage shapes.
 
 The schedule's first step normally exchanges each stage's input and output shapes, and votes on
 whether every stage stated them, over the pp group; both read numbers that a fake process group
@@ -18,23 +18,17 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan.compat import skip_pipeline_shape_exchange
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.pipeline_parallel import build_pipeline
+from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.llama3.parallelize import mixed_precision
 
 
-class FakePipeline:
-    """``PipelineRunner`` as the dry run drives it: ``step`` keeps the losses on the device."""
+def make_stages_static(pp_runner: PipelineRunner) -> None:
+    """Let the schedule's first step skip the shape exchange and its vote: every stage states its shapes
+    (``stage_io``), and a fake process group delivers no numbers to exchange."""
 
-    def __init__(self, runner):
-        self.runner, self.stages = runner, runner.stages
-        skip_pipeline_shape_exchange(runner.schedule)
-
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> None:
-        self.runner.loss.scale = scale
-        args = (inputs,) if self.runner.has_first else ()
-        self.runner.schedule.step(*args, target=labels, losses=[])
+    skip_pipeline_shape_exchange(pp_runner.schedule)
 
 
 def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: PipelinePlan) -> Callable[[int], dict]:
@@ -66,12 +60,3 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: Pipeline
                 "output_grads": outputs}
 
     return io
-
-
-def build_fake_pipeline(whole: torch.nn.Module, plan: PipelinePlan, dims: ParallelDims,
-                        materialize: Callable[[torch.nn.Module], torch.nn.Module],
-                        loss_fn: Callable, cfg: JobConfig) -> tuple[FakePipeline, list[torch.nn.Module]]:
-    io = stage_io(cfg, dims, whole.args, plan)
-    runner, parts = build_pipeline(whole, plan, dims.get_mesh("pp"), torch.device("cpu"), materialize, loss_fn,
-                                   stage_io=io)
-    return FakePipeline(runner), parts

@@ -2,7 +2,8 @@
 
 ``StepRecorder`` sees every op of the step (below it, ``FakeTensorMode`` computes shapes only) and
 hands it to the three ledgers: memory (each new storage, tagged by what the step is doing), traffic
-(each collective) and compute (each kernel's work). DTensor ops arrive at their global shapes; the
+(each collective) and compute (each kernel's work); ``follow``, one of the step's callbacks, tells it
+which part of the step runs. DTensor ops arrive at their global shapes; the
 ledgers read their local tensors.
 """
 
@@ -17,6 +18,7 @@ from torchtitan.compat import TorchDispatchMode, c10d_op, fsdp_storage_hooks, in
 from torchtitan.planning.compute import ComputeLedger
 from torchtitan.planning.memory import MemoryLedger
 from torchtitan.planning.traffic import TrafficLedger
+from torchtitan.train_step.callbacks import StepEvent, StepPoint
 
 c10d = torch.ops.c10d
 _GATHER_OUTPUT = {c10d_op("_allgather_base_"), c10d.allgather_into_tensor_coalesced_.default}
@@ -46,15 +48,6 @@ class StepRecorder(TorchDispatchMode):
     def _set_phase(self, name: str) -> None:
         self._phase = self.memory.phase = self.traffic.phase = self.compute.phase = name
 
-    @contextlib.contextmanager
-    def logits(self) -> Iterator[None]:
-        """Around the output projection and the loss: their tensors are the logits and loss inputs."""
-        self._in_logits += 1
-        try:
-            yield
-        finally:
-            self._in_logits -= 1
-
     def _tag(self) -> str:
         if in_autograd_backward():
             return "backward"
@@ -63,6 +56,29 @@ class StepRecorder(TorchDispatchMode):
         if self._phase == "forward":
             return f"activations@{self.microbatch}"
         return "optimizer" if self._phase == "optimizer" else "buffers"
+
+    def follow(self, event: StepEvent) -> None:
+        """A step callback (``train_step/callbacks.py``): what the trainer's step is doing, from its points.
+
+        A micro-batch's forward, its loss (the logits' scope), its backward, and the tail from clipping
+        on (``optimizer``); between them the phase is ``build``. Through the pipeline a micro-batch is one
+        schedule step, all of it ``forward`` (the ops tell its backwards apart).
+        """
+        point = event.point
+        if point is StepPoint.MICRO_BATCH_START:
+            self._set_phase("forward")
+        elif point is StepPoint.FORWARD_END:
+            self._in_logits += 1
+        elif point is StepPoint.BACKWARD_START:
+            self._in_logits -= 1
+            self._set_phase("backward")
+        elif point is StepPoint.MICRO_BATCH_END:
+            self._set_phase("build")
+            self.mark_gradients(event.strategy.parts.runner.parameters())
+        elif point is StepPoint.GRADIENTS_READY:
+            self._set_phase("optimizer")
+        elif point is StepPoint.STEP_END:
+            self._set_phase("build")
 
     def mark_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """After a micro-batch's backward: every gradient's storage counts as a gradient."""

@@ -1,10 +1,14 @@
-"""What every optimizer step is made of, whatever the strategy around it.
+"""What every optimizer step is made of, whatever the strategy around it, and the step's tail, written once.
 
-A step's tail, in this order: give gradients their parameters' placements -> clip by the
-global norm (summed over the pipeline stages too) -> optimizer step -> LR step -> zero_grad ->
-the global loss. Each strategy writes that order out in its ``run`` (a fault-tolerant step puts
-its commit vote between clipping and the optimizer step); the pieces live here, so the pipeline
-mesh and the clipping norm are the same in every strategy.
+A step: batches to the device -> forward/backward over the micro-batches (``ModelRunner``) -> the
+tail, in this order: give gradients their parameters' placements -> clip by the global norm
+(summed over the pipeline stages too) -> [``commit``: fault tolerance's vote] -> optimizer step
+[around it ``before_optimizer_step`` / ``after_optimizer_step``: semi-sync's bookkeeping] -> LR
+step -> zero_grad -> [``after_step``: the replica check] -> the global loss. A strategy writes
+only what comes before the tail (how the loss is scaled and summed, what happens around the
+forward) and overrides the hooks; the order above is ``finish``'s alone.
+
+The step's callbacks (``train_step/callbacks.py``) are called at its named points.
 
 Nothing here reads a device value on the host: the loss and the grad norm are returned as
 device tensors, and the trainer reads them only on the steps that need them.
@@ -12,7 +16,7 @@ device tensors, and the trainer reads them only on the steps that need them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,38 +24,45 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.batch import Batch
 from torchtitan.distributed.grads import clip_grad_norm_, match_grad_placements
 from torchtitan.loss import LossScale
+from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
+from torchtitan.train_step.runner import ModelRunner
 
-# A step's micro-batches: (inputs, labels), or (inputs, labels, positions) under document masking.
-MicroBatches = list[tuple[torch.Tensor, ...]]
 
+class TokenCount(Protocol):
+    """What the tail divides the loss sum by: a loss scale's global token count (``LossScale`` and its kin)."""
 
-class StepModel(Protocol):
-    """What a step uses of the model: forward and backward over a step's micro-batches (the trainer's)."""
-
-    def prepare(self, batches: MicroBatches) -> MicroBatches:
-        """The micro-batches on the device, cut to this rank's share of the sequence."""
-        ...
-
-    def forward_backward(self, batches: MicroBatches, scale: Callable[[], torch.Tensor],
-                         before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Accumulate ``loss sum * scale()`` gradients over the micro-batches; return this rank's loss sum (float64)."""
-        ...
+    @property
+    def global_tokens(self) -> torch.Tensor: ...
 
 
 @dataclass
 class StepParts:
-    """What every strategy steps: the model, its optimizer and schedule, and the meshes its sums run over."""
+    """What every strategy steps: the model runner, the meshes its sums run over, the clipping norm, the data."""
 
-    model: StepModel
-    model_parts: list[torch.nn.Module]
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
+    runner: ModelRunner
     loss_mesh: DeviceMesh | None  # the ranks that see different tokens (dp x cp)
     pp_mesh: DeviceMesh | None  # the pipeline stages, whose gradient norms add up
     max_norm: float
-    dataloader: StatefulDataLoader
+    dataloader: StatefulDataLoader | None  # None in the planner's dry run, which makes its own batches
+
+    @property
+    def model_parts(self) -> list[torch.nn.Module]:
+        return self.runner.model_parts
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.runner.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.runner.lr_scheduler
+
+    @property
+    def callbacks(self) -> StepCallbacks:
+        return self.runner.callbacks
 
 
 @dataclass
@@ -65,18 +76,27 @@ class StepOutput:
 
 
 class StepStrategy:
-    """One optimizer step over a step's micro-batches; subclasses write out ``run``."""
+    """One optimizer step over a step's micro-batches; subclasses write ``_run`` up to the tail."""
 
     def __init__(self, parts: StepParts):
         self.parts = parts
 
     # ---- the trainer's interface -----------------------------------------------
-    def start(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def start(self, step: int) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
         """Begin training after ``step`` (0, or a loaded checkpoint's): the batches from the loaded position on."""
         return iter(self.parts.dataloader)
 
-    def run(self, batches: MicroBatches, step: int) -> StepOutput:
-        """Take optimizer step number ``step`` over ``batches`` (the micro-batches)."""
+    def run(self, batches: Sequence[Batch | Sequence[torch.Tensor]], step: int) -> StepOutput:
+        """Take optimizer step number ``step`` over ``batches`` (the micro-batches: ``Batch``es, or a loader's
+        tuples, which the runner names)."""
+        callbacks = self.parts.callbacks
+        callbacks.begin(self, step)
+        out = self._run(self.parts.runner.prepare(batches), step)
+        callbacks.emit(StepPoint.STEP_END, output=out)
+        return out
+
+    def _run(self, batches: list[Batch], step: int) -> StepOutput:
+        """The step over ``batches``, already on the device; ends in ``finish``."""
         raise NotImplementedError
 
     def writes_checkpoint(self) -> bool:
@@ -90,14 +110,62 @@ class StepStrategy:
     def close(self, wait: bool = True) -> None:
         """Stop what the strategy started (threads, servers); safe to call twice."""
 
-    # ---- the pieces of a step's tail --------------------------------------------
-    def local_scale(self, batches: MicroBatches) -> LossScale:
+    # ---- the step -----------------------------------------------------------------
+    def local_scale(self, batches: list[Batch]) -> LossScale:
         """The loss scale over this group's ranks; summing its tokens starts now."""
         return LossScale(batches, self.parts.loss_mesh)
 
+    def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor],
+                         before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The runner's forward/backward over the micro-batches (this rank's loss sum); then ``GRADIENTS_READY``."""
+        local_loss_sum = self.parts.runner.forward_backward(batches, scale, before_micro_batch)
+        self.parts.callbacks.emit(StepPoint.GRADIENTS_READY)
+        return local_loss_sum
+
+    def finish(self, step: int, loss_sum: Callable[[], torch.Tensor], scale: TokenCount) -> StepOutput | None:
+        """The tail of every step: clip -> commit? -> optimizer step -> LR step -> zero_grad -> the global loss.
+
+        ``loss_sum()`` gives the step's global loss sum, waited for only after the optimizer step.
+        None when ``commit`` voted the step away (its gradients are dropped).
+        """
+        parts = self.parts
+        grad_norm = self.clip()
+        if not self.commit():
+            self.zero_grad()
+            return None
+        lr = self.current_lr()  # after the vote: a step that healed runs at its peer's learning rate
+        parts.callbacks.emit(StepPoint.OPTIMIZER_STEP)
+        self.before_optimizer_step()
+        parts.optimizer.step()
+        self.after_optimizer_step()
+        parts.lr_scheduler.step()
+        self.zero_grad()
+        self.after_step()
+        return StepOutput(step=self.step_taken(step), loss=loss_sum() / scale.global_tokens, grad_norm=grad_norm,
+                          lr=lr)
+
+    # ---- the tail's hooks (fault tolerance, semi-sync) ------------------------------
+    def commit(self) -> bool:
+        """Whether to apply the step (fault tolerance: the groups' vote, in which a healing group heals)."""
+        return True
+
+    def before_optimizer_step(self) -> None:
+        """Just before the optimizer step (semi-sync notes its sync count)."""
+
+    def after_optimizer_step(self) -> None:
+        """Just after the optimizer step (semi-sync: did the step's sync commit?)."""
+
+    def after_step(self) -> None:
+        """After the LR step and zero_grad (fault tolerance: the replica check)."""
+
+    def step_taken(self, step: int) -> int:
+        """The number of the step just taken (fault tolerance: a live peer's, after a heal)."""
+        return step
+
+    # ---- the pieces of the tail ------------------------------------------------------
     def clip(self) -> torch.Tensor:
         """Fix the gradients' placements, then clip them by their global norm; return that norm."""
-        params = [p for part in self.parts.model_parts for p in part.parameters()]
+        params = self.parts.runner.parameters()
         match_grad_placements(params)
         return clip_grad_norm_(params, self.parts.max_norm, pp_mesh=self.parts.pp_mesh)
 

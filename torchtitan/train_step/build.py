@@ -1,0 +1,114 @@
+"""``build_runner``: the one way a job's model runner is built, by the trainer and by the planner's dry run.
+
+    model on meta -> (pipeline: prune to this rank's stages) -> parallelize -> allocate -> initialize
+    -> optimizer over every part's parameters -> LR schedule
+
+The dry run builds what the trainer builds through this same function, with ``BuildOptions`` saying
+where it differs: it parallelizes for the GPU it plans for (``device_type="cuda"``), allocates under
+its fake-tensor mode (``allocate``), leaves the fake weights uninitialized (``init_weights=False``)
+and states each pipeline stage's shapes (``stage_io``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.layout_init import init_params_layout_invariant
+from torchtitan.distributed.pipeline_parallel import build_pipeline
+from torchtitan.loss import training_loss
+from torchtitan.models.attention import describe_kernel
+from torchtitan.models.llama3 import Transformer, flops_per_token
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.train_step.callbacks import StepCallbacks
+from torchtitan.train_step.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from torchtitan.preflight import LaunchPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Where a build differs from the trainer's own (the defaults): what the planner's dry run asks for."""
+
+    device_type: str | None = None  # the device type to parallelize, build the optimizer and pick the loss for
+    allocate: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # storage made under it
+    init_weights: bool = True  # False: allocate and fill the buffers only
+    stage_io: Callable[[int], dict[str, Any]] | None = None  # each pipeline stage's shapes, stated
+    describe: bool = True  # log the model, its attention kernel and its pipeline
+
+
+def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: torch.device,
+                 callbacks: StepCallbacks | None = None, options: BuildOptions = BuildOptions()) -> ModelRunner:
+    """This rank's model parts (parallelized, allocated on ``device``, initialized), the pipeline schedule
+    over them when PP is on, the optimizer and the LR schedule."""
+    device_type = options.device_type or device.type
+    loss_fn = training_loss(device_type)
+    with torch.device("meta"):
+        model = Transformer(plan.model_args)
+    fpt = flops_per_token(plan.model_args, cfg.training.seq_len)
+    if options.describe:
+        _describe(cfg, dims, plan, model.num_params(), fpt, device)
+
+    def materialize(module: torch.nn.Module) -> torch.nn.Module:
+        return _materialize(module, cfg, dims, device, device_type, options)
+
+    pp_runner = None
+    if plan.pipeline is None:
+        model_parts = [materialize(model)]
+    else:
+        pp_runner, model_parts = build_pipeline(model, plan.pipeline, dims.get_mesh("pp"), device, materialize,
+                                                loss_fn, stage_io=options.stage_io)
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    with options.allocate():
+        optimizer = build_optimizer(
+            [p for part in model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
+            weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type,
+        )
+    lr_scheduler = build_lr_scheduler(
+        optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
+        lr_min=s.lr_min, total_steps=cfg.training.steps,
+    )
+    return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
+                       callbacks if callbacks is not None else StepCallbacks(), fpt)
+
+
+def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,
+              device: torch.device) -> None:
+    logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", cfg.model.flavor, f"{n_params:,}", fpt)
+    logger.info(describe_kernel(plan.model_args.attn_mask_type, device.type, compiled=cfg.training.compile,
+                                context_parallel=dims.cp_enabled))
+    if plan.pipeline is not None:
+        logger.info("Pipeline %s, %d microbatches: %s", plan.pipeline.schedule, plan.pipeline.microbatches,
+                    plan.pipeline.describe())
+
+
+def _materialize(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, device: torch.device,
+                 device_type: str, options: BuildOptions) -> torch.nn.Module:
+    """Parallelize a meta model (or pipeline stage), allocate it on the device and initialize it.
+
+    Parallelizing runs outside ``options.allocate`` (the mesh's own tensors stay real in a dry run).
+    """
+    parallelize_llama(model, dims, cfg, device_type)
+    with options.allocate():
+        model.to_empty(device=device)
+        if not options.init_weights:
+            model.init_buffers(buffer_device=device)
+        elif cfg.training.seed is None:
+            model.init_weights(buffer_device=device)
+        else:
+            # Same full weights for a given seed whatever the layout; see layout_init.py.
+            model.init_buffers(buffer_device=device)
+            init_params_layout_invariant(model, cfg.training.seed)
+    model.train()
+    return model

@@ -1,0 +1,116 @@
+"""The model runner: the model parts this rank holds, the pipeline schedule over them, the optimizer and
+the LR schedule, and the forward and backward of a step's micro-batches (plain or through the pipeline).
+
+``train_step/build.py`` builds it (``build_runner``), for the trainer and for the planner's dry run
+alike; the step strategies (``train_step/base.py``) drive it: ``prepare`` puts a step's batches on the
+device, ``forward_backward`` accumulates their gradients and returns the loss sum, and
+``validation_forward`` scores a validation batch through the same forward. Nothing here reads a
+device value on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan.batch import Batch
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.collectives import local_value, start_sum
+from torchtitan.distributed.context_parallel import shard_sequence
+from torchtitan.distributed.pipeline_parallel import PipelineRunner
+from torchtitan.loss import count_tokens
+from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ModelRunner:
+    """What a step runs: the model parts (one per pipeline stage held, else one), their optimizer and schedule."""
+
+    def __init__(self, model_parts: list[torch.nn.Module], pp_runner: PipelineRunner | None,
+                 optimizer: torch.optim.Optimizer, lr_scheduler: Any, loss_fn: LossFn, dims: ParallelDims,
+                 device: torch.device, callbacks: StepCallbacks, flops_per_token: float):
+        self.model_parts, self.pp_runner = model_parts, pp_runner
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.loss_fn, self.dims, self.device, self.callbacks = loss_fn, dims, device, callbacks
+        self.flops_per_token = flops_per_token
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for part in self.model_parts for p in part.parameters()]
+
+    def train_context(self) -> contextlib.AbstractContextManager:
+        """Context that forward *and* backward of a micro-batch run under."""
+        return loss_parallel() if self.dims.loss_parallel_enabled else contextlib.nullcontext()
+
+    def shard_batch(self, batch: Batch | Sequence[torch.Tensor]) -> Batch:
+        """``batch`` (a ``Batch``, or a loader's tuple, named here) on the device; under CP this rank's
+        load-balanced sequence chunks of every field (positions too: the model all-gathers them for its mask)."""
+        batch = Batch.of(batch)
+        if self.dims.cp_enabled:
+            cp_rank, cp_size = self.dims.rank_and_size("cp")
+            batch = batch.map(lambda t: shard_sequence(t, cp_rank, cp_size))
+        return batch.map(lambda t: t.to(self.device))
+
+    def prepare(self, batches: Sequence[Batch | Sequence[torch.Tensor]]) -> list[Batch]:
+        """``shard_batch`` of every micro-batch of a step."""
+        return [self.shard_batch(batch) for batch in batches]
+
+    def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor],
+                         before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Accumulate ``loss sum * scale()`` gradients over the micro-batches; return this rank's loss sum (float64).
+
+        Plain or through the pipeline schedule. The loss sum stays on the device (no host sync per
+        micro-batch). ``scale()`` is first called after the first forward, so the token count is
+        summed while that forward runs. ``before_micro_batch(i)`` runs before micro-batch ``i``
+        (fault tolerance lets FSDP reduce on the last one only); not through the pipeline, whose
+        schedule sets gradient sync itself.
+        """
+        if self.pp_runner is not None:
+            return self._pipeline_forward_backward(batches, scale)
+        emit = self.callbacks.emit
+        local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(batches):
+            if before_micro_batch is not None:
+                before_micro_batch(i)
+            emit(StepPoint.MICRO_BATCH_START, micro_batch=i)
+            with self.train_context():
+                logits = self.model_parts[0](batch.inputs, **batch.model_kwargs())
+                emit(StepPoint.FORWARD_END, micro_batch=i)
+                loss_sum = self.loss_fn(logits, batch.labels)
+                del logits  # not kept through backward (autograd keeps what it needs)
+                emit(StepPoint.BACKWARD_START, micro_batch=i)
+                # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
+                (loss_sum * scale().to(loss_sum.dtype)).backward()
+            local_loss_sum += local_value(loss_sum).detach().double()
+            del loss_sum
+            emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
+        return local_loss_sum
+
+    def _pipeline_forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``forward_backward`` through the pipeline schedule: each local batch is one schedule step.
+
+        The loss sum lives on the last stage, so it is summed over ``pp`` (other stages add 0)
+        and every rank logs the true loss.
+        """
+        local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(batches):
+            self.callbacks.emit(StepPoint.MICRO_BATCH_START, micro_batch=i)
+            with self.train_context():  # around forward and backward: the schedule interleaves them
+                local_loss_sum = local_loss_sum + self.pp_runner.step(batch, scale())
+            self.callbacks.emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
+        return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
+
+    def validation_forward(self, batch: Batch | Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
+        and the tokens this rank scored."""
+        batch = self.shard_batch(batch)
+        with self.train_context():
+            if self.pp_runner is None:
+                loss = self.loss_fn(self.model_parts[0](batch.inputs, **batch.model_kwargs()), batch.labels)
+            else:
+                loss = self.pp_runner.forward_only(batch, self.loss_fn)
+        return (None if loss is None else local_value(loss)), count_tokens(batch.labels)
