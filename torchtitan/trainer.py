@@ -50,6 +50,7 @@ class Trainer:
         self.callbacks = StepCallbacks(callbacks)
         plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.dims, self.grad_accum, self.model_args = plan.dims, plan.grad_accum, plan.model_args
+        self.model_spec = plan.model_spec  # the model family (models/registry.py)
         self.pipeline = plan.pipeline
 
         self.rank, _, self.device = init_distributed(cfg.comm.init_timeout_seconds)

@@ -4,7 +4,7 @@
 differs (every pipeline rank; within one, rank 0 of every other dim holds the largest shard of every
 uneven split, which FSDP pads the others to), joins a fake process group of ``world_size`` ranks as
 that rank and builds what the trainer builds, with the trainer's own ``build_runner``: the
-``ParallelDims`` mesh, the model parallelized by ``parallelize_llama`` (TP/SP/loss parallel, CP, AC,
+``ParallelDims`` mesh, the model parallelized by ``distributed/parallelize.py`` (TP/SP/loss parallel, CP, AC,
 FSDP/HSDP and mixed precision), the pipeline stages and schedule, the optimizer and the LR schedule.
 It then runs the trainer's own step (``PlainStep``: loss scale, forward and backward over every
 micro-batch or the pipeline schedule, gradient clipping, the optimizer and LR steps, the loss sums)
@@ -46,7 +46,6 @@ from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
 from torchtitan.models import model_args
-from torchtitan.models.llama3 import flops_per_token
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.pipeline import make_stages_static, stage_io
@@ -116,7 +115,7 @@ class DryRun:
 
     @property
     def flops_per_token(self) -> float:
-        return flops_per_token(self.plan.model_args, self.cfg.training.seq_len)
+        return self.plan.model_spec.flops_per_token(self.plan.model_args, self.cfg.training.seq_len)
 
 
 def plan_job(cfg: JobConfig, world_size: int) -> LaunchPlan:
@@ -262,9 +261,9 @@ class _Job:
                  recorder: StepRecorder):
         self.cfg, self.plan, self.dims, self.memory = cfg, plan, dims, memory
         # Parallelized for the GPU (its dtype policy and kernels), allocated as fake tensors, not initialized.
-        options = BuildOptions(
-            device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
-            stage_io=None if plan.pipeline is None else stage_io(cfg, dims, plan.model_args, plan.pipeline))
+        io = None if plan.pipeline is None else stage_io(cfg, dims, plan.model_spec, plan.model_args, plan.pipeline)
+        options = BuildOptions(device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
+                               stage_io=io)
         self.runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
         self.stage_ids: list[int] = []
         if self.runner.pp_runner is not None:

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan.compat import skip_pipeline_shape_exchange
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.fsdp import mixed_precision
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.distributed.pipeline_plan import PipelinePlan
-from torchtitan.models.llama3 import ModelArgs
-from torchtitan.models.llama3.parallelize import mixed_precision
+from torchtitan.models.spec import ModelSpec
 
 
 def make_stages_static(pp_runner: PipelineRunner) -> None:
@@ -31,12 +31,14 @@ def make_stages_static(pp_runner: PipelineRunner) -> None:
     skip_pipeline_shape_exchange(pp_runner.schedule)
 
 
-def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: PipelinePlan) -> Callable[[int], dict]:
+def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any,
+             plan: PipelinePlan) -> Callable[[int], dict]:
     """Each stage's example input and output on the meta device (gradients alike), as the model makes them.
 
-    Between stages flows the residual stream [micro-batch, sequence, dim] in the compute dtype, as a
-    plain tensor (sharded over the sequence under sequence parallelism). The first stage takes token
-    ids; the last returns the logits, a DTensor sharded over the vocabulary under loss parallel.
+    Between stages flows the hidden state [micro-batch, sequence, the family's ``hidden_width``] in the
+    compute dtype, as a plain tensor (sharded over the sequence under sequence parallelism). The first
+    stage takes token ids; the last returns the logits, a DTensor sharded over the vocabulary under
+    loss parallel.
     """
     t, p = cfg.training, cfg.parallelism
     mb = t.batch_size // plan.microbatches
@@ -44,7 +46,7 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: Pipeline
     dtype = mixed_precision(cfg, "cuda").param_dtype
     hidden_seq = seq // dims.tp if dims.tp_enabled and p.enable_sequence_parallel else seq
     meta = torch.device("meta")
-    hidden = torch.empty(mb, hidden_seq, args.dim, dtype=dtype, device=meta, requires_grad=True)
+    hidden = torch.empty(mb, hidden_seq, spec.hidden_width(args), dtype=dtype, device=meta, requires_grad=True)
 
     def logits() -> torch.Tensor:
         if not dims.loss_parallel_enabled:

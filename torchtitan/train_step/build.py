@@ -22,11 +22,10 @@ import torch
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.layout_init import init_params_layout_invariant
+from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_kernel
-from torchtitan.models.llama3 import Transformer, flops_per_token
-from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.runner import ModelRunner
@@ -54,21 +53,22 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     over them when PP is on, the optimizer and the LR schedule."""
     device_type = options.device_type or device.type
     loss_fn = training_loss(device_type)
+    spec = plan.model_spec
     with torch.device("meta"):
-        model = Transformer(plan.model_args)
-    fpt = flops_per_token(plan.model_args, cfg.training.seq_len)
+        model = spec.build(plan.model_args)
+    fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
     if options.describe:
         _describe(cfg, dims, plan, model.num_params(), fpt, device)
 
     def materialize(module: torch.nn.Module) -> torch.nn.Module:
-        return _materialize(module, cfg, dims, device, device_type, options)
+        return _materialize(module, cfg, dims, plan, device, device_type, options)
 
     pp_runner = None
     if plan.pipeline is None:
         model_parts = [materialize(model)]
     else:
         pp_runner, model_parts = build_pipeline(model, plan.pipeline, dims.get_mesh("pp"), device, materialize,
-                                                loss_fn, stage_io=options.stage_io)
+                                                loss_fn, spec.prune_stage, stage_io=options.stage_io)
     o, s = cfg.optimizer, cfg.lr_scheduler
     with options.allocate():
         optimizer = build_optimizer(
@@ -85,7 +85,8 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,
               device: torch.device) -> None:
-    logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", cfg.model.flavor, f"{n_params:,}", fpt)
+    logger.info("Model %s %s: %s parameters, %.3g FLOPs/token", cfg.model.name, cfg.model.flavor, f"{n_params:,}",
+                fpt)
     logger.info(describe_kernel(plan.model_args.attn_mask_type, device.type, compiled=cfg.training.compile,
                                 context_parallel=dims.cp_enabled))
     if plan.pipeline is not None:
@@ -93,13 +94,13 @@ def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: in
                     plan.pipeline.describe())
 
 
-def _materialize(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, device: torch.device,
-                 device_type: str, options: BuildOptions) -> torch.nn.Module:
+def _materialize(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan,
+                 device: torch.device, device_type: str, options: BuildOptions) -> torch.nn.Module:
     """Parallelize a meta model (or pipeline stage), allocate it on the device and initialize it.
 
     Parallelizing runs outside ``options.allocate`` (the mesh's own tensors stay real in a dry run).
     """
-    parallelize_llama(model, dims, cfg, device_type)
+    parallelize(model, dims, cfg, device_type, plan.model_spec)
     with options.allocate():
         model.to_empty(device=device)
         if not options.init_weights:
