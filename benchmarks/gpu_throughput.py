@@ -111,8 +111,9 @@ def build_project(args, device, compile_: bool, sac: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
+    from torchtitan.distributed.compile import apply_compile
     from torchtitan.models.llama3 import Transformer
-    from torchtitan.models.llama3.parallelize import apply_activation_checkpointing, apply_compile
 
     with torch.device("meta"):
         model = Transformer(args)

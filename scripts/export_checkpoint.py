@@ -73,10 +73,10 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
     args, _ = configured_model_args(cfg, tokenizer)  # its problems (the run's layout) do not matter here
     if args.tie_word_embeddings:
         weights.pop("output.weight", None)  # the checkpoint names the one tied tensor twice
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models import get_model_spec
 
     with torch.device("meta"):
-        expected = {k: tuple(p.shape) for k, p in Transformer(args).named_parameters()}
+        expected = {k: tuple(p.shape) for k, p in get_model_spec(cfg.model.name).build(args).named_parameters()}
     found = {k: tuple(v.shape) for k, v in weights.items()}
     if found != expected:
         differ = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))

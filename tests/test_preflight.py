@@ -30,6 +30,8 @@ def parse(*argv: str):
         ("--training.seed_sharded_dims=pp,xx", "unknown dim(s) xx"),
         ("--training.seed_sharded_dims=tp,tp", "listed twice"),
         ("--model.flavor=9B", "choose one of debugmodel"),
+        # The families are the model registry's (tests/models/test_registry.py), checked here, not by the parser.
+        ("--model.name=gpt", "--model.name=gpt: unknown model family; choose one of llama3"),
         ("--training.global_batch_size=0", "positive size"),
         ("--training.dataset=nope", "--training.dataset=nope: unknown; choose one of"),
         ("--training.dataset_path=/no/such/file.jsonl", "no such file or folder"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,16 +35,15 @@ from torchtitan.checkpoint.store import STATE_KEYS, scan
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.datasets import DATASETS, HeldOutSplit, Tokenizer, build_tokenizer, check_training_data
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import selective_ac_interval
 from torchtitan.distributed.parallel_dims import dp_shard_problem
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.distributed.seeding import sharded_dims_problem
 from torchtitan.evaluate import check_validation_data
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.metrics.wandb_run import wandb_problems
-from torchtitan.models import model_args, model_flavors
-from torchtitan.models.llama3 import ModelArgs, Transformer
-from torchtitan.models.llama3.model import ffn_hidden_dim
-from torchtitan.models.llama3.parallelize import selective_ac_interval
+from torchtitan.models import get_model_spec, model_args, model_flavors
+from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
 
 
@@ -53,7 +53,8 @@ class LaunchPlan:
 
     dims: ParallelDims
     grad_accum: int
-    model_args: ModelArgs
+    model_args: Any  # the family's args (models/spec.py, FamilyArgs)
+    model_spec: ModelSpec  # the family (--model.name)
     tokenizer: Tokenizer
     pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
 
@@ -81,20 +82,21 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     data_degree = data_parallel_degree(cfg, dims)
     grad_accum, found = gradient_accumulation_steps(cfg, data_degree)
     problems += found
+    spec = get_model_spec(cfg.model.name)  # check_config checked the name
     args, found = configured_model_args(cfg, tokenizer)
     problems += found
-    problems += check_parallelism(args, dims, cfg)
+    problems += check_parallelism(args, dims, cfg, spec)
     pipeline = None
     if dims.pp_enabled:
         try:
             pipeline = PipelinePlan.from_config(cfg, args.n_layers)
         except ConfigError as e:
             problems += e.problems
-    problems += check_checkpoint(cfg, world_size, lambda: Transformer(args), model_args=args)
+    problems += check_checkpoint(cfg, world_size, lambda: spec.build(args), model_args=args)
     # Last, and only for an otherwise sound job: the data checks may prepare a token store.
     _raise_if(problems)
     if not check_data:
-        return LaunchPlan(dims, grad_accum, args, tokenizer, pipeline)
+        return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
@@ -102,10 +104,10 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
                                     global_batch=t.batch_size * data_degree,
                                     positions=args.attn_mask_type == "block_causal", mix=t.dataset_mix)
     _raise_if(problems)
-    return LaunchPlan(dims, grad_accum, args, tokenizer, pipeline)
+    return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
 
 
-def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[ModelArgs, list[str]]:
+def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
     """The model to build, and problems with it. A named flavor takes the tokenizer's vocabulary; a
     release keeps its own, which must hold every token id of the tokenizer."""
     args = dataclasses.replace(model_args(cfg.model.name, cfg.model.flavor), attn_mask_type=cfg.model.attn_mask_type)
@@ -118,11 +120,6 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[ModelAr
         args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     else:
         args = dataclasses.replace(args, vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
-    if args.tie_word_embeddings and cfg.parallelism.pipeline_parallel_degree > 1:
-        # The embedding and the output live on the first and last stage; nothing keeps two copies equal.
-        problems.append(f"--model.flavor={cfg.model.flavor} ties the output projection to the embedding, which "
-                        "pipeline parallelism does not support (they live on different stages); use "
-                        "--parallelism.pipeline_parallel_degree=1 (FSDP, HSDP, DDP, TP and CP all train it tied)")
     return args, problems
 
 
@@ -233,8 +230,9 @@ def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, li
     return max(accum, 1), found
 
 
-def check_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> list[str]:
-    """TP/CP problems that would otherwise show up as shape errors deep inside a collective."""
+def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: ModelSpec) -> list[str]:
+    """TP/CP problems that would otherwise show up as shape errors deep inside a collective; the model
+    family's own (its widths against TP, ...) come from its spec."""
     problems: list[str] = []
     tp, cp = dims.tp, dims.cp
     seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
@@ -245,17 +243,7 @@ def check_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> li
         problems.append(f"--training.compile with tensor_parallel_degree={tp}: torch.compile of tensor-parallel "
                         "blocks fails in this PyTorch (DTensor backward); turn off compile for TP layouts "
                         "(compile was checked with FSDP, HSDP, DDP and CP)")
-    if tp > 1:
-        n_kv = args.n_kv_heads or args.n_heads
-        for what, value in [("n_heads", args.n_heads), ("n_kv_heads", n_kv), ("dim", args.dim),
-                            ("FFN hidden size", ffn_hidden_dim(args))]:
-            if value % tp:
-                problems.append(f"--parallelism.tensor_parallel_degree={tp}: the model's {what} ({value}) is not "
-                                f"divisible by it; pick a degree that divides {what}")
-        if args.vocab_size % tp:
-            # Padding the vocabulary would change the parameter shapes (and checkpoints) with the layout.
-            problems.append(f"--parallelism.tensor_parallel_degree={tp}: vocab size {args.vocab_size} is not divisible "
-                            f"by it (the vocabulary is not padded); pick a degree that divides {args.vocab_size}")
+    problems += spec.check(args, dims, cfg)
     seq_shards = (2 * cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)
     if seq_shards > 1 and seq_len % seq_shards:
         parts = []
@@ -271,10 +259,10 @@ def check_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> li
 
 # ---- checkpoints ------------------------------------------------------------
 def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[], torch.nn.Module],
-                     model_args: ModelArgs | None = None) -> list[str]:
+                     model_args: Any = None) -> list[str]:
     """One line per problem with the ``[checkpoint]`` options or the checkpoint they select.
 
-    ``model_args`` (the configured ``ModelArgs``) lets ``initial_load_path`` be checked
+    ``model_args`` (the configured model family's args) lets ``initial_load_path`` be checked
     against the model; it is checked only when the run has no checkpoint of its own,
     since that one wins.
     """
@@ -303,7 +291,7 @@ def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[]
     return problems
 
 
-def _check_initial_load(cfg: JobConfig, model_args: ModelArgs) -> list[str]:
+def _check_initial_load(cfg: JobConfig, model_args: Any) -> list[str]:
     ck = cfg.checkpoint
     if not ck.initial_load_path or ck.create_seed_checkpoint or own_checkpoint_exists(cfg):
         return []

@@ -27,6 +27,7 @@ from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.lifecycle import set_collective_timeout
+from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import PipelineRunner, build_pipeline
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
 from torchtitan.loss import count_tokens, cross_entropy_sum
@@ -35,8 +36,6 @@ from torchtitan.metrics.logger import format_batch_line, format_mesh_line, forma
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.metrics.wandb_run import wandb_run_from_config
 from torchtitan.models.attention import describe_kernel
-from torchtitan.models.llama3 import Transformer, flops_per_token
-from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preflight import LaunchPlan, preflight
 from torchtitan.train_step.base import MicroBatches, StepOutput, StepParts
@@ -51,6 +50,7 @@ class Trainer:
         self.cfg = cfg
         plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.dims, self.grad_accum, self.model_args = plan.dims, plan.grad_accum, plan.model_args
+        self.model_spec = plan.model_spec  # the model family (models/registry.py)
         self.pipeline = plan.pipeline
 
         self.rank, _, self.device = init_distributed(cfg.comm.init_timeout_seconds)
@@ -144,11 +144,11 @@ class Trainer:
     def _build_model(self) -> list[torch.nn.Module]:
         """The model parts this rank holds: the whole model, or its pipeline stages."""
         with torch.device("meta"):
-            model = Transformer(self.model_args)
+            model = self.model_spec.build(self.model_args)
         n_params = model.num_params()
-        self.flops_per_token = flops_per_token(self.model_args, self.cfg.training.seq_len)
-        logger.info("Model llama3 %s: %s parameters, %.3g FLOPs/token", self.cfg.model.flavor, f"{n_params:,}",
-                    self.flops_per_token)
+        self.flops_per_token = self.model_spec.flops_per_token(self.model_args, self.cfg.training.seq_len)
+        logger.info("Model %s %s: %s parameters, %.3g FLOPs/token", self.cfg.model.name, self.cfg.model.flavor,
+                    f"{n_params:,}", self.flops_per_token)
         logger.info(describe_kernel(self.model_args.attn_mask_type, self.device.type,
                                     compiled=self.cfg.training.compile, context_parallel=self.dims.cp_enabled))
         if self.pipeline is None:
@@ -156,12 +156,12 @@ class Trainer:
         logger.info("Pipeline %s, %d microbatches: %s", self.pipeline.schedule, self.pipeline.microbatches,
                     self.pipeline.describe())
         self.pp_runner, parts = build_pipeline(model, self.pipeline, self.dims.get_mesh("pp"), self.device,
-                                               self._materialize, self.loss_fn)
+                                               self._materialize, self.loss_fn, self.model_spec.prune_stage)
         return parts
 
     def _materialize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Parallelize a meta model (or pipeline stage), allocate it on the device and initialize it."""
-        parallelize_llama(model, self.dims, self.cfg, self.device.type)
+        parallelize(model, self.dims, self.cfg, self.device.type, self.model_spec)
         model.to_empty(device=self.device)
         if self.cfg.training.seed is None:
             model.init_weights(buffer_device=self.device)

@@ -310,6 +310,7 @@ def test_pruned_stage_keeps_fqns_and_the_unsplit_init():
     from torchtitan.distributed.layout_init import init_params_layout_invariant
     from torchtitan.models.llama3 import Transformer
     from torchtitan.models.llama3.args import ModelArgs
+    from torchtitan.models.llama3.spec import prune_stage
 
     args = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=16)
     with torch.device("meta"):
@@ -322,7 +323,7 @@ def test_pruned_stage_keeps_fqns_and_the_unsplit_init():
     tokens = torch.randint(0, 128, (2, 16))
     hidden = tokens
     for stage_id in range(plan.num_stages):
-        stage = prune_to_stage(meta, plan, stage_id).to_empty(device="cpu")
+        stage = prune_to_stage(meta, plan, stage_id, prune_stage).to_empty(device="cpu")
         stage.init_buffers()
         init_params_layout_invariant(stage, seed=5)
         names = dict(stage.named_parameters())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.models.llama3 import ModelArgs, Transformer
-from torchtitan.models.llama3.parallelize import apply_activation_checkpointing
 
 ARGS = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
 

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.models.llama3 import ModelArgs, Transformer
 from torchtitan.models.llama3.model import Attention, precompute_rope_cache, repeat_kv, rotate_pairs
-from torchtitan.models.llama3.parallelize import apply_activation_checkpointing
 from torchtitan.ops import cpu_kernels
 from torchtitan.ops.cpu_kernels import (
     CROSS_ENTROPY_SLICE_BYTES,

@@ -14,7 +14,8 @@ unless it holds it (Meta's pickled files are memory-mapped, so only the touched 
 
 Out: ``export_hf`` writes safetensors shards, their index, ``config.json``, ``generation_config.json``
 and the tokenizer files (Meta's tiktoken file also converted to ``tokenizer.json``).
-The name and layout mapping itself is ``torchtitan/models/llama3/convert.py``.
+The name and layout mapping itself is the model family's ``StateDictAdapter`` (its ``ModelSpec``,
+``torchtitan/models/spec.py``), found from the model's args.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
-from torchtitan.models.llama3 import ModelArgs, convert
+from torchtitan.models import spec_for_args
+from torchtitan.models.spec import StateDictAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +44,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                        "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-# Meta's model-parallel shards: the dim each parameter is split along (absent: replicated).
-_META_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
 
 
 # ---------------------------------------------------------------- reading the sources
@@ -73,10 +73,13 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 
 class HFSource:
-    """A Hugging Face folder: which file holds which tensor, with shapes from the headers."""
+    """A Hugging Face folder: which file holds which tensor, with shapes from the headers.
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    ``adapter`` (the model family's names and layouts) is needed to read tensors by our names.
+    """
+
+    def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
+        self.folder, self.adapter = folder, adapter
         self.config = json.loads((folder / "config.json").read_text())
         index = folder / INDEX_FILE
         if index.is_file():
@@ -101,24 +104,21 @@ class HFSource:
                                  f"{absent[0]} in {weight_map[absent[0]]}")
 
     def tensor_for(self, fqn: str) -> str:
-        if fqn == "output.weight" and self.config.get("tie_word_embeddings"):
-            # Tied: the output projection is the embedding, as transformers reads it (an lm_head.weight
-            # some exports carry beside it is ignored there too).
-            return convert.to_hf_name("tok_embeddings.weight")
-        return convert.to_hf_name(fqn)
+        return self.adapter.hf_name(fqn, tied=bool(self.config.get("tie_word_embeddings")))
 
-    def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+    def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         """Our tensor ``fqn`` (our layout), or the ``region`` (start, stop per dim) of it; reads only that region.
 
-        For q/k the Hugging Face rows of a region are spread over the heads it touches:
-        read those whole heads (rows) and the region's columns, un-permute, cut.
+        Where Hugging Face orders the rows of each head otherwise (e.g. rotary q/k), the rows of a region
+        are spread over the heads it touches: read those whole heads (rows) and the region's columns,
+        reorder, cut.
         """
         from safetensors import safe_open
 
         name = self.tensor_for(fqn)
         shape = self.shapes[name]
         region = region or tuple((0, s) for s in shape)
-        heads = convert.rotary_heads(fqn, args)
+        heads = self.adapter.hf_permuted_heads(fqn, args)
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
             view = f.get_slice(name)
             if heads is None:
@@ -127,14 +127,14 @@ class HFSource:
             (r0, r1), (c0, c1) = region
             h0, h1 = r0 // hd, math.ceil(r1 / hd)
             block = view[h0 * hd:h1 * hd, c0:c1]
-            return convert.permute_from_hf(block, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
+            return self.adapter.rows_from_hf(block, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
 
 
 class MetaSource:
     """Meta's release folder: params.json and one or more consolidated.NN.pth (model-parallel shards)."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
+        self.folder, self.adapter = folder, adapter
         self.params = json.loads((folder / "params.json").read_text())
         self.files = sorted(folder.glob("consolidated.*.pth"))
         if not self.files:
@@ -156,17 +156,16 @@ class MetaSource:
         out = {}
         for fqn, t in self.parts()[0].items():
             shape = list(t.shape)
-            dim = _META_SPLIT_DIM.get(fqn.split(".")[-2])
+            dim = self.adapter.meta_split_dim(fqn)
             if dim is not None and len(self.parts()) > 1:
                 shape[dim] = sum(p[fqn].shape[dim] for p in self.parts())
             out[fqn] = tuple(shape)
         return out
 
-    def read(self, fqn: str, args: ModelArgs, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
-        if fqn == "output.weight" and (args.tie_word_embeddings or fqn not in self.parts()[0]):
-            fqn = "tok_embeddings.weight"  # tied: one weight, whether the release stores it once or twice
+    def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        fqn = self.adapter.meta_name(fqn, args, self.parts()[0])
         pieces = [p[fqn] for p in self.parts()]
-        dim = _META_SPLIT_DIM.get(fqn.split(".")[-2])
+        dim = self.adapter.meta_split_dim(fqn)
         full = pieces[0] if len(pieces) == 1 or dim is None else torch.cat(pieces, dim=dim)
         if region is None:
             return full.clone()
@@ -186,16 +185,14 @@ def dcp_checkpoint_path(path: Path) -> Path:
     return scan(path).committed[latest]
 
 
-def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    from torchtitan.models.llama3 import Transformer
-
+def _expected_shapes(args: Any) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
-        model = Transformer(args)
+        model = spec_for_args(args).build(args)
     # Every name a state dict holds: a tied weight is loaded under both of its names.
     return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
 
 
-def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
+def check_source(path: str, fmt: str, args: Any) -> list[str]:
     """Problems with ``--checkpoint.initial_load_path`` for the configured model; reads headers only."""
     from torchtitan.checkpoint.store import shape_problems, verify
 
@@ -204,14 +201,14 @@ def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
     if not where.is_dir():
         return [f"{flag}: no such folder"]
     expected = _expected_shapes(args)
+    adapter = spec_for_args(args).state_dict_adapter
     try:
         if fmt == "hf":
             if not (where / "config.json").is_file():
                 return [f"{flag}: no config.json there; --checkpoint.initial_load_format=hf wants a Hugging Face "
                         "folder (config.json + *.safetensors)"]
-            source = HFSource(where)
-            problems = convert.field_differences(convert.model_fields(args),
-                                                 convert.fields_from_hf_config(source.config), f"{flag}/config.json")
+            source = HFSource(where, adapter)
+            problems = adapter.hf_config_problems(args, source.config, f"{flag}/config.json")
             if problems:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
             found = {}
@@ -224,17 +221,11 @@ def check_source(path: str, fmt: str, args: ModelArgs) -> list[str]:
             if not (where / "params.json").is_file():
                 return [f"{flag}: no params.json there; --checkpoint.initial_load_format=meta wants Meta's release "
                         "folder (params.json + consolidated.*.pth)"]
-            source = MetaSource(where)
-            problems = convert.field_differences(convert.model_fields(args),
-                                                 convert.fields_from_meta_params(source.params, args),
-                                                 f"{flag}/params.json")
+            source = MetaSource(where, adapter)
+            problems = adapter.meta_params_problems(args, source.params, f"{flag}/params.json")
             if problems:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
-            saved = {k: v for k, v in source.shapes().items()
-                     if k in expected or (k.startswith("layers.") and k.endswith(".weight"))}
-            if args.tie_word_embeddings and "output.weight" not in saved and "tok_embeddings.weight" in saved:
-                saved["output.weight"] = saved["tok_embeddings.weight"]  # stored once; read() maps it
-            return shape_problems(where, saved, expected)
+            return shape_problems(where, adapter.meta_shapes(source.shapes(), expected, args), expected)
         ckpt = dcp_checkpoint_path(where)
         problems, manifest = verify(ckpt, expected)
         if not problems and "model" not in manifest.get("states", []):
@@ -263,7 +254,7 @@ def _region(value: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
     return tuple((o, o + s) for o, s in zip(offset, shape))
 
 
-def load_into(model: torch.nn.Module, path: str, fmt: str, args: ModelArgs, process_group=None) -> int:
+def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_group=None) -> int:
     """Fill ``model`` (any layout; a pipeline rank's parts as one view) from ``path``; returns tensors loaded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -275,7 +266,8 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: ModelArgs, proc
         dcp.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
         set_model_state_dict(model, wrapped["model"])
         return len(state)
-    source = HFSource(where) if fmt == "hf" else MetaSource(where)
+    adapter = spec_for_args(args).state_dict_adapter
+    source = HFSource(where, adapter) if fmt == "hf" else MetaSource(where, adapter)
     filled = {}
     for fqn, value in state.items():
         region = _region(value)
@@ -317,9 +309,10 @@ def check_export_target(out_dir: Path) -> str | None:
     return None
 
 
-def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *, tokenizer=None,
+def export_hf(state: dict[str, torch.Tensor], args: Any, out_dir: str | Path, *, tokenizer=None,
               max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[Path]:
-    """Write ``state`` (our FQNs, full tensors) as a Hugging Face ``LlamaForCausalLM`` folder; returns the files.
+    """Write ``state`` (our FQNs, full tensors) as a Hugging Face folder of the model's family (for Llama 3,
+    ``LlamaForCausalLM``); returns the files.
 
     ``dtype``: of the written weights (None: as ``state`` holds them). A tied model writes the
     embedding only. ``generation_config.json`` carries the tokenizer's BOS/EOS.
@@ -330,7 +323,8 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Pa
     problem = check_export_target(out)
     if problem:
         raise ValueError(problem)
-    hf = convert.state_dict_to_hf(state, args)
+    adapter = spec_for_args(args).state_dict_adapter
+    hf = adapter.to_hf(state, args)
     hf = {name: hf[name] if dtype is None else hf[name].to(dtype) for name in sorted(hf, key=_hf_order)}
     dtypes = {t.dtype for t in hf.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -347,7 +341,7 @@ def export_hf(state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Pa
     bos = eos = None
     if tokenizer is not None:
         bos, eos = tokenizer.bos_id, tokenizer.eos_id
-    (out / "config.json").write_text(json.dumps(convert.hf_config(args, bos_id=bos, eos_id=eos, dtype=dtype),
+    (out / "config.json").write_text(json.dumps(adapter.hf_config(args, bos_id=bos, eos_id=eos, dtype=dtype),
                                                 indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))
     written += [out / INDEX_FILE, out / "config.json", out / "generation_config.json"]

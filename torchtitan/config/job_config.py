@@ -35,10 +35,11 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = field_with_help("llama3", "Model family", choices=("llama3",))
+    # The families are those the model registry knows (torchtitan/models/registry.py); preflight checks the name.
+    name: str = field_with_help("llama3", "Model family, as the model registry names it (llama3)")
     flavor: str = field_with_help(
-        "debugmodel", "Model size within the family (debugmodel, debugmodel_tied, 1B, 3B, 8B, 70B, 405B), or a "
-        "release to read the shape from: a folder holding a Hugging Face config.json or Meta's params.json, or "
+        "debugmodel", "Model size within the family (llama3: debugmodel, debugmodel_tied, 1B, 3B, 8B, 70B, 405B), "
+        "or a release to read the shape from: a folder holding a Hugging Face config.json or Meta's params.json, or "
         "the file itself")
     tokenizer_path: str = field_with_help(
         "torchtitan/datasets/assets/tokenizer.model",

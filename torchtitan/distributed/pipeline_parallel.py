@@ -6,12 +6,12 @@ Three parts, each usable on its own:
   each holds and how many microbatches a local batch is cut into, worked out from the
   config with the checks that the schedule accepts all of that; preflight calls it
   before any process group exists.
-- ``prune_to_stage`` turns a copy of the whole (meta-device) model into one stage.
-  The stage is still a ``Transformer``: the layers it does not own are dropped from
-  the ``layers`` ModuleDict (keyed by original index) and the embedding, final norm
-  and output projection become None where they belong to another stage. Parameter
-  FQNs therefore stay those of the whole model, which the layout-invariant init and
-  checkpoints key on.
+- ``prune_to_stage`` turns a copy of the whole (meta-device) model into one stage,
+  through the model family's ``prune_stage`` (its ``ModelSpec``): the blocks it does not
+  own are dropped from the ``layers`` ModuleDict (keyed by original index), and the parts
+  before the first block and after the last stay on the first and last stage only.
+  Parameter FQNs therefore stay those of the whole model, which the layout-invariant init
+  and checkpoints key on.
 - ``build_pipeline`` prunes, parallelizes and initializes this rank's stages (through
   a caller-supplied ``materialize``), wraps each in a ``PipelineStage`` and builds the
   schedule; ``PipelineRunner.step`` then runs one local batch through it, and
@@ -43,19 +43,15 @@ from torch.distributed.pipelining import PipelineStage
 from torchtitan.distributed.collectives import local_value
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
 
+# (stage, the layers it keeps, is it the first stage, is it the last) -> None: prunes the stage in place.
+PruneStage = Callable[[torch.nn.Module, range, bool, bool], None]
 
-def prune_to_stage(whole: torch.nn.Module, plan: PipelinePlan, stage_id: int) -> torch.nn.Module:
-    """A copy of ``whole`` (a meta-device Transformer) holding only stage ``stage_id``; FQNs unchanged."""
+
+def prune_to_stage(whole: torch.nn.Module, plan: PipelinePlan, stage_id: int, prune: PruneStage) -> torch.nn.Module:
+    """A copy of ``whole`` (a meta-device model) holding only stage ``stage_id``; FQNs unchanged."""
     stage = copy.deepcopy(whole)  # on meta this copies metadata only
-    lo, hi = plan.layer_starts[stage_id], plan.layer_starts[stage_id + 1]
-    for key in list(stage.layers.keys()):
-        if not lo <= int(key) < hi:
-            del stage.layers[key]
-    if stage_id != 0:
-        stage.tok_embeddings = None
-    if stage_id != plan.num_stages - 1:
-        stage.norm = None
-        stage.output = None
+    layers = range(plan.layer_starts[stage_id], plan.layer_starts[stage_id + 1])
+    prune(stage, layers, stage_id == 0, stage_id == plan.num_stages - 1)
     return stage
 
 
@@ -149,12 +145,14 @@ def build_pipeline(
     device: torch.device,
     materialize: Callable[[torch.nn.Module], torch.nn.Module],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    prune: PruneStage,
     stage_io: Callable[[int], dict[str, Any]] | None = None,
 ) -> tuple[PipelineRunner, list[torch.nn.Module]]:
     """Build this rank's stages from the meta model ``whole`` and the schedule over them.
 
     ``materialize`` parallelizes a pruned stage, allocates it on the device and
-    initializes it (the same steps the trainer applies to an unsplit model).
+    initializes it (the same steps the trainer applies to an unsplit model); ``prune`` is the
+    model family's ``prune_stage``.
     ``stage_io(stage_id)``, when given, states a stage's example inputs and outputs (and their
     gradients) as ``PipelineStage`` keywords, so the schedule need not exchange shapes at its
     first step (the planner's dry run needs this: it cannot read the exchanged sizes).
@@ -163,7 +161,7 @@ def build_pipeline(
     pp_rank = pp_mesh.get_local_rank()
     parts, stages = [], []
     for stage_id in plan.stage_ids(pp_rank):
-        part = materialize(prune_to_stage(whole, plan, stage_id))
+        part = materialize(prune_to_stage(whole, plan, stage_id, prune))
         parts.append(part)
         io = stage_io(stage_id) if stage_io is not None else {}
         stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **io))

@@ -45,7 +45,7 @@ def check_every_parameter_hooked(model_parts: list[torch.nn.Module]) -> None:
         raise RuntimeError(
             f"fault tolerance: {len(missing)} parameter(s) sit in no FSDP unit with the cross-group all-reduce "
             f"hook ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); their groups would drift apart. "
-            "FSDP must wrap every parameter in fault-tolerant mode (parallelize_llama does so)."
+            "FSDP must wrap every parameter in fault-tolerant mode (distributed/parallelize.py does so)."
         )
 
 

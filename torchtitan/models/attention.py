@@ -26,21 +26,29 @@ Under context parallelism the mask is built from the *global* positions: each ra
 all-gathers the positions of the whole sequence once per forward (``cp_document_mask``),
 so a document that crosses a chunk boundary, or starts in one rank's chunk and
 continues in another's, is masked exactly as in one process.
+
+Context parallelism reaches a model through one backend, ``ContextParallelAttention``: a
+model's attention layers run their own (local) kernels unless a backend is set, and context
+parallelism sets this one. It holds everything attention does differently under CP (both
+masks' kernels and the global document mask), so nothing in the model is patched.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.distributed.context_parallel import chunk_ids, gather_sequence
+from torchtitan.distributed.context_parallel import chunk_ids, cp_attention, gather_sequence
 
 __all__ = [
     "MASK_TYPES",
+    "AttentionBackend",
+    "ContextParallelAttention",
     "DocumentMask",
     "block_causal_attention",
     "build_document_mask",
@@ -254,3 +262,44 @@ def describe_kernel(mask_type: str, device_type: str, *, compiled: bool, context
     else:
         kernel = "one causal SDPA per document"
     return f"attention mask: block_causal (documents from the data's positions); kernel: {kernel}"
+
+
+# ---------------------------------------------------------------- the backend context parallelism selects
+
+
+class AttentionBackend(Protocol):
+    """What an attention layer calls in place of its own kernels when a backend is set.
+
+    q: [B, H, L, D]; k, v: [B, H_kv, L, D] (grouped-query heads); ``documents`` comes from the
+    same backend's ``document_mask``, built once per forward and shared by the layers.
+    """
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def block_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     documents: DocumentMask) -> torch.Tensor: ...
+
+    def document_mask(self, positions: torch.Tensor, batch: int | None) -> DocumentMask: ...
+
+
+class ContextParallelAttention:
+    """The ``AttentionBackend`` of context parallelism: each ``cp`` rank holds two load-balanced chunks
+    of every sequence (torchtitan/distributed/context_parallel.py) and attends to the whole sequence's
+    keys, all-gathered over ``mesh``.
+
+    - ``causal``: ``cp_attention``;
+    - ``block_causal``: ``cp_block_causal_attention``;
+    - ``document_mask``: ``cp_document_mask`` (the documents of the whole sequence's positions).
+    """
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_attention(q, k, v, mesh=self.mesh)
+
+    def block_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask) -> torch.Tensor:
+        return cp_block_causal_attention(q, k, v, documents, mesh=self.mesh)
+
+    def document_mask(self, positions: torch.Tensor, batch: int | None) -> DocumentMask:
+        return cp_document_mask(positions, batch, mesh=self.mesh)

@@ -16,7 +16,7 @@ repeated K/V heads); this module holds what runs instead on a CPU, in eager mode
 
 What each one saves is measured in benchmarks/README.md §11.
 
-The switch is ``use_cpu_kernels``: a module-swap converter, run by ``parallelize_llama`` on CPU
+The switch is ``use_cpu_kernels``: a module-swap converter, run by ``distributed/parallelize.py`` on CPU
 before the parallelisms, that changes the classes of the linear and attention modules in place
 (parameters, FQNs, state dict and hooks untouched). The cross-entropy is reached through
 ``torchtitan.loss.cross_entropy_sum``. Every kernel applies only where ``eager_cpu`` holds, and
@@ -113,7 +113,7 @@ class CpuAttentionKernels:
     """Mixin over an attention module with ``rotary(xq, xk, rope_cache)`` and ``sdpa(q, k, v)`` methods.
 
     Each override runs its CPU kernel where ``eager_cpu`` holds and the module's own math elsewhere.
-    Context parallelism replaces ``sdpa`` on the instance, which still wins over this class.
+    Under context parallelism the layer calls its attention backend instead of ``sdpa``.
     """
 
     def rotary(self, xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor

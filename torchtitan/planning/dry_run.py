@@ -4,7 +4,7 @@
 differs (every pipeline rank; within one, rank 0 of every other dim holds the largest shard of every
 uneven split, which FSDP pads the others to), joins a fake process group of ``world_size`` ranks as
 that rank and builds what the trainer builds: the ``ParallelDims`` mesh, the model parallelized by
-``parallelize_llama`` (TP/SP/loss parallel, CP, AC, FSDP/HSDP and mixed precision), the pipeline
+``distributed/parallelize.py`` (TP/SP/loss parallel, CP, AC, FSDP/HSDP and mixed precision), the pipeline
 stages and schedule, the optimizer and the LR schedule. It then runs real training steps (forward,
 backward over every micro-batch or the pipeline schedule, gradient clipping, the optimizer) under
 ``FakeTensorMode``: shapes, dtypes and every op and collective, but no data and no memory of the
@@ -13,7 +13,7 @@ each collective by mesh dim (``traffic.py``) and each op's work (``compute.py``)
 
 What differs from a GPU run, and how it is handled:
 
-- the step runs the CPU code path with the GPU's dtype policy: ``parallelize_llama`` is told the
+- the step runs the CPU code path with the GPU's dtype policy: ``parallelize`` is told the
   device is CUDA (bf16 compute over fp32 master weights when ``mixed_precision_param`` is auto), so
   the eager-CPU kernels of ``ops/cpu_kernels.py`` are not swapped in and the model runs the code
   that GPUs run; the loss is one cross-entropy, as on a GPU;
@@ -46,10 +46,9 @@ from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims, clip_grad_norm_
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.grads import match_grad_placements
+from torchtitan.distributed.parallelize import parallelize
 from torchtitan.loss import IGNORE_INDEX
 from torchtitan.models import model_args
-from torchtitan.models.llama3 import Transformer, flops_per_token
-from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
@@ -115,7 +114,7 @@ class DryRun:
 
     @property
     def flops_per_token(self) -> float:
-        return flops_per_token(self.plan.model_args, self.cfg.training.seq_len)
+        return self.plan.model_spec.flops_per_token(self.plan.model_args, self.cfg.training.seq_len)
 
 
 def plan_job(cfg: JobConfig, world_size: int) -> LaunchPlan:
@@ -263,7 +262,7 @@ class _Job:
         self.cfg, self.plan, self.dims, self.fake, self.memory = cfg, plan, dims, fake, memory
         self.device = torch.device("cpu")
         with torch.device("meta"):
-            whole = Transformer(plan.model_args)
+            whole = plan.model_spec.build(plan.model_args)
         self.runner = None
         if plan.pipeline is None:
             self.parts = [self._materialize(whole)]
@@ -291,7 +290,7 @@ class _Job:
         Parallelizing runs outside fake mode (the mesh's own tensors stay real); the device type
         given is CUDA so that the GPU's dtype policy applies.
         """
-        parallelize_llama(model, self.dims, self.cfg, "cuda")
+        parallelize(model, self.dims, self.cfg, "cuda", self.plan.model_spec)
         with self.fake:
             model.to_empty(device=self.device)
             model.init_buffers(buffer_device=self.device)

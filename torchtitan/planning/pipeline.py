@@ -18,10 +18,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.fsdp import mixed_precision
 from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.distributed.pipeline_plan import PipelinePlan
-from torchtitan.models.llama3 import ModelArgs
-from torchtitan.models.llama3.parallelize import mixed_precision
+from torchtitan.models import get_model_spec
+from torchtitan.models.spec import ModelSpec
 
 
 class FakePipeline:
@@ -43,12 +44,14 @@ class FakePipeline:
         self.runner.schedule.step(*args, target=labels, losses=[])
 
 
-def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: PipelinePlan) -> Callable[[int], dict]:
+def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any,
+             plan: PipelinePlan) -> Callable[[int], dict]:
     """Each stage's example input and output on the meta device (gradients alike), as the model makes them.
 
-    Between stages flows the residual stream [micro-batch, sequence, dim] in the compute dtype, as a
-    plain tensor (sharded over the sequence under sequence parallelism). The first stage takes token
-    ids; the last returns the logits, a DTensor sharded over the vocabulary under loss parallel.
+    Between stages flows the hidden state [micro-batch, sequence, the family's ``hidden_width``] in the
+    compute dtype, as a plain tensor (sharded over the sequence under sequence parallelism). The first
+    stage takes token ids; the last returns the logits, a DTensor sharded over the vocabulary under
+    loss parallel.
     """
     t, p = cfg.training, cfg.parallelism
     mb = t.batch_size // plan.microbatches
@@ -56,7 +59,7 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: Pipeline
     dtype = mixed_precision(cfg, "cuda").param_dtype
     hidden_seq = seq // dims.tp if dims.tp_enabled and p.enable_sequence_parallel else seq
     meta = torch.device("meta")
-    hidden = torch.empty(mb, hidden_seq, args.dim, dtype=dtype, device=meta, requires_grad=True)
+    hidden = torch.empty(mb, hidden_seq, spec.hidden_width(args), dtype=dtype, device=meta, requires_grad=True)
 
     def logits() -> torch.Tensor:
         if not dims.loss_parallel_enabled:
@@ -77,7 +80,8 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, plan: Pipeline
 def build_fake_pipeline(whole: torch.nn.Module, plan: PipelinePlan, dims: ParallelDims,
                         materialize: Callable[[torch.nn.Module], torch.nn.Module],
                         loss_fn: Callable, cfg: JobConfig) -> tuple[FakePipeline, list[torch.nn.Module]]:
-    io = stage_io(cfg, dims, whole.args, plan)
+    spec = get_model_spec(cfg.model.name)
+    io = stage_io(cfg, dims, spec, whole.args, plan)
     runner, parts = build_pipeline(whole, plan, dims.get_mesh("pp"), torch.device("cpu"), materialize, loss_fn,
-                                   stage_io=io)
+                                   spec.prune_stage, stage_io=io)
     return FakePipeline(runner), parts

@@ -9,9 +9,10 @@ from torchtitan.planning.memory import CATEGORIES, GIB
 
 def dry_run_text(run: DryRun) -> str:
     d, t = run.dims, run.cfg.training
-    lines = [f"Dry run: llama3 {run.cfg.model.flavor} on {run.world_size} ranks (dp_replicate {d.dp_replicate} x "
-             f"dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp} x pp {d.pp}); local batch {t.batch_size} x seq "
-             f"{t.seq_len}, {run.plan.grad_accum} micro-step(s), AC {run.cfg.activation_checkpoint.mode}"]
+    lines = [f"Dry run: {run.cfg.model.name} {run.cfg.model.flavor} on {run.world_size} ranks "
+             f"(dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp} x pp {d.pp}); "
+             f"local batch {t.batch_size} x seq {t.seq_len}, {run.plan.grad_accum} micro-step(s), "
+             f"AC {run.cfg.activation_checkpoint.mode}"]
     lines += [f"  note: {n}" for n in run.notes]
     for r in run.ranks:
         m = r.memory

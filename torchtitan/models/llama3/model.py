@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
-from torchtitan.models.attention import DocumentMask, block_causal_attention, build_document_mask
+from torchtitan.models.attention import AttentionBackend, DocumentMask, block_causal_attention, build_document_mask
 from torchtitan.models.llama3.args import ModelArgs
 
 # ---------------------------------------------------------------- building blocks
@@ -115,6 +115,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # None: this layer's own kernels (``sdpa``, ``masked_sdpa``); context parallelism sets its backend
+        # (models/attention.py) through ``Transformer.use_attention_backend``.
+        self.backend: AttentionBackend | None = None
 
     def rotary(self, xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,14 +127,13 @@ class Attention(nn.Module):
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention: q [B, H, L, D]; k, v [B, H_kv, L, D] (grouped-query heads).
 
-        Context parallelism swaps this method out (it gathers k and v before repeating them);
-        on CPU a grouped-query kernel may stand in (ops/cpu_kernels.py).
+        On CPU a grouped-query kernel may stand in (ops/cpu_kernels.py).
         """
         n_rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
 
     def masked_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask) -> torch.Tensor:
-        """Document-masked attention (models/attention.py); context parallelism swaps this method out too."""
+        """Document-masked attention of whole sequences (models/attention.py)."""
         return block_causal_attention(q, k, v, documents)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
@@ -142,7 +144,10 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = self.rotary(xq, xk, rope_cache[..., :seqlen, :])
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        out = self.sdpa(q, k, v) if documents is None else self.masked_sdpa(q, k, v, documents)
+        if self.backend is not None:
+            out = self.backend.causal(q, k, v) if documents is None else self.backend.block_causal(q, k, v, documents)
+        else:
+            out = self.sdpa(q, k, v) if documents is None else self.masked_sdpa(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -195,6 +200,7 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        self.attention_backend: AttentionBackend | None = None  # see use_attention_backend
         # Non-persistent: it is derived from args, so it stays out of checkpoints.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
 
@@ -293,8 +299,17 @@ class Transformer(nn.Module):
             h = self.output(h)
         return h
 
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """Make every attention layer, and the document mask of each forward, go through ``backend``
+        (context parallelism selects ``ContextParallelAttention``)."""
+        self.attention_backend = backend
+        for layer in self.layers.values():
+            layer.attention.backend = backend
+
     def document_mask(self, positions: torch.Tensor, batch: int) -> DocumentMask:
-        """The documents of this forward's rows; context parallelism swaps this for its global version."""
+        """The documents of this forward's rows: of the whole sequence under an attention backend."""
+        if self.attention_backend is not None:
+            return self.attention_backend.document_mask(positions, batch)
         return build_document_mask(positions, batch)
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -1,0 +1,92 @@
+"""The model registry: families by ``--model.name``, and the seam that keeps them in ``models/<family>/``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from torchtitan.models import get_model_spec, model_args, model_names, spec_for_args
+from torchtitan.models.llama3 import ModelArgs, Transformer, llama3_flavors
+from torchtitan.models.spec import ModelSpec
+
+PACKAGE = Path(__file__).resolve().parents[2] / "torchtitan"
+FAMILIES = PACKAGE / "models"
+
+
+def test_unknown_name_names_the_option_and_the_families():
+    with pytest.raises(ValueError) as info:
+        get_model_spec("gpt")
+    assert str(info.value) == "--model.name=gpt: unknown model family; choose one of llama3"
+    with pytest.raises(ValueError, match="--model.name=gpt: unknown model family"):
+        model_args("gpt", "debugmodel")
+
+
+def test_llama3_is_found_with_its_flavors_and_model():
+    spec = get_model_spec("llama3")
+    assert isinstance(spec, ModelSpec) and spec.name == "llama3" and "llama3" in model_names()
+    assert spec.flavors is llama3_flavors and spec.args_type is ModelArgs and spec.build is Transformer
+    assert spec_for_args(llama3_flavors["8B"]) is spec
+    assert model_args("llama3", "8B") is llama3_flavors["8B"]
+    with pytest.raises(TypeError, match="no registered model family"):
+        spec_for_args(object())
+
+
+def _family_imports(path: Path, root: Path) -> list[str]:
+    """The ``torchtitan.models.<family>`` modules that ``path`` (under the package ``root``) imports,
+    relative imports resolved."""
+    package = ".".join(path.relative_to(root.parent).with_suffix("").parts[:-1]).split(".")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], base]).strip(".")
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [n for n in names if _is_family_module(n, root / "models")]
+    return found
+
+
+def _is_family_module(name: str, families: Path) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[:2] == ["torchtitan", "models"] and (families / parts[2]).is_dir()
+
+
+def _offenders(root: Path) -> dict[str, list[str]]:
+    """Modules of the package ``root`` outside ``models/<family>/`` that import a family."""
+    families, out = root / "models", {}
+    for path in sorted(root.rglob("*.py")):
+        if path.is_relative_to(families) and len(path.relative_to(families).parts) > 1:
+            continue  # inside models/<family>/: a family may import itself
+        found = _family_imports(path, root)
+        if found:
+            out[str(path.relative_to(root.parent))] = found
+    return out
+
+
+def test_no_module_outside_a_family_imports_one():
+    offenders = _offenders(PACKAGE)
+    assert not offenders, f"these modules import a model family; ask the registry (torchtitan.models): {offenders}"
+
+
+def test_the_import_check_finds_every_spelling(tmp_path):
+    # The check above must be able to fail: a copy of the layout with offenders in each spelling.
+    root = tmp_path / "torchtitan"
+    (root / "models" / "llama3").mkdir(parents=True)
+    (root / "planning").mkdir()
+    (root / "models" / "llama3" / "spec.py").write_text("from torchtitan.models.llama3 import model\n"
+                                                        "from . import args\n")
+    (root / "models" / "registry.py").write_text("from .llama3 import spec\nfrom torchtitan.models import spec\n")
+    (root / "planning" / "run.py").write_text("import torchtitan.models.llama3.model\n"
+                                              "from torchtitan.models.llama3 import Transformer\n"
+                                              "from torchtitan.models import get_model_spec\n")
+    assert _offenders(root) == {
+        "torchtitan/models/registry.py": ["torchtitan.models.llama3", "torchtitan.models.llama3.spec"],
+        "torchtitan/planning/run.py": ["torchtitan.models.llama3.model", "torchtitan.models.llama3",
+                                       "torchtitan.models.llama3.Transformer"],
+    }

@@ -1,0 +1,103 @@
+"""Activation checkpointing of a model's blocks: full, selective per op, or every N-th block.
+
+It applies to any model whose repeated blocks sit in ``model.layers`` (a ModuleDict), the
+contract of ``torchtitan/models/spec.py``. Each chosen block's ``forward`` is replaced in place,
+so parameter FQNs stay unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import wraps
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from torchtitan.ops.cpu_kernels import onednn_available
+
+logger = logging.getLogger(__name__)
+
+# Selective 'op' AC decides per op what a block keeps for backward. The linear layers' products are
+# most of the FLOPs and their outputs most of the memory, so it keeps every second one (the 1st,
+# 3rd, ... of the block: wq, wv, w1, w2 in a Llama block) and recomputes the others (wk, wo, w3):
+# three of seven forward products recomputed, for much less memory (benchmarks/README.md §17).
+# Attention's output is kept (recomputing it costs the most per byte), and so is a tensor-parallel
+# reduce-scatter's, so that the recompute does not communicate again. Everything else (norms,
+# pointwise ops) is recomputed.
+_LINEAR_PRODUCTS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    *([torch.ops.mkldnn._linear_pointwise.default] if onednn_available() else []),  # ops/cpu_kernels.py
+}
+_ALWAYS_SAVE = {
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _every_second_linear_contexts():
+    """SAC contexts for one checkpointed call, with their own count of linear products.
+
+    ``checkpoint`` calls this once per block forward; the forward and its recompute each count
+    from zero, so both see the same op sequence and agree on which outputs were kept.
+    """
+    seen = {False: 0, True: 0}  # ctx.is_recompute -> linear products so far
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _LINEAR_PRODUCTS:
+            seen[ctx.is_recompute] += 1
+            keep = seen[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in _ALWAYS_SAVE
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpoint_forward(module: torch.nn.Module, context_fn: Callable | None) -> None:
+    """Make ``module.forward`` recompute itself in backward, in place.
+
+    Replacing the bound ``forward`` (instead of wrapping the module) keeps the
+    parameter FQNs, and keeps the region to the forward body: FSDP's unshard and
+    reshard run in the module's hooks, outside it. ``torch.compile`` traces
+    non-reentrant ``checkpoint`` (with or without a selective policy), so a
+    compiled block keeps its AC.
+    """
+    inner = module.forward
+    kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+
+    @wraps(inner)
+    def forward(*args, **kw):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs, **kw)
+
+    module.forward = forward
+
+
+def selective_ac_interval(option: str) -> int | None:
+    """The N of selective AC every N-th block, None for 'op'; ValueError for anything else."""
+    if option == "op":
+        return None
+    if not (option.isdigit() and int(option) >= 1):
+        raise ValueError(f"selective_ac_option={option}: use 'op' or a positive integer N ('op' keeps every second "
+                         "linear output, N checkpoints every N-th block)")
+    return int(option)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_option: str) -> None:
+    """full: recompute every block; selective 'op': keep every second linear output; selective N: every N-th block."""
+    blocks = list(model.layers.values())
+    if mode == "full":
+        chosen, context_fn = blocks, None
+    elif selective_option == "op":
+        chosen, context_fn = blocks, _every_second_linear_contexts
+    else:
+        every = selective_ac_interval(selective_option)
+        chosen, context_fn = blocks[every - 1 :: every], None
+    for block in chosen:
+        _checkpoint_forward(block, context_fn)
+    logger.info("Activation checkpointing (%s, option %s) on %d modules", mode, selective_option, len(chosen))

@@ -1,0 +1,69 @@
+"""FSDP2 over a model's blocks and root: FSDP, HSDP, DDP, and the mixed-precision policy.
+
+The blocks are ``model.layers`` (the contract of ``torchtitan/models/spec.py``): each is one FSDP
+unit, and the root (embeddings, final norm, output) is the last one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from torchtitan.config import JobConfig
+from torchtitan.config.dtypes import DTYPES
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+
+def mixed_precision(cfg: JobConfig, device_type: str) -> MixedPrecisionPolicy:
+    """The compute (param) and gradient-reduction dtypes of ``cfg`` on ``device_type``."""
+    param = cfg.training.mixed_precision_param
+    if param == "auto":
+        # bf16 compute is the norm on GPUs; CPUs run bf16 matmuls slowly, so they default to float32.
+        param = "bfloat16" if device_type == "cuda" else "float32"
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
+
+
+def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    # With PP every microbatch would re-gather the parameters it just freed.
+    return not pp_enabled
+
+
+def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str,
+               mesh: DeviceMesh | None = None) -> None:
+    """Shard each block, then the root (embeddings, final norm, output).
+
+    The mesh is 1-D ``dp_shard_cp`` for FSDP, 2-D ``(dp_replicate, dp_shard_cp)``
+    for HSDP (shard within a replica group, all-reduce across groups), and for DDP
+    a 2-D ``(dp_replicate, dp_shard=1)`` mesh: FSDP2 then keeps whole parameters
+    and all-reduces gradients, which is DDP with the same code path, parameter
+    type (DTensor), mixed precision and checkpoint format as FSDP and HSDP.
+    """
+    mesh = mesh if mesh is not None else dims.fsdp_mesh()
+    mp = mixed_precision(cfg, device_type)
+    reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        last = i == len(blocks) - 1 and cfg.parallelism.fsdp_reshard_after_forward == "default"
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not last)
+    # The root (embeddings, final norm, output) runs last in forward and first in backward, so
+    # resharding it only re-gathers it at once. FSDP2 skips that only when the root's value is
+    # left unset, and torch 2.13 honours an explicit True: it cost one extra all-gather of the
+    # root per step (measured: benchmarks/README.md section 2, "FSDP root resharding").
+    root_reshard = reshard and cfg.parallelism.fsdp_reshard_after_forward != "default"
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
+    if mesh.size() == 1:
+        kind = "FSDP on one rank (mixed precision only)"
+    else:
+        kind = "DDP" if not dims.fsdp_enabled else ("HSDP" if dims.dp_replicate_enabled else "FSDP")
+    logger.info("Applied %s on mesh %s (param %s, reduce %s)", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
+                mp.param_dtype, mp.reduce_dtype)

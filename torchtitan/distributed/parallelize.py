@@ -1,0 +1,89 @@
+"""Apply the parallelisms to a model of any family, in a fixed readable order:
+
+    (CPU: kernel swap) -> the family's tensor parallel plan -> the family's context-parallel binding
+    -> activation checkpointing -> torch.compile -> FSDP2
+
+Order matters: TP rewrites the linear layers into DTensor shards first, AC and compile then wrap
+each block's (already parallel) forward, and FSDP comes last so that it shards what the other
+steps produced and its all-gathers sit outside the compiled and recomputed regions. On CPU the
+family first swaps in the eager-CPU kernels (ops/cpu_kernels.py): a class change that the later
+steps do not see.
+
+What differs per family (which layers TP shards, how attention runs under CP, which modules take
+CPU kernels) comes from the family's ``FamilyParallelism`` (its ``ModelSpec``,
+``torchtitan/models/spec.py``); AC, compile, FSDP and mixed precision are the same for all and
+live beside this module. Every step keeps the parameter FQNs unchanged (AC replaces forward in
+place, in-place ``Module.compile``, FSDP2), which checkpoints and the layout-invariant init rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+
+class FamilyParallelism(Protocol):
+    """The family-specific steps of ``parallelize`` (a ``ModelSpec`` provides them)."""
+
+    def use_cpu_kernels(self, model: torch.nn.Module, onednn_linears: bool) -> dict[str, int]:
+        """Swap the model's modules for their eager-CPU kernel classes; how many of each kind."""
+        ...
+
+    def apply_tp(self, model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                 loss_parallel: bool) -> None:
+        """The family's tensor-parallel plan."""
+        ...
+
+    def apply_cp(self, model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+        """Bind the model to context parallelism (its attention backend, and its positions)."""
+        ...
+
+
+def fsdp_on_one_rank(dims: ParallelDims, cfg: JobConfig, device_type: str) -> bool:
+    """Whether FSDP2 goes on a one-rank mesh although no data parallelism asks for it.
+
+    Without data parallelism (one device, TP, PP, or both) FSDP2 still goes on when compute is
+    not float32: it is what applies the mixed-precision policy, so every layout computes in the
+    same dtype. Under fault tolerance too: FSDP units carry the cross-group all-reduce hook, so
+    every parameter must sit in one (fault_tolerance/hooks.py).
+    """
+    return not (dims.dp_enabled or dims.fsdp_enabled) and (
+        mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
+
+
+def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str,
+                family: FamilyParallelism) -> torch.nn.Module:
+    """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
+    one_rank = fsdp_on_one_rank(dims, cfg, device_type)
+    if device_type == "cpu":
+        onednn = cfg.training.cpu_matmul == "onednn" and not cfg.training.compile
+        if n := family.use_cpu_kernels(model, onednn)["linear"]:
+            logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
+    if dims.tp_enabled:
+        # TP parameters must share the root of the mesh FSDP goes on, one-rank FSDP included.
+        family.apply_tp(model, dims.tp_mesh(fsdp_on_one_rank=one_rank),
+                        sequence_parallel=cfg.parallelism.enable_sequence_parallel,
+                        loss_parallel=dims.loss_parallel_enabled)
+    if dims.cp_enabled:
+        family.apply_cp(model, dims.get_mesh("cp"), cfg.training.seq_len)
+    if cfg.activation_checkpoint.mode != "none":
+        apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
+                                       cfg.activation_checkpoint.selective_ac_option)
+    if cfg.training.compile:
+        apply_compile(model)
+    if dims.dp_enabled or dims.fsdp_enabled:
+        apply_fsdp(model, dims, cfg, device_type)
+    elif one_rank:
+        apply_fsdp(model, dims, cfg, device_type, mesh=dims.one_rank_fsdp_mesh())
+    return model
