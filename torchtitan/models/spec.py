@@ -68,7 +68,7 @@ class StateDictAdapter(Protocol):
         ...
 
     def hf_expert_names(self, fqn: str, args: Any) -> list[str] | None:
-        """The per-expert Hugging Face tensors that our stacked ``fqn`` ([E, ...]) holds, in order (None: not stacked)."""
+        """The per-expert Hugging Face tensors of our stacked ``fqn`` ([E, ...]), in order (None: not stacked)."""
         ...
 
     def hf_permuted_heads(self, fqn: str, args: Any) -> int | None:
