@@ -62,3 +62,59 @@ def test_tp2_trains_the_one_process_moe_model(tmp_path, sp):
         # and equal to the one-process model's.
         assert torch.equal(value, outs[1]["replicated"][name]), name
         torch.testing.assert_close(value, one["replicated"][name], rtol=1e-4, atol=1e-5)
+
+
+def test_train_from_a_qwen3_moe_folder_then_export_loads_in_transformers(tmp_path):
+    """train.py from a Qwen3-MoE Hugging Face folder (step-1 loss = transformers'), then the export script
+    writes back the same tensors, which transformers loads."""
+    import json
+
+    import transformers
+    from conftest import SHIPPED_TOKENIZER, load_script
+    from safetensors.torch import load_file
+
+    from torchtitan.datasets import build_dataloader, build_tokenizer
+
+    tokenizer = build_tokenizer(SHIPPED_TOKENIZER)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=tokenizer.n_words, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=64)
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    hf = tmp_path / "hf"
+    theirs.save_pretrained(hf)
+    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer, seq_len=32,
+                              local_batch_size=2, dp_rank=0, dp_degree=1)
+    inputs, labels = next(iter(loader))
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(theirs(inputs).logits.flatten(0, 1), labels.flatten()))
+
+    dump = tmp_path / "dump"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RANK", None)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--job.config_file", CONFIG, f"--job.dump_folder={dump}",
+         f"--model.flavor={hf}", "--model.attn_mask_type=causal", "--metrics.enable_tensorboard=false",
+         "--training.seq_len=32", "--training.batch_size=2", "--training.steps=1", "--optimizer.lr=0",
+         "--lr_scheduler.warmup_steps=0", "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only",
+         f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_format=hf"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loss = float(re.search(r"step: 1 +loss: ([0-9.]+)", out.stderr).group(1))
+    assert loss == pytest.approx(want, abs=1e-4)  # the log prints 5 significant digits
+
+    exported = tmp_path / "exported"
+    assert load_script("scripts/export_checkpoint.py").main(
+        [str(dump / "checkpoint" / "step-1"), str(exported), "--format", "hf", "--dtype", "float32"]) == 0
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    original = load_file(hf / "model.safetensors")
+    back = {k: v for f in exported.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert back.keys() == original.keys()
+    for name, t in original.items():
+        assert torch.equal(back[name], t), name
+    again, info = transformers.Qwen3MoeForCausalLM.from_pretrained(exported, dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(inputs).logits, theirs(inputs).logits, rtol=0, atol=0)
