@@ -185,3 +185,31 @@ def test_debug_models_have_an_init_spec_per_parameter_and_train(family, flavor):
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     assert all(int(m.tokens_per_expert.sum()) == 2 * 16 * args.top_k for m in moes)
+
+
+def test_preflight_names_widths_tp_does_not_divide_and_tying_under_pp():
+    from torchtitan.models.common.parallel import check_decoder
+
+    args = model_args("qwen3", "debugmodel")  # 8 heads, 4 kv heads, tied
+    assert check_decoder(args, tp=2, pp=1, flavor="debugmodel") == []
+    problems = check_decoder(args, tp=8, pp=2, flavor="debugmodel")
+    assert problems == [
+        "--parallelism.tensor_parallel_degree=8: the model's n_kv_heads (4) is not divisible by it; pick a degree "
+        "that divides n_kv_heads",
+        "--model.flavor=debugmodel ties the output projection to the embedding, which pipeline parallelism does not "
+        "support (they live on different stages); use --parallelism.pipeline_parallel_degree=1"]
+    # Only dense layers' width matters to TP: Mixtral's experts are replicated over TP.
+    mixtral = dataclasses.replace(model_args("mixtral", "debugmodel"), ffn_hidden_size=7, moe_hidden_size=7)
+    assert check_decoder(mixtral, tp=2, pp=1, flavor="debugmodel") == []
+    broken = dataclasses.replace(model_args("qwen3", "debugmodel_moe"))
+    object.__setattr__(broken, "top_k", 9)  # past the args' own check: preflight still names it
+    assert check_decoder(broken, tp=1, pp=1, flavor="x") == [
+        "--model.flavor=x: top_k=9 experts per token exceeds num_experts=8; use a top_k between 1 and 8"]
+
+
+def test_the_registry_finds_each_family_by_its_args():
+    from torchtitan.models import spec_for_args
+
+    assert spec_for_args(model_args("qwen3", "30B-A3B")).name == "qwen3"
+    assert spec_for_args(model_args("mixtral", "8x7B")).name == "mixtral"
+    assert spec_for_args(model_args("llama3", "8B")).name == "llama3"
