@@ -79,8 +79,8 @@ def test_two_rank_layouts_train_the_one_process_moe_model(tmp_path, layout):
 
 
 def test_train_from_a_qwen3_moe_folder_then_export_loads_in_transformers(tmp_path):
-    """train.py from a Qwen3-MoE Hugging Face folder (step-1 loss = transformers'), then the export script
-    writes back the same tensors, which transformers loads."""
+    """train.py under torchrun, FSDP 2 (each rank reads its experts' rows) from a Qwen3-MoE Hugging Face folder:
+    step-1 loss = transformers'; then the export script writes back the same tensors, which transformers loads."""
     import json
 
     import transformers
@@ -106,11 +106,11 @@ def test_train_from_a_qwen3_moe_folder_then_export_loads_in_transformers(tmp_pat
 
     dump = tmp_path / "dump"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
     out = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--job.config_file", CONFIG, f"--job.dump_folder={dump}",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+         "--job.config_file", CONFIG, f"--job.dump_folder={dump}", "--parallelism.data_parallel_shard_degree=2",
          f"--model.flavor={hf}", "--model.attn_mask_type=causal", "--metrics.enable_tensorboard=false",
-         "--training.seq_len=32", "--training.batch_size=2", "--training.steps=1", "--optimizer.lr=0",
+         "--training.seq_len=32", "--training.batch_size=1", "--training.steps=1", "--optimizer.lr=0",
          "--lr_scheduler.warmup_steps=0", "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only",
          f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_format=hf"],
         capture_output=True, text=True, timeout=300, env=env)
