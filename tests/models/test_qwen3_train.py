@@ -132,3 +132,23 @@ def test_train_from_a_qwen3_moe_folder_then_export_loads_in_transformers(tmp_pat
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         torch.testing.assert_close(again.eval()(inputs).logits, theirs(inputs).logits, rtol=0, atol=0)
+
+
+def _initial_weights(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
+    from torchtitan.config import ConfigManager
+    from torchtitan.trainer import Trainer
+
+    cfg = ConfigManager().parse_args(["--job.config_file", CONFIG, f"--job.dump_folder={dump}",
+                                      "--job.print_args=false", "--metrics.enable_tensorboard=false", *overrides])
+    model = Trainer(cfg).model_parts[0]
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def test_fsdp2_starts_from_the_one_process_weights_stacked_experts_included(tmp_path):
+    """Layout-invariant init: each FSDP rank draws its rows of [E, F, D], and the whole is one process's."""
+    one = run_ranks(_initial_weights, 1, str(tmp_path / "one"), [])[0]
+    two = run_ranks(_initial_weights, 2, str(tmp_path / "two"), ["--parallelism.data_parallel_shard_degree=2"])[0]
+    assert two.keys() == one.keys() and any(".experts.w1" in k for k in one)
+    for name, value in one.items():
+        assert torch.equal(two[name], value), name
