@@ -106,6 +106,32 @@ class HFSource:
     def tensor_for(self, fqn: str) -> str:
         return self.adapter.hf_name(fqn, tied=bool(self.config.get("tie_word_embeddings")))
 
+    def expert_names(self, fqn: str, args: Any) -> list[str] | None:
+        """The per-expert tensors of our stacked ``fqn`` (None: not stacked); ValueError naming one that is absent."""
+        names = self.adapter.hf_expert_names(fqn, args)
+        if names is not None:
+            missing = [n for n in names if n not in self.shapes]
+            if missing:
+                raise ValueError(f"{self.folder} lacks the expert tensor {missing[0]} (for our {fqn}); the release "
+                                 "is incomplete or has fewer experts than the configured model")
+        return names
+
+    def shape_of(self, fqn: str, args: Any) -> tuple[int, ...] | None:
+        """Our ``fqn``'s shape as the folder holds it (stacked experts: [E, ...]); None: absent."""
+        experts = self.expert_names(fqn, args)
+        if experts is not None:
+            return (len(experts), *self.shapes[experts[0]])
+        return self.shapes.get(self.tensor_for(fqn))
+
+    def _read_one(self, name: str, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
+            view = f.get_slice(name)
+            if region is None:
+                return view[:]
+            return view[tuple(slice(a, b) for a, b in region)]
+
     def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         """Our tensor ``fqn`` (our layout), or the ``region`` (start, stop per dim) of it; reads only that region.
 
@@ -115,10 +141,16 @@ class HFSource:
         """
         from safetensors import safe_open
 
+        experts = self.expert_names(fqn, args)
+        if experts is not None:  # stacked here, one tensor per expert there: read the region's experts
+            (e0, e1), rest = (region or ((0, len(experts)),))[0], (region or ())[1:]
+            return torch.stack([self._read_one(experts[e], rest or None) for e in range(e0, e1)])
         name = self.tensor_for(fqn)
         shape = self.shapes[name]
         region = region or tuple((0, s) for s in shape)
         heads = self.adapter.hf_permuted_heads(fqn, args)
+        if heads is not None and len(shape) == 1:  # a per-head vector (a query/key norm): small, read whole
+            return self.adapter.rows_from_hf(self._read_one(name, None), heads)[region[0][0]:region[0][1]]
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
             view = f.get_slice(name)
             if heads is None:
@@ -213,9 +245,9 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
             found = {}
             for fqn in expected:
-                name = source.tensor_for(fqn)
-                if name in source.shapes:
-                    found[fqn] = source.shapes[name]
+                shape = source.shape_of(fqn, args)
+                if shape is not None:
+                    found[fqn] = shape
             return shape_problems(where, found, expected)
         if fmt == "meta":
             if not (where / "params.json").is_file():

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torchtitan.models.spec import ModelSpec
 
-_FAMILY_MODULES = ("torchtitan.models.llama3.spec",)
+_FAMILY_MODULES = ("torchtitan.models.llama3.spec", "torchtitan.models.qwen3.spec", "torchtitan.models.mixtral.spec")
 _SPECS: dict[str, ModelSpec] = {}
 
 

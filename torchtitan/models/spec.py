@@ -67,6 +67,10 @@ class StateDictAdapter(Protocol):
         """The Hugging Face tensor that holds our parameter ``fqn`` (``tied``: the release ties embeddings)."""
         ...
 
+    def hf_expert_names(self, fqn: str, args: Any) -> list[str] | None:
+        """The per-expert Hugging Face tensors of our stacked ``fqn`` ([E, ...]), in order (None: not stacked)."""
+        ...
+
     def hf_permuted_heads(self, fqn: str, args: Any) -> int | None:
         """Heads whose rows Hugging Face stores in another order in ``fqn`` (None: stored alike)."""
         ...

@@ -35,6 +35,9 @@ class Llama3StateDictAdapter:
             return convert.to_hf_name(_EMBEDDING)
         return convert.to_hf_name(fqn)
 
+    def hf_expert_names(self, fqn: str, args: ModelArgs) -> list[str] | None:
+        return None  # a dense family
+
     def hf_permuted_heads(self, fqn: str, args: ModelArgs) -> int | None:
         return convert.rotary_heads(fqn, args)
 

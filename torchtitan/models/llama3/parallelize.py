@@ -21,8 +21,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.distributed.context_parallel import local_positions
-from torchtitan.models.attention import ContextParallelAttention
+from torchtitan.models.common import parallel as common_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +37,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     stated, so nothing is replicated by accident.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel() if sequence_parallel else None
-    top: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None and norm_style is not None:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        # Loss parallel keeps the logits sharded over the vocabulary; cross entropy then
-        # never gathers a [tokens, vocab] tensor.
-        top["output"] = ColwiseParallel(
-            input_layouts=seq,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    if top:
-        parallelize_module(model, tp_mesh, top)
-        # Each style distributed its module's weight on its own; both are Shard(0) (the vocabulary
-        # rows), so a tied model keeps one of them for both modules.
-        model.tie_weights()
+    common_parallel.apply_tp_ends(model, tp_mesh, seq, loss_parallel)
 
     for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {
@@ -82,22 +63,5 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
                 sequence_parallel, loss_parallel)
 
 
-# ---- context parallel --------------------------------------------------------
-def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Select the context-parallel attention backend (all-gather K/V, document masks from the whole
-    sequence's positions) and, when the forward gets no positions, feed the model the rotary positions
-    of this rank's load-balanced sequence chunks."""
-    model.use_attention_backend(ContextParallelAttention(cp_mesh))
-    cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
-    cached: dict[torch.device, torch.Tensor] = {}
-
-    def add_positions(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("positions") is None and len(args) < 2:
-            device = module.rope_cache.device
-            if device not in cached:
-                cached[device] = local_positions(seq_len, cp_rank, cp_size, device)
-            kwargs = {**kwargs, "positions": cached[device]}
-        return args, kwargs
-
-    model.register_forward_pre_hook(add_positions, with_kwargs=True)
-    logger.info("Applied context parallel on %d ranks (all-gather K/V, load-balanced chunks)", cp_size)
+# ---- context parallel: the binding every decoder shares (models/common/parallel.py)
+apply_cp = common_parallel.apply_cp

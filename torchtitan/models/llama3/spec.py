@@ -7,6 +7,7 @@ from torch import nn
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.common import parallel as common_parallel
 from torchtitan.models.llama3.adapter import Llama3StateDictAdapter
 from torchtitan.models.llama3.args import ModelArgs, llama3_flavors
 from torchtitan.models.llama3.model import Attention, Transformer, ffn_hidden_dim, flops_per_token
@@ -21,20 +22,7 @@ def _use_cpu_kernels(model: nn.Module, onednn_linears: bool) -> dict[str, int]:
     return use_cpu_kernels(model, Attention, onednn_linears=onednn_linears)
 
 
-def prune_stage(stage: nn.Module, layers: range, first: bool, last: bool) -> None:
-    """Keep the blocks in ``layers``, the embedding on the first stage, the final norm and output on the last.
-
-    The stage is still a ``Transformer`` (the dropped parts are None, the ``layers`` ModuleDict keeps the
-    original indices), so its parameter FQNs are those of the whole model.
-    """
-    for key in list(stage.layers.keys()):
-        if int(key) not in layers:
-            del stage.layers[key]
-    if not first:
-        stage.tok_embeddings = None
-    if not last:
-        stage.norm = None
-        stage.output = None
+prune_stage = common_parallel.prune_stage  # shared by the decoders (models/common/parallel.py)
 
 
 def _hidden_width(args: ModelArgs) -> int:

@@ -1,0 +1,130 @@
+"""A ``MoEDecoder``'s shape in a Hugging Face ``config.json`` (Qwen3, Qwen3-MoE, Mixtral), both ways.
+
+Reads the hub's fields (``num_experts``, ``rope_theta``) and those transformers 5 writes
+(``num_local_experts``, ``rope_parameters``). ``--model.flavor DIR`` goes through ``args_from_release``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan.lfs import check_not_lfs_pointer
+from torchtitan.models.common.moe_decoder import DecoderArgs
+
+# The fields compared between a release and the configured model.
+FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_hidden_size", "norm_eps",
+          "rope_theta", "tie_word_embeddings", "num_experts", "top_k", "moe_hidden_size", "norm_topk_prob",
+          "mlp_only_layers", "decoder_sparse_step")
+
+
+def read_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(the file, its JSON object) of ``path``: a release folder or its ``config.json``; ValueError (one line)."""
+    p = Path(path).expanduser()
+    file = p if p.is_file() else p / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: neither a flavor name nor a Hugging Face release (no config.json there)")
+    check_not_lfs_pointer(file)
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return file, config
+
+
+def rope_theta(config: dict[str, Any]) -> float:
+    """``rope_theta`` (released layout) or ``rope_parameters.rope_theta`` (transformers 5); no scaling accepted."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in (None, "default"):
+        raise ValueError(f"rope type {kind!r} is not supported (only the default rotary embedding)")
+    return float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+
+def fields_of_config(config: dict[str, Any], *, qwen: bool) -> dict[str, Any]:
+    """``FIELDS`` as a Qwen3 / Qwen3-MoE (``qwen``) or Mixtral ``config.json`` states them."""
+    n_heads = config["num_attention_heads"]
+    experts = int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
+    fields = {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
+              "n_kv_heads": config.get("num_key_value_heads") or n_heads,
+              "head_dim": config.get("head_dim") or config["hidden_size"] // n_heads,
+              "vocab_size": config["vocab_size"], "ffn_hidden_size": config["intermediate_size"],
+              "norm_eps": float(config.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta(config),
+              "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)), "num_experts": experts,
+              "top_k": int(config.get("num_experts_per_tok", 2)) if experts else 2,
+              "moe_hidden_size": 0, "norm_topk_prob": True, "mlp_only_layers": (), "decoder_sparse_step": 1}
+    if experts and qwen:
+        fields.update(moe_hidden_size=config["moe_intermediate_size"],
+                      norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                      mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+                      decoder_sparse_step=int(config.get("decoder_sparse_step", 1) or 1))
+    elif experts:  # Mixtral: every layer sparse, experts as wide as intermediate_size, weights renormalised
+        fields.update(moe_hidden_size=config["intermediate_size"])
+    return fields
+
+
+def fields_of_args(args: DecoderArgs) -> dict[str, Any]:
+    out = {k: getattr(args, k) for k in FIELDS}
+    out["norm_eps"], out["rope_theta"] = float(args.norm_eps), float(args.rope_theta)
+    if not args.num_experts:  # meaningless without experts
+        out.update(top_k=2, moe_hidden_size=0, norm_topk_prob=True, mlp_only_layers=(), decoder_sparse_step=1)
+    return out
+
+
+def args_from_config(args_type: type, config: dict[str, Any], *, qwen: bool) -> DecoderArgs:
+    fields = fields_of_config(config, qwen=qwen)
+    max_pos = config.get("max_position_embeddings")
+    extra = {"max_seq_len": max_pos} if isinstance(max_pos, int) else {}
+    return args_type(**fields, **extra)
+
+
+def args_from_release(path: str | Path, args_type: type, architectures: tuple[str, ...],
+                      model_types: tuple[str, ...], *, qwen: bool) -> DecoderArgs:
+    """``args_type`` with every shape the release at ``path`` states; ValueError (one line) for what is not
+    this family or not supported."""
+    file, config = read_config(path)
+    archs = config.get("architectures") or []
+    if config.get("model_type") not in model_types or (archs and not any(a in architectures for a in archs)):
+        raise ValueError(f"{file}: architecture {archs or config.get('model_type')} is not of this family; it reads "
+                         f"{', '.join(architectures)} releases")
+    try:
+        return args_from_config(args_type, config, qwen=qwen)
+    except KeyError as e:
+        raise ValueError(f"{file} lacks the entry {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+
+
+def hf_config(args: DecoderArgs, *, architecture: str, model_type: str, qwen: bool, bos_id: int | None,
+              eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    """A ``config.json`` describing ``args`` in the hub's key layout."""
+    config: dict[str, Any] = {
+        "architectures": [architecture], "model_type": model_type, "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_size, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "vocab_size": args.vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id,
+        "tie_word_embeddings": args.tie_word_embeddings, "attention_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+    }
+    if args.num_experts and qwen:
+        config.update({"num_experts": args.num_experts, "num_experts_per_tok": args.top_k,
+                       "moe_intermediate_size": args.moe_hidden_size, "norm_topk_prob": args.norm_topk_prob,
+                       "mlp_only_layers": list(args.mlp_only_layers),
+                       "decoder_sparse_step": args.decoder_sparse_step, "router_aux_loss_coef": 0.0})
+    elif args.num_experts:
+        config.update({"num_local_experts": args.num_experts, "num_experts_per_tok": args.top_k,
+                       "router_aux_loss_coef": 0.0})
+    return config
+
+
+def with_fields(base: DecoderArgs, **fields: Any) -> DecoderArgs:
+    """``base`` with some fields replaced (tests, flavors)."""
+    return dataclasses.replace(base, **fields)

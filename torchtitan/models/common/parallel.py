@@ -1,0 +1,144 @@
+"""Parallelism every decoder of ``models/common/decoder.py`` shares: the context-parallel binding, the
+pipeline stage pruning, and the dense part of the tensor-parallel plan."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from torchtitan.distributed.context_parallel import local_positions
+from torchtitan.models.attention import ContextParallelAttention
+
+logger = logging.getLogger(__name__)
+
+
+def apply_tp_ends(model: torch.nn.Module, tp_mesh: DeviceMesh, seq: Shard | Replicate, loss_parallel: bool) -> None:
+    """The embedding (row-parallel), the final norm (under SP) and the output (column-parallel)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    top: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and isinstance(seq, Shard):
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Loss parallel keeps the logits sharded over the vocabulary; cross entropy then
+        # never gathers a [tokens, vocab] tensor.
+        top["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+        # Each style distributed its module's weight on its own; both are Shard(0) (the vocabulary
+        # rows), so a tied model keeps one of them for both modules.
+        model.tie_weights()
+
+
+def prune_stage(stage: torch.nn.Module, layers: range, first: bool, last: bool) -> None:
+    """Keep the blocks in ``layers``, the embedding on the first stage, the final norm and output on the last.
+
+    The stage is still the family's model (the dropped parts are None, the ``layers`` ModuleDict keeps
+    the original indices), so its parameter FQNs are those of the whole model.
+    """
+    for key in list(stage.layers.keys()):
+        if int(key) not in layers:
+            del stage.layers[key]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+
+
+def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Select the context-parallel attention backend (all-gather K/V, document masks from the whole
+    sequence's positions) and, when the forward gets no positions, feed the model the rotary positions
+    of this rank's load-balanced sequence chunks."""
+    model.use_attention_backend(ContextParallelAttention(cp_mesh))
+    cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
+    cached: dict[torch.device, torch.Tensor] = {}
+
+    def add_positions(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("positions") is None and len(args) < 2:
+            device = module.rope_cache.device
+            if device not in cached:
+                cached[device] = local_positions(seq_len, cp_rank, cp_size, device)
+            kwargs = {**kwargs, "positions": cached[device]}
+        return args, kwargs
+
+    model.register_forward_pre_hook(add_positions, with_kwargs=True)
+    logger.info("Applied context parallel on %d ranks (all-gather K/V, load-balanced chunks)", cp_size)
+
+
+def apply_moe_decoder_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                         loss_parallel: bool) -> None:
+    """TP for ``MoEDecoder`` (models/common/moe_decoder.py): attention and dense SwiGLU as Llama 3's plan.
+
+    - Query/key norms act on this rank's heads: their weight becomes a replicated DTensor whose
+      input is sharded on the head dim, so its gradient (a sum over all heads) is reduced over TP.
+    - A MoE feed-forward is replicated over TP: its input is gathered to the whole (sequence of the)
+      batch, every TP rank routes the same tokens through the same experts, and under SP each keeps
+      its sequence shard of the output. Router and experts then see and compute the same values on
+      every TP rank, so their gradients are equal there without a collective (docs/moe.md).
+    """
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel
+
+    from torchtitan.models.moe import MoE
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    apply_tp_ends(model, tp_mesh, seq, loss_parallel)
+    for block in model.layers.values():
+        plan: dict[str, ParallelStyle] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+        }
+        if block.attention.q_norm is not None:
+            plan.update({"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+        if isinstance(block.feed_forward, MoE):
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+        else:
+            plan.update({
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            })
+        if sequence_parallel:
+            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        parallelize_module(block, tp_mesh, plan)
+    logger.info("Applied tensor parallel on %d ranks (sequence parallel %s, loss parallel %s; experts replicated "
+                "over TP)", tp_mesh.size(), sequence_parallel, loss_parallel)
+
+
+def check_decoder(args, tp: int, pp: int, flavor: str) -> list[str]:  # noqa: ANN001 - a DecoderArgs
+    """Preflight problems of a ``MoEDecoder``: widths TP must divide, tying under PP, top_k, one line each."""
+    problems: list[str] = []
+    if tp > 1:
+        widths = [("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim),
+                  ("vocab size", args.vocab_size)]
+        if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
+            widths.append(("FFN hidden size", args.ffn_hidden_size))
+        for what, value in widths:
+            if value % tp:
+                problems.append(f"--parallelism.tensor_parallel_degree={tp}: the model's {what} ({value}) is not "
+                                f"divisible by it; pick a degree that divides {what}")
+    if args.num_experts and not 1 <= args.top_k <= args.num_experts:
+        problems.append(f"--model.flavor={flavor}: top_k={args.top_k} experts per token exceeds num_experts="
+                        f"{args.num_experts}; use a top_k between 1 and {args.num_experts}")
+    if args.tie_word_embeddings and pp > 1:
+        problems.append(f"--model.flavor={flavor} ties the output projection to the embedding, which pipeline "
+                        "parallelism does not support (they live on different stages); use "
+                        "--parallelism.pipeline_parallel_degree=1")
+    return problems
