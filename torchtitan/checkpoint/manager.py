@@ -55,6 +55,7 @@ from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint
 from torchtitan.checkpoint.stage_view import model_view
 from torchtitan.checkpoint.store import CheckpointKind, commit, purge, read_dcp_metadata, scan, tmp_dir, verify
 from torchtitan.config.dtypes import DTYPES
+from torchtitan.distributed.parallel_dims import same_layout
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,7 @@ class CheckpointManager:
         self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
         self.dataset = dataloader.dataset  # the position lives in the dataset; see the module docstring
         self.rank = rank
-        self.layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                       "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
+        self.layout = dims.layout()
         self.loaded_step: int | None = None
         self._pending: _PendingSave | None = None
         self.preemption = PreemptionWatch(ck.preemption_check_steps)
@@ -403,7 +403,7 @@ class CheckpointManager:
             wanted.remove(k)  # e.g. DiLoCo's state, read by a run that does not use DiLoCo
             if self.rank == 0:
                 logger.info("Checkpoint: %s holds '%s', which this run does not use; not loaded", path, k)
-        if "rng" in wanted and manifest.get("layout") != self.layout:
+        if "rng" in wanted and not same_layout(manifest.get("layout"), self.layout):
             wanted.remove("rng")
             if self.rank == 0:
                 logger.info("Checkpoint: layout changed (%s -> %s); RNG states are per rank and not restored",
