@@ -265,8 +265,7 @@ def group_labels(trainer) -> dict[str, str]:
 
     from torch.distributed.tensor import DTensor
 
-    # TP's mesh is the one its parameters live on (the world mesh, or a second root when FSDP
-    # goes on a unit dp_shard dim: DDP, or bf16 without data parallelism).
+    # TP's mesh is the one its parameters live on (the tp axis of ParallelDims's dense mesh).
     for part in trainer.model_parts:
         for p in part.parameters():
             names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()

@@ -352,7 +352,7 @@ def build_flavors() -> list[Flavor]:
         # ---- bad configs: exit 2 on every rank before any collective ----
         f("bad_degrees", "dp_shard 3 on 4 ranks",
           (Phase(("--parallelism.data_parallel_shard_degree=3",), 4),), parity_phase=None,
-          expect_error=r"config error: ParallelDims: .*= 3 but world_size = 4"),
+          expect_error=r"config error: --parallelism\.data_parallel_shard_degree=3 = 3, but world_size=4"),
         f("bad_option_name", "a misspelt option gets a suggestion",
           (Phase(("--parallelism.tensor_paralel_degree=2",), 2),), parity_phase=None,
           expect_error=r"config error: unknown option --parallelism\.tensor_paralel_degree; "

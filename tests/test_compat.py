@@ -90,6 +90,25 @@ def _shard_offset(rank: int, mesh: Any) -> bool:
     return torch.equal(full[offset[0]:offset[0] + shape[0]], local) and offset[1] == 0
 
 
+def _unflatten_and_flatten(rank: int, world_size: int) -> dict[str, Any]:
+    """A (a=2, b=1) mesh from the 1-D world with b on the fake backend, a second split of the same world,
+    and a flattened view: what ParallelDims builds."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
+    first = compat.unflatten_mesh(world, (world_size, 1), ("a", "b"), fake=("b",))
+    second = compat.unflatten_mesh(world, (1, world_size), ("c", "d"), fake=("c",))
+    flat = compat.flatten_mesh(first["a", "b"], "ab")
+    summed = torch.tensor([float(rank + 1)])
+    dist.all_reduce(summed, group=flat.get_group())
+    return {"first": (first.mesh_dim_names, tuple(first.shape), first.get_coordinate()),
+            "second": (second.mesh_dim_names, tuple(second.shape), second.get_coordinate()),
+            "one_root": first._get_root_mesh() is second._get_root_mesh() is world,
+            "backends": (dist.get_backend(first.get_group("b")), dist.get_backend(second.get_group("d"))),
+            "flat": (flat.mesh_dim_names, flat.size(), summed.item())}
+
+
 def _world_probes(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,6 +121,7 @@ def _world_probes(rank: int, world_size: int) -> dict[str, Any]:
     _probe("all_process_groups", lambda: (len(compat.all_process_groups()),
                                           dist.group.WORLD in compat.all_process_groups()), out)
     _probe("fsdp", lambda: _fsdp(mesh), out)
+    _probe("unflatten_mesh", lambda: _unflatten_and_flatten(rank, world_size), out)
     _probe("local_shape_and_global_offset", lambda: _shard_offset(rank, mesh), out)
     _probe("dtensor_rng", lambda: (compat.install_dtensor_rng_tracker(mesh), _random._rng_tracker is None), out)
     _probe("functional_collectives", lambda: compat.functional_collectives.all_gather_tensor_autograd(
@@ -156,6 +176,18 @@ def test_fsdp_param_groups_and_all_reduce_hook(world):
             "FSDPParamGroup._all_reduce_hook no longer holds what set_all_reduce_hook sets "
             "(or fsdp_params no longer holds the sharded parameters)")
         assert result["hooked_root"] == 0, "a unit without a hook was reported as hooked"
+
+
+@pytest.mark.slow
+def test_unflatten_and_flatten_mesh(world):
+    # DeviceMesh._unflatten (with backend_override) and DeviceMesh._flatten: ParallelDims's meshes.
+    for rank, got in enumerate(_ok(world, "unflatten_mesh")):
+        assert got["first"] == (("a", "b"), (2, 1), (rank, 0)), got
+        assert got["second"] == (("c", "d"), (1, 2), (0, rank)), got
+        assert got["one_root"], "meshes unflattened from one world no longer share its root: FSDP2 cannot compose them"
+        assert got["backends"] == ("fake", "gloo"), (
+            f"DeviceMesh._unflatten's backend_override no longer gives degree-1 dims the fake backend: {got}")
+        assert got["flat"] == (("ab",), 2, 3.0), got
 
 
 @pytest.mark.slow

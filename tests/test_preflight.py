@@ -62,8 +62,25 @@ def test_every_problem_is_reported_at_once():
         preflight(cfg, 4)
     text = "\n".join(info.value.problems)
     assert len(info.value.problems) == 4, text
-    for needle in ("--model.flavor=9B", "--optimizer.betas", "ParallelDims:", "--model.tokenizer_path"):
+    for needle in ("--model.flavor=9B", "--optimizer.betas", "--parallelism.data_parallel_shard_degree=3 = 3, but "
+                   "world_size=4", "--model.tokenizer_path"):
         assert needle in text
+
+
+@pytest.mark.parametrize("overrides, world, start, fix", [
+    (["--parallelism.tensor_parallel_degree=3"], 2, "--parallelism.tensor_parallel_degree=3 does not divide the "
+     "number of ranks (world_size=2)", "set --parallelism.tensor_parallel_degree to 1 or 2, or launch a multiple of 3"),
+    (["--parallelism.pipeline_parallel_degree=2", "--parallelism.context_parallel_degree=2"], 6,
+     "--parallelism.pipeline_parallel_degree=2 x --parallelism.context_parallel_degree=2 = 4 does not divide",
+     "change them so their product divides it"),
+    (["--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2"], 8,
+     "--parallelism.data_parallel_shard_degree=2 x --parallelism.tensor_parallel_degree=2 = 4, but world_size=8",
+     "or set --parallelism.data_parallel_shard_degree=-1"),
+])
+def test_a_degree_that_does_not_fit_the_world_names_the_option(overrides, world, start, fix):
+    # One line, starting with the options as typed, ending with the fix.
+    problems = _problems(world, "--parallelism.data_parallel_shard_degree=-1", *overrides)
+    assert len(problems) == 1 and problems[0].startswith(start) and fix in problems[0], problems
 
 
 def test_shipped_defaults_pass():

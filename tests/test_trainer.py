@@ -124,7 +124,8 @@ def test_config_error_under_torchrun_exits_on_every_rank(tmp_path):
     assert out.returncode != 0
     # One line per problem from each rank, naming the degrees and the world size, and the AC option (once
     # found only while wrapping the model, after the process group existed); nobody waits on a collective.
-    assert out.stderr.count("config error: ParallelDims") == 2, out.stderr[-2000:]
+    assert out.stderr.count("config error: --parallelism.data_parallel_shard_degree=3 = 3, but world_size=2") == 2, \
+        out.stderr[-2000:]
     assert out.stderr.count("config error: --activation_checkpoint.selective_ac_option=every2: use 'op'") == 2
 
 

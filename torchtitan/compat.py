@@ -35,7 +35,7 @@ __all__ = [
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
-    "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step",
+    "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step", "unflatten_mesh",
 ]
 
 
@@ -144,8 +144,24 @@ def functional_collective_ops() -> Any:
 # ---------------------------------------------------------------- DeviceMesh
 
 
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...], fake: tuple[str, ...] = ()) -> Any:
+    """``mesh`` (1-D) split into dims ``names`` of ``sizes``, outermost first; a collective on every rank.
+
+    The result shares ``mesh``'s root, so meshes unflattened from one world compose (FSDP2 with TP,
+    HSDP) however they split it. The dims named in ``fake`` get the fake backend: no communicator,
+    and a collective over them does nothing, so they are for dims no collective runs over.
+    """
+    if not hasattr(mesh, "_unflatten"):  # with backend_override: torch 2.13 (checked); tests/test_compat.py probes it
+        raise _missing("DeviceMesh._unflatten")
+    override = {name: "fake" for name in fake} or None
+    return mesh._unflatten(0, tuple(sizes), tuple(names), backend_override=override)
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
-    """A 1-D mesh named ``name`` over all of ``mesh``'s dims (``DeviceMesh._flatten``, all versions)."""
+    """The dims of ``mesh`` (a slice of a root mesh) as one dim ``name``; a collective on every rank.
+
+    The flattened mesh is kept by its root under ``name``, and its process groups are new ones.
+    """
     if not hasattr(mesh, "_flatten"):
         raise _missing("DeviceMesh._flatten")
     return mesh._flatten(mesh_dim_name=name)

@@ -65,7 +65,8 @@ class Trainer:
         cfg = self.cfg
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loss_mesh = self.dims.get_mesh("dp_cp")  # the ranks that see different tokens
-        logger.info(format_mesh_line(self.mesh.mesh_dim_names, tuple(self.mesh.shape)))
+        enabled = self.dims.enabled_dims  # the mesh keeps degree-1 axes too; the line names the parallel ones
+        logger.info(format_mesh_line(tuple(enabled), tuple(self.dims.degree(d) for d in enabled)))
         self._write_config()
         self._seed()
         set_determinism(cfg.training.deterministic)
@@ -127,7 +128,7 @@ class Trainer:
         if t.seed is None:
             logger.info("training.seed is unset: no seeding, so runs are not reproducible")
             return
-        rank_seed = manual_seed(t.seed, mesh=self.mesh, sharded_dims=t.seed_sharded_dims)
+        rank_seed = manual_seed(t.seed, dims=self.dims, sharded_dims=t.seed_sharded_dims)
         logger.debug("Rank %d seed %d (sharded dims %s)", self.rank, rank_seed, t.seed_sharded_dims)
         if self.rank == 0:
             logger.info("Seeded: rank 0 seed %d, sharded dims %s", rank_seed, t.seed_sharded_dims)

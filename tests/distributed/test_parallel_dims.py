@@ -1,4 +1,4 @@
-"""ParallelDims: the validation table, and real 8-rank meshes with their flattened views."""
+"""ParallelDims: the validation table, and real 8-rank meshes: the world, its views, the dense and sparse meshes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as dist
 from dist_harness import run_ranks
 
-from torchtitan.distributed import FLATTENED_VIEWS, ParallelDims
+from torchtitan.distributed import FLATTENED_VIEWS, ParallelDims, manual_seed
+from torchtitan.distributed.parallel_dims import ROOT_MESHES, same_layout
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -35,27 +36,60 @@ def test_valid_degrees(degrees, world, expected_shard):
 
 
 @pytest.mark.parametrize(
-    "degrees, world, needle",
+    "degrees, world, needles",
     [
-        ((0, -1, 1, 1, 1), 8, "dp_replicate=0"),
-        ((1, 0, 1, 1, 1), 8, "dp_shard=0"),
-        ((1, -2, 1, 1, 1), 8, "dp_shard=-2"),
-        ((1, -1, -1, 1, 1), 8, "cp=-1"),
-        ((1, -1, 1, 0, 1), 8, "tp=0"),
-        ((1, -1, 1, 1, -1), 8, "pp=-1"),
-        ((1, -1, 1, 3, 1), 8, "divisible by dp_replicate*cp*tp*pp=3"),
-        ((2, 2, 1, 1, 1), 8, "= 4 but world_size = 8"),
-        ((1, 4, 1, 2, 2), 8, "= 16 but world_size = 8"),
-        ((1, 1, 1, 1, 1), 0, "world_size must be >= 1"),
+        ((0, -1, 1, 1, 1), 8, ["--parallelism.data_parallel_replicate_degree=0: use a degree >= 1"]),
+        ((1, 0, 1, 1, 1), 8, ["--parallelism.data_parallel_shard_degree=0: use -1"]),
+        ((1, -2, 1, 1, 1), 8, ["--parallelism.data_parallel_shard_degree=-2: use -1"]),
+        ((1, -1, -1, 1, 1), 8, ["--parallelism.context_parallel_degree=-1: use a degree >= 1"]),
+        ((1, -1, 1, 0, 1), 8, ["--parallelism.tensor_parallel_degree=0: use a degree >= 1"]),
+        ((1, -1, 1, 1, -1), 8, ["--parallelism.pipeline_parallel_degree=-1: use a degree >= 1"]),
+        ((1, -1, 1, 3, 1), 8, ["--parallelism.tensor_parallel_degree=3 does not divide", "(world_size=8)",
+                               "set --parallelism.tensor_parallel_degree to 1 or 2 or 4 or 8",
+                               "or launch a multiple of 3 processes"]),
+        ((1, -1, 1, 3, 1), 2, ["--parallelism.tensor_parallel_degree=3 does not divide", "(world_size=2)",
+                               "set --parallelism.tensor_parallel_degree to 1 or 2,"]),
+        ((2, -1, 3, 1, 1), 8, ["--parallelism.data_parallel_replicate_degree=2 x "
+                               "--parallelism.context_parallel_degree=3 = 6 does not divide",
+                               "change them so their product divides it",
+                               "or launch a multiple of 6 processes"]),
+        ((2, 2, 1, 1, 1), 8, ["--parallelism.data_parallel_replicate_degree=2 x "
+                              "--parallelism.data_parallel_shard_degree=2 = 4, but world_size=8",
+                              "--parallelism.data_parallel_shard_degree=-1"]),
+        ((1, 1, 1, 1, 1), 2, ["--parallelism.data_parallel_shard_degree=1 = 1, but world_size=2"]),
+        ((1, 4, 1, 2, 2), 8, ["= 16, but world_size=8"]),
+        ((1, 1, 1, 1, 1), 0, ["world_size=0 must be >= 1"]),
     ],
 )
-def test_invalid_degrees_raise_value_error_with_fix(degrees, world, needle):
+def test_invalid_degrees_name_the_option_and_the_fix(degrees, world, needles):
     dp_replicate, dp_shard, cp, tp, pp = degrees
     with pytest.raises(ValueError) as info:
         ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, world_size=world)
     message = str(info.value)
-    assert needle in message
-    assert f"world_size={world}" in message  # the degrees and world size are always named
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_expert_degree_must_divide_dp_shard_times_cp():
+    assert ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=1, world_size=8, ep=4).degree("efsdp") == 1
+    with pytest.raises(ValueError, match=r"^ep=3 must divide dp_shard x cp = 4"):
+        ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=2, pp=1, world_size=8, ep=3)
+
+
+def test_axes_layout_and_rank_at():
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=2, world_size=16)
+    assert dims.axes() == [("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("cp", 1), ("tp", 2), ("ep", 1)]
+    assert dims.layout() == {"world_size": 16, **dict(dims.axes())}
+    assert [dims.rank_at(pp=r) for r in range(2)] == [0, 8]
+    assert dims.rank_at(dp_replicate=1, dp_shard=1, tp=1) == 7
+    with pytest.raises(ValueError, match="unknown axis ep"):
+        dims.rank_at(ep=1)
+    # A record written before an axis existed holds that axis at degree 1.
+    old = {k: v for k, v in dims.layout().items() if k != "ep"}
+    assert same_layout(old, dims.layout()) and not same_layout({**old, "tp": 1}, dims.layout())
+    assert not same_layout(None, dims.layout())
+    assert dims.degree("batch") == 4 and dims.degree("loss") == 4 and dims.degree("fsdp") == 2
 
 
 def test_enabled_properties():
@@ -84,11 +118,12 @@ LAYOUTS = {
 
 def _describe_meshes(rank: int, world_size: int, layouts: dict) -> dict:
     out = {}
-    for name, (pp, rep, shard, cp, tp) in layouts.items():
-        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, world_size=world_size)
+    for name, (pp, rep, shard, cp, tp, *ep) in layouts.items():
+        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, world_size=world_size,
+                            ep=ep[0] if ep else 1)
         mesh = dims.build_mesh("cpu")
         views = {}
-        for view in (*ORDER, *FLATTENED_VIEWS):
+        for view in (*ORDER, *FLATTENED_VIEWS, "fsdp", "batch", "loss", "ep", "efsdp"):
             sub = dims.get_mesh(view)
             views[view] = None if sub is None else (sub.get_local_rank(), sub.size(),
                                                     dist.get_process_group_ranks(sub.get_group()))
@@ -96,8 +131,14 @@ def _describe_meshes(rank: int, world_size: int, layouts: dict) -> dict:
         out[name] = {
             "names": mesh.mesh_dim_names,
             "shape": tuple(mesh.shape),
+            "coordinate": mesh.get_coordinate(),
+            "roots": {root: (dims.root_mesh(root).mesh_dim_names, tuple(dims.root_mesh(root).shape),
+                             dims.root_mesh(root)._get_root_mesh() is mesh._get_root_mesh()) for root in ROOT_MESHES},
             "views": views,
             "fsdp": None if fsdp is None else (fsdp.mesh_dim_names, tuple(fsdp.shape)),
+            "one_rank_fsdp": tuple(dims.one_rank_fsdp_mesh().shape),
+            "labels": sorted(set(dims.group_labels().values())),
+            "seed": manual_seed(100, dims=dims, sharded_dims=["pp", "dp_shard", "cp", "tp", "ep"]),
         }
     return out
 
@@ -138,30 +179,81 @@ def test_meshes_on_eight_ranks():
     results = run_ranks(_describe_meshes, 8, LAYOUTS)
     for name, degrees in LAYOUTS.items():
         sizes = dict(zip(ORDER, degrees))
-        enabled = tuple(d for d in ORDER if sizes[d] > 1)
         for rank, per_rank in enumerate(results):
             got = per_rank[name]
-            assert got["names"] == enabled, name
-            assert got["shape"] == tuple(sizes[d] for d in enabled), name
+            # Every axis is kept, at degree 1 too: the rank's coordinate is its row-major index.
+            assert got["names"] == ORDER, name
+            assert got["shape"] == degrees, name
+            assert list(got["coordinate"]) == _unravel(rank, list(degrees)), name
             for view in ORDER:
                 assert got["views"][view] == _expected_view(rank, sizes, (view,)), (name, view, rank)
             for view, dims in FLATTENED_VIEWS.items():
                 assert got["views"][view] == _expected_view(rank, sizes, dims), (name, view, rank)
-    # FSDP's mesh: 1-D for FSDP, (replicate, shard) for HSDP and for DDP (shard of size 1).
-    assert results[0]["fsdp8"]["fsdp"] == (("dp_shard",), (8,))
-    assert results[0]["hsdp2x4"]["fsdp"] == (("dp_replicate", "dp_shard"), (2, 4))
-    assert results[0]["ddp8"]["fsdp"] == (("dp_replicate", "dp_shard"), (8, 1))
-    assert results[0]["cp2_tp2_fsdp2"]["fsdp"] == (("dp_shard_cp",), (4,))
-    assert results[0]["pp2_hsdp2x2"]["fsdp"] == (("dp_replicate", "dp_shard"), (2, 2))
-    assert results[0]["pp2_tp2_cp2"]["fsdp"] == (("cp",), (2,))
+            assert got["views"]["fsdp"] == got["views"]["dp_shard_cp"], name  # FSDP's axis is dp_shard x cp
+            assert got["views"]["batch"] == got["views"]["dp"] and got["views"]["loss"] == got["views"]["dp_cp"]
+            assert got["views"]["ep"] is None and got["views"]["efsdp"] is None, name  # ep = 1: no sparse groups
+            fsdp = sizes["dp_shard"] * sizes["cp"]
+            assert got["roots"] == {
+                "world": (ORDER, degrees, True),
+                "dense": (("pp", "dp_replicate", "fsdp", "tp"), (sizes["pp"], sizes["dp_replicate"], fsdp, sizes["tp"]),
+                          True),
+                "sparse": (("pp", "dp_replicate", "efsdp", "ep", "tp"),
+                           (sizes["pp"], sizes["dp_replicate"], fsdp, 1, sizes["tp"]), True),
+            }, name
+            assert got["one_rank_fsdp"] == (fsdp,)
+            # The default seeding order; degree-1 axes add nothing (the seeding tests pin the rest).
+            c = dict(zip(ORDER, _unravel(rank, list(degrees))))
+            assert got["seed"] == 100 + _ravel([c["pp"], c["dp_shard"], c["cp"], c["tp"]],
+                                               [sizes["pp"], sizes["dp_shard"], sizes["cp"], sizes["tp"]])
+    # FSDP's mesh: the dense mesh's fsdp axis, with dp_replicate for HSDP and DDP (fsdp of size 1).
+    assert results[0]["fsdp8"]["fsdp"] == (("fsdp",), (8,))
+    assert results[0]["hsdp2x4"]["fsdp"] == (("dp_replicate", "fsdp"), (2, 4))
+    assert results[0]["ddp8"]["fsdp"] == (("dp_replicate", "fsdp"), (8, 1))
+    assert results[0]["cp2_tp2_fsdp2"]["fsdp"] == (("fsdp",), (4,))
+    assert results[0]["pp2_hsdp2x2"]["fsdp"] == (("dp_replicate", "fsdp"), (2, 2))
+    assert results[0]["pp2_tp2_cp2"]["fsdp"] == (("fsdp",), (2,))
     assert results[0]["tp2_fsdp4"]["views"]["dp"][1] == 4  # dp resolves under FSDP-only
     assert results[0]["ddp8"]["views"]["dp"][1] == 8  # ... and under DDP-only
+    # The planner's labels: a group over one enabled axis goes by that axis (FSDP over dp_shard is dp_shard).
+    assert results[0]["tp2_fsdp4"]["labels"] == ["dp_shard", "tp"]
+    assert results[0]["cp2_tp2_fsdp2"]["labels"] == ["cp", "dp_cp", "dp_shard", "dp_shard_cp", "tp"]
+    assert results[0]["pp2_tp2_cp2"]["labels"] == ["cp", "pp", "tp"]
 
 
 @pytest.mark.slow
 def test_world_size_one():
     (result,) = run_ranks(_describe_meshes, 1, {"single": (1, 1, 1, 1, 1)})
     got = result["single"]
-    assert got["names"] == ("dp_shard",) and got["shape"] == (1,)
-    assert got["views"]["dp"] == (0, 1, [0])
-    assert got["fsdp"] is None
+    assert got["names"] == ORDER and got["shape"] == (1, 1, 1, 1, 1)
+    assert all(v is None for v in got["views"].values())  # no axis of degree > 1: no group to run over
+    assert got["fsdp"] is None and got["one_rank_fsdp"] == (1,)
+    assert got["labels"] == [] and got["seed"] == 100
+
+
+# (pp, dp_replicate, dp_shard, cp, tp, ep): experts borrow ep ranks from dp_shard x cp.
+EP_LAYOUTS = {"ep2_fsdp8": (1, 1, 8, 1, 1, 2), "ep2_cp2_tp2": (1, 1, 2, 2, 2, 2), "hsdp2x2_ep2": (1, 2, 2, 1, 2, 2)}
+
+
+def test_sparse_mesh_at_ep_two():
+    results = run_ranks(_describe_meshes, 8, EP_LAYOUTS)
+    for name, (pp, rep, shard, cp, tp, ep) in EP_LAYOUTS.items():
+        efsdp = shard * cp // ep
+        for rank, per_rank in enumerate(results):
+            got = per_rank[name]
+            assert got["roots"]["sparse"] == (("pp", "dp_replicate", "efsdp", "ep", "tp"), (pp, rep, efsdp, ep, tp),
+                                              True), name
+            assert got["roots"]["world"][1] == (pp, rep, shard, cp, tp)  # the world mesh is unchanged by ep
+            # ep takes the inner ranks of dp_shard x cp: neighbours in that flattened order.
+            c = dict(zip(ORDER, _unravel(rank, [pp, rep, shard, cp, tp])))
+            inner = c["dp_shard"] * cp + c["cp"]  # this rank's index in dp_shard x cp
+            base = rank - inner * tp
+            ep_group = [base + ((inner // ep) * ep + i) * tp for i in range(ep)]
+            assert got["views"]["ep"] == (inner % ep, ep, ep_group), (name, rank)
+            if efsdp > 1:
+                assert got["views"]["efsdp"][:2] == (inner // ep, efsdp), (name, rank)
+            else:
+                assert got["views"]["efsdp"] is None
+            assert "ep" in got["labels"]
+    assert results[0]["ep2_fsdp8"]["views"]["efsdp"] == (0, 4, [0, 2, 4, 6])
+    # manual_seed over ParallelDims reaches ep: ranks 0 and 1 of ep2_fsdp8 differ in dp_shard and ep.
+    assert [r["ep2_fsdp8"]["seed"] for r in results[:2]] == [100, 100 + 1 * 2 + 1]

@@ -22,6 +22,7 @@ from torchtitan.checkpoint.selection import choose_checkpoint
 from torchtitan.checkpoint.states import StateRegistry
 from torchtitan.checkpoint.store import CheckpointKind, read_dcp_metadata, scan, verify
 from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.parallel_dims import same_layout
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class Loader:
             wanted.remove(k)  # e.g. DiLoCo's state, read by a run that does not use DiLoCo
             if self.rank == 0:
                 logger.info("Checkpoint: %s holds '%s', which this run does not use; not loaded", path, k)
-        other_layout = manifest.get("layout") != self.layout
+        other_layout = not same_layout(manifest.get("layout"), self.layout)
         for k in [k for k in wanted if other_layout and self.states.specs[k].same_layout_only]:
             wanted.remove(k)
             if self.rank == 0:

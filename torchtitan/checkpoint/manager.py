@@ -43,12 +43,6 @@ def _always() -> bool:
     return True
 
 
-def _layout(dims: Any) -> dict[str, int]:
-    """The layout a checkpoint records: a load into another layout does not restore per-rank states."""
-    return {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-            "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
-
-
 class CheckpointManager:
     """Loads at start, saves every ``interval`` steps and at the end, and on SIGTERM.
 
@@ -88,7 +82,8 @@ class CheckpointManager:
             # a shared group; gloo also carries DCP's CPU-side coordination under NCCL.
             timeout = timedelta(seconds=max(cfg.comm.init_timeout_seconds, 1800))
             group = dist.new_group(backend="gloo", timeout=timeout)
-        agreement, layout = Agreement(group, self.folder), _layout(dims)
+        # The layout a checkpoint records: a load into another layout does not restore per-rank states.
+        agreement, layout = Agreement(group, self.folder), dims.layout()
         ft = cfg.fault_tolerance
         self.saver = Saver(ck, self.folder, states, agreement, rank=rank, layout=layout,
                            tmp_tag=f"-group{ft.replica_id}" if ft.enable else "")

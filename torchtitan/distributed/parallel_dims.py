@@ -1,30 +1,76 @@
-"""Parallelism degrees, their validation, and the one world ``DeviceMesh``.
+"""Parallelism degrees, their validation, and the meshes every rank is placed on.
 
-The world mesh has one dim per *enabled* parallelism (degree > 1), laid out as
-``pp, dp_replicate, dp_shard, cp, tp`` (outermost first, so that TP — the most
-communication-hungry — gets neighbouring ranks, i.e. one node's fast links).
-Three flattened views are added for the jobs that span several dims:
+Ranks are numbered in row-major order over the world axes ``pp, dp_replicate, dp_shard, cp, tp``
+(outermost first, so that TP, the most communication-hungry, gets neighbouring ranks: one node's
+fast links). Every axis is kept at degree 1 too, so each rank has a coordinate on each, and code
+never asks whether an axis exists. ``ep`` is a sixth degree: expert parallelism borrows its ranks
+from ``dp_shard x cp``.
 
-- ``dp``          = (dp_replicate, dp_shard): ranks that read different data
-- ``dp_shard_cp`` = (dp_shard, cp): the ranks FSDP shards parameters over
-- ``dp_cp``       = (dp_replicate, dp_shard, cp): the ranks the loss is averaged over
+The meshes are unflattenings of one 1-D world mesh (``ROOT_MESHES``), so they all share one root,
+as FSDP2 needs to compose with TP and HSDP:
 
-A view made of a single enabled dim is that dim itself, and a view with no enabled
-dim does not exist; ``ParallelDims.get_mesh(name)`` resolves all of these so callers
-never need to know which case they are in.
+- ``world``  (pp, dp_replicate, dp_shard, cp, tp): the layout itself; each rank's coordinates
+  (seeding), and the views flattened from it (``FLATTENED_VIEWS``): ``dp`` (alias ``batch``, the
+  ranks that read different data) and ``dp_cp`` (alias ``loss``, the ranks the loss is averaged over);
+- ``dense``  (pp, dp_replicate, fsdp, tp): the dense parameters; FSDP shards over
+  ``fsdp`` = dp_shard x cp (CP ranks hold different tokens, same weights), TP over ``tp``;
+- ``sparse`` (pp, dp_replicate, efsdp, ep, tp): the experts' parameters; ``ep`` takes the inner
+  ranks of dp_shard x cp and ``efsdp`` = dp_shard x cp / ep the rest.
+
+A degree-1 axis runs on the fake backend (no communicator is made for it), except the FSDP axes:
+FSDP goes on a one-rank ``fsdp`` too, to apply mixed precision. At ep = 1 the sparse mesh is all
+fake: nothing is placed on it. ``get_mesh(name)`` gives the 1-D mesh of an axis or view, and None
+when its degree is 1, so no collective ever runs over a fake group.
+
+To add an axis: a degree field, its entry in ``AXES`` (if it is a degree of the layout) and in
+``_OPTIONS``, its degree in ``degree``, and its place in a mesh of ``ROOT_MESHES`` (a new mesh over
+the same world is one more entry there).
 """
 
 from __future__ import annotations
 
-import warnings
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan.compat import flatten_mesh
+from torchtitan.compat import flatten_mesh, unflatten_mesh
+
+# The degrees that define a layout, in mesh order (ep last: it is carved from dp_shard x cp).
+WORLD_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+AXES = (*WORLD_AXES, "ep")
+MESH_DIM_NAMES = WORLD_AXES  # the world mesh's dims (the name callers have used)
+
+# Each root mesh: its axes, outermost first; their degrees multiply to the world size.
+ROOT_MESHES: dict[str, tuple[str, ...]] = {
+    "world": WORLD_AXES,
+    "dense": ("pp", "dp_replicate", "fsdp", "tp"),
+    "sparse": ("pp", "dp_replicate", "efsdp", "ep", "tp"),
+}
+# The root mesh whose axis a 1-D name resolves to (the other meshes' copies only place their axes).
+_SERVED_BY = {"pp": "world", "dp_replicate": "world", "dp_shard": "world", "cp": "world",
+              "tp": "dense", "fsdp": "dense", "ep": "sparse", "efsdp": "sparse"}
+# Views spanning several world axes (in mesh order); one with a single enabled axis is that axis.
+FLATTENED_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+# Names by role: the data loading's mesh, the loss's, and the FSDP axis by the world axes it spans.
+ALIASES = {"batch": "dp", "loss": "dp_cp", "dp_shard_cp": "fsdp"}
+_FSDP_AXES = ("fsdp", "efsdp")  # FSDP goes on them at one rank too (mixed precision): never fake
+# The option that sets each degree (the expert degree has no option yet).
+_OPTIONS = {
+    "dp_replicate": "--parallelism.data_parallel_replicate_degree",
+    "dp_shard": "--parallelism.data_parallel_shard_degree",
+    "cp": "--parallelism.context_parallel_degree",
+    "tp": "--parallelism.tensor_parallel_degree",
+    "pp": "--parallelism.pipeline_parallel_degree",
+    "ep": "ep",
+}
 
 
-# The mesh dimension names, in the order the world mesh lays them out.
 def dp_shard_problem(dp_shard: int) -> str | None:
     """What is wrong with a dp_shard degree on its own (before the world size is known), or None."""
     if dp_shard == 0 or dp_shard < -1:
@@ -32,13 +78,12 @@ def dp_shard_problem(dp_shard: int) -> str | None:
     return None
 
 
-MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Flattened view name -> the mesh dims it spans (in mesh order).
-FLATTENED_VIEWS = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
+def same_layout(a: Mapping[str, int] | None, b: Mapping[str, int] | None) -> bool:
+    """Whether two ``ParallelDims.layout()`` records are one layout; an axis one lacks counts as degree 1
+    (a record written before that axis existed)."""
+    if a is None or b is None:
+        return a is b
+    return all(a.get(k, 1) == b.get(k, 1) for k in {*a, *b})
 
 
 @dataclass
@@ -49,178 +94,201 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
-    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
-    _unit_root: DeviceMesh | None = field(default=None, init=False, repr=False)
+    ep: int = 1
+    _roots: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _fsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _loss_parallel: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
 
-    def _degrees_text(self) -> str:
-        return (
-            f"dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, cp={self.cp}, "
-            f"tp={self.tp}, pp={self.pp}, world_size={self.world_size}"
-        )
-
+    # ---- validation: every message names the option that sets the degree -----
     def _validate(self) -> None:
-        degrees = {"dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp, "pp": self.pp}
-        for name, value in [*degrees.items(), ("dp_shard", self.dp_shard), ("world_size", self.world_size)]:
+        for name, value in [*((a, getattr(self, a)) for a in AXES), ("world_size", self.world_size)]:
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"ParallelDims: {name}={value!r} must be an int ({self._degrees_text()})")
+                raise ValueError(f"{_OPTIONS.get(name, name)}={value!r}: must be an int")
         if self.world_size < 1:
-            raise ValueError(f"ParallelDims: world_size must be >= 1 ({self._degrees_text()})")
-        for name, value in degrees.items():
-            if value < 1:
-                raise ValueError(
-                    f"ParallelDims: {name}={value} is invalid; every degree but dp_shard must be >= 1 "
-                    f"({self._degrees_text()})"
-                )
-        problem = dp_shard_problem(self.dp_shard)
-        if problem:
-            raise ValueError(f"ParallelDims: dp_shard={self.dp_shard} is invalid; {problem} ({self._degrees_text()})")
-        others = self.dp_replicate * self.cp * self.tp * self.pp
+            raise ValueError(f"ParallelDims: world_size={self.world_size} must be >= 1")
+        for name in AXES:
+            value = getattr(self, name)
+            problem = dp_shard_problem(value) if name == "dp_shard" else (None if value >= 1 else "use a degree >= 1")
+            if problem:
+                raise ValueError(f"{_OPTIONS[name]}={value}: {problem}")
         if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ValueError(
-                    f"ParallelDims: dp_shard=-1 needs world_size divisible by dp_replicate*cp*tp*pp={others}, "
-                    f"but world_size={self.world_size} ({self._degrees_text()}); change the degrees or the "
-                    f"number of processes"
-                )
-            self.dp_shard = self.world_size // others
-        product = others * self.dp_shard
-        if product != self.world_size:
-            raise ValueError(
-                f"ParallelDims: dp_replicate*dp_shard*cp*tp*pp = {product} but world_size = {self.world_size} "
-                f"({self._degrees_text()}); make the product equal the number of processes, or set "
-                f"data_parallel_shard_degree=-1 to give dp_shard the ranks left over"
-            )
+            self._check_divides()
+            self.dp_shard = self.world_size // self._others()
+        self._check_product()
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"{_OPTIONS['ep']}={self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp}: "
+                             "expert parallelism borrows its ranks from them; change one of the degrees")
 
-    # ---- the mesh ---------------------------------------------------------
+    def _others(self) -> int:
+        return self.dp_replicate * self.cp * self.tp * self.pp
+
+    def _set(self, names: tuple[str, ...]) -> str:
+        """The options among ``names`` that are not 1, as typed: ``--opt=N x --opt=M``."""
+        return " x ".join(f"{_OPTIONS[n]}={getattr(self, n)}" for n in names if getattr(self, n) != 1)
+
+    def _check_divides(self) -> None:
+        others, ws = self._others(), self.world_size
+        if ws % others == 0:
+            return
+        typed = ("pp", "dp_replicate", "cp", "tp")
+        culprits = [n for n in typed if getattr(self, n) != 1]
+        if len(culprits) == 1:
+            room = ws // (others // getattr(self, culprits[0]))  # what the other degrees leave it
+            fits = [str(d) for d in range(1, room + 1) if room % d == 0]
+            fix, product = f"set {_OPTIONS[culprits[0]]} to {' or '.join(fits)}", ""
+        else:
+            fix, product = "change them so their product divides it", f" = {others}"
+        raise ValueError(f"{self._set(typed)}{product} does not divide the number of ranks (world_size={ws}); "
+                         f"--parallelism.data_parallel_shard_degree=-1 gives dp_shard the ranks left over, so the "
+                         f"other degrees must divide {ws}: {fix}, or launch a multiple of {others} processes")
+
+    def _check_product(self) -> None:
+        product = self._others() * self.dp_shard
+        if product == self.world_size:
+            return
+        typed = " x ".join(f"{_OPTIONS[n]}={getattr(self, n)}" for n in WORLD_AXES
+                           if getattr(self, n) != 1 or n == "dp_shard")
+        raise ValueError(f"{typed} = {product}, but world_size={self.world_size} (the processes launched); make the "
+                         "product equal the number of processes, or set --parallelism.data_parallel_shard_degree=-1 "
+                         "to give dp_shard the ranks left over")
+
+    # ---- the layout ---------------------------------------------------------
     def degree(self, name: str) -> int:
-        """Size of a mesh dim or flattened view (1 when it is disabled)."""
-        dims = FLATTENED_VIEWS.get(name, (name,))
-        size = 1
-        for d in dims:
-            size *= getattr(self, d)
-        return size
+        """Size of an axis, a view or an alias (1 when it is disabled)."""
+        name = ALIASES.get(name, name)
+        if name == "fsdp":
+            return self.dp_shard * self.cp
+        if name == "efsdp":
+            return self.dp_shard * self.cp // self.ep
+        return math.prod(getattr(self, d) for d in FLATTENED_VIEWS.get(name, (name,)))
+
+    def axes(self) -> list[tuple[str, int]]:
+        """Every degree of the layout with its axis name, in mesh order (``ep`` last)."""
+        return [(name, getattr(self, name)) for name in AXES]
+
+    def layout(self) -> dict[str, int]:
+        """The layout as a record (a checkpoint keeps it): the world size and every degree."""
+        return {"world_size": self.world_size, **dict(self.axes())}
 
     @property
     def enabled_dims(self) -> list[str]:
-        """Mesh dim names with degree > 1, in mesh order."""
-        return [d for d in MESH_DIM_NAMES if getattr(self, d) > 1]
+        """World axes with degree > 1, in mesh order."""
+        return [d for d in WORLD_AXES if getattr(self, d) > 1]
 
+    def rank_at(self, **coords: int) -> int:
+        """The global rank at these world-axis coordinates (0 on every axis not given)."""
+        unknown = [k for k in coords if k not in WORLD_AXES]
+        if unknown:
+            raise ValueError(f"ParallelDims.rank_at: unknown axis {', '.join(unknown)}; choose from "
+                             f"{', '.join(WORLD_AXES)}")
+        rank = 0
+        for name in WORLD_AXES:
+            rank = rank * getattr(self, name) + coords.get(name, 0)
+        return rank
+
+    def label(self, name: str) -> str:
+        """The name a 1-D mesh goes by in the layout: a view over one enabled world axis is that axis,
+        so FSDP (``fsdp``, the view dp_shard x cp) over dp_shard alone is ``dp_shard``."""
+        name = ALIASES.get(name, name)
+        view = "dp_shard_cp" if name == "fsdp" else name
+        parts = [d for d in FLATTENED_VIEWS.get(view, (view,)) if self.degree(d) > 1]
+        return parts[0] if len(parts) == 1 else view
+
+    # ---- building the meshes -------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Build the world mesh and its flattened views (a collective: call on every rank)."""
-        names = self.enabled_dims
-        if not names:
-            # A DeviceMesh needs at least one dim; a single rank is a shard group of one.
-            names = ["dp_shard"]
-        mesh = init_device_mesh(device_type, tuple(self.degree(d) for d in names), mesh_dim_names=tuple(names))
-        self._views = {}
+        """Build every root mesh and view (a collective: call on every rank); returns the world mesh."""
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        self._roots = {name: self._unflatten(world, name, axes) for name, axes in ROOT_MESHES.items()}
+        self._meshes = {name: self._roots[root][name] for name, root in _SERVED_BY.items()
+                        if self.degree(name) > 1 and self._in_use(root)}
         for view, dims in FLATTENED_VIEWS.items():
-            present = [d for d in dims if d in names]
-            # One dim is already its own view; flattening it again would only add an alias.
-            # Keep the flattened meshes: slicing them back off the root mesh is deprecated.
-            if len(present) >= 2:
-                self._views[view] = flatten_mesh(mesh[tuple(present)], view)
-        self._mesh = mesh
-        return mesh
+            enabled = tuple(d for d in dims if self.degree(d) > 1)
+            if view in ALIASES or not enabled:
+                continue
+            # One enabled axis is already its own view; flattening it again would only add groups.
+            one = len(enabled) == 1
+            self._meshes[view] = self._meshes[enabled[0]] if one else flatten_mesh(self._roots["world"][enabled], view)
+        dense = self._roots["dense"]
+        self._fsdp_mesh = dense["dp_replicate", "fsdp"] if self.dp_replicate > 1 else dense["fsdp"]
+        return self._roots["world"]
+
+    def _in_use(self, root: str) -> bool:
+        """Whether anything is placed on a root mesh: the sparse one only with expert parallelism."""
+        return root != "sparse" or self.ep > 1
+
+    def _unflatten(self, world: DeviceMesh, name: str, axes: tuple[str, ...]) -> DeviceMesh:
+        sizes = tuple(self.degree(a) for a in axes)
+        in_use = self._in_use(name)
+        fake = tuple(a for a, size in zip(axes, sizes) if not in_use or (size == 1 and a not in _FSDP_AXES))
+        return unflatten_mesh(world, sizes, axes, fake=fake)
 
     @property
     def world_mesh(self) -> DeviceMesh:
-        if self._mesh is None:
+        return self.root_mesh("world")
+
+    def root_mesh(self, name: str) -> DeviceMesh:
+        """A root mesh of ``ROOT_MESHES``: ``world``, ``dense`` or ``sparse``."""
+        if not self._roots:
             raise RuntimeError("ParallelDims.build_mesh() has not been called yet")
-        return self._mesh
-
-    def mesh_name(self, name: str) -> str | None:
-        """The name to index the world mesh with for a dim or view (None when disabled).
-
-        A view spanning one enabled dim is that dim; one spanning several is the
-        flattened view built by ``build_mesh``.
-        """
-        own_names = self.world_mesh.mesh_dim_names or ()
-        if name in own_names:
-            return name
-        present = [d for d in FLATTENED_VIEWS.get(name, (name,)) if d in own_names]
-        if not present:
-            return None
-        return present[0] if len(present) == 1 else name
+        return self._roots[name]
 
     def get_mesh(self, name: str) -> DeviceMesh | None:
-        """The 1-D mesh for a dim or flattened view; None when none of its dims is enabled."""
-        resolved = self.mesh_name(name)
-        if resolved is None:
-            return None
-        if resolved in self._views:
-            return self._views[resolved]
-        mesh = self.world_mesh
-        # Slicing a 1-D mesh by its own name is redundant (and warns on some versions).
-        return mesh if mesh.mesh_dim_names == (resolved,) else mesh[resolved]
+        """The 1-D mesh of an axis, view or alias; None when its degree is 1."""
+        self.root_mesh("world")
+        name = ALIASES.get(name, name)
+        if name not in self._meshes and name not in _SERVED_BY and name not in FLATTENED_VIEWS:
+            raise KeyError(f"ParallelDims: no mesh named {name!r}; choose from {', '.join(self.mesh_names())}")
+        return self._meshes.get(name)
+
+    def mesh_names(self) -> list[str]:
+        """Every name ``get_mesh`` answers (axes, views and aliases)."""
+        return list(dict.fromkeys([*_SERVED_BY, *FLATTENED_VIEWS, *ALIASES]))
 
     def rank_and_size(self, name: str) -> tuple[int, int]:
-        """This rank's index and the group size along a dim or view ((0, 1) when disabled)."""
+        """This rank's index and the group size along an axis or view ((0, 1) when disabled)."""
         sub = self.get_mesh(name)
         return (0, 1) if sub is None else (sub.get_local_rank(), sub.size())
 
+    def group_labels(self) -> dict[str, str]:
+        """Process-group name -> the layout name (``label``) of every real group the meshes made."""
+        labels: dict[str, str] = {}
+        for name in self.mesh_names():
+            mesh = self.get_mesh(name)
+            if mesh is not None:
+                labels.setdefault(mesh.get_group().group_name, self.label(name))
+        for root, axes in ROOT_MESHES.items():
+            for axis in axes:
+                if self.degree(axis) > 1 and self._in_use(root):
+                    labels.setdefault(self._roots[root].get_group(axis).group_name, self.label(axis))
+        return labels
+
+    # ---- what FSDP and TP take -------------------------------------------------
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh ``fully_shard`` takes: 1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP."""
+        """The mesh ``fully_shard`` takes: ``fsdp`` for FSDP, (dp_replicate, fsdp) for HSDP and DDP."""
         if not (self.dp_enabled or self.fsdp_enabled):
             return None
-        mesh = self.world_mesh
-        if self.dp_replicate_enabled and self.fsdp_enabled:
-            shard_name = self.mesh_name("dp_shard_cp")
-            with warnings.catch_warnings():
-                # (dp_replicate, dp_shard_cp) mixes a dim and a flattened view; torch 2.11-2.13 only
-                # offer slicing for that (it warns about a future deprecation).
-                warnings.simplefilter("ignore", UserWarning)
-                return mesh["dp_replicate", shard_name]
-        if self.dp_replicate_enabled:
-            return self._world_mesh_with_one_rank_dp_shard()["dp_replicate", "dp_shard"]
-        return self.get_mesh("dp_shard_cp")
+        self.root_mesh("dense")
+        return self._fsdp_mesh
 
     def one_rank_fsdp_mesh(self) -> DeviceMesh:
-        """A one-rank ``dp_shard`` mesh for layouts without data parallelism (TP, PP, one device).
+        """The ``fsdp`` axis, one rank in layouts without data parallelism (TP, PP, one device).
 
         Nothing is sharded on it, but FSDP2 on it applies the mixed-precision policy (bf16
-        compute over float32 weights), which is FSDP's job in every other layout. It comes
-        from the same root as ``tp_mesh(fsdp_on_one_rank=True)``, as FSDP2 needs for TP parameters.
+        compute over float32 weights), which is FSDP's job in every other layout.
         """
-        root = self._world_mesh_with_one_rank_dp_shard()
-        return root if root.mesh_dim_names == ("dp_shard",) else root["dp_shard"]
+        return self.root_mesh("dense")["fsdp"]
 
     def tp_mesh(self, fsdp_on_one_rank: bool = False) -> DeviceMesh | None:
-        """The ``tp`` mesh that ``parallelize_module`` takes.
+        """The ``tp`` mesh that ``parallelize_module`` takes (None without TP).
 
-        FSDP2 composes with TP only when both meshes come from the same root mesh, so
-        under DDP (whose FSDP mesh lives on a second root, see ``_world_mesh_with_one_rank_dp_shard``), or when
-        ``fsdp_on_one_rank`` says FSDP will go on ``one_rank_fsdp_mesh``, TP takes its ``tp`` dim from
-        that root too.
+        It comes from the dense mesh, as every FSDP mesh does, so FSDP2 composes with it in every
+        layout; ``fsdp_on_one_rank`` no longer changes it (kept for callers).
         """
-        if not self.tp_enabled:
-            return None
-        if fsdp_on_one_rank or (self.dp_replicate_enabled and not self.fsdp_enabled):
-            return self._world_mesh_with_one_rank_dp_shard()["tp"]
-        return self.world_mesh["tp"]
-
-    def _world_mesh_with_one_rank_dp_shard(self) -> DeviceMesh:
-        """A copy of the world mesh with a unit ``dp_shard`` dim in its mesh-order place.
-
-        FSDP2 on (dp_replicate, dp_shard=1) keeps whole parameters and all-reduces
-        gradients: DDP. FSDP2 on (dp_shard=1) alone only applies mixed precision. The
-        world mesh has no size-1 dims, so this builds a second mesh over the same ranks.
-        Every rank builds it with the same global layout, so the process groups line up.
-        Built once: each construction creates groups.
-        """
-        mesh = self.world_mesh
-        names = list(mesh.mesh_dim_names)
-        if "dp_shard" in names:  # one device: the world mesh is already (dp_shard=1)
-            return mesh
-        if self._unit_root is None:
-            at = sum(MESH_DIM_NAMES.index(n) < MESH_DIM_NAMES.index("dp_shard") for n in names)
-            names.insert(at, "dp_shard")
-            self._unit_root = DeviceMesh(mesh.device_type, mesh.mesh.unsqueeze(at), mesh_dim_names=tuple(names))
-        return self._unit_root
+        return self.get_mesh("tp")
 
     # ---- what is enabled --------------------------------------------------
     @property
@@ -251,6 +319,10 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def loss_parallel_enabled(self) -> bool:

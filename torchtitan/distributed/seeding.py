@@ -9,9 +9,9 @@ draw the same ones. This rank's seed is therefore
 taken in the order the user lists them, the first most significant. Ranks that
 differ only in unlisted dims get the same offset, hence the same seed.
 
-Everything is computed from the mesh coordinates each rank already knows: no
-broadcast and no other collective, so it can never hang and it never replaces
-the user's seed with rank 0's.
+Everything is computed from the coordinates each rank already knows (a mesh's, or
+``ParallelDims``'s over every axis of the layout, ``ep`` included): no broadcast and no
+other collective, so it can never hang and it never replaces the user's seed with rank 0's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.compat import install_dtensor_rng_tracker
-from torchtitan.distributed.parallel_dims import MESH_DIM_NAMES
+from torchtitan.distributed.parallel_dims import AXES, ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def sharded_offset(coords: Sequence[int], sizes: Sequence[int]) -> int:
     return offset
 
 
-def sharded_dims_problem(sharded_dims: Sequence[str], known: Sequence[str] = MESH_DIM_NAMES) -> str | None:
+def sharded_dims_problem(sharded_dims: Sequence[str], known: Sequence[str] = AXES) -> str | None:
     """What is wrong with a list of sharded dims (names among ``known``, each once), or None."""
     unknown = [d for d in sharded_dims if d not in known]
     if unknown:
@@ -50,7 +50,7 @@ def sharded_dims_problem(sharded_dims: Sequence[str], known: Sequence[str] = MES
 
 def _mesh_coords(mesh: DeviceMesh, sharded_dims: Sequence[str]) -> tuple[list[int], list[int]]:
     own = list(mesh.mesh_dim_names or ())
-    problem = sharded_dims_problem(sharded_dims, known=[*own, *(d for d in MESH_DIM_NAMES if d not in own)])
+    problem = sharded_dims_problem(sharded_dims, known=[*own, *(d for d in AXES if d not in own)])
     if problem:
         raise ValueError(f"manual_seed: sharded_dims {list(sharded_dims)}: {problem}")
     coordinate = mesh.get_coordinate()
@@ -63,6 +63,18 @@ def _mesh_coords(mesh: DeviceMesh, sharded_dims: Sequence[str]) -> tuple[list[in
         i = own.index(name)
         coords.append(coordinate[i])
         sizes.append(mesh.size(i))
+    return coords, sizes
+
+
+def _layout_coords(dims: ParallelDims, sharded_dims: Sequence[str]) -> tuple[list[int], list[int]]:
+    problem = sharded_dims_problem(sharded_dims, known=[name for name, _ in dims.axes()])
+    if problem:
+        raise ValueError(f"manual_seed: sharded_dims {list(sharded_dims)}: {problem}")
+    coords, sizes = [], []
+    for name in sharded_dims:
+        coord, size = dims.rank_and_size(name)  # (0, 1) on a degree-1 axis: it adds nothing to the offset
+        coords.append(coord)
+        sizes.append(size)
     return coords, sizes
 
 
@@ -84,21 +96,28 @@ def manual_seed(
     mesh: DeviceMesh | None = None,
     sharded_dims: Sequence[str] | None = None,
     sharded_groups: Sequence[dist.ProcessGroup] | None = None,
+    dims: ParallelDims | None = None,
 ) -> int:
     """Seed Python, torch (CPU and accelerator) for this rank and return the seed used.
 
-    Give either ``sharded_dims`` (names of ``mesh`` dims) or ``sharded_groups``
-    (process groups, e.g. ``mesh.get_group("tp")``); an empty list seeds every rank
-    with ``seed``. The returned seed is ``seed + offset`` (see the module docstring).
+    Give either ``sharded_dims`` (names of ``mesh`` dims, or of ``dims``'s axes: a built
+    ``ParallelDims`` in place of the mesh) or ``sharded_groups`` (process groups, e.g.
+    ``mesh.get_group("tp")``); an empty list seeds every rank with ``seed``. The returned
+    seed is ``seed + offset`` (see the module docstring).
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"manual_seed: seed must be an int, got {seed!r}")
     if (sharded_dims is None) == (sharded_groups is None):
         raise ValueError("manual_seed: give exactly one of sharded_dims (with a mesh) or sharded_groups")
+    if mesh is not None and dims is not None:
+        raise ValueError("manual_seed: give the mesh or the ParallelDims, not both")
+    if dims is not None:
+        mesh = dims.world_mesh
     if sharded_dims is not None:
         if mesh is None:
             raise ValueError("manual_seed: sharded_dims needs the mesh they name")
-        coords, sizes = _mesh_coords(mesh, list(sharded_dims))
+        coords, sizes = (_layout_coords(dims, list(sharded_dims)) if dims is not None
+                         else _mesh_coords(mesh, list(sharded_dims)))
     else:
         coords, sizes = _group_coords(list(sharded_groups))
 

@@ -133,12 +133,9 @@ def _known(cfg: JobConfig) -> bool:
 
 
 def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None) -> list[int]:
-    """Global ranks that differ: coordinate 0 on every dim but ``pp``, and every pp rank (or those asked for).
-
-    The world mesh puts ``pp`` outermost, so pp rank ``r`` with all other coordinates 0 is ``r * world / pp``.
-    """
+    """Global ranks that differ: coordinate 0 on every axis but ``pp``, and every pp rank (or those asked for)."""
     chosen = range(dims.pp) if pp_ranks is None else pp_ranks
-    return [r * (dims.world_size // dims.pp) for r in chosen]
+    return [dims.rank_at(pp=r) for r in chosen]
 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
@@ -235,10 +232,10 @@ def _prebuild_cp_masks(cfg: JobConfig, dims: ParallelDims) -> None:
 
 def _all_group_ranks(dims: ParallelDims, traffic: TrafficLedger) -> dict[str, list[int]]:
     out = {}
-    for name in (*dims.enabled_dims, "dp_shard_cp", "dp", "dp_cp"):
-        mesh = dims.get_mesh(name)
-        if mesh is not None and name not in traffic.group_ranks:
-            out[name] = dist.get_process_group_ranks(mesh.get_group())
+    for name in dims.mesh_names():
+        mesh, label = dims.get_mesh(name), dims.label(name)
+        if mesh is not None and label not in traffic.group_ranks and label not in out:
+            out[label] = dist.get_process_group_ranks(mesh.get_group())
     return out
 
 

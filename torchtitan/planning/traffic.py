@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.compat import c10d_op, functional_collective_ops, resolve_process_group
-from torchtitan.distributed.parallel_dims import FLATTENED_VIEWS, MESH_DIM_NAMES, ParallelDims
+from torchtitan.distributed.parallel_dims import ParallelDims
 
 c10d, functional = torch.ops.c10d, functional_collective_ops()
 
@@ -123,19 +122,6 @@ def crosses_nodes(ranks: list[int], gpus_per_node: int) -> bool:
 
 def dim_of_groups(dims: ParallelDims) -> dict[str, str]:
     """Process-group name -> the mesh dim (or flattened view) it belongs to, for every mesh of ``dims``."""
-    names: dict[str, str] = {}
-
-    def add(mesh: DeviceMesh | None, label_prefix: str = "") -> None:
-        if mesh is None:
-            return
-        for i, dim in enumerate(mesh.mesh_dim_names or ()):
-            names.setdefault(mesh.get_group(i).group_name, label_prefix + dim)
-
-    for name in (*MESH_DIM_NAMES, *FLATTENED_VIEWS):
-        mesh = dims.get_mesh(name)
-        if mesh is not None:
-            names.setdefault(mesh.get_group().group_name, name)
-    add(dims.world_mesh)
-    add(dims._unit_root)  # the second root mesh of DDP and unit-FSDP layouts, when built
+    names = dims.group_labels()
     names.setdefault(dist.group.WORLD.group_name, "world")
     return names
