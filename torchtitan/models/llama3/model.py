@@ -18,6 +18,7 @@ from torch import nn
 
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
 from torchtitan.models.attention import AttentionBackend, DocumentMask, block_causal_attention, build_document_mask
+from torchtitan.models.kv_cache import KVCache, LayerCache
 from torchtitan.models.llama3.args import ModelArgs
 
 # ---------------------------------------------------------------- building blocks
@@ -136,7 +137,14 @@ class Attention(nn.Module):
         """Document-masked attention of whole sequences (models/attention.py)."""
         return block_causal_attention(q, k, v, documents)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+    def cached_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """Decoding: the new tokens' queries against every cached key (the cache's padding and causal mask)."""
+        k, v = cache.update(k, v)
+        n_rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=cache.mask)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism these are the local heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -144,7 +152,9 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = self.rotary(xq, xk, rope_cache[..., :seqlen, :])
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        if self.backend is not None:
+        if cache is not None:
+            out = self.cached_sdpa(q, k, v, cache)
+        elif self.backend is not None:
             out = self.backend.causal(q, k, v) if documents is None else self.backend.block_causal(q, k, v, documents)
         else:
             out = self.sdpa(q, k, v) if documents is None else self.masked_sdpa(q, k, v, documents)
@@ -182,9 +192,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        # A keyword: tensor parallelism lays out the positional inputs of attention only.
-        h = x + self.attention(self.attention_norm(x), rope_cache, documents=documents)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        # Keywords: tensor parallelism lays out the positional inputs of attention only.
+        h = x + self.attention(self.attention_norm(x), rope_cache, documents=documents, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -276,14 +287,19 @@ class Transformer(nn.Module):
         for fqn, param in self.named_parameters():
             apply_init_spec(param, specs[fqn])
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens: ids [B, L] (or hidden states [B, L, dim] on a stage without embeddings).
 
         positions: [L] or [B, L] indices into the rope cache; None means 0..L-1. Under the
         ``block_causal`` mask they also delimit the documents: each restarts at 0 at a
         document's first token (None: every row is one document).
+        cache: decoding (models/kv_cache.py): ``tokens`` are the rows' next tokens after those the
+        cache holds, which gives their positions and mask; training never passes one.
         Returns logits [B, L, vocab] (hidden states on a stage without output).
         """
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Attention slices the cache to its own length: under sequence parallelism h holds only
         # part of the sequence here, while attention sees all of it.
@@ -293,6 +309,19 @@ class Transformer(nn.Module):
             documents = self.document_mask(positions, tokens.shape[0])  # once per forward, shared by the layers
         for layer in self.layers.values():
             h = layer(h, rope, documents=documents)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decoding forward: the new tokens attend to the cache's keys; each layer appends its own."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_cache[cache.begin(tokens.shape[1])]
+        for key, layer in self.layers.items():
+            h = layer(h, rope, cache=cache.layer(key))
+        cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
