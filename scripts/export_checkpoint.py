@@ -26,14 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def find_run_config(checkpoint: Path) -> Path | None:
-    """The ``config.toml`` the trainer wrote into the dump folder: ``<dump>/<folder>/step-N`` -> ``<dump>``."""
-    for parent in list(checkpoint.resolve().parents)[:3]:
-        if (parent / "config.toml").is_file():
-            return parent / "config.toml"
-    return None
-
-
 def export_dtype(choice: str | None, cfg):
     """``--dtype``, else the dtype of the release the run started from (initial_load_path), else bfloat16."""
     import torch
@@ -55,7 +47,7 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
               max_shard_gib: float, dtype: str | None = None) -> str:
     import torch
 
-    from torchtitan.checkpoint.formats import check_export_target, read_model_weights
+    from torchtitan.checkpoint.formats import check_export_target, find_run_config, read_model_weights
     from torchtitan.checkpoint.formats import export_hf as write_hf
     from torchtitan.config import ConfigManager
     from torchtitan.datasets import build_tokenizer

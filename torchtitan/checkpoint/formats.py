@@ -204,6 +204,14 @@ class MetaSource:
         return full[tuple(slice(a, b) for a, b in region)].clone()
 
 
+def find_run_config(checkpoint: Path) -> Path | None:
+    """The ``config.toml`` the trainer wrote into the dump folder: ``<dump>/<folder>/step-N`` -> ``<dump>``."""
+    for parent in list(checkpoint.resolve().parents)[:3]:
+        if (parent / "config.toml").is_file():
+            return parent / "config.toml"
+    return None
+
+
 def dcp_checkpoint_path(path: Path) -> Path:
     """A committed step folder as given, or the latest one of a checkpoint folder."""
     from torchtitan.checkpoint.store import scan

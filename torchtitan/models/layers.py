@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.attention import AttentionBackend, DocumentMask, block_causal_attention
+from torchtitan.models.kv_cache import LayerCache
 
 
 class RMSNorm(nn.Module):
@@ -134,7 +135,16 @@ class Attention(nn.Module):
         """Document-masked attention of whole sequences (models/attention.py)."""
         return block_causal_attention(q, k, v, documents)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+    def cached_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """Decoding: the new tokens' queries against every cached key (the cache's padding and causal mask)."""
+        k, v = cache.update(k, v)
+        n_rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=cache.mask)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """``cache``: decoding (models/kv_cache.py) appends this forward's keys and values to it and
+        attends to all it holds; training passes none and runs the branches below it."""
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism these are the local heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -144,7 +154,9 @@ class Attention(nn.Module):
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = self.rotary(xq, xk, rope_cache[..., :seqlen, :])
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        if self.backend is not None:
+        if cache is not None:
+            out = self.cached_sdpa(q, k, v, cache)
+        elif self.backend is not None:
             out = self.backend.causal(q, k, v) if documents is None else self.backend.block_causal(q, k, v, documents)
         else:
             out = self.sdpa(q, k, v) if documents is None else self.masked_sdpa(q, k, v, documents)

@@ -51,6 +51,10 @@ class FamilyModel(Protocol):
 
     def num_params(self, exclude_embedding: bool = False) -> int: ...
 
+    # Generation (a spec with ``supports_kv_cache``): ``forward(tokens, cache=KVCache)`` takes the
+    # rows' new tokens, appends their keys and values to the cache and returns their logits; the
+    # args' ``max_seq_len`` is the longest sequence it takes.
+
 
 class StateDictAdapter(Protocol):
     """A family's names and layouts in Hugging Face and Meta releases (checkpoint/formats.py does the I/O)."""
@@ -130,3 +134,6 @@ class ModelSpec:
     check: Callable[[Any, ParallelDims, JobConfig], list[str]]
     # ---- weights in Hugging Face and Meta releases
     state_dict_adapter: StateDictAdapter
+    # ---- generation (torchtitan/generation): the model's forward takes ``cache=`` a
+    # ``models/kv_cache.KVCache`` (new tokens only, positions and mask from the cache)
+    supports_kv_cache: bool = False

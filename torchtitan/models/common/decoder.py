@@ -19,6 +19,7 @@ from torch import nn
 
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec
 from torchtitan.models.attention import AttentionBackend, DocumentMask, build_document_mask
+from torchtitan.models.kv_cache import KVCache
 from torchtitan.models.layers import RMSNorm, precompute_rope_cache
 
 
@@ -77,14 +78,19 @@ class Decoder(nn.Module):
         for fqn, param in self.named_parameters():
             apply_init_spec(param, specs[fqn])
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens: ids [B, L] (or hidden states [B, L, dim] on a stage without embeddings).
 
         positions: [L] or [B, L] indices into the rope cache; None means 0..L-1. Under the
         ``block_causal`` mask they also delimit the documents: each restarts at 0 at a
         document's first token (None: every row is one document).
+        cache: decoding (models/kv_cache.py): ``tokens`` are the rows' next tokens after those the
+        cache holds, which gives their positions and mask; training never passes one.
         Returns logits [B, L, vocab] (hidden states on a stage without output).
         """
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Attention slices the cache to its own length: under sequence parallelism h holds only
         # part of the sequence here, while attention sees all of it.
@@ -94,6 +100,19 @@ class Decoder(nn.Module):
             documents = self.document_mask(positions, tokens.shape[0])  # once per forward, shared by the layers
         for layer in self.layers.values():
             h = layer(h, rope, documents=documents)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decoding forward: the new tokens attend to the cache's keys; each layer appends its own."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_cache[cache.begin(tokens.shape[1])]
+        for key, layer in self.layers.items():
+            h = layer(h, rope, cache=cache.layer(key))
+        cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

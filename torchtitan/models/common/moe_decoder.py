@@ -17,6 +17,7 @@ from torch import nn
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
 from torchtitan.models.attention import DocumentMask, check_mask_type
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.kv_cache import LayerCache
 from torchtitan.models.layers import Attention, FeedForward, RMSNorm
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.moe.router import check_routing
@@ -91,9 +92,10 @@ class DecoderBlock(nn.Module):
         self.feed_forward: nn.Module = (MoE(args.moe_args()) if self.moe
                                         else FeedForward(args.dim, args.ffn_hidden_size))
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        # A keyword: tensor parallelism lays out the positional inputs of attention only.
-        h = x + self.attention(self.attention_norm(x), rope_cache, documents=documents)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        # Keywords: tensor parallelism lays out the positional inputs of attention only.
+        h = x + self.attention(self.attention_norm(x), rope_cache, documents=documents, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -19,6 +19,7 @@ from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_no
 from torchtitan.models import layers
 from torchtitan.models.attention import DocumentMask
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.kv_cache import LayerCache
 from torchtitan.models.layers import (  # noqa: F401 - re-exported: Llama 3's blocks live in models/layers.py
     FeedForward,
     RMSNorm,
@@ -60,9 +61,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        # A keyword: tensor parallelism lays out the positional inputs of attention only.
-        h = x + self.attention(self.attention_norm(x), rope_cache, documents=documents)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        # Keywords: tensor parallelism lays out the positional inputs of attention only.
+        h = x + self.attention(self.attention_norm(x), rope_cache, documents=documents, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -66,6 +66,7 @@ SPEC = ModelSpec(
     hidden_width=_hidden_width,
     check=check,
     state_dict_adapter=Llama3StateDictAdapter(),
+    supports_kv_cache=True,
 )
 register_model_spec(SPEC)
 

@@ -54,5 +54,6 @@ SPEC = ModelSpec(
     state_dict_adapter=DecoderHFAdapter(MIXTRAL_NAMING, _hf_config,
                                         functools.partial(hf_config.fields_of_config, qwen=False),
                                         hf_config.fields_of_args),
+    supports_kv_cache=True,  # the shared decoder's cached forward (models/kv_cache.py)
 )
 register_model_spec(SPEC)

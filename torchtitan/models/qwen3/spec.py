@@ -58,5 +58,6 @@ SPEC = ModelSpec(
     state_dict_adapter=DecoderHFAdapter(QWEN3_NAMING, _hf_config,
                                         functools.partial(hf_config.fields_of_config, qwen=True),
                                         hf_config.fields_of_args),
+    supports_kv_cache=True,  # the shared decoder's cached forward (models/kv_cache.py)
 )
 register_model_spec(SPEC)
