@@ -149,10 +149,16 @@ def test_valid_tp_cp_layouts_pass():
         assert preflight(cfg, 8).dims.world_size == 8
 
 
-def test_tp_with_compile_is_rejected_with_the_way_out():
-    problems = _problems(2, "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
-                         "--training.compile")
-    assert len(problems) == 1 and "turn off compile for TP layouts" in problems[0]
+def test_compile_passes_in_every_tensor_parallel_layout():
+    # torch.compile trains under TP (tests/distributed/test_compile_tp.py): the preflight lets it through.
+    tp2 = "--parallelism.tensor_parallel_degree=2"
+    for world_size, overrides in ((2, [tp2]), (2, [tp2, "--parallelism.enable_sequence_parallel=false"]),
+                                  (4, [tp2]), (4, [tp2, "--parallelism.context_parallel_degree=2"]),
+                                  (4, [tp2, "--parallelism.pipeline_parallel_degree=2", "--training.batch_size=2"])):
+        cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=-1",
+                                          *overrides, "--training.compile"])
+        assert cfg.training.compile
+        assert preflight(cfg, world_size).dims.tp == 2, overrides
 
 
 def test_warmup_longer_than_the_run_is_a_config_error():

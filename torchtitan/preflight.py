@@ -234,13 +234,6 @@ def check_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> li
     problems: list[str] = []
     tp, cp = dims.tp, dims.cp
     seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
-    if tp > 1 and cfg.training.compile:
-        # Seen on torch 2.13 (CPU): compiled TP blocks fail in backward inside DTensor's
-        # redistribute ("'Tensor' object has no attribute '_local_tensor'"), and with AC
-        # already in forward. Refused up front rather than after minutes of set-up.
-        problems.append(f"--training.compile with tensor_parallel_degree={tp}: torch.compile of tensor-parallel "
-                        "blocks fails in this PyTorch (DTensor backward); turn off compile for TP layouts "
-                        "(compile was checked with FSDP, HSDP, DDP and CP)")
     if tp > 1:
         n_kv = args.n_kv_heads or args.n_heads
         for what, value in [("n_heads", args.n_heads), ("n_kv_heads", n_kv), ("dim", args.dim),

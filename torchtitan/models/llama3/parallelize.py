@@ -39,6 +39,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_attention, local_positions
 from torchtitan.models.attention import cp_block_causal_attention, cp_document_mask
 from torchtitan.models.llama3.model import Attention
+from torchtitan.compat import wait_async_collective
 from torchtitan.ops.cpu_kernels import onednn_available, use_cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ def parallelize_llama(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig
                                        cfg.activation_checkpoint.selective_ac_option)
     if cfg.training.compile:
         apply_compile(model)
+        if dims.tp_enabled:
+            wait_for_embedding_output(model)
     if dims.dp_enabled or dims.fsdp_enabled:
         apply_fsdp(model, dims, cfg, device_type)
     elif fsdp_on_one_rank:
@@ -131,6 +134,18 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         parallelize_module(block, tp_mesh, plan)
     logger.info("Applied tensor parallel on %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
                 sequence_parallel, loss_parallel)
+
+
+def wait_for_embedding_output(model: torch.nn.Module) -> None:
+    """Hand the first (compiled) block the embedding's output waited, with its autograd history.
+
+    The embedding's TP output hook redistributes asynchronously, so its output is a pending
+    collective's result, and torch 2.13 compiles a block fed one as if its input needed no
+    gradient (``compat.wait_async_collective``). The blocks feed each other plain tensors (the
+    residual add waits), and a pipeline stage without the embedding receives plain tensors.
+    """
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(lambda module, args, output: wait_async_collective(output))
 
 
 # ---- context parallel --------------------------------------------------------
