@@ -95,6 +95,9 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     _raise_if(problems)
     if not check_data:
         return LaunchPlan(dims, grad_accum, args, tokenizer, pipeline)
+    # The installed torch's known failures: a planner plans for the cluster's torch, so only a launch checks them.
+    problems += check_installed_torch(cfg, dims)
+    _raise_if(problems)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
@@ -256,6 +259,22 @@ def check_parallelism(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> li
                                   else "")
         problems.append(f"--training.seq_len={seq_len} must be divisible by {' x '.join(parts)} = {seq_shards}; {fix}")
     return problems
+
+
+# ---- the installed torch ---------------------------------------------------------
+def check_installed_torch(cfg: JobConfig, dims: ParallelDims) -> list[str]:
+    """Layouts that this torch release is known to fail in (docs/versions.md), one line each."""
+    ac = cfg.activation_checkpoint
+    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if release == (2, 13) and dims.tp > 1 and cfg.training.compile and whole_blocks:
+        # Compiled TP blocks recomputed whole (checkpoint without a policy) save the DeviceMesh for backward
+        # as if it were a tensor: "expected all tensors_saved_with_vc_check to be Tensors". Fixed in 2.14.1.
+        return [f"--training.compile with tensor_parallel_degree={dims.tp} and --activation_checkpoint.mode={ac.mode} "
+                f"(whole blocks recomputed) fails in torch {torch.__version__}'s compiled forward; use torch >= "
+                "2.14.1, or --activation_checkpoint.mode=selective --activation_checkpoint.selective_ac_option=op, "
+                "or turn off compile (docs/versions.md, 'torch.compile and tensor parallelism')"]
+    return []
 
 
 # ---- checkpoints ------------------------------------------------------------

@@ -27,7 +27,8 @@ COMMON = ["--job.config_file", str(REPO / "train_configs" / "debug_model_ci.toml
 # name -> overrides, each on 4 ranks
 LAYOUTS = {
     "FSDP2 x TP2 (SP)": [TP2, "--parallelism.data_parallel_shard_degree=2"],
-    "TP2 (no SP) x CP2": [TP2, "--parallelism.context_parallel_degree=2", "--parallelism.enable_sequence_parallel=false"],
+    "TP2 (no SP) x CP2": [TP2, "--parallelism.context_parallel_degree=2",
+                          "--parallelism.enable_sequence_parallel=false"],
     "TP2 x PP2 (SP)": [TP2, "--parallelism.pipeline_parallel_degree=2", "--training.batch_size=2"],
 }
 

@@ -33,13 +33,13 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torchtitan.compat import wait_async_collective
 from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import cp_attention, local_positions
 from torchtitan.models.attention import cp_block_causal_attention, cp_document_mask
 from torchtitan.models.llama3.model import Attention
-from torchtitan.compat import wait_async_collective
 from torchtitan.ops.cpu_kernels import onednn_available, use_cpu_kernels
 
 logger = logging.getLogger(__name__)
