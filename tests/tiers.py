@@ -107,6 +107,7 @@ SLOW: dict[str, frozenset[str]] = {
         "test_dtensor_rng_tracker",
         "test_fsdp_param_groups_and_all_reduce_hook",
         "test_functional_collectives",
+        "test_wait_async_collective_keeps_the_gradient",
         "test_local_shape_and_global_offset",
         "test_set_pg_timeout_changes_a_live_groups_timeout",
     }),
