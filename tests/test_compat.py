@@ -126,8 +126,23 @@ def _world_probes(rank: int, world_size: int) -> dict[str, Any]:
     _probe("dtensor_rng", lambda: (compat.install_dtensor_rng_tracker(mesh), _random._rng_tracker is None), out)
     _probe("functional_collectives", lambda: compat.functional_collectives.all_gather_tensor_autograd(
         torch.tensor([float(rank)]), gather_dim=0, group=dist.group.WORLD).tolist(), out)
+    _probe("wait_async_collective", lambda: _wait_async(rank, mesh), out)
     dist.barrier()
     return out
+
+
+def _wait_async(rank: int, mesh: Any) -> dict[str, Any]:
+    """An async TP redistribute's local result, waited by compat.wait_async_collective, and its gradient."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    w = torch.full((1, 4, 2), float(rank + 1), requires_grad=True)
+    pending = DTensor.from_local(w * 1, mesh, [Partial()]).redistribute(mesh, [Shard(1)], async_op=True).to_local()
+    waited = compat.wait_async_collective(pending)
+    (waited * 3).sum().backward()
+    plain = torch.ones(2)
+    return {"pending": type(pending).__name__, "waited": type(waited) is torch.Tensor,
+            "requires_grad": waited.requires_grad, "value": waited.tolist(), "grad": w.grad.tolist(),
+            "plain_is_itself": compat.wait_async_collective(plain) is plain}
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +227,17 @@ def test_dtensor_rng_tracker(world):
 def test_functional_collectives(world):
     # torch.distributed._functional_collectives (context parallelism's autograd all-gather).
     assert _ok(world, "functional_collectives") == [[0.0, 1.0]] * 2
+
+
+@pytest.mark.slow
+def test_wait_async_collective_keeps_the_gradient(world):
+    # torch.distributed._functional_collectives.AsyncCollectiveTensor and its trigger_wait().
+    for result in _ok(world, "wait_async_collective"):
+        assert result["pending"] == "AsyncCollectiveTensor", "TP's async redistribute no longer gives a pending result"
+        assert result["waited"] and result["requires_grad"], result
+        assert result["value"] == [[[3.0, 3.0]] * 2], result  # this rank's half of the sequence of 1 + 2
+        assert result["grad"] == [[[3.0, 3.0]] * 4], result  # each rank's input gets the full gradient back
+        assert result["plain_is_itself"]
 
 
 def test_redistribute_logger_name():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import DEBUG_CONFIG, SHIPPED_TOKENIZER, debug_config
 
 from torchtitan.config import ConfigError, ConfigManager
@@ -168,10 +169,39 @@ def test_valid_tp_cp_layouts_pass():
         assert preflight(cfg, 8).dims.world_size == 8
 
 
-def test_tp_with_compile_is_rejected_with_the_way_out():
-    problems = _problems(2, "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
-                         "--training.compile")
-    assert len(problems) == 1 and "turn off compile for TP layouts" in problems[0]
+def test_compile_passes_in_every_tensor_parallel_layout():
+    # torch.compile trains under TP (tests/distributed/test_compile_tp.py): the preflight lets it through.
+    tp2 = "--parallelism.tensor_parallel_degree=2"
+    for world_size, overrides in ((2, [tp2]), (2, [tp2, "--parallelism.enable_sequence_parallel=false"]),
+                                  (4, [tp2]), (4, [tp2, "--parallelism.context_parallel_degree=2"]),
+                                  (4, [tp2, "--parallelism.pipeline_parallel_degree=2", "--training.batch_size=2"])):
+        cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.data_parallel_shard_degree=-1",
+                                          *overrides, "--training.compile"])
+        assert cfg.training.compile
+        assert preflight(cfg, world_size).dims.tp == 2, overrides
+
+
+@pytest.mark.parametrize("ac", [["--activation_checkpoint.mode=full"], ["--activation_checkpoint.mode=selective",
+                                                                        "--activation_checkpoint.selective_ac_option=2"]])
+def test_compiled_tp_with_whole_block_ac_is_refused_on_torch_2_13_alone(ac):
+    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2",
+                                      "--parallelism.data_parallel_shard_degree=1", "--training.compile", *ac])
+    if torch.__version__.startswith("2.13."):
+        with pytest.raises(ConfigError) as info:
+            preflight(cfg, 2)
+        assert len(info.value.problems) == 1, info.value.problems
+        assert f"fails in torch {torch.__version__}" in info.value.problems[0]
+        assert "selective_ac_option=op" in info.value.problems[0]
+    else:
+        assert preflight(cfg, 2).dims.tp == 2
+    # Op-level selective AC compiles under TP on 2.13 too, and the planner (check_data=False) plans for the
+    # cluster's torch: neither is refused.
+    op_ac = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2",
+                                        "--parallelism.data_parallel_shard_degree=1", "--training.compile",
+                                        "--activation_checkpoint.mode=selective",
+                                        "--activation_checkpoint.selective_ac_option=op"])
+    assert preflight(op_ac, 2).dims.tp == 2
+    assert preflight(cfg, 2, check_data=False).dims.tp == 2
 
 
 def test_warmup_longer_than_the_run_is_a_config_error():

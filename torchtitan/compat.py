@@ -36,6 +36,7 @@ __all__ = [
     "grouped_mm", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
     "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step", "unflatten_mesh",
+    "wait_async_collective",
 ]
 
 
@@ -213,6 +214,41 @@ def install_dtensor_rng_tracker(mesh: Any) -> bool:
     if _random._rng_tracker is None:
         _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
     return True
+
+
+# ---------------------------------------------------------------- async collectives and torch.compile
+
+
+class _WaitKeepingHistory(torch.autograd.Function):
+    """The waited value of a pending collective's result, as a node of its autograd graph (gradient: identity)."""
+
+    @staticmethod
+    def forward(ctx: Any, pending: torch.Tensor) -> torch.Tensor:
+        done = pending.trigger_wait()
+        return done.view_as(done)  # a fresh tensor object: autograd writes its history onto it
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def wait_async_collective(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or where it is a pending collective's result (``AsyncCollectiveTensor``) its waited value
+    as a plain tensor that keeps its autograd history.
+
+    Tensor parallelism's output hooks redistribute with ``async_op=True``, so ``to_local()`` hands
+    the next module such a tensor. AOTAutograd in torch 2.13 replaces one that reaches a compiled
+    region by ``trigger_wait()``, whose result does not require grad, before tracing: the graph is
+    then traced as if the input needed no gradient, and backward breaks in DTensor's redistribute
+    (docs/versions.md, "torch.compile and tensor parallelism"). Waiting first costs nothing: the
+    compiled region waits on entry anyway. A tensor without autograd history is waited plainly.
+    """
+    pending = getattr(functional_collectives, "AsyncCollectiveTensor", None)
+    if pending is None:
+        raise _missing("torch.distributed._functional_collectives.AsyncCollectiveTensor")
+    if not isinstance(tensor, pending):
+        return tensor
+    return _WaitKeepingHistory.apply(tensor) if tensor.requires_grad else tensor.trigger_wait()
 
 
 # ---------------------------------------------------------------- FSDP2

@@ -97,6 +97,9 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     _raise_if(problems)
     if not check_data:
         return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
+    # The installed torch's known failures: a planner plans for the cluster's torch, so only a launch checks them.
+    problems += check_installed_torch(cfg, dims)
+    _raise_if(problems)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
@@ -236,13 +239,6 @@ def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: Model
     problems: list[str] = []
     tp, cp = dims.tp, dims.cp
     seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
-    if tp > 1 and cfg.training.compile:
-        # Seen on torch 2.13 (CPU): compiled TP blocks fail in backward inside DTensor's
-        # redistribute ("'Tensor' object has no attribute '_local_tensor'"), and with AC
-        # already in forward. Refused up front rather than after minutes of set-up.
-        problems.append(f"--training.compile with tensor_parallel_degree={tp}: torch.compile of tensor-parallel "
-                        "blocks fails in this PyTorch (DTensor backward); turn off compile for TP layouts "
-                        "(compile was checked with FSDP, HSDP, DDP and CP)")
     problems += spec.check(args, dims, cfg)
     seq_shards = (2 * cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)
     if seq_shards > 1 and seq_len % seq_shards:
@@ -255,6 +251,22 @@ def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: Model
                                   else "")
         problems.append(f"--training.seq_len={seq_len} must be divisible by {' x '.join(parts)} = {seq_shards}; {fix}")
     return problems
+
+
+# ---- the installed torch ---------------------------------------------------------
+def check_installed_torch(cfg: JobConfig, dims: ParallelDims) -> list[str]:
+    """Layouts that this torch release is known to fail in (docs/versions.md), one line each."""
+    ac = cfg.activation_checkpoint
+    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if release == (2, 13) and dims.tp > 1 and cfg.training.compile and whole_blocks:
+        # Compiled TP blocks recomputed whole (checkpoint without a policy) save the DeviceMesh for backward
+        # as if it were a tensor: "expected all tensors_saved_with_vc_check to be Tensors". Fixed in 2.14.1.
+        return [f"--training.compile with tensor_parallel_degree={dims.tp} and --activation_checkpoint.mode={ac.mode} "
+                f"(whole blocks recomputed) fails in torch {torch.__version__}'s compiled forward; use torch >= "
+                "2.14.1, or --activation_checkpoint.mode=selective --activation_checkpoint.selective_ac_option=op, "
+                "or turn off compile (docs/versions.md, 'torch.compile and tensor parallelism')"]
+    return []
 
 
 # ---- checkpoints ------------------------------------------------------------

@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from torchtitan.compat import wait_async_collective
+
 logger = logging.getLogger(__name__)
 
 
@@ -18,3 +20,16 @@ def apply_compile(model: torch.nn.Module) -> None:
     for block in model.layers.values():
         block.compile(fullgraph=True)
     logger.info("Compiled %d transformer blocks", len(model.layers))
+
+
+def wait_for_embedding_output(model: torch.nn.Module) -> None:
+    """Under TP, hand the first (compiled) block the embedding's output waited, with its autograd history.
+
+    The embedding's TP output hook redistributes asynchronously, so its output is a pending
+    collective's result, and torch (2.13, 2.14.1) compiles a block fed one as if its input needed no
+    gradient (``compat.wait_async_collective``; docs/versions.md). The blocks feed each other plain
+    tensors (the residual add waits), and a pipeline stage without the embedding receives plain tensors.
+    """
+    embedding = getattr(model, "tok_embeddings", None)
+    if embedding is not None:
+        embedding.register_forward_hook(lambda module, args, output: wait_async_collective(output))

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
-from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.compile import apply_compile, wait_for_embedding_output
 from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -82,6 +82,8 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
                                        cfg.activation_checkpoint.selective_ac_option)
     if cfg.training.compile:
         apply_compile(model)
+        if dims.tp_enabled:
+            wait_for_embedding_output(model)
     if dims.dp_enabled or dims.fsdp_enabled:
         apply_fsdp(model, dims, cfg, device_type)
     elif one_rank:

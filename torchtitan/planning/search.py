@@ -57,8 +57,6 @@ def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> 
                 o += [f"--parallelism.pipeline_parallel_schedule={schedule}",
                       f"--parallelism.pipeline_parallel_stages_per_rank={v}",
                       f"--parallelism.pipeline_parallel_microbatches={local}"]
-            if tp > 1 and t.compile:
-                o.append("--training.compile=false")  # compiled TP blocks are refused (preflight)
             out.append(o)
     return out
 
