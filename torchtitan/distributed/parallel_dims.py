@@ -170,6 +170,7 @@ class ParallelDims:
         mesh = self.world_mesh
         if self.dp_replicate_enabled and self.fsdp_enabled:
             shard_name = self.mesh_name("dp_shard_cp")
+            assert shard_name is not None, "FSDP is on, so dp_shard_cp is a view"
             with warnings.catch_warnings():
                 # (dp_replicate, dp_shard_cp) mixes a dim and a flattened view; torch 2.11-2.13 only
                 # offer slicing for that (it warns about a future deprecation).
@@ -213,6 +214,7 @@ class ParallelDims:
         Built once: each construction creates groups.
         """
         mesh = self.world_mesh
+        assert mesh.mesh_dim_names is not None, "build_mesh names every dim"
         names = list(mesh.mesh_dim_names)
         if "dp_shard" in names:  # one device: the world mesh is already (dp_shard=1)
             return mesh

@@ -100,6 +100,7 @@ def manual_seed(
             raise ValueError("manual_seed: sharded_dims needs the mesh they name")
         coords, sizes = _mesh_coords(mesh, list(sharded_dims))
     else:
+        assert sharded_groups is not None  # exactly one of the two is given, checked above
         coords, sizes = _group_coords(list(sharded_groups))
 
     rank_seed = seed + sharded_offset(coords, sizes)
