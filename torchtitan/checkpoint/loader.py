@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 
 from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.agreement import Agreement
@@ -179,7 +179,7 @@ class Loader:
         """Read ``state``'s entries from ``path`` into this layout, then set them; a failure on any rank fails all."""
         error = None
         try:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.agreement.group)
+            dcp_loader.load(state, checkpoint_id=str(path), process_group=self.agreement.group)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = f"{type(e).__name__}: {e}"
         self.agreement.outcomes(error, f"loading {path}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ class CheckpointManager:
             # thread, which must never interleave with the training thread's collectives on
             # a shared group; gloo also carries DCP's CPU-side coordination under NCCL.
             timeout = timedelta(seconds=max(cfg.comm.init_timeout_seconds, 1800))
-            group = dist.new_group(backend="gloo", timeout=timeout)
+            group = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))  # every rank is in it
         agreement, layout = Agreement(group, self.folder), _layout(dims)
         ft = cfg.fault_tolerance
         self.saver = Saver(ck, self.folder, states, agreement, rank=rank, layout=layout,
