@@ -65,6 +65,7 @@ class Trainer:
         cfg = self.cfg
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loss_mesh = self.dims.get_mesh("dp_cp")  # the ranks that see different tokens
+        assert self.mesh.mesh_dim_names is not None, "build_mesh names every dim"
         logger.info(format_mesh_line(self.mesh.mesh_dim_names, tuple(self.mesh.shape)))
         self._write_config()
         self._seed()
@@ -236,6 +237,7 @@ class Trainer:
 
     def validate(self) -> ValidationResult:
         """Evaluate on the validation data now; log and record the result at the current step."""
+        assert self.validator is not None, "validate() runs only where validation is configured"
         result = self.validator.run()
         t = self.cfg.training
         trained = self.step * self.grad_accum * t.batch_size * self.data_degree * t.seq_len

@@ -137,5 +137,7 @@ def dim_of_groups(dims: ParallelDims) -> dict[str, str]:
             names.setdefault(mesh.get_group().group_name, name)
     add(dims.world_mesh)
     add(dims._unit_root)  # the second root mesh of DDP and unit-FSDP layouts, when built
-    names.setdefault(dist.group.WORLD.group_name, "world")
+    world = dist.group.WORLD
+    assert world is not None, "the planner runs inside an initialized process group"
+    names.setdefault(world.group_name, "world")
     return names
