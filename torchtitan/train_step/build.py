@@ -26,7 +26,7 @@ from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_kernel
-from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.runner import ModelRunner
@@ -59,7 +59,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         model = spec.build(plan.model_args)
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
     if options.describe:
-        _describe(cfg, dims, plan, cast(Decoder, model).num_params(), fpt, device)
+        _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
 
     def materialize(module: torch.nn.Module) -> torch.nn.Module:
         return _materialize(module, cfg, dims, plan, device, device_type, options)
@@ -104,16 +104,16 @@ def _materialize(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, pla
     Parallelizing runs outside ``options.allocate`` (the mesh's own tensors stay real in a dry run).
     """
     parallelize(model, dims, cfg, device_type, plan.model_spec)
-    decoder = cast(Decoder, model)  # the family's model, or a pipeline stage of it (still a Decoder)
+    family_model = cast(FamilyModel, model)  # nn.Module and FamilyModel: pyright has no intersection type
     with options.allocate():
         model.to_empty(device=device)
         if not options.init_weights:
-            decoder.init_buffers(buffer_device=device)
+            family_model.init_buffers(buffer_device=device)
         elif cfg.training.seed is None:
-            decoder.init_weights(buffer_device=device)
+            family_model.init_weights(buffer_device=device)
         else:
             # Same full weights for a given seed whatever the layout; see layout_init.py.
-            decoder.init_buffers(buffer_device=device)
+            family_model.init_buffers(buffer_device=device)
             init_params_layout_invariant(model, cfg.training.seed)
     model.train()
     return model
