@@ -21,6 +21,7 @@ from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.selection import choose_checkpoint
 from torchtitan.checkpoint.states import StateRegistry
 from torchtitan.checkpoint.store import CheckpointKind, read_dcp_metadata, scan, verify
+from torchtitan.config import JobConfig
 from torchtitan.config.manager import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 class Loader:
     """Loads this run's checkpoint, or its ``initial_load_path``; every method is called on every rank."""
 
-    def __init__(self, cfg: Any, folder: Path, states: StateRegistry, agreement: Agreement, *, rank: int,
+    def __init__(self, cfg: JobConfig, folder: Path, states: StateRegistry, agreement: Agreement, *, rank: int,
                  layout: dict[str, int], model_args: Any = None) -> None:
         self.cfg, self.ck = cfg, cfg.checkpoint
         self.folder, self.states, self.agreement = folder, states, agreement
@@ -200,6 +201,7 @@ class Loader:
         """Start from ``initial_load_path`` (checked in preflight): each rank reads what it holds."""
         if not self.initial_load:
             return
+        assert self.ck.initial_load_path is not None  # initial_load is set only with a path
         from torchtitan.checkpoint.formats import load_into
 
         started, n, error = time.monotonic(), 0, None

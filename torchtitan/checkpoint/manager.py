@@ -35,6 +35,7 @@ from torchtitan.checkpoint.selection import checkpoint_folder
 from torchtitan.checkpoint.stage_view import model_view
 from torchtitan.checkpoint.states import Holders, StateRegistry
 from torchtitan.checkpoint.store import CheckpointKind
+from torchtitan.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class CheckpointManager:
     every rank.
     """
 
-    def __init__(self, cfg, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: JobConfig, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int,
                  model_args=None, writes: Callable[[], bool] | None = None,
                  extra_states: dict[str, Any] | None = None) -> None:
