@@ -71,9 +71,9 @@ def _restart_round_store(timeout: timedelta) -> dict:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
+# TCPStore is public; torch's stubs re-export it without listing it (hence the two ignores).
 def _agent_store(timeout: timedelta) -> dist.TCPStore:  # pyright: ignore[reportPrivateImportUsage]
     """A client of torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``): it outlives every worker and restart."""
-    # TCPStore is public; torch's stubs re-export it without listing it.
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # pyright: ignore[reportPrivateImportUsage]
                          is_master=False, timeout=timeout)
 
