@@ -20,12 +20,15 @@ import importlib
 import importlib.metadata
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives  # noqa: F401 - re-exported
 from torch.distributed import distributed_c10d
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
@@ -82,14 +85,14 @@ def __getattr__(name: str) -> Any:
 def set_pg_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
     """Change the collective timeout of an existing process group (``None``: the default group)."""
     if hasattr(dist, "set_timeout"):  # torch >= 2.14: public; the private one warns that it is deprecated
-        dist.set_timeout(timeout, group)
+        dist.set_timeout(timeout, group)  # pyright: ignore[reportAttributeAccessIssue]  (torch >= 2.14 only)
     elif hasattr(distributed_c10d, "_set_pg_timeout"):  # torch 2.11-2.13
         distributed_c10d._set_pg_timeout(timeout, group)
     else:
         raise _missing("torch.distributed.set_timeout or distributed_c10d._set_pg_timeout")
 
 
-def default_store() -> dist.Store:
+def default_store() -> distributed_c10d.Store:
     """The key-value store behind the default process group (a store barrier needs no collective)."""
     if not hasattr(distributed_c10d, "_get_default_store"):
         raise _missing("distributed_c10d._get_default_store")
@@ -104,7 +107,7 @@ def all_process_groups() -> list[dist.ProcessGroup]:
     return list(world.pg_map)
 
 
-def fake_process_group_store() -> dist.Store:
+def fake_process_group_store() -> distributed_c10d.Store:
     """A store for ``init_process_group("fake", ...)``, whose collectives return at once and move nothing.
 
     Importing torch's fake process group registers the "fake" backend; it lives in torch's
@@ -123,7 +126,7 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
         from torch._C._distributed_c10d import _resolve_process_group
     except ImportError as e:
         raise _missing("torch._C._distributed_c10d._resolve_process_group") from e
-    return _resolve_process_group(group_name)
+    return _resolve_process_group(cast("distributed_c10d.GroupName", group_name))  # a str NewType in the stubs
 
 
 def c10d_op(name: str) -> Any:
@@ -224,7 +227,7 @@ class _WaitKeepingHistory(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, pending: torch.Tensor) -> torch.Tensor:
-        done = pending.trigger_wait()
+        done = pending.trigger_wait()  # pyright: ignore[reportAttributeAccessIssue] - an AsyncCollectiveTensor
         return done.view_as(done)  # a fresh tensor object: autograd writes its history onto it
 
     @staticmethod
@@ -248,7 +251,9 @@ def wait_async_collective(tensor: torch.Tensor) -> torch.Tensor:
         raise _missing("torch.distributed._functional_collectives.AsyncCollectiveTensor")
     if not isinstance(tensor, pending):
         return tensor
-    return _WaitKeepingHistory.apply(tensor) if tensor.requires_grad else tensor.trigger_wait()
+    if tensor.requires_grad:
+        return _WaitKeepingHistory.apply(tensor)
+    return tensor.trigger_wait()  # pyright: ignore[reportAttributeAccessIssue] - checked to be one above
 
 
 # ---------------------------------------------------------------- FSDP2
@@ -258,7 +263,7 @@ def fsdp_param_groups(unit: torch.nn.Module) -> list[Any]:
     """The parameter groups (``FSDPParamGroup``) of one ``fully_shard`` unit."""
     if not hasattr(unit, "_get_fsdp_state"):
         raise _missing("FSDPModule._get_fsdp_state")
-    state = unit._get_fsdp_state()
+    state = cast("FSDPModule", unit)._get_fsdp_state()  # a fully_shard unit (checked above)
     groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13: a list per unit
     if groups is None:
         if not hasattr(state, "_fsdp_param_group"):  # torch 2.11/2.12: one group or None
@@ -299,6 +304,7 @@ def fsdp_storage_hooks(on_resize: Callable[[torch.Tensor], None],
                         (cls, "accumulate_unsharded_grad_if_needed")):
         if not hasattr(owner, name):
             raise _missing(f"torch.distributed.fsdp._fully_shard.{getattr(owner, '__name__', owner)}.{name}")
+    assert cls is not None  # the checks above raised otherwise
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
     to_accumulated, accumulate = cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed
 
@@ -317,14 +323,15 @@ def fsdp_storage_hooks(on_resize: Callable[[torch.Tensor], None],
                 on_accumulated_grad(self.unsharded_accumulated_grad)
         return wrapper
 
-    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_and_note
+    # _fsdp_param_group's own binding of alloc_storage (an import, not its export) must be patched too.
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_and_note  # pyright: ignore[reportPrivateImportUsage]
     _fsdp_param.free_storage = free_and_note
     cls.to_accumulated_grad_if_needed = note_accumulated(to_accumulated)
     cls.accumulate_unsharded_grad_if_needed = note_accumulated(accumulate)
     try:
         yield
     finally:
-        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc  # pyright: ignore[reportPrivateImportUsage]
         _fsdp_param.free_storage = free
         cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed = to_accumulated, accumulate
 
@@ -408,7 +415,7 @@ def grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -
     """
     if not hasattr(torch, "_grouped_mm"):
         raise _missing("torch._grouped_mm")
-    return torch._grouped_mm(x, weight_t, offs=offsets)
+    return torch._grouped_mm(x, weight_t, offs=offsets)  # pyright: ignore[reportPrivateImportUsage]  (private op)
 
 
 _GROUPED_MM_PROBED: dict[tuple[str, torch.dtype], bool] = {}

@@ -77,6 +77,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     except ValueError as e:
         problems.append(str(e))
     _raise_if(problems)
+    assert tokenizer is not None  # not building it was a problem, raised just above
 
     problems += check_fault_tolerance(cfg, dims)
     data_degree = data_parallel_degree(cfg, dims)

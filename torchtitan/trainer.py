@@ -237,6 +237,7 @@ class Trainer:
 
     def validate(self) -> ValidationResult:
         """Evaluate on the validation data now; log and record the result at the current step."""
+        assert self.validator is not None, "validate() runs only where validation is configured"
         result = self.validator.run()
         t = self.cfg.training
         trained = self.step * self.grad_accum * t.batch_size * self.data_degree * t.seq_len

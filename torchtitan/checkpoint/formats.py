@@ -28,10 +28,10 @@ import shutil
 import struct
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 
 from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
@@ -82,8 +82,9 @@ class HFSource:
         self.folder, self.adapter = folder, adapter
         self.config = json.loads((folder / "config.json").read_text())
         index = folder / INDEX_FILE
+        weight_map: dict[str, str] | None
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text())["weight_map"]
         elif (folder / SINGLE_FILE).is_file():
             weight_map = None
         else:
@@ -104,10 +105,12 @@ class HFSource:
                                  f"{absent[0]} in {weight_map[absent[0]]}")
 
     def tensor_for(self, fqn: str) -> str:
+        assert self.adapter is not None, "reading tensors needs the family's adapter"
         return self.adapter.hf_name(fqn, tied=bool(self.config.get("tie_word_embeddings")))
 
     def expert_names(self, fqn: str, args: Any) -> list[str] | None:
         """The per-expert tensors of our stacked ``fqn`` (None: not stacked); ValueError naming one that is absent."""
+        assert self.adapter is not None, "reading tensors needs the family's adapter"
         names = self.adapter.hf_expert_names(fqn, args)
         if names is not None:
             missing = [n for n in names if n not in self.shapes]
@@ -146,6 +149,7 @@ class HFSource:
             (e0, e1), rest = (region or ((0, len(experts)),))[0], (region or ())[1:]
             return torch.stack([self._read_one(experts[e], rest or None) for e in range(e0, e1)])
         name = self.tensor_for(fqn)
+        assert self.adapter is not None, "reading tensors needs the family's adapter"
         shape = self.shapes[name]
         region = region or tuple((0, s) for s in shape)
         heads = self.adapter.hf_permuted_heads(fqn, args)
@@ -185,6 +189,7 @@ class MetaSource:
         return self._parts
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
+        assert self.adapter is not None, "reading tensors needs the family's adapter"
         out = {}
         for fqn, t in self.parts()[0].items():
             shape = list(t.shape)
@@ -195,6 +200,7 @@ class MetaSource:
         return out
 
     def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        assert self.adapter is not None, "reading tensors needs the family's adapter"
         fqn = self.adapter.meta_name(fqn, args, self.parts()[0])
         pieces = [p[fqn] for p in self.parts()]
         dim = self.adapter.meta_split_dim(fqn)
@@ -299,16 +305,17 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_gr
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    state = get_model_state_dict(model)
+    # A model's state dict holds tensors only (torch types it for any state dict).
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model))
     where = Path(path).expanduser()
     if fmt == "dcp":
-        wrapped = {"model": state}
-        dcp.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
+        wrapped: dict[str, Any] = {"model": state}
+        dcp_loader.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
         set_model_state_dict(model, wrapped["model"])
         return len(state)
     adapter = spec_for_args(args).state_dict_adapter
     source = HFSource(where, adapter) if fmt == "hf" else MetaSource(where, adapter)
-    filled = {}
+    filled: dict[str, Any] = {}
     for fqn, value in state.items():
         region = _region(value)
         if isinstance(value, DTensor):
@@ -457,7 +464,7 @@ def read_model_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         # DCP warns that it reads on a single process: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, checkpoint_id=str(path), no_dist=True)
+        dcp_loader.load(template, checkpoint_id=str(path), no_dist=True)
     return {key[len("model."):]: value for key, value in template.items()}
 
 

@@ -22,7 +22,9 @@ def write_hf_tokenizer(tokenizer, out: Path, model_max_length: int) -> list[Path
 
     class _Converter(TikTokenConverter):
         # The project's own parser: tiktoken's loader caches files by path in a temporary folder.
-        load_tiktoken_bpe = staticmethod(lambda path: read_tiktoken_ranks(str(path)))
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            return read_tiktoken_ranks(str(tiktoken_url))
 
     specials = sorted(tokenizer.special_tokens, key=tokenizer.special_tokens.get)
     hf = _Converter(vocab_file=str(tokenizer.model_path), pattern=LLAMA3_SPLIT_PATTERN,

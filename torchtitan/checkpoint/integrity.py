@@ -29,11 +29,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import xxhash
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 ALGORITHM = "xxh3_64"
 SIDECAR_SUFFIX = ".checksums.json"
@@ -54,7 +53,7 @@ def file_checksum(path: Path) -> str:
 class _HashingStream(io.RawIOBase):
     """A write stream that hashes what passes through it and remembers a full disk."""
 
-    def __init__(self, raw: io.BufferedWriter, path: Path, fs: _HashingFileSystem) -> None:
+    def __init__(self, raw: IO[bytes], path: Path, fs: _HashingFileSystem) -> None:
         super().__init__()
         self.raw, self.path, self.fs = raw, path, fs
         self.hash, self.hashed = xxhash.xxh3_64(), 0

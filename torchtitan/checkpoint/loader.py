@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 
 from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.selection import choose_checkpoint
 from torchtitan.checkpoint.states import StateRegistry
 from torchtitan.checkpoint.store import CheckpointKind, read_dcp_metadata, scan, verify
+from torchtitan.config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import same_layout
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 class Loader:
     """Loads this run's checkpoint, or its ``initial_load_path``; every method is called on every rank."""
 
-    def __init__(self, cfg: Any, folder: Path, states: StateRegistry, agreement: Agreement, *, rank: int,
+    def __init__(self, cfg: JobConfig, folder: Path, states: StateRegistry, agreement: Agreement, *, rank: int,
                  layout: dict[str, int], model_args: Any = None) -> None:
         self.cfg, self.ck = cfg, cfg.checkpoint
         self.folder, self.states, self.agreement = folder, states, agreement
@@ -180,7 +181,7 @@ class Loader:
         """Read ``state``'s entries from ``path`` into this layout, then set them; a failure on any rank fails all."""
         error = None
         try:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.agreement.group)
+            dcp_loader.load(state, checkpoint_id=str(path), process_group=self.agreement.group)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = f"{type(e).__name__}: {e}"
         self.agreement.outcomes(error, f"loading {path}")
@@ -201,6 +202,7 @@ class Loader:
         """Start from ``initial_load_path`` (checked in preflight): each rank reads what it holds."""
         if not self.initial_load:
             return
+        assert self.ck.initial_load_path is not None  # initial_load is set only with a path
         from torchtitan.checkpoint.formats import load_into
 
         started, n, error = time.monotonic(), 0, None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from torchtitan.checkpoint.selection import checkpoint_folder
 from torchtitan.checkpoint.stage_view import model_view
 from torchtitan.checkpoint.states import Holders, StateRegistry
 from torchtitan.checkpoint.store import CheckpointKind
+from torchtitan.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class CheckpointManager:
     every rank.
     """
 
-    def __init__(self, cfg, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: JobConfig, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int,
                  model_args=None, writes: Callable[[], bool] | None = None,
                  extra_states: dict[str, Any] | None = None) -> None:
@@ -81,7 +82,7 @@ class CheckpointManager:
             # thread, which must never interleave with the training thread's collectives on
             # a shared group; gloo also carries DCP's CPU-side coordination under NCCL.
             timeout = timedelta(seconds=max(cfg.comm.init_timeout_seconds, 1800))
-            group = dist.new_group(backend="gloo", timeout=timeout)
+            group = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))  # every rank is in it
         # The layout a checkpoint records: a load into another layout does not restore per-rank states.
         agreement, layout = Agreement(group, self.folder), dims.layout()
         ft = cfg.fault_tolerance

@@ -15,11 +15,12 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.agreement import Agreement
@@ -36,7 +37,7 @@ class _PendingSave:
     kind: str
     future: Future
     started: float
-    writer: dcp.FileSystemWriter
+    writer: FileSystemWriter
     needed: int
 
 
@@ -73,20 +74,22 @@ class Saver:
             shutil.rmtree(tmp)
         self.barrier()  # nobody measures the free space, nor creates files in tmp, before rank 0 cleared it
         needed = self._check_space(step, kind, state)
-        writer = integrity.ChecksummingWriter(str(tmp)) if self.ck.checksums else dcp.FileSystemWriter(str(tmp))
+        writer = integrity.ChecksummingWriter(str(tmp)) if self.ck.checksums else FileSystemWriter(str(tmp))
         started = time.monotonic()
         group = self.agreement.group
         if sync:
             try:
-                dcp.save(state, storage_writer=writer, process_group=group)
+                # dcp.save/async_save are public; torch's package re-exports them without listing them.
+                dcp.save(state, storage_writer=writer, process_group=group)  # pyright: ignore[reportPrivateImportUsage]
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 self._raise_if_disk_full(e, step, needed, together=True)
                 raise
             self._commit(step, kind, started, writer)
         else:
-            response = dcp.async_save(state, storage_writer=writer, process_group=group)
+            response = dcp.async_save(state, storage_writer=writer,  # pyright: ignore[reportPrivateImportUsage]
+                                      process_group=group)
             # torch returns a Future, or with custom staging a response holding one.
-            future = getattr(response, "upload_completion", response)
+            future = cast(Future, getattr(response, "upload_completion", response))
             self.pending = _PendingSave(step, kind, future, started, writer, needed)
             if self.rank == 0:
                 logger.info("Checkpoint step %d: async save started (staged in %.2fs)", step,
@@ -127,7 +130,7 @@ class Saver:
         raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, space.free_bytes(self.folder),
                                                        midway=True)) from None
 
-    def _commit(self, step: int, kind: str, started: float, writer: dcp.FileSystemWriter) -> None:
+    def _commit(self, step: int, kind: str, started: float, writer: FileSystemWriter) -> None:
         # DCP's save returns on rank 0 only after every rank reported its writes and the
         # global metadata is written, so rank 0 alone can make the checkpoint visible.
         if self.rank != 0:

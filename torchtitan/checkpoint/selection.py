@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from torchtitan.checkpoint.store import scan, verify
+from torchtitan.config import JobConfig
 
 
-def checkpoint_folder(cfg) -> Path:
+def checkpoint_folder(cfg: JobConfig) -> Path:
     return Path(cfg.job.dump_folder) / cfg.checkpoint.folder
 
 
@@ -30,7 +31,7 @@ def model_shapes(model_factory: Callable[[], torch.nn.Module]) -> dict[str, tupl
 
 
 def choose_checkpoint(
-    cfg, expected_shapes: dict[str, tuple[int, ...]] | None
+    cfg: JobConfig, expected_shapes: dict[str, tuple[int, ...]] | None
 ) -> tuple[Path | None, dict[str, Any], list[str]]:
     """The committed checkpoint this run loads (None: start from scratch), its manifest, and problems."""
     ck, folder = cfg.checkpoint, checkpoint_folder(cfg)
@@ -58,6 +59,6 @@ def choose_checkpoint(
     return path, manifest, problems
 
 
-def own_checkpoint_exists(cfg) -> bool:
+def own_checkpoint_exists(cfg: JobConfig) -> bool:
     """True when the run resumes from its own checkpoint (which wins over ``initial_load_path``)."""
     return cfg.checkpoint.enable_checkpoint and bool(scan(checkpoint_folder(cfg)).committed)

@@ -34,7 +34,8 @@ def _merge(dst: torch.nn.Module, src: torch.nn.Module, path: str) -> None:
             if not getattr(mine, "_checkpoint_merged", False):
                 # Never add modules into a stage's own container: merge into a fresh one.
                 merged = torch.nn.Module()
-                merged._checkpoint_merged = True
+                # nn.Module.__setattr__ is typed for tensors and modules; a plain flag is fine.
+                merged._checkpoint_merged = True  # pyright: ignore[reportArgumentType]
                 _merge(merged, mine, f"{path}{name}.")
                 dst._modules[name] = merged
                 mine = merged

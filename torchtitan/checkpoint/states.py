@@ -79,7 +79,7 @@ class StateSpec:
     name: str
     save: Callable[[Holders, int], Any]
     template: Callable[[Holders, Callable[[], Any]], Any]
-    apply: Callable[[Holders, Any], None]
+    apply: Callable[[Holders, Any], object]  # what it returns is ignored
     model_only: bool = False
     same_layout_only: bool = False
     when_missing: str = FRESH

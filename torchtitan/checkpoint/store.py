@@ -100,7 +100,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def read_dcp_metadata(path: Path):
     """DCP's global metadata (tensor names, global shapes, dtypes); ValueError when unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     try:
         return FileSystemReader(str(path)).read_metadata()
@@ -130,10 +130,12 @@ def verify(path: Path, expected_shapes: dict[str, tuple[int, ...]] | None) -> tu
             problems.append(f"checkpoint {path} is corrupt: data file {name} has {file.stat().st_size} bytes, "
                             f"{size} were written")
     if expected_shapes is not None and "model" in manifest.get("states", []):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
         saved = {
             key[len("model."):]: tuple(md.size)
             for key, md in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(md, "size")
+            if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
         }
         problems += shape_problems(path, saved, expected_shapes)
     return problems, manifest

@@ -236,7 +236,8 @@ class ConfigManager:
                     continue
                 self._set(cfg, section, key, value, f"{path}: [{section}] {key}", from_cli=False, problems=problems)
 
-    def _set(self, cfg, section, key, raw, where, *, from_cli: bool, problems: list[str]) -> None:
+    def _set(self, cfg: JobConfig, section: str, key: str, raw: Any, where: str, *, from_cli: bool,
+             problems: list[str]) -> None:
         f, ftype = self.fields[section][key]
         try:
             value = _coerce(raw, ftype, from_cli, f.metadata.get("parse"))

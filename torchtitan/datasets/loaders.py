@@ -373,8 +373,11 @@ def build_validation_dataset(
                                   train_dataset_name=train_dataset_name, train_dataset_path=train_dataset_path,
                                   split=split, tokenizer=tokenizer, cache_dir=cache_dir)
     own = dataset_name is not None or dataset_path is not None
-    name = (f"validation:{dataset_path or dataset_name}" if own
-            else f"validation:held-out {split.fraction:g} of {train_dataset_path or train_dataset_name}")
+    if own:
+        name = f"validation:{dataset_path or dataset_name}"
+    else:
+        assert split is not None, "open_validation_store raises without a dataset or a held-out split"
+        name = f"validation:held-out {split.fraction:g} of {train_dataset_path or train_dataset_name}"
     if store is not None:
         # No read-ahead thread: an evaluation may stop after validation.steps batches.
         return TokenStoreDataset(store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,

@@ -8,7 +8,7 @@ reads its own slots of the same global window order, so a dead group's windows a
 
 from __future__ import annotations
 
-from typing import Any
+from torchtitan.config import JobConfig
 
 
 def data_slot(replica_id: int, num_replica_groups: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
@@ -16,7 +16,7 @@ def data_slot(replica_id: int, num_replica_groups: int, dp_rank: int, dp_degree:
     return replica_id * dp_degree + dp_rank, num_replica_groups * dp_degree
 
 
-def job_data_slot(cfg: Any, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+def job_data_slot(cfg: JobConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
     """``data_slot`` of this rank under the job's config: its own (rank, degree) unless it is one replica group."""
     ft = cfg.fault_tolerance
     if not ft.enable:

@@ -20,15 +20,18 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from torchtitan.datasets.sources import tokenizer_fingerprint
 from torchtitan.datasets.split import HeldOutSplit, side_key
 from torchtitan.datasets.token_store import FORMAT, INDEX_NAME, PLAN_NAME, VERSION
+
+if TYPE_CHECKING:  # imported in the workers only, where they tokenize
+    from torchtitan.datasets.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_SHARD_CHARS", "prepare_store", "write_synthetic_store"]
 
@@ -68,7 +71,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 # ------------------------------------------------------------------- one shard
 
-_WORKER_TOKENIZER = None
+_WORKER_TOKENIZER: Tokenizer | None = None
 
 
 def _init_worker(tokenizer_path: str) -> None:
@@ -82,6 +85,7 @@ def _tokenize_shard(task: _Task) -> dict[str, Any]:
     """Tokenize one shard's documents and publish its files (runs in a worker or in-process)."""
     number, texts, folder, dtype = task
     tok = _WORKER_TOKENIZER
+    assert tok is not None, "_init_worker runs before any task"
     pieces = tok.encode_plain_batch(texts)
     lengths = np.fromiter((len(p) + 2 for p in pieces), dtype=np.int64, count=len(pieces))
     ends = np.cumsum(lengths)
@@ -221,7 +225,7 @@ def _tokenize_shards(documents: Iterable[str], out: Path, partial: Path, header:
     return shards
 
 
-def _run_tasks(tasks: Iterator[_Task], tokenizer_path: str, workers: int) -> Iterator[dict[str, Any]]:
+def _run_tasks(tasks: Iterator[_Task], tokenizer_path: str, workers: int) -> Generator[dict[str, Any], None, None]:
     """Each task's result, in order: in this process, or on a pool of ``workers`` processes."""
     if workers <= 1:
         _init_worker(tokenizer_path)

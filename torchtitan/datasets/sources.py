@@ -134,7 +134,7 @@ def _builder_of(path: str, files: list[Path]) -> str:
     if Path(os.path.expanduser(path)).is_dir():
         if not files:
             raise ValueError(f"dataset_path {path!r} is a directory without any {_KNOWN_SUFFIXES} files")
-        builders = {_builder_for(p) for p in files}
+        builders = {b for p in files if (b := _builder_for(p)) is not None}  # every file has one (see above)
         if len(builders) > 1:
             raise ValueError(
                 f"dataset_path {path!r} mixes file formats ({', '.join(sorted(builders))}); "

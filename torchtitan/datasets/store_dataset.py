@@ -186,7 +186,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
             return inputs, labels
         return inputs, labels, document_positions(inputs, self.positions_bos)
 
-    def _positions(self, epoch: int, base: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, torch.Tensor] | None]]:
+    def _positions(self, epoch: int, base: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, ...] | None]]:
         """(epoch, next_window after the batch, batch) from a position on; batch None ends a finite pass."""
         local, global_batch = self.local_batch_size, self.local_batch_size * self.dp_degree
         mine = np.arange(local, dtype=np.int64) + self.dp_rank * local
@@ -203,7 +203,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
             epoch, base = epoch + 1, 0
             logger.info("%s: end of data, starting epoch %d", self.name, epoch)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         produced = self._positions(self._epoch, self._next_window)
         if self.prefetch <= 0:
             items, prefetcher = produced, None

@@ -62,7 +62,7 @@ class ShardedStreamDataset(IterableDataset, Stateful):
         self._epoch = 0
         self._buffer: list[int] = []
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         width = self.seq_len + 1
         need = width * self.local_batch_size
         while True:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import wraps
+from typing import cast
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -90,13 +91,14 @@ def selective_ac_interval(option: str) -> int | None:
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_option: str) -> None:
     """full: recompute every block; selective 'op': keep every second linear output; selective N: every N-th block."""
-    blocks = list(model.layers.values())
+    blocks = list(cast(torch.nn.ModuleDict, model.layers).values())
     if mode == "full":
         chosen, context_fn = blocks, None
     elif selective_option == "op":
         chosen, context_fn = blocks, _every_second_linear_contexts
     else:
         every = selective_ac_interval(selective_option)
+        assert every is not None, "None only for 'op', handled above"
         chosen, context_fn = blocks[every - 1 :: every], None
     for block in chosen:
         _checkpoint_forward(block, context_fn)

@@ -37,6 +37,7 @@ def start_sum(value: torch.Tensor | float, mesh: DeviceMesh | None) -> Callable[
         return lambda: tensor
     tensor = tensor.detach().clone()  # summed in place: never into the caller's tensor
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.get_group(), async_op=True)
+    assert work is not None, "async_op=True returns the Work"
 
     def finish() -> torch.Tensor:
         work.wait()

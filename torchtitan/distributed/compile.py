@@ -7,6 +7,7 @@ unchanged; the blocks are identical, so one graph serves them all.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
@@ -17,9 +18,10 @@ logger = logging.getLogger(__name__)
 
 def apply_compile(model: torch.nn.Module) -> None:
     """Compile each block in place: blocks are identical, so one graph serves them all."""
-    for block in model.layers.values():
+    layers = cast(torch.nn.ModuleDict, model.layers)  # nn.Module types a submodule as Tensor | Module
+    for block in layers.values():
         block.compile(fullgraph=True)
-    logger.info("Compiled %d transformer blocks", len(model.layers))
+    logger.info("Compiled %d transformer blocks", len(layers))
 
 
 def wait_for_embedding_output(model: torch.nn.Module) -> None:

@@ -7,6 +7,7 @@ unit, and the root (embeddings, final norm, output) is the last one.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,9 +49,10 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     type (DTensor), mixed precision and checkpoint format as FSDP and HSDP.
     """
     mesh = mesh if mesh is not None else dims.fsdp_mesh()
+    assert mesh is not None, "parallelize applies FSDP only where fsdp_mesh() builds one"
     mp = mixed_precision(cfg, device_type)
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
-    blocks = list(model.layers.values())
+    blocks = list(cast(torch.nn.ModuleDict, model.layers).values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         last = i == len(blocks) - 1 and cfg.parallelism.fsdp_reshard_after_forward == "default"
@@ -65,5 +67,6 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
         kind = "FSDP on one rank (mixed precision only)"
     else:
         kind = "DDP" if not dims.fsdp_enabled else ("HSDP" if dims.dp_replicate_enabled else "FSDP")
+    assert mesh.mesh_dim_names is not None, "build_mesh names every dim"
     logger.info("Applied %s on mesh %s (param %s, reduce %s)", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
                 mp.param_dtype, mp.reduce_dtype)

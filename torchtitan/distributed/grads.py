@@ -69,7 +69,8 @@ def clip_grad_norm_(
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type, foreach=True)
+        grads = [p.grad for p in group if p.grad is not None]  # all of them: filtered above
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
         if isinstance(norm, DTensor):
             with _quiet(_REDISTRIBUTE_LOG):
                 norm = norm.full_tensor()

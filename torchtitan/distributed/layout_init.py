@@ -68,7 +68,8 @@ def _rows_only(param: DTensor) -> bool:
 @torch.no_grad()
 def init_params_layout_invariant(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter of ``model`` (sharded or not) from its layout-free full value."""
-    specs = model.param_init_specs()
+    # nn.Module's stubs type every attribute as Tensor | Module; the model defines this method.
+    specs: dict[str, InitSpec] = model.param_init_specs()  # pyright: ignore[reportCallIssue]
     for fqn, param in model.named_parameters():
         spec, shape = specs[fqn], param.shape
         if not isinstance(param, DTensor):

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from torchtitan.compat import all_process_groups, default_store, set_pg_timeout
 
@@ -66,13 +67,15 @@ def _restart_round_store(timeout: timedelta) -> dict:
     if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     store = _agent_store(timeout)
-    return {"store": dist.PrefixStore(f"torchtitan/round_{restart}", store), "rank": int(os.environ["RANK"]),
+    return {"store": c10d.PrefixStore(f"torchtitan/round_{restart}", store), "rank": int(os.environ["RANK"]),
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
-def _agent_store(timeout: timedelta) -> dist.TCPStore:
+# TCPStore is public; torch's stubs re-export it without listing it (hence the two ignores).
+def _agent_store(timeout: timedelta) -> dist.TCPStore:  # pyright: ignore[reportPrivateImportUsage]
     """A client of torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``): it outlives every worker and restart."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # pyright: ignore[reportPrivateImportUsage]
+                         is_master=False, timeout=timeout)
 
 
 def _store_barrier(name: str, timeout: timedelta) -> None:

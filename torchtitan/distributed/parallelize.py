@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 class FamilyParallelism(Protocol):
     """The family-specific steps of ``parallelize`` (a ``ModelSpec`` provides them)."""
 
-    def use_cpu_kernels(self, model: torch.nn.Module, onednn_linears: bool) -> dict[str, int]:
+    # Positional-only: ModelSpec provides these as plain callables.
+    def use_cpu_kernels(self, model: torch.nn.Module, onednn_linears: bool, /) -> dict[str, int]:
         """Swap the model's modules for their eager-CPU kernel classes; how many of each kind."""
         ...
 
@@ -45,7 +46,7 @@ class FamilyParallelism(Protocol):
         """The family's tensor-parallel plan."""
         ...
 
-    def apply_cp(self, model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    def apply_cp(self, model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int, /) -> None:
         """Bind the model to context parallelism (its attention backend, and its positions)."""
         ...
 
@@ -72,11 +73,15 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
             logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
     if dims.tp_enabled:
         # TP parameters must share the root of the mesh FSDP goes on, one-rank FSDP included.
-        family.apply_tp(model, dims.tp_mesh(fsdp_on_one_rank=one_rank),
+        tp_mesh = dims.tp_mesh(fsdp_on_one_rank=one_rank)
+        assert tp_mesh is not None, "TP is on"
+        family.apply_tp(model, tp_mesh,
                         sequence_parallel=cfg.parallelism.enable_sequence_parallel,
                         loss_parallel=dims.loss_parallel_enabled)
     if dims.cp_enabled:
-        family.apply_cp(model, dims.get_mesh("cp"), cfg.training.seq_len)
+        cp_mesh = dims.get_mesh("cp")
+        assert cp_mesh is not None, "CP is on"
+        family.apply_cp(model, cp_mesh, cfg.training.seq_len)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_ac_option)

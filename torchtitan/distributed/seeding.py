@@ -119,6 +119,7 @@ def manual_seed(
         coords, sizes = (_layout_coords(dims, list(sharded_dims)) if dims is not None
                          else _mesh_coords(mesh, list(sharded_dims)))
     else:
+        assert sharded_groups is not None  # exactly one of the two is given, checked above
         coords, sizes = _group_coords(list(sharded_groups))
 
     rank_seed = seed + sharded_offset(coords, sizes)

@@ -48,10 +48,12 @@ class GroupPosition:
         return self.batches
 
     def state(self) -> dict[str, Any]:
+        assert self.batches is not None, "start() runs before any heal"
         return {"step": self.step, "data": self.batches.position()}
 
     def load(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        assert self.batches is not None, "start() runs before any heal"
         self.batches.move_to(state["data"])
         self.heals += 1
         logger.info("Fault tolerance: healed from a live peer at step %d", self.step)

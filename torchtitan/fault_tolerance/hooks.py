@@ -8,19 +8,20 @@ so ``check_every_parameter_hooked`` refuses to train then.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from torchtitan.compat import fsdp_hooked_parameters
+from torchtitan.fault_tolerance.manager_protocol import FTManager
 
 
 def fsdp_units(model_parts: list[torch.nn.Module]) -> list[FSDPModule]:
     return [m for part in model_parts for m in part.modules() if isinstance(m, FSDPModule)]
 
 
-def install_cross_group_hooks(model_parts: list[torch.nn.Module], manager: Any) -> int:
+def install_cross_group_hooks(model_parts: list[torch.nn.Module], manager: FTManager) -> int:
     """Average every FSDP unit's reduced gradient over the live groups; return the number of units hooked."""
 
     def all_reduce_across_groups(reduced: torch.Tensor) -> None:
@@ -39,7 +40,7 @@ def check_every_parameter_hooked(model_parts: list[torch.nn.Module]) -> None:
     """Raise naming the parameters whose gradients no cross-group hook would reduce."""
     hooked: set[int] = set()
     for unit in fsdp_units(model_parts):
-        hooked.update(id(p) for p in fsdp_hooked_parameters(unit))
+        hooked.update(id(p) for p in fsdp_hooked_parameters(cast(torch.nn.Module, unit)))
     missing = [name for part in model_parts for name, p in part.named_parameters() if id(p) not in hooked]
     if missing:
         raise RuntimeError(

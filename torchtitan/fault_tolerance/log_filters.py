@@ -43,7 +43,8 @@ class _DropMessage(logging.Filter):
 
 def quiet_torchft() -> None:
     """Install both filters (idempotent)."""
-    if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):
+    # torch._C._distributed_c10d exists at run time; torch._C's stubs do not declare it.
+    if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):  # pyright: ignore[reportAttributeAccessIssue]
         manager_logger = logging.getLogger("torchft.manager")
         if not any(isinstance(f, _DropMessage) for f in manager_logger.filters):
             manager_logger.addFilter(_DropMessage(FLIGHT_RECORDER))

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torchtitan.config import JobConfig
 from torchtitan.fault_tolerance.checks import lighthouse_address
+from torchtitan.fault_tolerance.manager_protocol import FTManager
 from torchtitan.fault_tolerance.state import HealState
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,9 @@ def clear_stale_manager_keys(timeout_seconds: float = 60.0) -> list[str]:
     from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
     host, port = _store_address()
-    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+    # TCPStore is public; torch's stubs re-export it without listing it.
+    store = dist.TCPStore(host, port,  # pyright: ignore[reportPrivateImportUsage]
+                          is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_seconds))
     return [key for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY) if store.delete_key(key)]
 
@@ -43,7 +45,7 @@ def replica_name(replica_id: int) -> str:
     return f"replica_group_{replica_id}"
 
 
-def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> Any:
+def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> FTManager:
     """This group's torchft Manager: its quorum, commit vote, heal transfer and cross-group process group."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info level
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL

@@ -10,11 +10,11 @@ other group, which holds the same shards.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 from torch.distributed.tensor import DTensor
+
+from torchtitan.fault_tolerance.manager_protocol import FTManager
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -44,7 +44,7 @@ def model_and_optimizer_tensors(model_parts: list[torch.nn.Module], optimizer: t
     return tensors
 
 
-def check_replicas(manager: Any, replica_id: int, num_replica_groups: int, value: int, step: int) -> None:
+def check_replicas(manager: FTManager, replica_id: int, num_replica_groups: int, value: int, step: int) -> None:
     """Compare ``value`` with the other live groups' (same group rank); raise naming the step and the groups."""
     table = torch.zeros((num_replica_groups, 2), dtype=torch.int64)
     table[replica_id] = torch.tensor([value, 1])

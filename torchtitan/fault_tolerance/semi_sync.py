@@ -18,7 +18,7 @@ torchft steps, so ``manager.current_step()`` is the number of committed syncs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,6 +29,8 @@ from torchtitan.compat import (
     semi_sync_save_reference,
     set_semi_sync_local_step,
 )
+from torchtitan.config import JobConfig
+from torchtitan.fault_tolerance.manager_protocol import FTManager
 
 # One fragment holds whole FSDP units: the blocks of ``layers`` and the model's other children.
 
@@ -114,24 +116,25 @@ def _own_state(opt: torch.optim.Optimizer) -> None:
                 state[key] = value.clone()
 
 
-def build_semi_sync(cfg: Any, manager: Any, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer
-                    ) -> tuple[Any, list[torch.nn.Module], list[torch.optim.Optimizer]]:
+def build_semi_sync(cfg: JobConfig, manager: FTManager, model_parts: list[torch.nn.Module],
+                    optimizer: torch.optim.Optimizer) -> tuple[Any, list[torch.nn.Module], list[torch.optim.Optimizer]]:
     """torchft's ``DiLoCo`` or ``LocalSGD`` over the model, entered (its hooks on ``optimizer``).
 
     Returns the algorithm, its fragments (one, the whole model, for LocalSGD) and the outer optimizers.
     """
     from torchft.local_sgd import DiLoCo, LocalSGD
+    from torchft.manager import Manager
 
     ft = cfg.fault_tolerance
     if ft.semi_sync_method == "local_sgd":
         whole = Fragment([u for part in model_parts for u in _units(part)])
         check_fragments_cover_model(model_parts, [whole])
-        algo = LocalSGD(manager, whole, optimizer, sync_every=ft.sync_steps)
+        algo = LocalSGD(cast(Manager, manager), whole, optimizer, sync_every=ft.sync_steps)
         algo.__enter__()
         return algo, [whole], []
-    fragments = model_fragments(model_parts, ft.num_fragments)
-    outers = [outer_optimizer(f, ft.outer_lr, ft.outer_momentum) for f in fragments]
-    algo = DiLoCo(manager, fragments, optimizer, outers, sync_every=ft.sync_steps,
+    fragments: list[torch.nn.Module] = [*model_fragments(model_parts, ft.num_fragments)]
+    outers: list[torch.optim.Optimizer] = [outer_optimizer(f, ft.outer_lr, ft.outer_momentum) for f in fragments]
+    algo = DiLoCo(cast(Manager, manager), fragments, optimizer, outers, sync_every=ft.sync_steps,
                   fragment_sync_delay=ft.fragment_sync_delay, fragment_update_alpha=ft.fragment_update_alpha)
     algo.__enter__()
     return algo, fragments, outers
@@ -153,7 +156,7 @@ class SemiSyncState:
     """
 
     def __init__(self, algo: Any, model_parts: list[torch.nn.Module], fragments: list[torch.nn.Module],
-                 outers: list[torch.optim.Optimizer], manager: Any):
+                 outers: list[torch.optim.Optimizer], manager: FTManager):
         self.algo, self.manager, self.loaded = algo, manager, False
         fqn = {id(p): name for part in model_parts for name, p in part.named_parameters()}
         # (fqn, parameter, fragment index, name inside the fragment)

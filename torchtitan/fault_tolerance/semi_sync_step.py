@@ -17,8 +17,10 @@ from typing import Any
 
 from torchtitan.batch import Batch
 from torchtitan.compat import semi_sync_local_step
+from torchtitan.config.job_config import FaultTolerance
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.fault_tolerance.data import GroupPosition, RepositionableBatches
+from torchtitan.fault_tolerance.manager_protocol import FTManager
 from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint
 from torchtitan.fault_tolerance.semi_sync import SemiSyncState
 from torchtitan.fault_tolerance.state import HealState
@@ -31,7 +33,8 @@ logger = logging.getLogger(__name__)
 class SemiSyncStep(FaultTolerantStep):
     """Runs a trainer's steps as DiLoCo/LocalSGD inner steps; torchft's hooks on the optimizer sync."""
 
-    def __init__(self, parts: StepParts, manager: Any, state: HealState, position: GroupPosition, ft_cfg: Any,
+    def __init__(self, parts: StepParts, manager: FTManager, state: HealState, position: GroupPosition,
+                 ft_cfg: FaultTolerance,
                  semi_sync_state: SemiSyncState):
         super().__init__(parts, manager, state, position, ft_cfg)
         self.semi_sync_state = semi_sync_state

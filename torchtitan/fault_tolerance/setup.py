@@ -10,6 +10,7 @@ from torchtitan.config import JobConfig
 from torchtitan.fault_tolerance.data import GroupPosition
 from torchtitan.fault_tolerance.hooks import install_cross_group_hooks
 from torchtitan.fault_tolerance.manager import build_manager
+from torchtitan.fault_tolerance.manager_protocol import FTManager
 from torchtitan.fault_tolerance.semi_sync import SemiSyncState, build_semi_sync
 from torchtitan.fault_tolerance.semi_sync_step import SemiSyncStep
 from torchtitan.fault_tolerance.state import HealState, init_optimizer_state
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 def build_fault_tolerant_step(cfg: JobConfig, parts: StepParts, device: torch.device) -> FaultTolerantStep:
     """Create Adam's state, the heal state, the manager and the hooks (or DiLoCo/LocalSGD); return the step."""
     init_optimizer_state(parts.optimizer)
+    assert parts.dataloader is not None, "only the planner's dry run has no dataloader, and it runs no torchft"
     position = GroupPosition(parts.dataloader)
     state = HealState(parts.model_parts, parts.optimizer, parts.lr_scheduler,
                       trainer_state=position.state, load_trainer_state=position.load)
@@ -34,7 +36,7 @@ def build_fault_tolerant_step(cfg: JobConfig, parts: StepParts, device: torch.de
     return FaultTolerantStep(parts, manager, state, position, ft)
 
 
-def _semi_sync_state(cfg: JobConfig, parts: StepParts, manager: object) -> SemiSyncState:
+def _semi_sync_state(cfg: JobConfig, parts: StepParts, manager: FTManager) -> SemiSyncState:
     """torchft's DiLoCo/LocalSGD on the inner optimizer, entered (its hooks on it); no per-step hooks."""
     ft = cfg.fault_tolerance
     algo, fragments, outers = build_semi_sync(cfg, manager, parts.model_parts, parts.optimizer)

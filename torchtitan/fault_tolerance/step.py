@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
 from torchtitan.batch import Batch
+from torchtitan.config.job_config import FaultTolerance
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.fault_tolerance.data import GroupPosition, RepositionableBatches
 from torchtitan.fault_tolerance.hooks import set_gradient_sync
+from torchtitan.fault_tolerance.manager_protocol import FTManager
 from torchtitan.fault_tolerance.replica_check import check_replicas, fingerprint, model_and_optimizer_tensors
 from torchtitan.fault_tolerance.state import HealState
 from torchtitan.loss import LossScale, scale_over
@@ -36,7 +37,7 @@ from torchtitan.train_step.base import StepOutput, StepParts, StepStrategy
 logger = logging.getLogger(__name__)
 
 
-def sum_across_groups(manager: Any, value: torch.Tensor) -> torch.Tensor:
+def sum_across_groups(manager: FTManager, value: torch.Tensor) -> torch.Tensor:
     """``value`` summed over the live groups (a healing group adds 0 and receives the others' sum), on its device."""
     t = value.detach().to(torch.float64).clone()
     manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
@@ -46,7 +47,7 @@ def sum_across_groups(manager: Any, value: torch.Tensor) -> torch.Tensor:
 class CrossGroupLossScale:
     """``LossScale`` over every live group: FSDP averages within the group, the hooks over the groups."""
 
-    def __init__(self, group_scale: LossScale, manager: Any):
+    def __init__(self, group_scale: LossScale, manager: FTManager):
         self._group, self._manager = group_scale, manager
         self._global_tokens: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
@@ -67,13 +68,15 @@ class CrossGroupLossScale:
 class FaultTolerantStep(StepStrategy):
     """Runs a trainer's steps under torchft: only committed steps count."""
 
-    def __init__(self, parts: StepParts, manager: Any, state: HealState, position: GroupPosition, ft_cfg: Any):
+    def __init__(self, parts: StepParts, manager: FTManager, state: HealState, position: GroupPosition,
+                 ft_cfg: FaultTolerance):
         super().__init__(parts)
         self.manager, self.state, self.position = manager, state, position
         self.replica_id, self.num_replica_groups = ft_cfg.replica_id, ft_cfg.num_replica_groups
         self.replica_check_freq = ft_cfg.replica_check_freq
         self.discarded = 0  # steps thrown away (a group died or joined mid-step), for logs and tests
         self.participants = 0  # the groups the last committed step was averaged over
+        self._closed = False
 
     @property
     def heals(self) -> int:
@@ -141,6 +144,6 @@ class FaultTolerantStep(StepStrategy):
 
     def close(self, wait: bool = True) -> None:
         """Stop the manager's server, quorum thread and heal server (once)."""
-        if self.manager is not None:
+        if not self._closed:
             self.manager.shutdown(wait=wait)
-            self.manager = None
+            self._closed = True

@@ -93,7 +93,8 @@ def _check_vocabulary(path: Path, fmt: str, args: Any, tokenizer: Tokenizer) -> 
                              f"vocabulary of {path} ({args.vocab_size}); use the release's own tokenizer")
         return
     metadata = read_dcp_metadata(dcp_checkpoint_path(path)).state_dict_metadata
-    found = {k[len("model."):]: tuple(m.size) for k, m in metadata.items() if k.startswith("model.")}
+    # Model entries are tensors (TensorStorageMetadata); BytesStorageMetadata has no size.
+    found = {k[len("model."):]: tuple(getattr(m, "size", ())) for k, m in metadata.items() if k.startswith("model.")}
     differ = sorted(k for k, shape in _expected_shapes(args).items() if k in found and found[k] != shape)
     if differ:
         raise ValueError(f"tokenizer {tokenizer.model_path} ({tokenizer.n_words} tokens) does not match the "
@@ -147,5 +148,5 @@ def load(source: Source, *, device: torch.device, dtype: torch.dtype = torch.flo
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_into(model, str(source.path), source.fmt, source.args)
     model.to(dtype)
-    model.init_buffers(device)  # after the cast: the rotary table stays float32 whatever the weights' dtype
+    model.init_buffers(device)  # pyright: ignore[reportCallIssue] - a FamilyModel method; after the cast: the rotary table stays float32 whatever the weights' dtype
     return Loaded(model.eval(), source.args, source.spec, source.tokenizer, source.fmt)

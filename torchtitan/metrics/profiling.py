@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def maybe_profile(enabled: bool, folder: str, profile_freq: int, rank: int) -> Iterator[object | None]:
+def maybe_profile(enabled: bool, folder: str, profile_freq: int, rank: int) -> Iterator[torch.profiler.profile | None]:
     """Yield a profiler whose ``step()`` the loop calls once per step (None when disabled).
 
     Each cycle of ``profile_freq`` steps waits, warms up one step and records the last

@@ -79,7 +79,7 @@ class Throughput:
         """Mark the end of data loading inside the current step."""
         self._data_end = self._clock()
 
-    def step_end(self, tokens: int) -> None:
+    def step_end(self, tokens: float) -> None:  # a device's share of a batch may be fractional
         if self._step_start is None:
             raise RuntimeError("step_end() called without step_begin()")
         now = self._clock()
@@ -88,7 +88,7 @@ class Throughput:
         self.record(now - self._step_start, data_end - self._step_start, tokens)
         self._step_start = None
 
-    def record(self, step_time_s: float, data_time_s: float, tokens: int) -> None:
+    def record(self, step_time_s: float, data_time_s: float, tokens: float) -> None:
         """Add one finished step to the window."""
         self.step += 1
         self._window_steps += 1

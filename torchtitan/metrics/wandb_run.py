@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torchtitan.config import JobConfig
+
 logger = logging.getLogger(__name__)
 
 RUN_ID_FILE = "wandb_run_id"
@@ -31,7 +33,7 @@ def wandb_problems(enable_wandb: bool) -> list[str]:
     return []
 
 
-def wandb_run_from_config(cfg: Any) -> WandbRun | None:
+def wandb_run_from_config(cfg: JobConfig) -> WandbRun | None:
     """The job's W&B run (not started), or None when ``metrics.enable_wandb`` is off."""
     m = cfg.metrics
     if not m.enable_wandb:

@@ -38,7 +38,7 @@ class LayerCache:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' ``k, v`` ([B, kv_heads, new, head_dim]); all filled slots' keys and values."""
         start, end = self.owner.length, self.owner.length + k.shape[2]
-        if self.k is None:
+        if self.k is None or self.v is None:
             shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
             self.k = k.new_zeros(shape)
             self.v = v.new_zeros(shape)

@@ -150,7 +150,7 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        if self.q_norm is not None:  # per head, before the rotation (Qwen3)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation (Qwen3): both or none
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = self.rotary(xq, xk, rope_cache[..., :seqlen, :])
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)

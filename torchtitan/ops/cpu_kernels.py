@@ -119,7 +119,7 @@ class CpuAttentionKernels:
     def rotary(self, xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not eager_cpu(xq, xk):
-            return super().rotary(xq, xk, rope_cache)
+            return super().rotary(xq, xk, rope_cache)  # pyright: ignore[reportAttributeAccessIssue]  (a mixin)
         cos, sin = rope_cache.unsqueeze(-2).chunk(2, dim=-1)
         rotation = torch.complex(cos.float(), sin.float())  # a bf16 cache widens exactly, as the real path promotes it
         return rotate_pairs_complex(xq, rotation), rotate_pairs_complex(xk, rotation)
@@ -129,7 +129,7 @@ class CpuAttentionKernels:
         # v, and no sum over those copies in backward. Anything beyond plain causal attention (extra
         # arguments) goes to the module's own sdpa.
         if args or kwargs or q.shape[1] == k.shape[1] or not eager_cpu(q, k, v):
-            return super().sdpa(q, k, v, *args, **kwargs)
+            return super().sdpa(q, k, v, *args, **kwargs)  # pyright: ignore[reportAttributeAccessIssue]  (a mixin)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 

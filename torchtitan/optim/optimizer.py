@@ -1,7 +1,7 @@
 """Build the optimizer named in the training config."""
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -10,7 +10,7 @@ from torchtitan.compat import fused_kernel_devices
 
 # Names are matched case-sensitively so that they read exactly like the
 # torch.optim class names a user would write in the config file.
-_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Adam] | type[torch.optim.AdamW]] = {
     "Adam": torch.optim.Adam,
     "AdamW": torch.optim.AdamW,
 }
@@ -40,7 +40,7 @@ def build_optimizer(
     lr: float,
     eps: float,
     weight_decay: float,
-    betas: tuple[float, float],
+    betas: Sequence[float],  # two: preflight checks it
     device_type: str,
 ) -> torch.optim.Optimizer:
     """Create an Adam-family optimizer over ``params``.
@@ -52,19 +52,19 @@ def build_optimizer(
     if optimizer_cls is None:
         choices = ", ".join(sorted(_OPTIMIZER_CLASSES))
         raise ValueError(f"optimizer.name must be one of [{choices}], got {name!r}")
-    params = list(params)
-    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
-    if all(isinstance(p, torch.Tensor) for p in params):
-        dtensors = [p for p in params if isinstance(p, DTensor)]
-        if dtensors and len(dtensors) < len(params):
+    groups: list[Any] = list(params)  # tensors, or param-group dicts
+    tensors = [t for p in groups for t in (p["params"] if isinstance(p, dict) else [p])]
+    if all(isinstance(p, torch.Tensor) for p in groups):
+        dtensors = [p for p in groups if isinstance(p, DTensor)]
+        if dtensors and len(dtensors) < len(groups):
             # TP without sequence parallelism or FSDP leaves the norm weights plain tensors
             # next to DTensor linears; the foreach and fused kernels take one kind per call, and the
             # optimizer calls them once per group.
-            params = [{"params": dtensors}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
+            groups = [{"params": dtensors}, {"params": [p for p in groups if not isinstance(p, DTensor)]}]
     return optimizer_cls(
-        params,
+        groups,
         lr=lr,
-        betas=tuple(betas),
+        betas=cast(tuple[float, float], tuple(betas)),
         eps=eps,
         weight_decay=weight_decay,
         **_implementation_kwargs(device_type, tensors),

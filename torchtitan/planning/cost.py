@@ -108,6 +108,7 @@ def _rank_times(run: DryRun, r: RankRun, c: Cluster) -> tuple[float, float, floa
     bubble = 0.0
     if pp > 1:
         plan = run.plan.pipeline
+        assert plan is not None, "pp > 1 has a pipeline plan"
         step_compute = total_compute - compute.get("optimizer", 0.0)
         bubble = (pp - 1) / (plan.stages_per_rank * plan.microbatches) * step_compute
         exposed += max(0.0, by_dim.get("pp", 0.0) - bubble)
@@ -133,7 +134,7 @@ def estimate(run: DryRun, c: Cluster) -> StepEstimate:
     tracked = worst.memory.peak_bytes / GIB
     allowance = tracked * ALLOCATOR_FRACTION + COMM_AND_CONTEXT_GIB
     split = worst.memory.at_peak
-    largest = max(split, key=split.get)
+    largest = max(split, key=split.__getitem__)
     crossing = {d: crosses_nodes(ranks, c.gpus_per_node) for d, ranks in slowest.traffic.group_ranks.items()}
     bound = max([("compute", compute), ("bubble", bubble)]
                 + [(f"communication ({d})", t) for d, t in by_dim.items() if exposed > 0.2 * step], key=lambda x: x[1])

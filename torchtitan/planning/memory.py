@@ -118,7 +118,7 @@ class MemoryLedger:
 def fold(totals: dict[str, int]) -> dict[str, int]:
     """The report's categories from the ledger's tags: forward tensors are tagged by (pipeline stage and)
     micro-batch; the largest micro-batch counts as ``activations``, the others as ``in_flight``."""
-    out = dict.fromkeys(CATEGORIES, 0)
+    out: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     acts = sorted((v for k, v in totals.items() if k.startswith("activations@")), reverse=True)
     if acts:
         out["activations"], out["in_flight"] = acts[0], sum(acts[1:])

@@ -123,5 +123,7 @@ def crosses_nodes(ranks: list[int], gpus_per_node: int) -> bool:
 def dim_of_groups(dims: ParallelDims) -> dict[str, str]:
     """Process-group name -> the mesh dim (or flattened view) it belongs to, for every mesh of ``dims``."""
     names = dims.group_labels()
-    names.setdefault(dist.group.WORLD.group_name, "world")
+    world = dist.group.WORLD
+    assert world is not None, "the planner runs inside an initialized process group"
+    names.setdefault(world.group_name, "world")
     return names

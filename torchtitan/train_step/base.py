@@ -84,6 +84,7 @@ class StepStrategy:
     # ---- the trainer's interface -----------------------------------------------
     def start(self, step: int) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
         """Begin training after ``step`` (0, or a loaded checkpoint's): the batches from the loaded position on."""
+        assert self.parts.dataloader is not None, "only the planner's dry run has none, and it feeds its own batches"
         return iter(self.parts.dataloader)
 
     def run(self, batches: Sequence[Batch | Sequence[torch.Tensor]], step: int) -> StepOutput:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -26,6 +26,7 @@ from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_kernel
+from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.runner import ModelRunner
@@ -58,7 +59,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         model = spec.build(plan.model_args)
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
     if options.describe:
-        _describe(cfg, dims, plan, model.num_params(), fpt, device)
+        _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
 
     def materialize(module: torch.nn.Module) -> torch.nn.Module:
         return _materialize(module, cfg, dims, plan, device, device_type, options)
@@ -67,7 +68,9 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     if plan.pipeline is None:
         model_parts = [materialize(model)]
     else:
-        pp_runner, model_parts = build_pipeline(model, plan.pipeline, dims.get_mesh("pp"), device, materialize,
+        pp_mesh = dims.get_mesh("pp")
+        assert pp_mesh is not None, "a pipeline plan means PP is on"
+        pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize,
                                                 loss_fn, spec.prune_stage, stage_io=options.stage_io)
     o, s = cfg.optimizer, cfg.lr_scheduler
     with options.allocate():
@@ -101,15 +104,16 @@ def _materialize(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, pla
     Parallelizing runs outside ``options.allocate`` (the mesh's own tensors stay real in a dry run).
     """
     parallelize(model, dims, cfg, device_type, plan.model_spec)
+    family_model = cast(FamilyModel, model)  # nn.Module and FamilyModel: pyright has no intersection type
     with options.allocate():
         model.to_empty(device=device)
         if not options.init_weights:
-            model.init_buffers(buffer_device=device)
+            family_model.init_buffers(buffer_device=device)
         elif cfg.training.seed is None:
-            model.init_weights(buffer_device=device)
+            family_model.init_weights(buffer_device=device)
         else:
             # Same full weights for a given seed whatever the layout; see layout_init.py.
-            model.init_buffers(buffer_device=device)
+            family_model.init_buffers(buffer_device=device)
             init_params_layout_invariant(model, cfg.training.seed)
     model.train()
     return model

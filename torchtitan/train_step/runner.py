@@ -96,6 +96,7 @@ class ModelRunner:
         The loss sum lives on the last stage, so it is summed over ``pp`` (other stages add 0)
         and every rank logs the true loss.
         """
+        assert self.pp_runner is not None, "called with a pipeline only"
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(batches):
             self.callbacks.emit(StepPoint.MICRO_BATCH_START, micro_batch=i)

@@ -124,7 +124,8 @@ class Decoder(nn.Module):
         (context parallelism selects ``ContextParallelAttention``)."""
         self.attention_backend = backend
         for layer in self.layers.values():
-            layer.attention.backend = backend
+            # nn.Module.__setattr__ is typed for tensors and modules; any attribute is allowed.
+            layer.attention.backend = backend  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
 
     def document_mask(self, positions: torch.Tensor, batch: int) -> DocumentMask:
         """The documents of this forward's rows: of the whole sequence under an attention backend."""

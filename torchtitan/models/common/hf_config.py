@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models.common.moe_decoder import DecoderArgs
+
+ArgsT = TypeVar("ArgsT", bound=DecoderArgs)  # the family's args class: what these functions return
 
 # The fields compared between a release and the configured model.
 FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_hidden_size", "norm_eps",
@@ -78,15 +80,15 @@ def fields_of_args(args: DecoderArgs) -> dict[str, Any]:
     return out
 
 
-def args_from_config(args_type: type, config: dict[str, Any], *, qwen: bool) -> DecoderArgs:
+def args_from_config(args_type: type[ArgsT], config: dict[str, Any], *, qwen: bool) -> ArgsT:
     fields = fields_of_config(config, qwen=qwen)
     max_pos = config.get("max_position_embeddings")
-    extra = {"max_seq_len": max_pos} if isinstance(max_pos, int) else {}
+    extra: dict[str, Any] = {"max_seq_len": max_pos} if isinstance(max_pos, int) else {}
     return args_type(**fields, **extra)
 
 
-def args_from_release(path: str | Path, args_type: type, architectures: tuple[str, ...],
-                      model_types: tuple[str, ...], *, qwen: bool) -> DecoderArgs:
+def args_from_release(path: str | Path, args_type: type[ArgsT], architectures: tuple[str, ...],
+                      model_types: tuple[str, ...], *, qwen: bool) -> ArgsT:
     """``args_type`` with every shape the release at ``path`` states; ValueError (one line) for what is not
     this family or not supported."""
     file, config = read_config(path)

@@ -89,7 +89,7 @@ class DecoderBlock(nn.Module):
                                    args.norm_eps if args.qk_norm else None)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = args.is_moe_layer(layer_id)
-        self.feed_forward: nn.Module = (MoE(args.moe_args()) if self.moe
+        self.feed_forward: MoE | FeedForward = (MoE(args.moe_args()) if self.moe
                                         else FeedForward(args.dim, args.ffn_hidden_size))
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,

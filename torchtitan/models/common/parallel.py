@@ -4,6 +4,7 @@ pipeline stage pruning, and the dense part of the tensor-parallel plan."""
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,6 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from torchtitan.distributed.context_parallel import local_positions
 from torchtitan.models.attention import ContextParallelAttention
+from torchtitan.models.common.decoder import Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -20,12 +22,13 @@ def apply_tp_ends(model: torch.nn.Module, tp_mesh: DeviceMesh, seq: Shard | Repl
     """The embedding (row-parallel), the final norm (under SP) and the output (column-parallel)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
+    decoder = cast(Decoder, model)  # every family's model (and each pipeline stage of it) is a Decoder
     top: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
+    if decoder.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None and isinstance(seq, Shard):
+    if decoder.norm is not None and isinstance(seq, Shard):
         top["norm"] = SequenceParallel()
-    if model.output is not None:
+    if decoder.output is not None:
         # Loss parallel keeps the logits sharded over the vocabulary; cross entropy then
         # never gathers a [tokens, vocab] tensor.
         top["output"] = ColwiseParallel(
@@ -37,7 +40,7 @@ def apply_tp_ends(model: torch.nn.Module, tp_mesh: DeviceMesh, seq: Shard | Repl
         parallelize_module(model, tp_mesh, top)
         # Each style distributed its module's weight on its own; both are Shard(0) (the vocabulary
         # rows), so a tied model keeps one of them for both modules.
-        model.tie_weights()
+        decoder.tie_weights()
 
 
 def prune_stage(stage: torch.nn.Module, layers: range, first: bool, last: bool) -> None:
@@ -46,27 +49,28 @@ def prune_stage(stage: torch.nn.Module, layers: range, first: bool, last: bool) 
     The stage is still the family's model (the dropped parts are None, the ``layers`` ModuleDict keeps
     the original indices), so its parameter FQNs are those of the whole model.
     """
-    for key in list(stage.layers.keys()):
+    decoder = cast(Decoder, stage)
+    for key in list(decoder.layers.keys()):
         if int(key) not in layers:
-            del stage.layers[key]
+            del decoder.layers[key]
     if not first:
-        stage.tok_embeddings = None
+        decoder.tok_embeddings = None
     if not last:
-        stage.norm = None
-        stage.output = None
+        decoder.norm = None
+        decoder.output = None
 
 
 def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
     """Select the context-parallel attention backend (all-gather K/V, document masks from the whole
     sequence's positions) and, when the forward gets no positions, feed the model the rotary positions
     of this rank's load-balanced sequence chunks."""
-    model.use_attention_backend(ContextParallelAttention(cp_mesh))
+    cast(Decoder, model).use_attention_backend(ContextParallelAttention(cp_mesh))
     cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
     cached: dict[torch.device, torch.Tensor] = {}
 
     def add_positions(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("positions") is None and len(args) < 2:
-            device = module.rope_cache.device
+            device = cast(torch.Tensor, module.rope_cache).device
             if device not in cached:
                 cached[device] = local_positions(seq_len, cp_rank, cp_size, device)
             kwargs = {**kwargs, "positions": cached[device]}
@@ -93,7 +97,7 @@ def apply_moe_decoder_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_p
 
     seq = Shard(1) if sequence_parallel else Replicate()
     apply_tp_ends(model, tp_mesh, seq, loss_parallel)
-    for block in model.layers.values():
+    for block in cast(Decoder, model).layers.values():
         plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
@@ -101,7 +105,7 @@ def apply_moe_decoder_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_p
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
         }
-        if block.attention.q_norm is not None:
+        if cast(torch.nn.Module, block.attention).q_norm is not None:
             plan.update({"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                          "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
         if isinstance(block.feed_forward, MoE):

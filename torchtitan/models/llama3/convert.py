@@ -186,9 +186,11 @@ def fields_from_meta_params(params: dict[str, Any], flavor: ModelArgs | None = N
     scaling = None
     if params.get("use_scaled_rope"):
         ours = flavor.rope_scaling_params() or ModelArgs(rope_scaling=True).rope_scaling_params()
+        assert ours is not None, "rope_scaling=True gives the parameters"
         scaling = {k: float(params.get(f"rope_scaling_{k}", params.get(k, v))) for k, v in ours.items()}
         if "rope_scaling_factor" in params or "scale_factor" in params:
-            scaling["factor"] = float(params.get("rope_scaling_factor", params.get("scale_factor")))
+            factor = params["rope_scaling_factor"] if "rope_scaling_factor" in params else params["scale_factor"]
+            scaling["factor"] = float(factor)
     return {"dim": params["dim"], "n_layers": params["n_layers"], "n_heads": n_heads,
             "head_dim": params["dim"] // n_heads, "n_kv_heads": params.get("n_kv_heads") or n_heads,
             "ffn_dim": ffn_hidden_dim(probe),

@@ -8,6 +8,7 @@ which Llama layers TP shards and how, and how a Llama model takes context parall
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,7 +40,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     seq = Shard(1) if sequence_parallel else Replicate()
     common_parallel.apply_tp_ends(model, tp_mesh, seq, loss_parallel)
 
-    for block in model.layers.values():
+    for block in cast(torch.nn.ModuleDict, model.layers).values():
         plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -41,14 +42,15 @@ def update_expert_bias(moes: Sequence[torch.nn.Module], coeff: float,
     """
     if not moes:
         return torch.zeros(0, 0)
-    totals = reduce_counts([m.tokens_per_expert for m in moes], group)
+    # nn.Module types a buffer or submodule as Tensor | Module; these are MoE modules (see above).
+    totals = reduce_counts([cast(torch.Tensor, m.tokens_per_expert) for m in moes], group)
     for moe, count in zip(moes, totals, strict=True):
-        bias = moe.router.expert_bias
+        bias = cast("torch.Tensor | None", cast(torch.nn.Module, moe.router).expert_bias)
         if bias is not None:
             count = count.to(bias.dtype)
             delta = coeff * torch.sign(count.mean() - count)
             bias.add_(delta - delta.mean())
-        moe.tokens_per_expert.zero_()
+        cast(torch.Tensor, moe.tokens_per_expert).zero_()
     return totals
 
 
@@ -96,4 +98,8 @@ def aux_loss(kind: str, scores: torch.Tensor, experts: torch.Tensor, num_sequenc
 def register_bias_update_hook(optimizer: torch.optim.Optimizer, moes: Sequence[torch.nn.Module], coeff: float,
                               group: dist.ProcessGroup | None = None) -> torch.utils.hooks.RemovableHandle:
     """Run ``update_expert_bias`` before every ``optimizer.step()`` (after all micro-batches of the step)."""
-    return optimizer.register_step_pre_hook(lambda *_: update_expert_bias(moes, coeff, group))
+
+    def hook(*_: object) -> None:  # a pre-hook's non-None return would replace step()'s arguments
+        update_expert_bias(moes, coeff, group)
+
+    return optimizer.register_step_pre_hook(hook)

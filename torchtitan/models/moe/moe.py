@@ -96,6 +96,9 @@ class MoE(nn.Module):
     ``aux_loss_sum`` / ``aux_loss_count`` hold the detached losses of the forwards since ``pop_aux_loss``.
     """
 
+    tokens_per_expert: torch.Tensor  # buffers, registered in __init__
+    aux_loss_sum: torch.Tensor
+
     def __init__(self, args: MoEArgs):
         super().__init__()
         args.check()
