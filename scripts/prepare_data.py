@@ -6,7 +6,8 @@
 
 Sources: a local json/jsonl/parquet/txt file or folder, ``embedded`` (the
 corpus shipped with the project), or ``hub:<name>[:<config>]`` for a dataset on
-the Hugging Face hub, streamed with ``datasets`` (``--hub-split`` picks the split).
+the Hugging Face hub, streamed with ``datasets`` (``--hub-split`` picks the split), or
+a registered hub dataset (``c4``).
 
 The store is written atomically (``torchtitan/datasets/prepare.py``); rerunning
 the same command after a kill keeps the shards already finished.  Give the run's
@@ -28,7 +29,6 @@ tables to use instead, which name the stores.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import sys
@@ -39,25 +39,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus  # noqa: E402
 from torchtitan.datasets.prepare import DEFAULT_SHARD_CHARS, prepare_store  # noqa: E402
-from torchtitan.datasets.sources import iter_local_documents, source_files, source_fingerprint  # noqa: E402
+from torchtitan.datasets.sources import (  # noqa: E402
+    hub_dataset,
+    iter_hub_documents,
+    iter_local_documents,
+    source_files,
+    source_fingerprint,
+)
 from torchtitan.datasets.split import HeldOutSplit  # noqa: E402
 from torchtitan.datasets.tokenizer import resolve_tokenizer_path  # noqa: E402
 
 DEFAULT_TOKENIZER = "torchtitan/datasets/assets/tokenizer.model"
 
 
-def _hub_documents(name: str, config: str | None, split: str, text_field: str) -> Iterator[str]:
-    import datasets
-
-    for record in datasets.load_dataset(name, name=config, split=split, streaming=True):
-        text = record.get(text_field)
-        if text:
-            yield text
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Tokenize a corpus into a token store folder for training.")
-    p.add_argument("source", help="local file or folder (json/jsonl/parquet/txt), 'embedded', or hub:<name>[:<config>]")
+    p.add_argument("source",
+                   help="local file or folder (json/jsonl/parquet/txt), 'embedded', c4, or hub:<name>[:<config>]")
     p.add_argument("out", help="store folder to create (pass it to train.py as --training.dataset_path)")
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="SentencePiece tokenizer.model the run uses")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)")
@@ -77,10 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _documents(source: str, hub_split: str, text_field: str) -> tuple[Iterator[str], str, list[str]]:
     """The documents of a source, its fingerprint and its files."""
-    if source.startswith("hub:"):
-        name, _, config = source[len("hub:"):].partition(":")
-        fingerprint = hashlib.sha256(f"{name}:{config}:{hub_split}".encode()).hexdigest()
-        return _hub_documents(name, config or None, hub_split, text_field), fingerprint, []
+    # hub:<name>[:<config>], or a registered hub dataset (c4) that is not a local path
+    hub = hub_dataset(source, hub_split) if not os.path.exists(os.path.expanduser(source)) else None
+    if hub is not None:
+        return iter_hub_documents(hub, text_field), hub.fingerprint, []
     if source == "embedded":
         paths = [Path(ensure_embedded_corpus())]
     else:

@@ -336,6 +336,92 @@ def test_validation_parts_are_each_sources_held_out_documents_or_its_validation_
     assert parts["web"].store.path == TokenStore(stores["code"]).path
 
 
+def _hub_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A local folder that ``datasets.load_dataset`` reads as it reads a hub repository, and the same
+    documents as one local file."""
+    docs = "".join(json.dumps({"text": f"hub document {i} reads " + "word " * (i % 7)}) + "\n" for i in range(25))
+    (tmp_path / "hubrepo").mkdir()
+    (tmp_path / "hubrepo" / "train.jsonl").write_text(docs)
+    (tmp_path / "local.jsonl").write_text(docs)
+    return tmp_path / "hubrepo", tmp_path / "local.jsonl"
+
+
+def test_a_hub_source_is_prepared_into_a_cached_store_once_and_reads_as_its_local_files(
+        tmp_path, stores, tokenizer, monkeypatch):
+    from torchtitan.datasets.loaders import open_mixture_sources
+    from torchtitan.datasets.sources import HubDataset
+
+    hub_dir, local = _hub_folder(tmp_path)
+    cache = str(tmp_path / "cache")
+    web = {"path": str(stores["web"]), "weight": 0.5}
+    hub_mix = [{"dataset": f"hub:{hub_dir}", "weight": 1.5}, web]
+    local_mix = [{"path": str(local), "weight": 1.5}, web]
+
+    def batches(mix, degree):
+        per_rank = [take(build_dataloader(dataset_name="ignored", dataset_path=None, tokenizer=tokenizer, seq_len=SEQ,
+                                          local_batch_size=4 // degree, dp_rank=r, dp_degree=degree, mix=mix,
+                                          cache_dir=cache), 12)
+                    for r in range(degree)]
+        return [torch.cat([per_rank[r][s] for r in range(degree)]) for s in range(12)]
+
+    from_hub = batches(hub_mix, 2)
+    hub_store = open_mixture_sources(hub_mix, tokenizer=tokenizer, split=None, cache_dir=cache)[0].store
+    assert hub_store.path.parent == Path(cache) / "token_stores" and hub_store.path.name.startswith("hubrepo-")
+    assert hub_store.index["source"]["fingerprint"] == HubDataset(str(hub_dir)).fingerprint
+    assert hub_store.n_tokens // (SEQ + 1) < 12 * 4 * 0.75  # the hub source starts a second epoch in this test
+    # The same windows as the same documents given as a local file, in every DP layout.
+    from_local = batches(local_mix, 1)
+    assert all(torch.equal(h, lo) for h, lo in zip(from_hub, from_local, strict=True))
+
+    def no_hub(self):
+        raise AssertionError("the hub was read again: the cached store should be reused")
+
+    monkeypatch.setattr(HubDataset, "load", no_hub)
+    again = batches(hub_mix, 1)
+    assert all(torch.equal(a, h) for a, h in zip(again, from_hub, strict=True))
+
+
+def test_a_hub_source_is_the_store_prepare_data_makes_and_has_a_held_out_part(tmp_path, tokenizer, shipped_tokenizer):
+    from conftest import load_script
+
+    from torchtitan.datasets import HeldOutSplit
+    from torchtitan.datasets.loaders import build_mixture_validation, open_mixture_sources
+
+    hub_dir, _ = _hub_folder(tmp_path)
+    mix = [{"dataset": f"hub:{hub_dir}", "weight": 1.0}]
+    cached = open_mixture_sources(mix, tokenizer=tokenizer, split=None, cache_dir=str(tmp_path / "cache"))[0].store
+    out = load_script("scripts/prepare_data.py").main([f"hub:{hub_dir}", str(tmp_path / "made"), "--workers", "1",
+                                                       "--no-progress", "--tokenizer", shipped_tokenizer])
+    made = TokenStore(out)
+    assert made.n_tokens == cached.n_tokens and np.array_equal(made.read(0, made.n_tokens),
+                                                               cached.read(0, cached.n_tokens))
+    split = HeldOutSplit(0.25, 0)
+    parts = build_mixture_validation(mix, split=split, tokenizer=tokenizer, seq_len=SEQ, local_batch_size=1,
+                                     dp_rank=0, dp_degree=1, cache_dir=str(tmp_path / "cache"))
+    assert list(parts) == ["hubrepo"] and parts["hubrepo"].store.split_key == split.key("held_out")
+
+
+def test_hub_sources_parse_from_toml_and_the_cli_and_are_named_by_their_repository(tmp_path):
+    from torchtitan.config.dataset_mix import mix_source_name
+
+    cli = ConfigManager().parse_args(["--training.dataset_mix", "0.7:hub:allenai/c4:en,0.3:dataset=c4"])
+    assert cli.training.dataset_mix == [{"dataset": "hub:allenai/c4:en", "weight": 0.7},
+                                        {"dataset": "c4", "weight": 0.3}]
+    assert [mix_source_name(e) for e in cli.training.dataset_mix] == ["c4", "c4"]
+    toml = tmp_path / "mix.toml"
+    toml.write_text('[[training.dataset_mix]]\ndataset = "hub:allenai/c4:en"\nweight = 0.7\n')
+    assert ConfigManager().parse_args(["--job.config_file", str(toml)]).training.dataset_mix == [
+        {"dataset": "hub:allenai/c4:en", "weight": 0.7}]
+
+
+def test_a_hub_source_without_a_name_is_one_line(tokenizer):
+    from torchtitan.datasets.loaders import check_training_data
+
+    problems = check_training_data(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer, split=None,
+                                   seq_len=SEQ, global_batch=4, mix=[{"dataset": "hub:", "weight": 1.0}])
+    assert len(problems) == 1 and "names no hub dataset" in problems[0], problems
+
+
 def test_one_index_of_a_window_order_is_the_arrays_entry():
     from torchtitan.datasets.window_order import WindowPermutation
 

@@ -6,14 +6,16 @@ In TOML a mixture is a list of tables::
     path = "/data/stores/web"      # a token store, or local json/jsonl/parquet/txt file or folder
     weight = 0.7
     [[training.dataset_mix]]
-    dataset = "embedded"           # or a registry name
+    dataset = "embedded"           # or a registry name (c4), or hub:<owner>/<name>[:<config>]
     weight = 0.3
     name = "docs"                  # optional: the label of logs and metrics (default: the folder's or dataset's)
 
-On the command line the whole list is one option, comma-separated ``WEIGHT:SOURCE`` items,
-where ``SOURCE`` is ``dataset=NAME``, ``path=PATH`` or a bare path::
+A hub dataset (``c4``, ``hub:allenai/c4:en``) is prepared into a cached token store on first
+use, as local files are. On the command line the whole list is one option, comma-separated
+``WEIGHT:SOURCE`` items, where ``SOURCE`` is ``dataset=NAME``, ``hub:<name>[:<config>]``,
+``path=PATH`` or a bare path::
 
-    --training.dataset_mix "0.7:/data/stores/web,0.3:dataset=embedded"
+    --training.dataset_mix "0.7:/data/stores/web,0.2:dataset=embedded,0.1:hub:allenai/c4:en"
 
 Each entry is normalized to a plain dict (``path`` or ``dataset``, ``weight``, and the
 optional ``name`` and ``validation_path``), which the effective config writes back as the
@@ -29,8 +31,9 @@ from typing import Any
 __all__ = ["CLI_FORM", "mix_source_name", "parse_mix_entry"]
 
 _KEYS = ("path", "dataset", "weight", "name", "validation_path")
-CLI_FORM = ("WEIGHT:SOURCE items, SOURCE = dataset=NAME, path=PATH or a bare path "
-            "(e.g. 0.7:/data/web,0.3:dataset=embedded)")
+CLI_FORM = ("WEIGHT:SOURCE items, SOURCE = dataset=NAME, hub:NAME[:CONFIG], path=PATH or a bare path "
+            "(e.g. 0.7:/data/web,0.2:dataset=embedded,0.1:hub:allenai/c4:en)")
+_HUB = "hub:"  # the spelling of a hub dataset, as scripts/prepare_data.py takes it
 
 
 def _weight(value: Any) -> float:
@@ -53,6 +56,8 @@ def _from_cli(item: str) -> dict[str, Any]:
     key, eq, rest = source.partition("=")
     if eq and key in ("dataset", "path"):
         return {key: rest.strip(), "weight": number}
+    if source.startswith(_HUB):
+        return {"dataset": source, "weight": number}
     return {"path": source, "weight": number}
 
 
@@ -82,10 +87,14 @@ def parse_mix_entry(value: Any, from_cli: bool) -> dict[str, Any]:
 
 
 def mix_source_name(entry: dict[str, Any]) -> str:
-    """The label of a source in logs and metrics: its ``name``, else its folder's (or file's) or dataset's name."""
+    """The label of a source in logs and metrics: its ``name``, else its folder's (or file's) or dataset's name
+    (of ``hub:owner/name:config``, ``name``)."""
     if entry.get("name"):
         return entry["name"]
     if entry.get("path"):
         base = os.path.basename(os.path.normpath(os.path.expanduser(entry["path"])))
         return base.split(".")[0] or base or entry["path"]
-    return entry["dataset"]
+    dataset = entry["dataset"]
+    if dataset.startswith(_HUB):
+        return dataset[len(_HUB):].partition(":")[0].rstrip("/").rsplit("/", 1)[-1] or dataset
+    return dataset

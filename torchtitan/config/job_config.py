@@ -81,7 +81,8 @@ class Training:
     )
     dataset_mix: list[dict] = field_with_help(
         [], "Weighted mixture of sources instead of dataset/dataset_path: in TOML [[training.dataset_mix]] tables "
-        "with path (or dataset) and weight (optional: name, validation_path); on the CLI " + CLI_FORM
+        "with path (or dataset: a registry name or hub:NAME[:CONFIG], prepared into a cached token store on first "
+        "use) and weight (optional: name, validation_path); on the CLI " + CLI_FORM
         + ". See docs/data.md", parse=parse_mix_entry)
     dataset_mix_new_phase: bool = field_with_help(
         False, "On resume, accept a dataset_mix that differs from the checkpoint's: a new phase starts at the "

@@ -45,7 +45,8 @@ otherwise iteration stops.
 Mixtures
 --------
 ``training.dataset_mix`` names several sources with weights instead. Each is opened as a
-token store like ``dataset_path`` (``open_mixture_sources``), and ``mixture.py`` deals out one
+token store like ``dataset_path`` (``open_mixture_sources``); a hub dataset too is prepared
+into a cached store on first use rather than streamed, and ``mixture.py`` deals out one
 global stream of their windows in the interleave's exact proportions, with the same
 dealing to DP ranks as above; validation then reads each source's held-out part
 (``build_mixture_validation``).
@@ -85,6 +86,7 @@ from torchtitan.datasets.mixture import MixSource, MixtureDataset
 from torchtitan.datasets.sources import (
     DATASETS,
     SourceSpec,
+    hub_dataset,
     load_local_dataset,
     open_source,
     source_files,
@@ -122,8 +124,9 @@ def _check_layout(*, seq_len: int, local_batch_size: int, dp_rank: int, dp_degre
         raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}")
 
 
-def _store_source(dataset_name: str, dataset_path: str | None) -> SourceSpec | None:
-    """What to prepare into a token store, or None for a hub dataset (streamed, sharded by document)."""
+def _store_source(dataset_name: str, dataset_path: str | None, hub: bool = False) -> SourceSpec | None:
+    """What to prepare into a token store, or None for a hub dataset (streamed, sharded by document), unless
+    ``hub`` asks for a hub dataset's store too."""
     if dataset_path:
         files = source_files(dataset_path)
         if not files:
@@ -133,19 +136,23 @@ def _store_source(dataset_name: str, dataset_path: str | None) -> SourceSpec | N
     if dataset_name == "embedded":
         corpus = Path(ensure_embedded_corpus())
         return SourceSpec(label="embedded", fingerprint=source_fingerprint([corpus]), files=(corpus,))
-    return None
+    found = hub_dataset(dataset_name) if hub else None
+    return SourceSpec.of_hub(found) if found is not None else None
 
 
 def open_token_store(
     *, dataset_name: str, dataset_path: str | None, tokenizer: Tokenizer, split: HeldOutSplit | None,
     held_out: bool = False, cache_dir: str | None = None, prepare_workers: int = 1, any_split: bool = False,
+    hub: bool = False,
 ) -> TokenStore | None:
     """The token store this run reads: the store at ``dataset_path``, or one prepared on first use in the cache.
 
     With ``split`` the store holds the documents it does not hold out, or with
     ``held_out`` only those it does. ``any_split`` accepts a prepared store whatever
     split it was made with (a validation set of its own). None for hub datasets,
-    which are streamed (see ``build_dataloader``).
+    which are streamed (see ``build_dataloader``), unless ``hub`` asks to prepare them
+    too: ``dataset_name`` is then also ``hub:<name>[:<config>]``, whose train split
+    is prepared (a mixture's source).
     """
     if dataset_path and is_store(os.path.expanduser(dataset_path)):
         store = TokenStore(os.path.expanduser(dataset_path))
@@ -155,9 +162,9 @@ def open_token_store(
         return store
     if dataset_path and looks_like_store(Path(os.path.expanduser(dataset_path))):
         TokenStore(os.path.expanduser(dataset_path))  # raises: no index
-    if not dataset_path and dataset_name not in DATASETS:
+    if not dataset_path and dataset_name not in DATASETS and not (hub and hub_dataset(dataset_name)):
         open_source(dataset_name, dataset_path)  # raises the unknown-dataset error
-    spec = _store_source(dataset_name, dataset_path)
+    spec = _store_source(dataset_name, dataset_path, hub)
     if spec is None:
         return None
     path = ensure_store(spec, tokenizer_path=tokenizer.model_path, split=split, held_out=held_out,
@@ -210,19 +217,21 @@ def _source_what(entry: dict) -> str:
 
 def open_mixture_sources(mix: list[dict], *, tokenizer: Tokenizer, split: HeldOutSplit | None,
                          cache_dir: str | None = None) -> list[MixSource]:
-    """Each source's token store (local files and the embedded corpus prepared on first use), with its weight."""
+    """Each source's token store, with its weight.
+
+    Local files, the embedded corpus and hub datasets are prepared into a cached store on
+    first use (by the first process, under the cache's lock): a hub dataset is not streamed
+    here, so that the mixture's order depends only on the stores' contents, in every layout.
+    """
     sources = []
     for entry in mix:
         try:
             store = open_token_store(dataset_name=entry.get("dataset", ""), dataset_path=entry.get("path"),
-                                     tokenizer=tokenizer, split=split, cache_dir=cache_dir)
+                                     tokenizer=tokenizer, split=split, cache_dir=cache_dir, hub=True)
         except (OSError, ValueError) as e:
             raise type(e)(f"{_source_what(entry)}: {e}") from None
-        if store is None:
-            raise ValueError(
-                f"{_source_what(entry)}: a hub dataset is streamed per DP rank and cannot join a mixture, whose "
-                "order every layout shares; prepare it with scripts/prepare_data.py hub:NAME[:CONFIG] OUT (every "
-                "core) and give path = OUT")
+        if store is None:  # every dataset prepares (hub=True); kept for the type
+            raise ValueError(f"{_source_what(entry)}: has no token store; give a store, local files or a hub dataset")
         sources.append(MixSource(mix_source_name(entry), float(entry["weight"]), store))
     return sources
 
@@ -408,11 +417,11 @@ def build_mixture_validation(
                                      split=None, cache_dir=cache_dir, any_split=True)
         elif split is not None and not (path and is_store(os.path.expanduser(path))):
             store = open_token_store(dataset_name=entry.get("dataset", ""), dataset_path=path, tokenizer=tokenizer,
-                                     split=split, held_out=True, cache_dir=cache_dir)
+                                     split=split, held_out=True, cache_dir=cache_dir, hub=True)
         else:
             continue
         if store is None:
-            continue  # a hub dataset: refused for training already
+            continue  # not reached: every mixture source prepares a store (hub=True)
         name = mix_source_name(entry)
         parts[name] = TokenStoreDataset(
             store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,

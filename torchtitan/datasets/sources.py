@@ -5,6 +5,8 @@ The bottom of the data chain (``sources`` -> ``token_store`` -> ``prepare`` ->
 ``loaders``): nothing here knows about token stores beyond the error they share.
 
 - ``DATASETS``: the named datasets (the embedded corpus, c4 on the hub).
+- Hub datasets (``HubDataset``): a registered one, or ``hub:<name>[:<config>]``;
+  ``iter_hub_documents`` yields their texts for preparing a store.
 - Local files: a ``.json``/``.jsonl``/``.parquet``/``.txt`` file, or a folder of
   them read in sorted path order. ``iter_local_documents`` yields their texts for
   preparing a store; ``load_local_dataset`` streams them with ``datasets``.
@@ -29,9 +31,12 @@ from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
 __all__ = [
     "DATASETS",
     "DatasetSpec",
+    "HubDataset",
     "SourceSpec",
     "TokenStoreError",
     "file_fingerprint",
+    "hub_dataset",
+    "iter_hub_documents",
     "iter_local_documents",
     "load_local_dataset",
     "open_source",
@@ -49,17 +54,44 @@ class TokenStoreError(ValueError):
 
 
 @dataclass(frozen=True)
+class HubDataset:
+    """A dataset on the Hugging Face hub: its repository, config and split."""
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+
+    def load(self) -> Iterable[dict[str, Any]]:
+        """Its records, streamed (needs network access to the hub, or a populated HF cache)."""
+        import datasets
+
+        return datasets.load_dataset(self.name, name=self.config, split=self.split, streaming=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """What names its prepared store: the hub's data is not hashed (it would mean reading all of it)."""
+        return hashlib.sha256(f"{self.name}:{self.config or ''}:{self.split}".encode()).hexdigest()
+
+    @property
+    def label(self) -> str:
+        """A folder-safe short name: the repository's last part, and the config."""
+        base = self.name.rstrip("/").rsplit("/", 1)[-1] or "hub"
+        return f"{base}-{self.config}" if self.config else base
+
+
+@dataclass(frozen=True)
 class DatasetSpec:
     """How to open a named dataset.
 
     ``load`` returns an iterable of records (re-iterable: every ``iter()``
     starts again from the first record); ``text_field`` names the record key
-    holding the document text.
+    holding the document text; ``hub`` is where a hub dataset lives.
     """
 
     load: Callable[[], Iterable[dict[str, Any]]]
     text_field: str = "text"
     description: str = ""
+    hub: HubDataset | None = None
 
 
 # `datasets` is imported inside the loaders: it takes about a second to
@@ -74,18 +106,8 @@ def _load_embedded() -> Iterable[dict[str, Any]]:
     return datasets.load_dataset("json", data_files=ensure_embedded_corpus(), split="train", streaming=True)
 
 
-def _load_c4() -> Iterable[dict[str, Any]]:
-    # Needs network access to the Hugging Face hub (or a populated HF cache).
-    import datasets
-
-    return datasets.load_dataset("allenai/c4", name="en", split="train", streaming=True)
-
-
-def _load_c4_validation() -> Iterable[dict[str, Any]]:
-    import datasets
-
-    return datasets.load_dataset("allenai/c4", name="en", split="validation", streaming=True)
-
+_C4 = HubDataset("allenai/c4", "en", "train")
+_C4_VALIDATION = HubDataset("allenai/c4", "en", "validation")
 
 DATASETS: dict[str, DatasetSpec] = {
     "embedded": DatasetSpec(
@@ -93,14 +115,35 @@ DATASETS: dict[str, DatasetSpec] = {
         description="CPython documentation shipped with Python (offline default, ~1.4 MB)",
     ),
     "c4": DatasetSpec(
-        load=_load_c4,
+        load=_C4.load, hub=_C4,
         description="allenai/c4 'en' train split, streamed from the Hugging Face hub",
     ),
     "c4_validation": DatasetSpec(
-        load=_load_c4_validation,
+        load=_C4_VALIDATION.load, hub=_C4_VALIDATION,
         description="allenai/c4 'en' validation split, streamed from the Hugging Face hub",
     ),
 }
+
+HUB_PREFIX = "hub:"
+
+
+def hub_dataset(source: str, split: str = "train") -> HubDataset | None:
+    """The hub dataset ``source`` names: ``hub:<name>[:<config>]`` (of ``split``) or a registered hub dataset."""
+    if source.startswith(HUB_PREFIX):
+        name, _, config = source[len(HUB_PREFIX):].partition(":")
+        if not name:
+            raise ValueError(f"{source!r} names no hub dataset; write hub:<owner>/<name>[:<config>]")
+        return HubDataset(name, config or None, split)
+    spec = DATASETS.get(source)
+    return spec.hub if spec is not None else None
+
+
+def iter_hub_documents(hub: HubDataset, text_field: str = "text") -> Iterator[str]:
+    """Document texts of a hub dataset in its order (records without text skipped: they add no tokens)."""
+    for record in hub.load():
+        text = record.get(text_field)
+        if text:
+            yield text
 
 
 # ------------------------------------------------------------------ local files
@@ -236,14 +279,21 @@ def iter_local_documents(files: Iterable[Path], text_field: str = "text") -> Ite
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """What to prepare: a label for folder names, a fingerprint, and a way to read the documents."""
+    """What to prepare: a label for folder names, a fingerprint, and where the documents are (files or the hub)."""
 
     label: str
     fingerprint: str
     files: tuple[Path, ...]
     text_field: str = "text"
+    hub: HubDataset | None = None
+
+    @classmethod
+    def of_hub(cls, hub: HubDataset, text_field: str = "text") -> SourceSpec:
+        return cls(label=hub.label, fingerprint=hub.fingerprint, files=(), text_field=text_field, hub=hub)
 
     def documents(self) -> Iterator[str]:
+        if self.hub is not None:
+            return iter_hub_documents(self.hub, self.text_field)
         return iter_local_documents(self.files, self.text_field)
 
 
