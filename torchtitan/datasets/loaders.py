@@ -28,8 +28,9 @@ Data flow
 Training and validation read this stream from a token store (``token_store.py``,
 ``store_dataset.py``): the embedded corpus and local files are tokenized once
 into memory-mapped shards, on first use, and every rank reads only its own
-windows by index.  Hub datasets (``c4``) are streamed per DP rank instead
-(``stream_dataset.py``), which gives up the DP-degree-independent order.
+windows by index.  A single hub dataset (``c4``) is streamed per DP rank instead
+(``stream_dataset.py``), which gives up the DP-degree-independent order; in a
+mixture it is prepared into a cached store like local files.
 
 End of data
 -----------
@@ -65,8 +66,9 @@ Every rank opens the same token store. The first process to need a cached
 store prepares it under a file lock while the others wait (``store_cache``);
 once finished, a store is read-only, and each rank memory-maps only the shards
 its windows fall in, so any number of ranks read it at once without
-coordination. Hub datasets are streamed with ``datasets``
-(``streaming=True``), which writes no Arrow cache that ranks could race on.
+coordination. Hub datasets are read with ``datasets`` (``streaming=True``), which
+writes no Arrow cache that ranks could race on; a mixture's hub source is read only
+by the process that prepares its store.
 """
 
 from __future__ import annotations
