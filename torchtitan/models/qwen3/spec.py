@@ -5,21 +5,13 @@ A Qwen3 or Qwen3-MoE Hugging Face folder works as ``--model.flavor DIR``.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
-from torch import nn
-
-from torchtitan.config import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.common import hf_config, parallel
-from torchtitan.models.common.hf import QWEN3_NAMING, DecoderHFAdapter
-from torchtitan.models.common.moe_decoder import MoEDecoder, flops_per_token
-from torchtitan.models.layers import Attention
+from torchtitan.models.common import hf_config
+from torchtitan.models.common.decoder_spec import decoder_model_spec
+from torchtitan.models.common.hf import QWEN3_NAMING
 from torchtitan.models.qwen3.args import Qwen3Args, qwen3_flavors
 from torchtitan.models.registry import register_model_spec
-from torchtitan.models.spec import ModelSpec
-from torchtitan.ops.cpu_kernels import use_cpu_kernels
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -34,30 +26,5 @@ def _hf_config(args: Qwen3Args, **kw) -> dict:  # noqa: ANN003 - bos_id, eos_id,
                                qwen=True, **kw)
 
 
-def _use_cpu_kernels(model: nn.Module, onednn_linears: bool) -> dict[str, int]:
-    return use_cpu_kernels(model, Attention, onednn_linears=onednn_linears)
-
-
-def check(args: Qwen3Args, dims: ParallelDims, cfg: JobConfig) -> list[str]:
-    return parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor)
-
-
-SPEC = ModelSpec(
-    name="qwen3",
-    args_type=Qwen3Args,
-    flavors=qwen3_flavors,
-    read_release=read_release,
-    build=MoEDecoder,
-    flops_per_token=flops_per_token,
-    use_cpu_kernels=_use_cpu_kernels,
-    apply_tp=parallel.apply_moe_decoder_tp,
-    apply_cp=parallel.apply_cp,
-    prune_stage=parallel.prune_stage,
-    hidden_width=lambda args: args.dim,
-    check=check,
-    state_dict_adapter=DecoderHFAdapter(QWEN3_NAMING, _hf_config,
-                                        functools.partial(hf_config.fields_of_config, qwen=True),
-                                        hf_config.fields_of_args),
-    supports_kv_cache=True,  # the shared decoder's cached forward (models/kv_cache.py)
-)
+SPEC = decoder_model_spec("qwen3", Qwen3Args, qwen3_flavors, read_release, QWEN3_NAMING, _hf_config, qwen=True)
 register_model_spec(SPEC)
