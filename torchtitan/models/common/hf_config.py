@@ -30,6 +30,12 @@ def read_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
     file = p if p.is_file() else p / "config.json"
     if not file.is_file():
         raise ValueError(f"{path}: neither a flavor name nor a Hugging Face release (no config.json there)")
+    return file, read_json_object(file)
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A release's JSON config (config.json, params.json) as a dict; ValueError (one line) when it is an LFS
+    pointer, not JSON, or not an object. Every family's release reader goes through it."""
     check_not_lfs_pointer(file)
     try:
         config = json.loads(file.read_text())
@@ -37,7 +43,7 @@ def read_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
-    return file, config
+    return config
 
 
 def rope_theta(config: dict[str, Any]) -> float:

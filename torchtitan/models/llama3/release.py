@@ -8,10 +8,9 @@ this module finds and reads the file and refuses what the model cannot represent
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from torchtitan.lfs import check_not_lfs_pointer
+from torchtitan.models.common.hf_config import read_json_object
 from torchtitan.models.llama3 import convert
 from torchtitan.models.llama3.args import ModelArgs
 
@@ -34,13 +33,7 @@ def args_from_release(path: str | Path, base: ModelArgs | None = None) -> ModelA
     file = release_config_file(path)
     if file is None:
         raise ValueError(f"{path}: neither a flavor name nor a release (no config.json or params.json there)")
-    check_not_lfs_pointer(file)
-    try:
-        config = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} is not a JSON object")
+    config = read_json_object(file)
     try:
         if "hidden_size" in config or "architectures" in config or "model_type" in config:
             archs = config.get("architectures") or []
