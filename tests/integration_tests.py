@@ -156,6 +156,9 @@ def _pp(n: int, schedule: str) -> list[str]:
     return [f"--parallelism.pipeline_parallel_degree={n}", f"--parallelism.pipeline_parallel_schedule={schedule}"]
 
 
+_MOE = ("--model.name=qwen3", "--model.flavor=debugmodel_moe")
+
+
 def _phase(ranks: int, dp: int, mesh: dict[str, int], *overrides: str, **kw) -> Phase:
     return Phase(tuple(overrides), ranks, dp=dp, mesh=tuple(mesh.items()), **kw)
 
@@ -324,6 +327,19 @@ def build_flavors() -> list[Flavor]:
         f("pp_tp_cp", "PP 2 x CP 2 x TP 2",
           (_phase(8, 1, {"pp": 2, "cp": 2, "tp": 2}, *_dp(1, 1), *_pp(2, "1F1B"), *_tp(2), *_cp(2)),),
           requires=("pp", "tp", "cp")),
+        # ---- mixture of experts (tests/distributed/test_moe_layouts.py holds the 8-rank parity layouts) ----
+        # Another model than the control's: no step-1 parity; the loss must fall and the MoE metrics show.
+        f("moe_ep_fsdp", "Qwen3-MoE debug: EP 2 x FSDP 2 (dense FSDP 4), routing bias and switch auxiliary loss",
+          (_phase(4, 4, {"dp_shard": 4}, *_dp(1, 4), *_MOE, "--parallelism.expert_parallel_degree=2",
+                  "--moe.aux_loss=switch"),),
+          requires=("moe",), parity_phase=None, checks=(_log_contains(r"moe: imbalance [0-9.]+ \(max"),)),
+        f("moe_ep_tp_pp", "Qwen3-MoE debug: EP 2 x FSDP 2 x TP 2 x PP 2 (1F1B)",
+          (_phase(8, 2, {"pp": 2, "dp_shard": 2, "tp": 2}, *_dp(1, 2), *_MOE, *_pp(2, "1F1B"), *_tp(2),
+                  "--parallelism.expert_parallel_degree=2"),),
+          requires=("moe", "pp", "tp"), parity_phase=None),
+        f("moe_bad_ep", "EP 3 does not divide the 8 experts: one config error on every rank",
+          (_phase(6, 6, {"dp_shard": 6}, *_dp(1, 6), *_MOE, "--parallelism.expert_parallel_degree=3"),),
+          parity_phase=None, expect_error=r"--parallelism.expert_parallel_degree=3 does not divide the 8 experts"),
         # ---- validation ----
         # Holding documents out changes the training data, so no step-1 parity with the control. Layout
         # invariance of the validation loss is tested in tests/distributed/ (FSDP, HSDP, DDP, TP, CP, PP).

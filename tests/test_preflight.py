@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEBUG_CONFIG, SHIPPED_TOKENIZER, debug_config
+from conftest import DEBUG_CONFIG, REPO, SHIPPED_TOKENIZER, debug_config
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import build_tokenizer
@@ -207,3 +207,35 @@ def test_compiled_tp_with_whole_block_ac_is_refused_on_torch_2_13_alone(ac):
 def test_warmup_longer_than_the_run_is_a_config_error():
     problems = _problems(1, "--training.steps=3", "--lr_scheduler.warmup_steps=5")
     assert any("--lr_scheduler.warmup_steps=5" in p and "training.steps=3" in p for p in problems), problems
+
+
+MOE_CONFIG = str(REPO / "train_configs" / "qwen3_debug_moe.toml")
+
+
+@pytest.mark.parametrize("overrides, world, needle", [
+    (["--parallelism.expert_parallel_degree=3", "--parallelism.data_parallel_shard_degree=6"], 6,
+     "--parallelism.expert_parallel_degree=3 does not divide the 8 experts of --model.flavor=debugmodel_moe"),
+    (["--parallelism.expert_parallel_degree=4", "--parallelism.data_parallel_shard_degree=2"], 2,
+     "--parallelism.expert_parallel_degree=4 must divide dp_shard x cp = 2"),
+    (["--parallelism.expert_parallel_degree=2", "--model.name=llama3", "--model.flavor=debugmodel"], 2,
+     "--model.name=llama3 --model.flavor=debugmodel has no experts; set it to 1"),
+    (["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
+      "--fault_tolerance.lighthouse=http://h:1"], 2,
+     "--moe.load_balance_coeff=0.001 with --fault_tolerance.enable"),
+])
+def test_expert_parallel_and_balancing_bad_inputs_one_line_each(overrides, world, needle):
+    # Preflight runs before the process group exists: every rank raises the same line, nothing hangs.
+    with pytest.raises(ConfigError) as e:
+        preflight(debug_config(*overrides, config=MOE_CONFIG), world)
+    assert len(e.value.problems) == 1 and needle in e.value.problems[0], e.value.problems
+
+
+def test_expert_parallel_layouts_pass_and_balancing_options_reach_the_model():
+    cfg = debug_config("--parallelism.expert_parallel_degree=4", "--parallelism.context_parallel_degree=2",
+                       "--parallelism.data_parallel_shard_degree=2", "--moe.aux_loss=switch",
+                       "--moe.load_balance_coeff=0", config=MOE_CONFIG)
+    plan = preflight(cfg, 4)
+    assert (plan.dims.ep, plan.dims.degree("efsdp")) == (4, 1)
+    args = plan.model_args
+    assert (args.load_balance_coeff, args.aux_loss, args.aux_loss_coeff) == (0.0, "switch", 1e-3)
+    assert not args.moe_args().load_balance_bias

@@ -34,7 +34,7 @@ __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
     "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh", "fsdp_storage_hooks",
     "functional_collective_ops", "in_autograd_backward", "op_name", "resolve_process_group",
-    "skip_pipeline_shape_exchange", "storage_id",
+    "skip_pipeline_shape_exchange", "storage_id", "in_pipeline_shape_inference", "mark_pipeline_shape_inference",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
@@ -453,6 +453,41 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         return bool(torch.all(out == 8)) and x.grad is not None and w.grad is not None
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+# Stages whose shape inference is running now (a count: same-rank stages may nest).
+_SHAPE_INFERENCE = [0]
+# The PipelineStage methods that run a stage's forward or backward only to learn shapes (2.13, 2.14;
+# older releases: one method).
+_SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+
+
+def mark_pipeline_shape_inference(stage: Any) -> None:
+    """Make ``in_pipeline_shape_inference()`` true while ``stage`` (a ``PipelineStage``) infers its shapes.
+
+    On its first step a schedule runs each stage's forward and backward once on stand-in tensors to
+    learn the shapes it exchanges; modules that keep statistics of their forwards (an MoE's token
+    counts) must not count those. Wraps this instance's inference methods; the class is left alone.
+    """
+    found = [name for name in _SHAPE_INFERENCE_METHODS if hasattr(stage, name)]
+    if not found:
+        raise _missing("PipelineStage._forward_metadata_inference (or _shape_inference)")
+    for name in found:
+        method = getattr(stage, name)
+
+        def inferring(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            _SHAPE_INFERENCE[0] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _SHAPE_INFERENCE[0] -= 1
+
+        setattr(stage, name, inferring)
+
+
+def in_pipeline_shape_inference() -> bool:
+    """Whether a pipeline stage marked by ``mark_pipeline_shape_inference`` is inferring its shapes now."""
+    return _SHAPE_INFERENCE[0] > 0
 
 
 # ---------------------------------------------------------------- autograd engine

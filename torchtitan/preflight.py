@@ -124,7 +124,7 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, li
         args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     else:
         args = dataclasses.replace(args, vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
-    return args, problems
+    return get_model_spec(cfg.model.name).with_moe_options(args, cfg), problems
 
 
 def data_parallel_degree(cfg: JobConfig, dims: ParallelDims) -> int:
@@ -241,6 +241,7 @@ def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: Model
     tp, cp = dims.tp, dims.cp
     seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
     problems += spec.check(args, dims, cfg)
+    problems += _expert_problems(args, dims, cfg, spec)
     seq_shards = (2 * cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)
     if seq_shards > 1 and seq_len % seq_shards:
         parts = []
@@ -251,6 +252,20 @@ def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: Model
         fix = "change seq_len" + (" or set --parallelism.enable_sequence_parallel=false" if tp > 1 and sequence_parallel
                                   else "")
         problems.append(f"--training.seq_len={seq_len} must be divisible by {' x '.join(parts)} = {seq_shards}; {fix}")
+    return problems
+
+
+def _expert_problems(args: Any, dims: ParallelDims, cfg: JobConfig, spec: ModelSpec) -> list[str]:
+    """Expert parallelism needs experts; the routing bias must see every replica group's tokens."""
+    problems: list[str] = []
+    model = f"--model.name={cfg.model.name} --model.flavor={cfg.model.flavor}"
+    if dims.ep > 1 and not spec.num_experts(args):
+        problems.append(f"--parallelism.expert_parallel_degree={dims.ep}: {model} has no experts; set it to 1, or "
+                        "choose a flavor with experts (qwen3 debugmodel_moe, 30B-A3B; mixtral 8x7B)")
+    if spec.num_experts(args) and cfg.fault_tolerance.enable and cfg.moe.load_balance_coeff > 0:
+        problems.append(f"--moe.load_balance_coeff={cfg.moe.load_balance_coeff} with --fault_tolerance.enable: the "
+                        "routing bias would be updated from each replica group's tokens alone and drift apart "
+                        "between groups; set --moe.load_balance_coeff=0 (an auxiliary loss, --moe.aux_loss, works)")
     return problems
 
 

@@ -252,8 +252,10 @@ class Trainer:
         return result
 
     def _log(self, loss: float, grad_norm: float, lr: float) -> None:
+        experts = self.runner.experts  # a collective over the world: every rank logs on the same steps
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.throughput.metrics(),
-                   **device_memory(self.device), **mixture_metrics(self.dataloader)}
+                   **device_memory(self.device), **mixture_metrics(self.dataloader),
+                   **(experts.metrics() if experts is not None else {})}
         self.throughput.reset_window()
         if self.rank == 0:
             logger.info(format_step_line(self.step, metrics))

@@ -126,3 +126,20 @@ def test_purge_keeps_the_newest_full_checkpoint_behind_a_weights_only_export(tmp
         commit(tmp_path, step, {"kind": kind})
     purge(tmp_path, keep_latest_k=1, protected={6})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+
+
+def test_a_checkpoint_with_another_expert_count_is_named_in_one_line(tmp_path):
+    from torchtitan.checkpoint.store import shape_problems
+
+    def moe(experts: int) -> dict[str, tuple[int, ...]]:
+        shapes = {"layers.1.feed_forward.router.gate.weight": (experts, 16)}
+        for w, shape in (("w1", (32, 16)), ("w2", (16, 32)), ("w3", (32, 16))):
+            shapes[f"layers.1.feed_forward.experts.{w}"] = (experts, *shape)
+        return shapes
+
+    problems = shape_problems(tmp_path, moe(8), moe(4))
+    assert problems[0] == (f"checkpoint {tmp_path} holds 8 experts per MoE layer, this model 4: resume it with the "
+                           "flavor it was saved with (--model.flavor), or start a new run")
+    # The router's [E, D] weight is still listed; the stacked experts are not listed again.
+    assert len(problems) == 2 and "router.gate.weight" in problems[1] and "experts.w" not in problems[1]
+    assert shape_problems(tmp_path, moe(8), moe(8)) == []

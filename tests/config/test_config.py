@@ -34,7 +34,7 @@ def test_defaults_without_file():
     cfg = parse()
     assert cfg.parallelism.data_parallel_shard_degree == -1
     assert cfg.training.seed is None
-    assert cfg.training.seed_sharded_dims == ["pp", "dp_shard", "cp", "tp"]
+    assert cfg.training.seed_sharded_dims == ["pp", "dp_shard", "cp", "ep", "tp"]
 
 
 def test_precedence_cli_over_toml_over_default(tmp_path):

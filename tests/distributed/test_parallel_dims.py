@@ -73,7 +73,7 @@ def test_invalid_degrees_name_the_option_and_the_fix(degrees, world, needles):
 
 def test_expert_degree_must_divide_dp_shard_times_cp():
     assert ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=1, world_size=8, ep=4).degree("efsdp") == 1
-    with pytest.raises(ValueError, match=r"^ep=3 must divide dp_shard x cp = 4"):
+    with pytest.raises(ValueError, match=r"^--parallelism.expert_parallel_degree=3 must divide dp_shard x cp = 4"):
         ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=2, pp=1, world_size=8, ep=3)
 
 

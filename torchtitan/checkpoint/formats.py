@@ -231,9 +231,13 @@ def dcp_checkpoint_path(path: Path) -> Path:
     return scan(path).committed[latest]
 
 
-def _expected_shapes(args: Any) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(args: Any, buffers: bool = False) -> dict[str, tuple[int, ...]]:
+    """FQN -> shape of the model's parameters (a release's tensors), with ``buffers`` its persistent buffers
+    too (a checkpoint's: an MoE router's bias)."""
     with torch.device("meta"):
         model = spec_for_args(args).build(args)
+    if buffers:
+        return {fqn: tuple(t.shape) for fqn, t in model.state_dict(keep_vars=True).items()}
     # Every name a state dict holds: a tied weight is loaded under both of its names.
     return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
 
@@ -273,7 +277,7 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
             return shape_problems(where, adapter.meta_shapes(source.shapes(), expected, args), expected)
         ckpt = dcp_checkpoint_path(where)
-        problems, manifest = verify(ckpt, expected)
+        problems, manifest = verify(ckpt, _expected_shapes(args, buffers=True))
         if not problems and "model" not in manifest.get("states", []):
             problems.append(f"{flag}: checkpoint {ckpt} holds no model weights")
         return problems
@@ -316,7 +320,12 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_gr
     adapter = spec_for_args(args).state_dict_adapter
     source = HFSource(where, adapter) if fmt == "hf" else MetaSource(where, adapter)
     filled: dict[str, Any] = {}
+    # Releases hold parameters only: a persistent buffer (an MoE router's bias) keeps its initial value.
+    buffers = {fqn for fqn, _ in model.named_buffers()}
     for fqn, value in state.items():
+        if fqn in buffers:
+            filled[fqn] = value
+            continue
         region = _region(value)
         if isinstance(value, DTensor):
             if region is not None:

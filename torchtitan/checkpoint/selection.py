@@ -23,11 +23,12 @@ def checkpoint_folder(cfg: JobConfig) -> Path:
 
 
 def model_shapes(model_factory: Callable[[], torch.nn.Module]) -> dict[str, tuple[int, ...]]:
-    """Parameter FQN -> shape of the model the config describes (built on the meta device: no memory)."""
+    """FQN -> shape of every tensor the model's checkpoint holds (parameters and persistent buffers, such as
+    an MoE router's bias) for the model the config describes (built on the meta device: no memory)."""
     with torch.device("meta"):
         model = model_factory()
     # Every name a state dict holds: a tied weight is saved under both of its names.
-    return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
+    return {fqn: tuple(t.shape) for fqn, t in model.state_dict(keep_vars=True).items()}
 
 
 def choose_checkpoint(

@@ -147,12 +147,32 @@ def shape_problems(path: Path, saved: dict[str, tuple[int, ...]], expected: dict
         shown = lines[:5] + ([f"... and {len(lines) - 5} more"] if len(lines) > 5 else [])
         return [f"checkpoint {path} does not match the model config: {kind}: {'; '.join(shown)}"] if lines else []
 
-    differ = [f"{fqn} is {list(saved[fqn])} in the checkpoint, {list(shape)} in this config"
-              for fqn, shape in sorted(expected.items()) if fqn in saved and saved[fqn] != shape]
+    differ_fqns = [fqn for fqn, shape in sorted(expected.items()) if fqn in saved and saved[fqn] != shape]
+    experts = _expert_count_problem(path, {f: saved[f] for f in differ_fqns}, expected)
+    if experts:
+        differ_fqns = [f for f in differ_fqns if not _is_stacked_experts(f)]
+    differ = [f"{fqn} is {list(saved[fqn])} in the checkpoint, {list(expected[fqn])} in this config"
+              for fqn in differ_fqns]
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
-    return (listed("shape differs", differ) + listed("parameters the checkpoint lacks", missing)
+    return (experts + listed("shape differs", differ) + listed("parameters the checkpoint lacks", missing)
             + listed("parameters this model lacks", extra))
+
+
+def _is_stacked_experts(fqn: str) -> bool:
+    return fqn.rsplit(".", 2)[-2:-1] == ["experts"] and fqn.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
+
+
+def _expert_count_problem(path: Path, saved: dict[str, tuple[int, ...]],
+                          expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """One line when the stacked experts ``[E, ...]`` differ in their count E alone (another MoE flavor)."""
+    counts = {(saved[f][0], expected[f][0]) for f in saved
+              if _is_stacked_experts(f) and saved[f][1:] == expected[f][1:] and saved[f][0] != expected[f][0]}
+    if len(counts) != 1:
+        return []
+    (theirs, ours), = counts
+    return [f"checkpoint {path} holds {theirs} experts per MoE layer, this model {ours}: resume it with the "
+            "flavor it was saved with (--model.flavor), or start a new run"]
 
 
 def file_sizes(path: Path) -> dict[str, int]:

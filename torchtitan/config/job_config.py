@@ -115,7 +115,7 @@ class Training:
     seed: int | None = field_with_help(None, "Base random seed; unset means no seeding (stated in the log)")
     deterministic: bool = field_with_help(False, "Use deterministic algorithms (slower)")
     seed_sharded_dims: list[str] = field_with_help(
-        ["pp", "dp_shard", "cp", "tp"],
+        ["pp", "dp_shard", "cp", "ep", "tp"],
         "Mesh dims whose ranks get distinct seeds, first most significant; unlisted dims share seeds",
     )
 
@@ -131,6 +131,9 @@ class Parallelism:
         False, "Gather logits before the loss instead of vocab-parallel cross entropy")
     context_parallel_degree: int = field_with_help(1, "Context parallel degree (sequence sharding)", min=1)
     pipeline_parallel_degree: int = field_with_help(1, "Pipeline parallel degree", min=1)
+    expert_parallel_degree: int = field_with_help(
+        1, "Expert parallel degree: ranks among dp_shard x cp that hold different experts of each MoE layer and "
+        "exchange tokens by all-to-all (docs/moe.md); must divide dp_shard x cp and the number of experts", min=1)
     pipeline_parallel_schedule: str = field_with_help(
         "1F1B", "Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble"
     )
@@ -153,6 +156,20 @@ class Parallelism:
         "default", "Free gathered params after forward: default (yes, except under PP), always, never",
         choices=("default", "always", "never"),
     )
+
+
+@dataclass
+class Moe:
+    """Training choices for a model with experts (the experts' shapes come with the flavor); ignored by dense ones."""
+
+    load_balance_coeff: float = field_with_help(
+        1e-3, "Auxiliary-loss-free balancing (DeepSeek-V3): before each optimizer step, each expert's routing bias "
+        "moves by this much toward the mean of the tokens per expert, counted over the data ranks; 0 turns the bias "
+        "off", min=0.0)
+    aux_loss: str = field_with_help(
+        "none", "Auxiliary balance loss added to the training loss: none, switch (as Hugging Face's Qwen3-MoE and "
+        "Mixtral) or sequence (DeepSeek-V3's sequence-wise loss)", choices=("none", "switch", "sequence"))
+    aux_loss_coeff: float = field_with_help(1e-3, "Weight of the auxiliary balance loss", min=0.0)
 
 
 @dataclass
@@ -296,6 +313,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: Moe = field(default_factory=Moe)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)

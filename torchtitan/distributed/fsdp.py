@@ -1,7 +1,9 @@
 """FSDP2 over a model's blocks and root: FSDP, HSDP, DDP, and the mixed-precision policy.
 
 The blocks are ``model.layers`` (the contract of ``torchtitan/models/spec.py``): each is one FSDP
-unit, and the root (embeddings, final norm, output) is the last one.
+unit, and the root (embeddings, final norm, output) is the last one. Under expert parallelism each
+block's experts are a unit of their own, sharded over the ``efsdp`` ranks that hold the same experts
+(replicated over ``dp_replicate`` under HSDP), the rest of the block over the dense mesh.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
@@ -39,7 +42,7 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
 
 
 def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str,
-               mesh: DeviceMesh | None = None) -> None:
+               mesh: DeviceMesh | None = None, experts: list[torch.nn.Module] | None = None) -> None:
     """Shard each block, then the root (embeddings, final norm, output).
 
     The mesh is 1-D ``dp_shard_cp`` for FSDP, 2-D ``(dp_replicate, dp_shard_cp)``
@@ -47,6 +50,7 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     a 2-D ``(dp_replicate, dp_shard=1)`` mesh: FSDP2 then keeps whole parameters
     and all-reduces gradients, which is DDP with the same code path, parameter
     type (DTensor), mixed precision and checkpoint format as FSDP and HSDP.
+    ``experts``: the expert-parallel expert modules (``ParallelDims.expert_fsdp_mesh``).
     """
     mesh = mesh if mesh is not None else dims.fsdp_mesh()
     assert mesh is not None, "parallelize applies FSDP only where fsdp_mesh() builds one"
@@ -56,6 +60,9 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         last = i == len(blocks) - 1 and cfg.parallelism.fsdp_reshard_after_forward == "default"
+        for unit in experts or ():
+            if any(m is unit for m in block.modules()):
+                _shard_experts(unit, dims, mp, reshard and not last)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not last)
     # The root (embeddings, final norm, output) runs last in forward and first in backward, so
     # resharding it only re-gathers it at once. FSDP2 skips that only when the root's value is
@@ -70,3 +77,24 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     assert mesh.mesh_dim_names is not None, "build_mesh names every dim"
     logger.info("Applied %s on mesh %s (param %s, reduce %s)", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
                 mp.param_dtype, mp.reduce_dtype)
+
+
+def _shard_experts(experts: torch.nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """One FSDP unit for a layer's expert-parallel experts, over ``efsdp`` (and ``dp_replicate``).
+
+    Their gradient must be the sum over every rank's tokens, like any weight's. The all-to-all
+    already summed the ``ep`` ranks' tokens into each expert's gradient; FSDP sums the ``efsdp``
+    and replica ranks and divides by the whole data-parallel size (dp x cp), as it does for the
+    dense weights over their larger mesh, so the loss scale (loss.py) is right for both. When a
+    rank's experts are fewer than the ``efsdp`` ranks, FSDP shards their rows instead (no padding).
+    """
+    mesh = dims.expert_fsdp_mesh()
+    local_experts = experts.num_experts // dims.ep  # type: ignore[operator]  # GroupedExperts.num_experts
+    efsdp = dims.degree("efsdp")
+    dim = 0 if local_experts % efsdp == 0 else 1
+    fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,
+                shard_placement_fn=lambda param: Shard(dim))
+    unit = cast(FSDPModule, experts)
+    unit.set_gradient_divide_factor(float(dims.degree("dp_cp")))
+    # Sum, then divide once: the factor is not the mesh size, and gloo has no pre-multiplied sum.
+    unit.set_force_sum_reduction_for_comms(True)

@@ -60,14 +60,14 @@ FLATTENED_VIEWS = {
 # Names by role: the data loading's mesh, the loss's, and the FSDP axis by the world axes it spans.
 ALIASES = {"batch": "dp", "loss": "dp_cp", "dp_shard_cp": "fsdp"}
 _FSDP_AXES = ("fsdp", "efsdp")  # FSDP goes on them at one rank too (mixed precision): never fake
-# The option that sets each degree (the expert degree has no option yet).
+# The option that sets each degree.
 _OPTIONS = {
     "dp_replicate": "--parallelism.data_parallel_replicate_degree",
     "dp_shard": "--parallelism.data_parallel_shard_degree",
     "cp": "--parallelism.context_parallel_degree",
     "tp": "--parallelism.tensor_parallel_degree",
     "pp": "--parallelism.pipeline_parallel_degree",
-    "ep": "ep",
+    "ep": "--parallelism.expert_parallel_degree",
 }
 
 
@@ -274,6 +274,14 @@ class ParallelDims:
         self.root_mesh("dense")
         return self._fsdp_mesh
 
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` takes for expert-parallel experts: ``efsdp`` (dp_shard x cp / ep ranks that
+        hold the same experts), with ``dp_replicate`` outside it under HSDP. Only with expert parallelism."""
+        if not self.ep_enabled:
+            raise RuntimeError("ParallelDims.expert_fsdp_mesh: expert parallelism is off (ep=1)")
+        sparse = self.root_mesh("sparse")
+        return sparse["dp_replicate", "efsdp"] if self.dp_replicate > 1 else sparse["efsdp"]
+
     def one_rank_fsdp_mesh(self) -> DeviceMesh:
         """The ``fsdp`` axis, one rank in layouts without data parallelism (TP, PP, one device).
 
@@ -342,6 +350,7 @@ class ParallelDims:
             tp=parallelism.tensor_parallel_degree,
             pp=parallelism.pipeline_parallel_degree,
             world_size=world_size,
+            ep=parallelism.expert_parallel_degree,
         )
         dims._loss_parallel = not parallelism.disable_loss_parallel
         return dims

@@ -1,9 +1,10 @@
 """Apply the parallelisms to a model of any family, in a fixed readable order:
 
     (CPU: kernel swap) -> the family's tensor parallel plan -> the family's context-parallel binding
-    -> activation checkpointing -> torch.compile -> FSDP2
+    -> expert parallelism -> activation checkpointing -> torch.compile -> FSDP2
 
-Order matters: TP rewrites the linear layers into DTensor shards first, AC and compile then wrap
+Order matters: TP rewrites the linear layers into DTensor shards first, EP shards the experts over
+``ep`` (before FSDP, which shards each rank's experts over ``efsdp``), AC and compile then wrap
 each block's (already parallel) forward, and FSDP comes last so that it shards what the other
 steps produced and its all-gathers sit outside the compiled and recomputed regions. On CPU the
 family first swaps in the eager-CPU kernels (ops/cpu_kernels.py): a class change that the later
@@ -19,6 +20,7 @@ place, in-place ``Module.compile``, FSDP2), which checkpoints and the layout-inv
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -49,6 +51,10 @@ class FamilyParallelism(Protocol):
     def apply_cp(self, model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int, /) -> None:
         """Bind the model to context parallelism (its attention backend, and its positions)."""
         ...
+
+    # Shard each MoE layer's experts over the ep mesh; returns the expert modules (None: a dense family).
+    @property
+    def apply_ep(self) -> Callable[[torch.nn.Module, DeviceMesh], list[torch.nn.Module]] | None: ...
 
 
 def fsdp_on_one_rank(dims: ParallelDims, cfg: JobConfig, device_type: str) -> bool:
@@ -82,6 +88,11 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
         cp_mesh = dims.get_mesh("cp")
         assert cp_mesh is not None, "CP is on"
         family.apply_cp(model, cp_mesh, cfg.training.seq_len)
+    experts: list[torch.nn.Module] = []
+    if dims.ep_enabled:
+        ep_mesh = dims.get_mesh("ep")
+        assert ep_mesh is not None and family.apply_ep is not None, "preflight refuses EP without experts"
+        experts = family.apply_ep(model, ep_mesh)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_ac_option)
@@ -90,7 +101,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
         if dims.tp_enabled:
             wait_for_embedding_output(model)
     if dims.dp_enabled or dims.fsdp_enabled:
-        apply_fsdp(model, dims, cfg, device_type)
+        apply_fsdp(model, dims, cfg, device_type, experts=experts)
     elif one_rank:
         apply_fsdp(model, dims, cfg, device_type, mesh=dims.one_rank_fsdp_mesh())
     return model

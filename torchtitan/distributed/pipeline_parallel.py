@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch import Batch
+from torchtitan.compat import mark_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
 
@@ -165,7 +166,9 @@ def build_pipeline(
         part = materialize(prune_to_stage(whole, plan, stage_id, prune))
         parts.append(part)
         io = stage_io(stage_id) if stage_io is not None else {}
-        stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **io))
+        stage = PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **io)
+        mark_pipeline_shape_inference(stage)  # so that an MoE does not count the forward that learns shapes
+        stages.append(stage)
     loss = ScaledLoss(loss_fn)
     cls = SCHEDULES[plan.schedule]
     # scale_grads=False: the loss already carries the step's normalisation (see ScaledLoss).

@@ -137,7 +137,8 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
 
     Read keys: loss, grad_norm, lr, tps, tflops, mfu_pct, max_reserved_gib /
     max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s, and a mixture's
-    ``data/tokens/<source>`` (tokens each source gave so far) as one compact field.
+    ``data/tokens/<source>`` (tokens each source gave so far) as one compact field, and a model with
+    experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another.
     """
     fields = [f"step: {step}"]
 
@@ -163,7 +164,28 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
            if key.startswith(_MIX_PREFIX) and value is not None]
     if mix:
         fields.append("mix: " + " ".join(f"{name} {format_count(value)}" for name, value in mix))
+    moe = _moe_field(metrics)
+    if moe is not None:
+        fields.append(moe)
     return "  ".join(fields)
+
+
+_EXPERT_PREFIX = "moe/tokens_per_expert/"
+
+
+def _moe_field(metrics: Mapping[str, float | None]) -> str | None:
+    """A model with experts: ``moe: imbalance 1.31 (max 1.90) aux 1.02 tokens/expert 1.2K-3.4K``."""
+    if metrics.get("moe/imbalance") is None and metrics.get("moe/aux_loss") is None:
+        return None
+    parts = []
+    if metrics.get("moe/imbalance") is not None:
+        parts.append(f"imbalance {metrics['moe/imbalance']:.2f} (max {metrics.get('moe/imbalance_max') or 0:.2f})")
+    if metrics.get("moe/aux_loss") is not None:
+        parts.append(f"aux {metrics['moe/aux_loss']:.4g}")
+    tokens = [v for k, v in metrics.items() if k.startswith(_EXPERT_PREFIX) and v is not None]
+    if tokens:
+        parts.append(f"tokens/expert {format_count(min(tokens))}-{format_count(max(tokens))}")
+    return "moe: " + " ".join(parts)
 
 
 _MIX_PREFIX = "data/tokens/"

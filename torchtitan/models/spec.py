@@ -137,3 +137,9 @@ class ModelSpec:
     # ---- generation (torchtitan/generation): the model's forward takes ``cache=`` a
     # ``models/kv_cache.KVCache`` (new tokens only, positions and mask from the cache)
     supports_kv_cache: bool = False
+    # ---- experts (a dense family keeps the defaults): how many each sparse layer has (0: dense); the
+    # job's [moe] section applied to the args; and expert parallelism: shard each MoE layer's experts
+    # over the ``ep`` mesh, returning the expert modules (FSDP shards each over ``efsdp``)
+    num_experts: Callable[[Any], int] = lambda args: 0
+    with_moe_options: Callable[[Any, JobConfig], Any] = lambda args, cfg: args
+    apply_ep: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None

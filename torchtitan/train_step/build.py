@@ -1,7 +1,7 @@
 """``build_runner``: the one way a job's model runner is built, by the trainer and by the planner's dry run.
 
     model on meta -> (pipeline: prune to this rank's stages) -> parallelize -> allocate -> initialize
-    -> optimizer over every part's parameters -> LR schedule
+    -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
 
 The dry run builds what the trainer builds through this same function, with ``BuildOptions`` saying
 where it differs: it parallelizes for the GPU it plans for (``device_type="cuda"``), allocates under
@@ -29,6 +29,7 @@ from torchtitan.models.attention import describe_kernel
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.train_step.callbacks import StepCallbacks
+from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -82,8 +83,10 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
         lr_min=s.lr_min, total_steps=cfg.training.steps,
     )
+    experts = ExpertBalance.of(model_parts, optimizer, spec.num_experts(plan.model_args), cfg.moe.load_balance_coeff,
+                               dims, plan.pipeline.microbatches if plan.pipeline is not None else 1)
     return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
-                       callbacks if callbacks is not None else StepCallbacks(), fpt)
+                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts)
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,

@@ -24,6 +24,7 @@ from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.loss import count_tokens
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
+from torchtitan.train_step.experts import ExpertBalance
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -33,11 +34,13 @@ class ModelRunner:
 
     def __init__(self, model_parts: list[torch.nn.Module], pp_runner: PipelineRunner | None,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, loss_fn: LossFn, dims: ParallelDims,
-                 device: torch.device, callbacks: StepCallbacks, flops_per_token: float):
+                 device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
+                 experts: ExpertBalance | None = None):
         self.model_parts, self.pp_runner = model_parts, pp_runner
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.loss_fn, self.dims, self.device, self.callbacks = loss_fn, dims, device, callbacks
         self.flops_per_token = flops_per_token
+        self.experts = experts  # a model with MoE layers: their balancing and metrics (train_step/experts.py)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters()]
@@ -69,6 +72,8 @@ class ModelRunner:
         (fault tolerance lets FSDP reduce on the last one only); not through the pipeline, whose
         schedule sets gradient sync itself.
         """
+        if self.experts is not None:
+            self.experts.start_step(len(batches))
         if self.pp_runner is not None:
             return self._pipeline_forward_backward(batches, scale)
         emit = self.callbacks.emit

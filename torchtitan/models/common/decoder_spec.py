@@ -7,6 +7,7 @@ pipeline split, the preflight checks, the cached forward) is the shared decoder'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,17 @@ def _use_cpu_kernels(model: nn.Module, onednn_linears: bool) -> dict[str, int]:
 
 
 def _check(args: Any, dims: ParallelDims, cfg: JobConfig) -> list[str]:
-    return parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor)
+    return parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor,
+                                  ep=dims.ep)
+
+
+def _with_moe_options(args: Any, cfg: JobConfig) -> Any:
+    """The job's [moe] section (balancing) applied to the args of a model with experts."""
+    if not args.num_experts:
+        return args
+    m = cfg.moe
+    return dataclasses.replace(args, load_balance_coeff=m.load_balance_coeff, aux_loss=m.aux_loss,
+                               aux_loss_coeff=m.aux_loss_coeff if m.aux_loss != "none" else 0.0)
 
 
 def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
@@ -54,4 +65,7 @@ def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
                                             functools.partial(hf_config.fields_of_config, qwen=qwen),
                                             hf_config.fields_of_args),
         supports_kv_cache=True,  # the shared decoder's cached forward (models/kv_cache.py)
+        num_experts=lambda args: args.num_experts,
+        with_moe_options=_with_moe_options,
+        apply_ep=parallel.apply_moe_decoder_ep,
     )

@@ -118,8 +118,8 @@ class DecoderHFAdapter:
         """Ours -> Hugging Face's: experts unstacked, q/k (and their norms) permuted; tied: no lm_head."""
         out: dict[str, torch.Tensor] = {}
         for fqn, t in state.items():
-            if fqn == "output.weight" and args.tie_word_embeddings:
-                continue
+            if fqn == "output.weight" and args.tie_word_embeddings or fqn.endswith("router.expert_bias"):
+                continue  # a tied output has no tensor of its own; Hugging Face's models have no routing bias
             names = self.hf_expert_names(fqn, args)
             if names is not None:
                 out.update({name: t[e] for e, name in enumerate(names)})

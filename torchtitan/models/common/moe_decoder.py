@@ -47,6 +47,16 @@ class DecoderArgs:
     mlp_only_layers: tuple[int, ...] = ()  # layers kept dense
     decoder_sparse_step: int = 1  # every step-th layer is sparse (layer i: (i + 1) % step == 0)
     use_grouped_mm: bool = True
+    # ---- routing beyond Qwen3-MoE's (DeepSeek-V3 style); the defaults are Qwen3-MoE's and Mixtral's
+    score_func: str = "softmax"  # or "sigmoid"
+    route_scale: float = 1.0
+    num_shared_experts: int = 0
+    num_groups: int = 1  # group-limited routing
+    topk_groups: int = 1
+    # ---- balancing: the job's [moe] section sets these (preflight), not the flavor
+    load_balance_coeff: float = 0.0  # > 0: the auxiliary-loss-free routing bias, moved by this much per step
+    aux_loss: str = "none"  # none, switch or sequence
+    aux_loss_coeff: float = 0.0
     # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)); False: 0.02 / sqrt(2 * n_layers).
     depth_init: bool = True
     attn_mask_type: str = "block_causal"  # docs/attention_masks.md
@@ -59,7 +69,7 @@ class DecoderArgs:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.num_experts:
-            check_routing(self.num_experts, self.top_k, "softmax", 1, 1)
+            check_routing(self.num_experts, self.top_k, self.score_func, self.num_groups, self.topk_groups)
             if self.moe_hidden_size < 1 or self.decoder_sparse_step < 1:
                 raise ValueError(f"moe_hidden_size={self.moe_hidden_size} and decoder_sparse_step="
                                  f"{self.decoder_sparse_step} must be positive in a model with experts")
@@ -74,8 +84,12 @@ class DecoderArgs:
 
     def moe_args(self) -> MoEArgs:
         return MoEArgs(dim=self.dim, hidden_dim=self.moe_hidden_size, num_experts=self.num_experts,
-                       top_k=self.top_k, score_func="softmax", norm_topk_prob=self.norm_topk_prob,
-                       use_grouped_mm=self.use_grouped_mm)
+                       top_k=self.top_k, num_shared_experts=self.num_shared_experts,
+                       score_func=self.score_func,  # type: ignore[arg-type]  # checked by check_routing
+                       norm_topk_prob=self.norm_topk_prob, route_scale=self.route_scale, num_groups=self.num_groups,
+                       topk_groups=self.topk_groups, load_balance_bias=self.load_balance_coeff > 0,
+                       aux_loss=self.aux_loss,  # type: ignore[arg-type]  # checked by MoEArgs.check
+                       aux_loss_coeff=self.aux_loss_coeff, use_grouped_mm=self.use_grouped_mm)
 
 
 class DecoderBlock(nn.Module):
@@ -158,7 +172,7 @@ class MoEDecoder(Decoder):
 def param_counts(args: DecoderArgs) -> tuple[int, int]:
     """(total, active per token) parameters, embedding and output included (a tied one once).
 
-    Active counts top_k of the experts in each sparse layer, and the router.
+    Active counts top_k of the routed experts in each sparse layer, its shared experts, and the router.
     """
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads) + 2 * args.dim
     if args.qk_norm:
@@ -168,8 +182,9 @@ def param_counts(args: DecoderArgs) -> tuple[int, int]:
     total = active = 0
     for i in range(args.n_layers):
         if args.is_moe_layer(i):
-            total += attn + args.num_experts * expert + args.dim * args.num_experts
-            active += attn + args.top_k * expert + args.dim * args.num_experts
+            shared = args.num_shared_experts * expert
+            total += attn + args.num_experts * expert + shared + args.dim * args.num_experts
+            active += attn + args.top_k * expert + shared + args.dim * args.num_experts
         else:
             total += attn + dense
             active += attn + dense

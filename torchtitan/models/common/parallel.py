@@ -126,9 +126,29 @@ def apply_moe_decoder_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_p
                 "over TP)", tp_mesh.size(), sequence_parallel, loss_parallel)
 
 
-def check_decoder(args, tp: int, pp: int, flavor: str) -> list[str]:  # noqa: ANN001 - a DecoderArgs
-    """Preflight problems of a ``MoEDecoder``: widths TP must divide, tying under PP, top_k, one line each."""
+def apply_moe_decoder_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Module]:
+    """Expert parallelism for every MoE layer of a ``MoEDecoder`` (or stage): experts ``Shard(0)`` over
+    ``ep_mesh``, tokens exchanged by all-to-all. Returns the layers' expert modules, which FSDP then shards
+    over ``efsdp`` apart from the rest of their block (distributed/fsdp.py)."""
+    from torchtitan.models.moe import MoE
+    from torchtitan.models.moe.parallel import apply_expert_parallel
+
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        apply_expert_parallel(moe, ep_mesh)
+    logger.info("Applied expert parallel on %d ranks to %d MoE layers (%d experts each, %d per rank)",
+                ep_mesh.size(), len(moes), moes[0].args.num_experts if moes else 0,
+                moes[0].args.num_experts // ep_mesh.size() if moes else 0)
+    return [moe.experts for moe in moes]
+
+
+def check_decoder(args, tp: int, pp: int, flavor: str, ep: int = 1) -> list[str]:  # noqa: ANN001 - a DecoderArgs
+    """Preflight problems of a ``MoEDecoder``: widths TP must divide, experts EP must divide, tying under PP,
+    top_k, one line each."""
     problems: list[str] = []
+    if args.num_experts and ep > 1 and args.num_experts % ep:
+        problems.append(f"--parallelism.expert_parallel_degree={ep} does not divide the {args.num_experts} experts "
+                        f"of --model.flavor={flavor}; use a degree that divides them (and dp_shard x cp)")
     if tp > 1:
         widths = [("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim),
                   ("vocab size", args.vocab_size)]

@@ -4,7 +4,8 @@
 for balancing and logging, the (token, slot) pairs each expert received since they were last
 consumed, in the non-persistent buffer ``tokens_per_expert [E]`` (int64, this rank's tokens):
 counted in training mode only, once per forward (never again in an activation-checkpoint
-recompute), summed over micro-batches until ``balance.update_expert_bias`` zeroes them.
+recompute, nor in a pipeline stage's shape inference), summed over micro-batches until
+``balance.update_expert_bias`` zeroes them.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class MoE(nn.Module):
     def _counting(self) -> bool:
         # A recompute under activation checkpointing runs inside the backward pass; the original
         # forward never does (it may run with grad on or off, so grad mode cannot tell them apart).
-        return self.training and not compat.in_backward_pass()
+        # A pipeline schedule's first step also runs each stage once on stand-in inputs to learn shapes.
+        return self.training and not compat.in_backward_pass() and not compat.in_pipeline_shape_inference()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -1,0 +1,115 @@
+"""The experts of a model with MoE layers, step by step: their balancing, and what the trainer logs of them.
+
+- **Auxiliary-loss-free balancing** (DeepSeek-V3): before every optimizer step (an optimizer
+  pre-hook, so after every micro-batch and pipeline microbatch of the step) each MoE layer's
+  token counts are summed over the ranks that see different tokens (``dp x cp``: not TP, whose
+  ranks route the same tokens, and per pipeline stage, which holds its own layers), and each
+  router's bias moves toward balance (``models/moe/balance.py``). The counts exclude activation
+  recompute (``MoE`` counts in the original forward only).
+- **Auxiliary loss**: its gradient goes in through each MoE's output (``MoE``); its scale is set
+  here so that it adds up like the main loss: the mean over the step's forwards (micro-batches x
+  pipeline microbatches) and, through the data-parallel gradient average, over the data ranks.
+- **What is logged** (``metrics``, on logging steps, every rank): the auxiliary loss (mean over
+  layers and forwards), the load imbalance (max over mean tokens per expert of each layer: the
+  mean and the max over layers) and the tokens each expert received (over all sparse layers),
+  since the last log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.moe import MoE
+from torchtitan.models.moe.balance import imbalance, reduce_counts, update_expert_bias
+
+
+class ExpertBalance:
+    """The MoE layers of this rank's model parts, balanced before each optimizer step; see the module docstring."""
+
+    def __init__(self, model_parts: Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer, num_experts: int,
+                 coeff: float, dims: ParallelDims, pipeline_microbatches: int = 1):
+        # A pipeline stage may hold no MoE layer; it still takes part in the logging collectives.
+        self.moes = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+        self.num_experts = num_experts
+        self.coeff, self.dims, self.pipeline_microbatches = coeff, dims, pipeline_microbatches
+        loss_mesh: DeviceMesh | None = dims.get_mesh("loss")
+        self.group = None if loss_mesh is None else loss_mesh.get_group()
+        self.biased = any(m.router.expert_bias is not None for m in self.moes)
+        self.window: torch.Tensor | None = None  # [L, E] tokens per expert since the last log
+        self.window_reduced = self.biased  # the bias update sums the counts over dp x cp each step
+        self.handle = optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    @staticmethod
+    def of(model_parts: Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer, num_experts: int,
+           coeff: float, dims: ParallelDims, pipeline_microbatches: int = 1) -> ExpertBalance | None:
+        """The balance of a model with ``num_experts`` per MoE layer (None for a dense model: 0)."""
+        if not num_experts:
+            return None
+        return ExpertBalance(model_parts, optimizer, num_experts, coeff, dims, pipeline_microbatches)
+
+    def start_step(self, micro_batches: int) -> None:
+        """Scale each auxiliary loss's gradient by one over the step's forwards (see the module docstring)."""
+        for moe in self.moes:
+            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self.pipeline_microbatches)
+
+    def _before_optimizer_step(self, *_: object) -> None:  # a pre-hook's non-None return replaces step()'s args
+        if not self.moes:
+            return
+        if self.biased:
+            counts = update_expert_bias(self.moes, self.coeff, self.group)
+        else:
+            counts = torch.stack([m.tokens_per_expert.clone() for m in self.moes])
+            for moe in self.moes:
+                moe.tokens_per_expert.zero_()
+        self.window = counts if self.window is None else self.window + counts
+
+    def metrics(self) -> dict[str, float]:
+        """The window's auxiliary loss, imbalance and tokens per expert, over every rank and pipeline stage.
+
+        Collectives over the whole world: every rank calls this on the same (logging) steps.
+        """
+        num_experts = self.num_experts
+        window = self.window if self.window is not None else torch.zeros(len(self.moes), num_experts, dtype=torch.int64)
+        if not self.window_reduced:
+            window = reduce_counts(list(window), self.group) if len(window) else window
+        self.window = None
+        auxes = [a for a in (m.pop_aux_loss() for m in self.moes) if a is not None]
+        per_layer = imbalance(window) if len(window) else torch.zeros(0, dtype=torch.float64)
+        sums = torch.tensor([sum(auxes), len(auxes), float(per_layer.sum()), len(per_layer)], dtype=torch.float64)
+        sums = torch.cat([sums, window.sum(dim=0).double().cpu() if len(window) else torch.zeros(num_experts,
+                                                                                                  dtype=torch.float64)])
+        peak = per_layer.max().reshape(1).cpu() if len(per_layer) else torch.zeros(1, dtype=torch.float64)
+        sums, peak = self._over_world(sums, peak)
+        # The counts (and so the imbalance) are already summed over dp x cp, and TP ranks hold the same:
+        # every rank of a stage adds the same values, dp x cp x tp times.
+        copies = self.dims.degree("dp_cp") * self.dims.tp
+        out: dict[str, float] = {}
+        if sums[1] > 0:
+            out["moe/aux_loss"] = float(sums[0] / sums[1])
+        if sums[3] > 0:
+            out["moe/imbalance"] = float(sums[2] / sums[3])
+            out["moe/imbalance_max"] = float(peak[0])
+            for e, tokens in enumerate((sums[4:] / copies).tolist()):
+                out[f"moe/tokens_per_expert/{e}"] = round(tokens)
+        return out
+
+    def _over_world(self, sums: torch.Tensor, peak: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sums`` summed and ``peak`` maxed over every rank (the process group's device)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return sums, peak
+        device = cast(torch.Tensor, self.moes[0].tokens_per_expert).device if self.moes else torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        sums, peak = sums.to(device), peak.to(device)
+        dist.all_reduce(sums)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return sums.cpu(), peak.cpu()
+
+    def close(self) -> None:
+        self.handle.remove()
