@@ -49,7 +49,8 @@ PARITY = {
     "EP2 x FSDP4": _dims() + SAVE,  # dense FSDP 8; experts: 2 EP ranks x 4 efsdp ranks
     "EP8": _dims(ep=8),
     "HSDP2 x FSDP2, EP2": _dims(shard=4, rep=2),
-    "EP2 x TP2 x FSDP2": _dims(shard=4, batch=2, tp=2),
+    # Gradient accumulation: the auxiliary loss and the counts add up over the micro-batches.
+    "EP2 x TP2 x FSDP2, 2 micro-batches": _dims(shard=4, tp=2) + ["--training.gradient_accumulation_steps=2"],
     # The sequence-wise loss takes each CP rank's chunk as its sequence (docs/moe.md): without it here.
     "EP2 x CP2 x FSDP2": _dims(shard=4, batch=2, cp=2) + [NO_AUX],
     "EP2 x PP2 x FSDP2, 1F1B": _dims(shard=4, batch=2, pp=2) + PP2,
