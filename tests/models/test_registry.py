@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import pickle
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,14 @@ def test_llama3_is_found_with_its_flavors_and_model():
     assert model_args("llama3", "8B") is llama3_flavors["8B"]
     with pytest.raises(TypeError, match="no registered model family"):
         spec_for_args(object())
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_every_spec_pickles_as_the_planner_sends_it_to_its_workers(name):
+    """The planner's pool pickles each rank's LaunchPlan, the spec in it: a lambda field fails there."""
+    spec = get_model_spec(name)
+    again = pickle.loads(pickle.dumps(spec))
+    assert again.name == name and again.hidden_width(model_args(name, "debugmodel")) > 0
 
 
 def _family_imports(path: Path, root: Path) -> list[str]:
