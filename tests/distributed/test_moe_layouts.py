@@ -103,8 +103,12 @@ def test_layout_trains_the_one_process_moe_model(name, runs):
     if run["init"]:
         assert run["init"] == control["init"]  # bitwise: stacked experts drawn by (seed, name, shape)
     rel = _rel(run["losses"], control["losses"])
-    print(f"{name}: step-1 rel {rel[0]:.1e}, max rel over {STEPS} steps {max(rel):.1e}")
+    # Adam is blind to a constant factor on a gradient, so the losses alone would not see expert gradients
+    # doubled (or halved) by a wrong reduction over the expert ranks; the global gradient norm does.
+    norms = _rel(run["grad_norms"], control["grad_norms"])
+    print(f"{name}: step-1 rel {rel[0]:.1e}, max rel over {STEPS} steps {max(rel):.1e}; grad norm {max(norms):.1e}")
     assert rel[0] <= 1e-5 and max(rel) <= 1e-4, (name, rel)
+    assert norms[0] <= 1e-4 and max(norms) <= 1e-3, (name, norms)
     assert run["biases"], "the routing bias is on"
     _assert_biases_close(name, run["biases"], control["biases"])
     assert control["losses"][-1] < control["losses"][0] - 0.3  # and the model learns
