@@ -4,7 +4,8 @@
 [...], "resume": name or null}}}``. A layout with ``resume`` starts from the step-``RESUME_STEP`` checkpoint
 that the named layout (trained earlier in this launch) saved. Rank 0 writes ``{name: run}`` to OUT, a run
 being its losses and gradient norms (before clipping), the digests of the whole model at initialisation
-(gathered; not under PP), and every router bias this rank holds after training.
+(gathered; not under PP), every router bias this rank holds after training, and the ``moe/`` metrics
+it wrote to TensorBoard (where a layout turns it on).
 """
 
 from __future__ import annotations
@@ -51,7 +52,20 @@ def train(overrides: list[str], dump: Path, resume_from: Path | None) -> dict:
     losses = trainer.train()
     biases = {fqn: buf.tolist() for part in trainer.model_parts for fqn, buf in part.named_buffers()
               if fqn.endswith("router.expert_bias")}
-    return {"losses": losses, "grad_norms": grad_norms, "init": init, "biases": biases}
+    return {"losses": losses, "grad_norms": grad_norms, "init": init, "biases": biases,
+            "moe_metrics": _moe_scalars(dump)}
+
+
+def _moe_scalars(dump: Path) -> dict[str, list[float]]:
+    """The ``moe/...`` scalars rank 0 wrote to TensorBoard (none without it)."""
+    events = sorted({p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")})
+    if not events:
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"] if tag.startswith("moe/")}
 
 
 def main(spec_path: str, out_path: str) -> None:
