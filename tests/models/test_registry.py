@@ -61,9 +61,15 @@ def _family_imports(path: Path, root: Path) -> list[str]:
     return found
 
 
+# Packages under models/ that are shared components, not families: the MoE feed-forward, whose balancing
+# the step drives (train_step/experts.py) as it drives attention's kernels (models/attention.py).
+COMPONENTS = {"moe"}
+
+
 def _is_family_module(name: str, families: Path) -> bool:
     parts = name.split(".")
-    return len(parts) >= 3 and parts[:2] == ["torchtitan", "models"] and (families / parts[2]).is_dir()
+    return (len(parts) >= 3 and parts[:2] == ["torchtitan", "models"] and (families / parts[2]).is_dir()
+            and parts[2] not in COMPONENTS)
 
 
 def _offenders(root: Path) -> dict[str, list[str]]:

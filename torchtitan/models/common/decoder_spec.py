@@ -38,6 +38,10 @@ def _check(args: Any, dims: ParallelDims, cfg: JobConfig) -> list[str]:
                                   ep=dims.ep)
 
 
+def _num_experts(args: Any) -> int:
+    return args.num_experts
+
+
 def _with_moe_options(args: Any, cfg: JobConfig) -> Any:
     """The job's [moe] section (balancing) applied to the args of a model with experts."""
     if not args.num_experts:
@@ -69,7 +73,7 @@ def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
                                             functools.partial(hf_config.fields_of_config, qwen=qwen),
                                             hf_config.fields_of_args),
         supports_kv_cache=True,  # the shared decoder's cached forward (models/kv_cache.py)
-        num_experts=lambda args: args.num_experts,
+        num_experts=_num_experts,
         with_moe_options=_with_moe_options,
         apply_ep=parallel.apply_moe_decoder_ep,
     )
