@@ -41,15 +41,18 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.batch import Batch
-from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store
+from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store, member_groups_only
 from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.models import model_args
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
+from torchtitan.planning.symmetry import describe as describe_symmetry
+from torchtitan.planning.symmetry import representatives
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
 from torchtitan.preflight import LaunchPlan, preflight
 from torchtitan.train_step.base import StepParts
@@ -81,9 +84,11 @@ class RankRun:
     traffic: TrafficLedger
     work: dict[str, PhaseWork]
     seconds: float
+    stands_for: list[int] = field(default_factory=list)  # the pp ranks of its stage shape (symmetry.py)
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "coords": self.coords, "pipeline_stages": self.stages,
+                "stands_for_pp_ranks": self.stands_for,
                 "memory": self.memory.to_json(), "collectives": self.traffic.rows(),
                 "work": {k: dataclasses.asdict(v) for k, v in self.work.items()}, "seconds": self.seconds}
 
@@ -132,10 +137,13 @@ def _known(cfg: JobConfig) -> bool:
         return False
 
 
-def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None) -> list[int]:
-    """Global ranks that differ: coordinate 0 on every axis but ``pp``, and every pp rank (or those asked for)."""
-    chosen = range(dims.pp) if pp_ranks is None else pp_ranks
-    return [dims.rank_at(pp=r) for r in chosen]
+def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None,
+                      pipeline: PipelinePlan | None = None) -> list[int]:
+    """Global ranks that differ: coordinate 0 on every axis but ``pp``, and the pp ranks asked for, else one
+    pp rank per stage shape (``symmetry.representatives``; every pp rank without the pipeline's plan)."""
+    if pp_ranks is None:
+        pp_ranks = list(representatives(pipeline)) if pipeline is not None else list(range(dims.pp))
+    return [dims.rank_at(pp=r) for r in pp_ranks]
 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
@@ -156,13 +164,18 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
     for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
         run, cfg = _planned(cfg, world_size, steps)
         runs.append(run)
-        tasks += [(i, (cfg, run.plan, world_size, rank, steps)) for rank in ranks_to_simulate(run.dims, pp_ranks)]
+        tasks += [(i, (cfg, run.plan, world_size, rank, steps))
+                  for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline)]
+        if pp_ranks is None and (line := describe_symmetry(run.plan.pipeline)):
+            run.notes.append(line)
     # One forked process per simulated rank: DTensor caches meshes (and their process-group names)
     # across process groups, so each simulated rank needs a process of its own.
     workers = max(1, min(len(tasks), workers or (os.cpu_count() or 1)))
     with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
         results = pool.starmap(simulate_rank, [args for _, args in tasks], chunksize=1)
     for (i, _), rank_run in zip(tasks, results, strict=True):
+        if jobs[i][2] is None:  # ranks chosen by symmetry: each stands for the pp ranks of its stage shape
+            rank_run.stands_for = representatives(runs[i].plan.pipeline).get(rank_run.coords.get("pp", 0), [])
         runs[i].ranks.append(rank_run)
     return runs
 
@@ -183,12 +196,17 @@ def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobCo
 
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int):
-    """This process as ``rank`` of a fake process group: collectives return at once and move nothing."""
+    """This process as ``rank`` of a fake process group: collectives return at once and move nothing.
+
+    Its meshes create only the groups this rank is in (``member_groups_only``): the others cost
+    seconds at 16K ranks and are never used here.
+    """
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group")
     dist.init_process_group("fake", store=fake_process_group_store(), rank=rank, world_size=world_size)
     try:
-        yield
+        with member_groups_only():
+            yield
     finally:
         dist.destroy_process_group()
 
