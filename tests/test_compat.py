@@ -425,7 +425,7 @@ def test_member_groups_only_makes_this_ranks_groups_under_their_own_names():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    def groups(shim: bool) -> tuple[list[tuple[str, list[int]]], int]:
+    def groups(shim: bool) -> tuple[list[tuple[Any, list[int]]], int]:
         dist.init_process_group("fake", store=compat.fake_process_group_store(), rank=5, world_size=8)
         try:
             with compat.member_groups_only() if shim else contextlib.nullcontext():
