@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,16 @@ from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
+from torchtitan.planning.symmetry import (
+    SIMULATED_BLOCKS,
+    blocks_to_count,
+    counted_memory,
+    counted_traffic,
+    counted_work,
+    representatives,
+    with_blocks,
+)
 from torchtitan.planning.symmetry import describe as describe_symmetry
-from torchtitan.planning.symmetry import representatives
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
 from torchtitan.preflight import LaunchPlan, preflight
 from torchtitan.train_step.base import StepParts
@@ -147,37 +156,54 @@ def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None,
 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
-            workers: int | None = None) -> DryRun:
+            workers: int | None = None, symmetry: bool = True) -> DryRun:
     """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs: the optimizer state
     as a first step makes it, then ``steps`` recorded steps."""
-    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers)[0]
+    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers, symmetry)[0]
 
 
 def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1,
-             workers: int | None = None) -> list[DryRun]:
+             workers: int | None = None, symmetry: bool = True) -> list[DryRun]:
     """``dry_run`` of several jobs (config, world size, pipeline ranks), every simulated rank of every job in
     one pool of worker processes, so that a search or a set of configs keeps every core busy.
 
-    Each job is planned first, so a bad one raises its ``ConfigError`` before anything is simulated.
+    With ``symmetry`` (``symmetry.py``), one pp rank per stage shape is simulated unless ``pp_ranks`` names
+    them, and a job without a pipeline whose blocks are alike is simulated with 3 and 4 blocks and counted;
+    without it, every pp rank (or those named) and every block. Each job is planned first, so a bad one
+    raises its ``ConfigError`` before anything is simulated.
     """
-    runs, tasks = [], []
+    runs, tasks, blocks = [], [], []
     for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
         run, cfg = _planned(cfg, world_size, steps)
         runs.append(run)
-        tasks += [(i, (cfg, run.plan, world_size, rank, steps))
-                  for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline)]
-        if pp_ranks is None and (line := describe_symmetry(run.plan.pipeline)):
-            run.notes.append(line)
-    # One forked process per simulated rank: DTensor caches meshes (and their process-group names)
+        n, why = blocks_to_count(run.plan, cfg) if symmetry else (None, "")
+        blocks.append(n)
+        plans = [run.plan] if n is None else [with_blocks(run.plan, k) for k in SIMULATED_BLOCKS]
+        by_shape = symmetry and pp_ranks is None
+        tasks += [(i, [(cfg, plan, world_size, rank, steps, n is not None) for plan in plans])
+                  for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline if by_shape else None)]
+        run.notes += [line for line in (why, describe_symmetry(run.plan.pipeline) if by_shape else "") if line]
+    # One forked process per simulation: DTensor caches meshes (and their process-group names)
     # across process groups, so each simulated rank needs a process of its own.
-    workers = max(1, min(len(tasks), workers or (os.cpu_count() or 1)))
+    flat = [args for _, sims in tasks for args in sims]
+    workers = max(1, min(len(flat), workers or (os.cpu_count() or 1)))
     with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-        results = pool.starmap(simulate_rank, [args for _, args in tasks], chunksize=1)
-    for (i, _), rank_run in zip(tasks, results, strict=True):
-        if jobs[i][2] is None:  # ranks chosen by symmetry: each stands for the pp ranks of its stage shape
+        results = iter(pool.starmap(simulate_rank, flat, chunksize=1))
+    for i, sims in tasks:
+        done = [next(results) for _ in sims]
+        n = blocks[i]
+        rank_run = done[0] if n is None else _counted_blocks(done[0], done[1], n - SIMULATED_BLOCKS[0])
+        if symmetry and jobs[i][2] is None:  # ranks chosen by shape: each stands for the pp ranks of its shape
             rank_run.stands_for = representatives(runs[i].plan.pipeline).get(rank_run.coords.get("pp", 0), [])
         runs[i].ranks.append(rank_run)
     return runs
+
+
+def _counted_blocks(three: RankRun, four: RankRun, extra: int) -> RankRun:
+    """A rank simulated with 3 and with 4 blocks, counted at ``3 + extra`` (``symmetry.py``)."""
+    return RankRun(three.rank, three.coords, three.stages, counted_memory(three.memory, four.memory, extra),
+                   counted_traffic(three.traffic, four.traffic, extra), counted_work(three.work, four.work, extra),
+                   three.seconds + four.seconds)
 
 
 def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobConfig]:
@@ -211,16 +237,24 @@ def fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int) -> RankRun:
+def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int,
+                  regions: bool = False) -> RankRun:
+    """One rank's step; ``regions``: the memory ledger also keeps the highest total of each block's forward and
+    backward (``symmetry.counted_memory``)."""
     start = time.perf_counter()
     with fake_world(rank, world_size):
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh("cpu")
         memory, compute = MemoryLedger(), ComputeLedger()
+        if regions:
+            memory.enter("build")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         traffic = TrafficLedger({})
         recorder = StepRecorder(memory, traffic, compute)
         job = _Job(cfg, plan, dims, fake, memory, recorder)
+        if regions:
+            recorder.watch_blocks([b for part in job.runner.model_parts
+                                   for b in cast(torch.nn.ModuleDict, part.layers).values()])
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
