@@ -17,7 +17,7 @@ from torchtitan.planning.cost import estimate
 from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
 
 
-@pytest.mark.slow  # the dry run's pool forks; one simulated rank, about 10 s
+@pytest.mark.slow  # the dry run forks: two simulations of 3 and 4 blocks, about 2 s of CPU
 def test_8b_fsdp8_row_stays_in_its_band_against_the_published_run():
     """benchmarks/plan_validation.py's 8b-fsdp8 row: TorchTitan's Llama 3 8B on 8 H100s (FSDP 8, 8k tokens).
 

@@ -186,9 +186,13 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
     # One forked process per simulation: DTensor caches meshes (and their process-group names)
     # across process groups, so each simulated rank needs a process of its own.
     flat = [args for _, sims in tasks for args in sims]
+    # The longest first, so that the last one to finish is a short one.
+    order = sorted(range(len(flat)), key=lambda j: -_blocks_run(flat[j][1]))
     workers = max(1, min(len(flat), workers or (os.cpu_count() or 1)))
     with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-        results = iter(pool.starmap(simulate_rank, flat, chunksize=1))
+        done_in_order = pool.starmap(simulate_rank, [flat[j] for j in order], chunksize=1)
+    by_task = dict(zip(order, done_in_order, strict=True))
+    results = iter(by_task[j] for j in range(len(flat)))
     for i, sims in tasks:
         done = [next(results) for _ in sims]
         n = blocks[i]
@@ -197,6 +201,12 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
             rank_run.stands_for = representatives(runs[i].plan.pipeline).get(rank_run.coords.get("pp", 0), [])
         runs[i].ranks.append(rank_run)
     return runs
+
+
+def _blocks_run(plan: LaunchPlan) -> int:
+    """Block forwards a simulated rank runs in a step: what its time goes as."""
+    p, n = plan.pipeline, plan.model_args.n_layers
+    return n * plan.grad_accum if p is None else n * p.microbatches // p.pp
 
 
 def _counted_blocks(three: RankRun, four: RankRun, extra: int) -> RankRun:
