@@ -1,17 +1,19 @@
 """A dry run of the real trainer at any world size, in one CPU process, on fake tensors.
 
 ``dry_run(cfg, world_size)`` checks the job with the trainer's preflight, then, for each rank that
-differs (every pipeline rank; within one, rank 0 of every other dim holds the largest shard of every
-uneven split, which FSDP pads the others to), joins a fake process group of ``world_size`` ranks as
-that rank and builds what the trainer builds, with the trainer's own ``build_runner``: the
-``ParallelDims`` mesh, the model parallelized by ``distributed/parallelize.py`` (TP/SP/loss parallel, CP, AC,
-FSDP/HSDP and mixed precision), the pipeline stages and schedule, the optimizer and the LR schedule.
+differs (one pipeline rank per stage shape, ``symmetry.py``; within one, rank 0 of every other dim
+holds the largest shard of every uneven split, which FSDP pads the others to), joins a fake process
+group of ``world_size`` ranks as that rank and builds what the trainer builds, with the trainer's own
+``build_runner``: the ``ParallelDims`` mesh, the model parallelized by ``distributed/parallelize.py``
+(TP/SP/loss parallel, CP, AC, FSDP/HSDP and mixed precision), the pipeline stages and schedule, the
+optimizer and the LR schedule.
 It then runs the trainer's own step (``PlainStep``: loss scale, forward and backward over every
 micro-batch or the pipeline schedule, gradient clipping, the optimizer and LR steps, the loss sums)
 under ``FakeTensorMode``: shapes, dtypes and every op and collective, but no data and no memory of
 the model's size. A recorder (``StepRecorder``), told what the step is doing through the step's
 callbacks, counts each storage at its local size (``memory.py``), each collective by mesh dim
-(``traffic.py``) and each op's work (``compute.py``).
+(``traffic.py``) and each op's work (``compute.py``). A job without a pipeline whose blocks are
+alike is simulated with 3 and 4 blocks and counted at its own (``symmetry.py``).
 
 What differs from a GPU run, and how it is handled:
 
