@@ -8,6 +8,7 @@ rather than in a training run. The distributed ones share one 2-rank gloo world;
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import inspect
@@ -416,6 +417,29 @@ def test_fake_process_group_and_flatten_mesh(fake_world):
     t = torch.ones(3)
     dist.all_reduce(t, group=flat.get_group())  # the fake backend returns at once and moves nothing
     assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_member_groups_only_makes_this_ranks_groups_under_their_own_names():
+    # torch.distributed.device_mesh.new_group and distributed_c10d._world.group_count: the dry run's meshes
+    # create only the groups of the simulated rank, named as a full build names them.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def groups(shim: bool) -> tuple[list[tuple[Any, list[int]]], int]:
+        dist.init_process_group("fake", store=compat.fake_process_group_store(), rank=5, world_size=8)
+        try:
+            with compat.member_groups_only() if shim else contextlib.nullcontext():
+                mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+            mine = [(g.group_name, dist.get_process_group_ranks(g)) for g in mesh.get_all_groups()]
+            return mine, distributed_c10d._world.group_count
+        finally:
+            dist.destroy_process_group()
+
+    from torch.distributed import distributed_c10d
+
+    (full, numbered_full), (shim, numbered_shim) = groups(False), groups(True)
+    assert shim == full and [r for _, r in shim] == [[1, 5], [5, 7], [4, 5]]
+    assert numbered_shim == numbered_full  # every group of the full build took its number
 
 
 def test_collective_ops_and_resolve_process_group(fake_world):

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
     "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh", "fsdp_storage_hooks",
-    "functional_collective_ops", "in_autograd_backward", "op_name", "resolve_process_group",
+    "functional_collective_ops", "in_autograd_backward", "member_groups_only", "op_name", "resolve_process_group",
     "skip_pipeline_shape_exchange", "storage_id", "in_pipeline_shape_inference", "mark_pipeline_shape_inference",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
@@ -118,6 +118,36 @@ def fake_process_group_store() -> distributed_c10d.Store:
     except ImportError as e:
         raise _missing("torch.testing._internal.distributed.fake_pg.FakeStore") from e
     return FakeStore()
+
+
+@contextlib.contextmanager
+def member_groups_only() -> Iterator[None]:
+    """While building device meshes, create only the process groups this rank belongs to.
+
+    ``DeviceMesh`` calls ``new_group`` for every group of every mesh dim on every rank (a real
+    backend needs each rank to join every creation), so one rank of a 16,384-rank world creates
+    some 90,000 groups. In a fake world nothing is joined: a group this rank is not in returns
+    ``NON_GROUP_MEMBER`` at once, after taking its sequence number as ``new_group`` does, so the
+    groups this rank is in keep the names a full build gives them (torch 2.9-2.13:
+    ``torch.distributed.device_mesh.new_group``, ``_world.group_count``).
+    """
+    from torch.distributed import device_mesh
+
+    real = getattr(device_mesh, "new_group", None)
+    if real is None or not hasattr(distributed_c10d._world, "group_count"):
+        raise _missing("torch.distributed.device_mesh.new_group / distributed_c10d._world.group_count")
+
+    def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
+        if ranks is not None and dist.get_rank() not in ranks:
+            distributed_c10d._world.group_count += 1
+            return distributed_c10d.GroupMember.NON_GROUP_MEMBER
+        return real(ranks=ranks, **kwargs)
+
+    setattr(device_mesh, "new_group", new_group)  # noqa: B010 - a name the stubs do not export
+    try:
+        yield
+    finally:
+        setattr(device_mesh, "new_group", real)  # noqa: B010
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:

@@ -20,7 +20,9 @@ def _parser(with_cluster: bool) -> argparse.ArgumentParser:
     p.add_argument("--world_size", type=int, required=True, help="ranks of the job to plan")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--pp_ranks", type=str, default=None,
-                   help="comma-separated pipeline ranks to simulate (default: all of them)")
+                   help="comma-separated pipeline ranks to simulate (default: one per stage shape)")
+    p.add_argument("--no_symmetry", action="store_true",
+                   help="simulate every pipeline rank and every block instead of counting alike ones (slow; a check)")
     if with_cluster:
         p.add_argument("--cluster", required=True, help="a cluster name or a .toml file of one's own")
         p.add_argument("--search", action="store_true", help="rank the valid layouts for this world size")
@@ -41,7 +43,8 @@ def dry_run_main(argv: list[str]) -> int:
     from torchtitan.planning.report import dry_run_text
 
     try:
-        run = dry_run(ConfigManager().parse_args(rest), own.world_size, pp_ranks=_ranks(own.pp_ranks))
+        run = dry_run(ConfigManager().parse_args(rest), own.world_size, pp_ranks=_ranks(own.pp_ranks),
+                      symmetry=not own.no_symmetry)
     except ConfigError as e:
         return _config_errors(e)
     if own.json:
@@ -74,7 +77,7 @@ def plan_main(argv: list[str]) -> int:
         from torchtitan.planning.dry_run import dry_run
         from torchtitan.planning.report import dry_run_text, estimate_text
 
-        run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks))
+        run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks), symmetry=not own.no_symmetry)
     except ConfigError as e:
         return _config_errors(e)
     est = estimate(run, cluster)

@@ -1,17 +1,19 @@
 """A dry run of the real trainer at any world size, in one CPU process, on fake tensors.
 
 ``dry_run(cfg, world_size)`` checks the job with the trainer's preflight, then, for each rank that
-differs (every pipeline rank; within one, rank 0 of every other dim holds the largest shard of every
-uneven split, which FSDP pads the others to), joins a fake process group of ``world_size`` ranks as
-that rank and builds what the trainer builds, with the trainer's own ``build_runner``: the
-``ParallelDims`` mesh, the model parallelized by ``distributed/parallelize.py`` (TP/SP/loss parallel, CP, AC,
-FSDP/HSDP and mixed precision), the pipeline stages and schedule, the optimizer and the LR schedule.
+differs (one pipeline rank per stage shape, ``symmetry.py``; within one, rank 0 of every other dim
+holds the largest shard of every uneven split, which FSDP pads the others to), joins a fake process
+group of ``world_size`` ranks as that rank and builds what the trainer builds, with the trainer's own
+``build_runner``: the ``ParallelDims`` mesh, the model parallelized by ``distributed/parallelize.py``
+(TP/SP/loss parallel, CP, AC, FSDP/HSDP and mixed precision), the pipeline stages and schedule, the
+optimizer and the LR schedule.
 It then runs the trainer's own step (``PlainStep``: loss scale, forward and backward over every
 micro-batch or the pipeline schedule, gradient clipping, the optimizer and LR steps, the loss sums)
 under ``FakeTensorMode``: shapes, dtypes and every op and collective, but no data and no memory of
 the model's size. A recorder (``StepRecorder``), told what the step is doing through the step's
 callbacks, counts each storage at its local size (``memory.py``), each collective by mesh dim
-(``traffic.py``) and each op's work (``compute.py``).
+(``traffic.py``) and each op's work (``compute.py``). A job without a pipeline whose blocks are
+alike is simulated with 3 and 4 blocks and counted at its own (``symmetry.py``).
 
 What differs from a GPU run, and how it is handled:
 
@@ -36,20 +38,32 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from torchtitan.batch import Batch
-from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store
+from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store, member_groups_only
 from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.models import model_args
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
+from torchtitan.planning.symmetry import (
+    SIMULATED_BLOCKS,
+    blocks_to_count,
+    counted_memory,
+    counted_traffic,
+    counted_work,
+    representatives,
+    with_blocks,
+)
+from torchtitan.planning.symmetry import describe as describe_symmetry
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
 from torchtitan.preflight import LaunchPlan, preflight
 from torchtitan.train_step.base import StepParts
@@ -81,9 +95,11 @@ class RankRun:
     traffic: TrafficLedger
     work: dict[str, PhaseWork]
     seconds: float
+    stands_for: list[int] = field(default_factory=list)  # the pp ranks of its stage shape (symmetry.py)
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "coords": self.coords, "pipeline_stages": self.stages,
+                "stands_for_pp_ranks": self.stands_for,
                 "memory": self.memory.to_json(), "collectives": self.traffic.rows(),
                 "work": {k: dataclasses.asdict(v) for k, v in self.work.items()}, "seconds": self.seconds}
 
@@ -132,39 +148,74 @@ def _known(cfg: JobConfig) -> bool:
         return False
 
 
-def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None) -> list[int]:
-    """Global ranks that differ: coordinate 0 on every axis but ``pp``, and every pp rank (or those asked for)."""
-    chosen = range(dims.pp) if pp_ranks is None else pp_ranks
-    return [dims.rank_at(pp=r) for r in chosen]
+def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None,
+                      pipeline: PipelinePlan | None = None) -> list[int]:
+    """Global ranks that differ: coordinate 0 on every axis but ``pp``, and the pp ranks asked for, else one
+    pp rank per stage shape (``symmetry.representatives``; every pp rank without the pipeline's plan)."""
+    if pp_ranks is None:
+        pp_ranks = list(representatives(pipeline)) if pipeline is not None else list(range(dims.pp))
+    return [dims.rank_at(pp=r) for r in pp_ranks]
 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
-            workers: int | None = None) -> DryRun:
+            workers: int | None = None, symmetry: bool = True) -> DryRun:
     """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs: the optimizer state
     as a first step makes it, then ``steps`` recorded steps."""
-    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers)[0]
+    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers, symmetry)[0]
 
 
 def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1,
-             workers: int | None = None) -> list[DryRun]:
+             workers: int | None = None, symmetry: bool = True) -> list[DryRun]:
     """``dry_run`` of several jobs (config, world size, pipeline ranks), every simulated rank of every job in
     one pool of worker processes, so that a search or a set of configs keeps every core busy.
 
-    Each job is planned first, so a bad one raises its ``ConfigError`` before anything is simulated.
+    With ``symmetry`` (``symmetry.py``), one pp rank per stage shape is simulated unless ``pp_ranks`` names
+    them, and a job without a pipeline whose blocks are alike is simulated with 3 and 4 blocks and counted;
+    without it, every pp rank (or those named) and every block. Each job is planned first, so a bad one
+    raises its ``ConfigError`` before anything is simulated.
     """
-    runs, tasks = [], []
+    runs, tasks, blocks = [], [], []
     for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
         run, cfg = _planned(cfg, world_size, steps)
         runs.append(run)
-        tasks += [(i, (cfg, run.plan, world_size, rank, steps)) for rank in ranks_to_simulate(run.dims, pp_ranks)]
-    # One forked process per simulated rank: DTensor caches meshes (and their process-group names)
+        n, why = blocks_to_count(run.plan, cfg) if symmetry else (None, "")
+        blocks.append(n)
+        plans = [run.plan] if n is None else [with_blocks(run.plan, k) for k in SIMULATED_BLOCKS]
+        by_shape = symmetry and pp_ranks is None
+        tasks += [(i, [(cfg, plan, world_size, rank, steps, n is not None) for plan in plans])
+                  for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline if by_shape else None)]
+        run.notes += [line for line in (why, describe_symmetry(run.plan.pipeline) if by_shape else "") if line]
+    # One forked process per simulation: DTensor caches meshes (and their process-group names)
     # across process groups, so each simulated rank needs a process of its own.
-    workers = max(1, min(len(tasks), workers or (os.cpu_count() or 1)))
+    flat = [args for _, sims in tasks for args in sims]
+    # The longest first, so that the last one to finish is a short one.
+    order = sorted(range(len(flat)), key=lambda j: -_blocks_run(flat[j][1]))
+    workers = max(1, min(len(flat), workers or (os.cpu_count() or 1)))
     with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-        results = pool.starmap(simulate_rank, [args for _, args in tasks], chunksize=1)
-    for (i, _), rank_run in zip(tasks, results, strict=True):
+        done_in_order = pool.starmap(simulate_rank, [flat[j] for j in order], chunksize=1)
+    by_task = dict(zip(order, done_in_order, strict=True))
+    results = iter(by_task[j] for j in range(len(flat)))
+    for i, sims in tasks:
+        done = [next(results) for _ in sims]
+        n = blocks[i]
+        rank_run = done[0] if n is None else _counted_blocks(done[0], done[1], n - SIMULATED_BLOCKS[0])
+        if symmetry and jobs[i][2] is None:  # ranks chosen by shape: each stands for the pp ranks of its shape
+            rank_run.stands_for = representatives(runs[i].plan.pipeline).get(rank_run.coords.get("pp", 0), [])
         runs[i].ranks.append(rank_run)
     return runs
+
+
+def _blocks_run(plan: LaunchPlan) -> int:
+    """Block forwards a simulated rank runs in a step: what its time goes as."""
+    p, n = plan.pipeline, plan.model_args.n_layers
+    return n * plan.grad_accum if p is None else n * p.microbatches // p.pp
+
+
+def _counted_blocks(three: RankRun, four: RankRun, extra: int) -> RankRun:
+    """A rank simulated with 3 and with 4 blocks, counted at ``3 + extra`` (``symmetry.py``)."""
+    return RankRun(three.rank, three.coords, three.stages, counted_memory(three.memory, four.memory, extra),
+                   counted_traffic(three.traffic, four.traffic, extra), counted_work(three.work, four.work, extra),
+                   three.seconds + four.seconds)
 
 
 def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobConfig]:
@@ -183,26 +234,39 @@ def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobCo
 
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int):
-    """This process as ``rank`` of a fake process group: collectives return at once and move nothing."""
+    """This process as ``rank`` of a fake process group: collectives return at once and move nothing.
+
+    Its meshes create only the groups this rank is in (``member_groups_only``): the others cost
+    seconds at 16K ranks and are never used here.
+    """
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group")
     dist.init_process_group("fake", store=fake_process_group_store(), rank=rank, world_size=world_size)
     try:
-        yield
+        with member_groups_only():
+            yield
     finally:
         dist.destroy_process_group()
 
 
-def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int) -> RankRun:
+def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int,
+                  regions: bool = False) -> RankRun:
+    """One rank's step; ``regions``: the memory ledger also keeps the highest total of each block's forward and
+    backward (``symmetry.counted_memory``)."""
     start = time.perf_counter()
     with fake_world(rank, world_size):
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh("cpu")
         memory, compute = MemoryLedger(), ComputeLedger()
+        if regions:
+            memory.enter("build")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         traffic = TrafficLedger({})
         recorder = StepRecorder(memory, traffic, compute)
         job = _Job(cfg, plan, dims, fake, memory, recorder)
+        if regions:
+            recorder.watch_blocks([b for part in job.runner.model_parts
+                                   for b in cast(torch.nn.ModuleDict, part.layers).values()])
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)

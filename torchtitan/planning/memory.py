@@ -43,6 +43,8 @@ class MemoryReport:
     at_peak: dict[str, int]
     final: dict[str, int]  # after the last step (what stays: parameters, optimizer state, buffers)
     peak_phase: str
+    # Where the step was (``MemoryLedger.enter``) and the highest total there: [name, bytes, split, phase].
+    regions: list[list] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
         return {"peak_gib": self.peak_bytes / GIB, "peak_phase": self.peak_phase,
@@ -62,6 +64,12 @@ class MemoryLedger:
     peak_split: dict[str, int] = field(default_factory=dict)
     peak_phase: str = ""
     phase: str = "build"
+    regions: list[list] = field(default_factory=list)  # [name, highest total, its split, its phase], in order
+
+    def enter(self, name: str) -> None:
+        """The step enters a new region (a block's forward or backward: ``symmetry.py``); its highest total
+        starts at the total now."""
+        self.regions.append([name, self.total, dict(self._totals), self.phase])
 
     def register(self, t: torch.Tensor, category: str | None = None) -> None:
         """Count ``t``'s storage once (later views of it are free); ``category`` re-tags a known one."""
@@ -100,6 +108,8 @@ class MemoryLedger:
     def _check_peak(self) -> None:
         if self.total > self.peak:
             self.peak, self.peak_split, self.peak_phase = self.total, dict(self._totals), self.phase
+        if self.regions and self.total > self.regions[-1][1]:
+            self.regions[-1][1:] = [self.total, dict(self._totals), self.phase]
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -112,7 +122,7 @@ class MemoryLedger:
 
     def report(self) -> MemoryReport:
         return MemoryReport(peak_bytes=self.peak, at_peak=fold(self.peak_split), final=self.totals(),
-                            peak_phase=self.peak_phase)
+                            peak_phase=self.peak_phase, regions=self.regions)
 
 
 def fold(totals: dict[str, int]) -> dict[str, int]:

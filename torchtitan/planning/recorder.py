@@ -86,6 +86,20 @@ class StepRecorder(TorchDispatchMode):
             if p.grad is not None:
                 self.memory.register(p.grad, "gradients")
 
+    def watch_blocks(self, blocks: list[torch.nn.Module]) -> None:
+        """Start a memory region (``MemoryLedger.enter``) where each block's forward begins (before FSDP's
+        gather) and where its backward begins (its output's gradient is ready), named by the block's place:
+        first, middle or last (``symmetry.py`` counts the middle ones)."""
+        for i, block in enumerate(blocks):
+            place = "first" if i == 0 else "last" if i == len(blocks) - 1 else "middle"
+            block.register_forward_pre_hook(lambda *_, place=place: self.memory.enter(f"forward {place}"),
+                                            prepend=True)
+            block.register_forward_hook(lambda _m, _a, out, place=place: self._mark_backward(out, place))
+
+    def _mark_backward(self, out, place: str) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda _grad: self.memory.enter(f"backward {place}"))
+
     # ---- the ops ----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
