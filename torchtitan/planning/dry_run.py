@@ -41,13 +41,14 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.batch import Batch
-from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store
+from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store, grouped_mm_as_on
 from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
 from torchtitan.models import model_args
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
+from torchtitan.planning.moe import GPU_GROUPED_MM_DTYPES, assume_routing, check_imbalance, moe_notes
 from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
@@ -139,24 +140,27 @@ def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None) -> 
 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
-            workers: int | None = None) -> DryRun:
+            workers: int | None = None, moe_imbalance: float = 1.0) -> DryRun:
     """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs: the optimizer state
-    as a first step makes it, then ``steps`` recorded steps."""
-    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers)[0]
+    as a first step makes it, then ``steps`` recorded steps. ``moe_imbalance``: see ``planning/moe.py``."""
+    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers, moe_imbalance)[0]
 
 
 def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1,
-             workers: int | None = None) -> list[DryRun]:
+             workers: int | None = None, moe_imbalance: float = 1.0) -> list[DryRun]:
     """``dry_run`` of several jobs (config, world size, pipeline ranks), every simulated rank of every job in
     one pool of worker processes, so that a search or a set of configs keeps every core busy.
 
     Each job is planned first, so a bad one raises its ``ConfigError`` before anything is simulated.
     """
+    check_imbalance(moe_imbalance)
     runs, tasks = [], []
     for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
         run, cfg = _planned(cfg, world_size, steps)
+        run.notes += moe_notes(run.plan, moe_imbalance)
         runs.append(run)
-        tasks += [(i, (cfg, run.plan, world_size, rank, steps)) for rank in ranks_to_simulate(run.dims, pp_ranks)]
+        tasks += [(i, (cfg, run.plan, world_size, rank, steps, moe_imbalance))
+                  for rank in ranks_to_simulate(run.dims, pp_ranks)]
     # One forked process per simulated rank: DTensor caches meshes (and their process-group names)
     # across process groups, so each simulated rank needs a process of its own.
     workers = max(1, min(len(tasks), workers or (os.cpu_count() or 1)))
@@ -193,7 +197,8 @@ def fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int) -> RankRun:
+def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int,
+                  moe_imbalance: float = 1.0) -> RankRun:
     start = time.perf_counter()
     with fake_world(rank, world_size):
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -202,12 +207,12 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         traffic = TrafficLedger({})
         recorder = StepRecorder(memory, traffic, compute)
-        job = _Job(cfg, plan, dims, fake, memory, recorder)
+        job = _Job(cfg, plan, dims, fake, memory, recorder, moe_imbalance)
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
         _prebuild_cp_masks(cfg, dims)
-        with fake, recorder, track_fsdp_storage(memory):
+        with fake, recorder, track_fsdp_storage(memory), grouped_mm_as_on(GPU_GROUPED_MM_DTYPES):
             job.register_state()
             job.init_optimizer_state(recorder)
             traffic.recording = compute.recording = True
@@ -255,13 +260,14 @@ class _Job:
     its own ``PlainStep``; the recorder follows the step through the step's callbacks."""
 
     def __init__(self, cfg: JobConfig, plan: LaunchPlan, dims: ParallelDims, fake: FakeTensorMode, memory: MemoryLedger,
-                 recorder: StepRecorder):
+                 recorder: StepRecorder, moe_imbalance: float = 1.0):
         self.cfg, self.plan, self.dims, self.memory = cfg, plan, dims, memory
         # Parallelized for the GPU (its dtype policy and kernels), allocated as fake tensors, not initialized.
         io = None if plan.pipeline is None else stage_io(cfg, dims, plan.model_spec, plan.model_args, plan.pipeline)
         options = BuildOptions(device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
                                stage_io=io)
         self.runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
+        assume_routing(self.runner.model_parts, moe_imbalance)  # MoE layers: counts assumed (planning/moe.py)
         self.stage_ids: list[int] = []
         if self.runner.pp_runner is not None:
             make_stages_static(self.runner.pp_runner)

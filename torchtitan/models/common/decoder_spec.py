@@ -29,6 +29,14 @@ def _use_cpu_kernels(model: nn.Module, onednn_linears: bool) -> dict[str, int]:
     return use_cpu_kernels(model, Attention, onednn_linears=onednn_linears)
 
 
+def _hidden_width(args: Any) -> int:
+    return args.dim
+
+
+def _num_experts(args: Any) -> int:
+    return args.num_experts
+
+
 def _check(args: Any, dims: ParallelDims, cfg: JobConfig) -> list[str]:
     return parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor,
                                   ep=dims.ep)
@@ -59,13 +67,13 @@ def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
         apply_tp=parallel.apply_moe_decoder_tp,
         apply_cp=parallel.apply_cp,
         prune_stage=parallel.prune_stage,
-        hidden_width=lambda args: args.dim,
+        hidden_width=_hidden_width,  # module-level: the planner pickles the spec
         check=_check,
         state_dict_adapter=DecoderHFAdapter(naming, write_config,
                                             functools.partial(hf_config.fields_of_config, qwen=qwen),
                                             hf_config.fields_of_args),
         supports_kv_cache=True,  # the shared decoder's cached forward (models/kv_cache.py)
-        num_experts=lambda args: args.num_experts,
+        num_experts=_num_experts,
         with_moe_options=_with_moe_options,
         apply_ep=parallel.apply_moe_decoder_ep,
     )
