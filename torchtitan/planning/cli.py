@@ -1,6 +1,6 @@
 """The planner's command line (``scripts/plan.py``) and ``train.py --dry_run``.
 
-    python scripts/plan.py --cluster NAME --world_size N [--json] [--search] [train.py overrides]
+    python scripts/plan.py --cluster NAME --world_size N [--json] [--search] [--moe_imbalance F] [train.py overrides]
     python train.py --dry_run --world_size N [train.py overrides]
 
 A config problem prints the preflight's lines (``config error: ...``) and exits 2, as a launch does.
@@ -21,6 +21,8 @@ def _parser(with_cluster: bool) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--pp_ranks", type=str, default=None,
                    help="comma-separated pipeline ranks to simulate (default: all of them)")
+    p.add_argument("--moe_imbalance", type=float, default=1.0,
+                   help="models with experts: max over mean tokens per expert, >= 1 (default 1: balanced routing)")
     if with_cluster:
         p.add_argument("--cluster", required=True, help="a cluster name or a .toml file of one's own")
         p.add_argument("--search", action="store_true", help="rank the valid layouts for this world size")
@@ -40,8 +42,11 @@ def dry_run_main(argv: list[str]) -> int:
     from torchtitan.planning.dry_run import dry_run
     from torchtitan.planning.report import dry_run_text
 
+    if (bad := _bad_imbalance(own)) is not None:
+        return bad
     try:
-        run = dry_run(ConfigManager().parse_args(rest), own.world_size, pp_ranks=_ranks(own.pp_ranks))
+        run = dry_run(ConfigManager().parse_args(rest), own.world_size, pp_ranks=_ranks(own.pp_ranks),
+                      moe_imbalance=own.moe_imbalance)
     except ConfigError as e:
         return _config_errors(e)
     if own.json:
@@ -50,6 +55,18 @@ def dry_run_main(argv: list[str]) -> int:
     else:
         print(dry_run_text(run))
     return 0
+
+
+def _bad_imbalance(own: argparse.Namespace) -> int | None:
+    """Exit status 2 and the one line for an imbalance factor below 1; None when it is good."""
+    from torchtitan.planning.moe import ImbalanceError, check_imbalance
+
+    try:
+        check_imbalance(own.moe_imbalance)
+    except ImbalanceError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return None
 
 
 def _ranks(text: str | None) -> list[int] | None:
@@ -66,6 +83,8 @@ def plan_main(argv: list[str]) -> int:
     except ClusterError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if (bad := _bad_imbalance(own)) is not None:
+        return bad
     try:
         cfg = ConfigManager().parse_args(rest)
         if own.search:
@@ -74,7 +93,7 @@ def plan_main(argv: list[str]) -> int:
         from torchtitan.planning.dry_run import dry_run
         from torchtitan.planning.report import dry_run_text, estimate_text
 
-        run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks))
+        run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks), moe_imbalance=own.moe_imbalance)
     except ConfigError as e:
         return _config_errors(e)
     est = estimate(run, cluster)
@@ -89,7 +108,7 @@ def plan_main(argv: list[str]) -> int:
 def _search(args: list[str], own, cluster) -> int:
     from torchtitan.planning.search import search
 
-    results = search(args, own.world_size, cluster)
+    results = search(args, own.world_size, cluster, moe_imbalance=own.moe_imbalance)
     if own.json:
         print(json.dumps({"layouts": [r.to_json() for r in results]}))
         return 0
