@@ -39,6 +39,7 @@ def ep2_runs():
     return dry_run(cfg, 4), dry_run(cfg, 4, moe_imbalance=1.5)
 
 
+@pytest.mark.slow  # the dry run's pool of worker processes
 def test_all_to_all_bytes_follow_the_formula(ep2_runs):
     balanced, skewed = ep2_runs
     for run, f in ((balanced, 1.0), (skewed, 1.5)):
@@ -50,6 +51,7 @@ def test_all_to_all_bytes_follow_the_formula(ep2_runs):
     assert any("balanced" in n for n in balanced.notes) and any("imbalance 1.5" in n for n in skewed.notes)
 
 
+@pytest.mark.slow
 def test_forward_matmul_flops_are_the_active_parameters(ep2_runs):
     balanced, skewed = ep2_runs
     args = balanced.plan.model_args
