@@ -24,7 +24,9 @@ What differs from a GPU run, and how it is handled:
 - no weights are initialized (they are fake; init reads random values: ``init_weights=False``), the
   tokenizer and the data set are not read (the flavor's vocabulary and random token ids stand in),
   and the checkpoint manager is not built (it opens a gloo group and installs signal handlers);
-- the loss and grad norm are never read on the host.
+- the loss and grad norm are never read on the host;
+- a MoE layer's token counts are assumed (balanced, or an imbalance factor; ``planning/moe.py``): fake
+  tensors hold no counts to size its all-to-all with.
 """
 
 from __future__ import annotations
