@@ -68,7 +68,11 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
     from torchtitan.models import get_model_spec
 
     with torch.device("meta"):
-        expected = {k: tuple(p.shape) for k, p in get_model_spec(cfg.model.name).build(args).named_parameters()}
+        model = get_model_spec(cfg.model.name).build(args)
+    # Parameters and persistent buffers (an MoE router's bias: the format decides whether it is written).
+    saved = model.state_dict(keep_vars=True)
+    expected = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    expected.update({k: tuple(b.shape) for k, b in model.named_buffers() if k in saved})
     found = {k: tuple(v.shape) for k, v in weights.items()}
     if found != expected:
         differ = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))

@@ -329,9 +329,10 @@ def build_flavors() -> list[Flavor]:
           requires=("pp", "tp", "cp")),
         # ---- mixture of experts (tests/distributed/test_moe_layouts.py holds the 8-rank parity layouts) ----
         # Another model than the control's: no step-1 parity; the loss must fall and the MoE metrics show.
-        f("moe_ep_fsdp", "Qwen3-MoE debug: EP 2 x FSDP 2 (dense FSDP 4), routing bias and switch auxiliary loss",
+        f("moe_ep_fsdp", "Qwen3-MoE debug: EP 2 x FSDP 2 (dense FSDP 4), routing bias, switch auxiliary loss, "
+          "torch.compile (attention compiled, MoE eager)",
           (_phase(4, 4, {"dp_shard": 4}, *_dp(1, 4), *_MOE, "--parallelism.expert_parallel_degree=2",
-                  "--moe.aux_loss=switch"),),
+                  "--moe.aux_loss=switch", "--training.compile"),),
           requires=("moe",), parity_phase=None, checks=(_log_contains(r"moe: imbalance [0-9.]+ \(max"),)),
         f("moe_ep_tp_pp", "Qwen3-MoE debug: EP 2 x FSDP 2 x TP 2 x PP 2 (1F1B)",
           (_phase(8, 2, {"pp": 2, "dp_shard": 2, "tp": 2}, *_dp(1, 2), *_MOE, *_pp(2, "1F1B"), *_tp(2),

@@ -453,7 +453,9 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
         except ImportError as e:
             raise _missing("torch._subclasses.fake_tensor.unset_fake_temporarily") from e
-        with unset_fake_temporarily():
+        # Own saved-tensor hooks (identity): a first call inside an activation-checkpointed forward
+        # must not save the probe's tensors to the checkpoint, whose recompute (probe cached) would not.
+        with unset_fake_temporarily(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             _GROUPED_MM_PROBED[key] = _probe_grouped_mm(torch.device(device), dtype)
     return _GROUPED_MM_PROBED[key]
 

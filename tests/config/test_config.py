@@ -196,10 +196,23 @@ def test_non_finite_floats_are_rejected_on_the_cli_and_in_toml(tmp_path, value):
     assert len(found) == 1 and "not a finite number" in found[0], found
 
 
-@pytest.mark.parametrize("name", ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"])
+# Every shipped config and its family: a new file in train_configs/ fails the listing check until added here.
+SHIPPED_FAMILIES = {"debug_model": "llama3", "debug_model_ci": "llama3", "llama3_8b": "llama3",
+                    "llama3_70b": "llama3", "llama3_405b": "llama3", "qwen3_debug_moe": "qwen3",
+                    "qwen3_30b_a3b": "qwen3", "mixtral_8x7b": "mixtral"}
+
+
+def test_every_shipped_config_is_listed():
+    assert sorted(p.stem for p in (REPO / "train_configs").glob("*.toml")) == sorted(SHIPPED_FAMILIES)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_FAMILIES))
 def test_shipped_configs_parse(name):
+    from torchtitan.models import model_flavors
+
     cfg = parse("--job.config_file", str(REPO / "train_configs" / f"{name}.toml"))
-    assert cfg.model.name == "llama3"
+    assert cfg.model.name == SHIPPED_FAMILIES[name]
+    assert cfg.model.flavor in model_flavors(cfg.model.name), cfg.model.flavor
 
 
 def _run_train(*args: str) -> subprocess.CompletedProcess:

@@ -3,8 +3,9 @@
 ``moe_entry.py SPEC OUT``: SPEC is a JSON file ``{"common": [overrides], "layouts": {name: {"overrides":
 [...], "resume": name or null}}}``. A layout with ``resume`` starts from the step-``RESUME_STEP`` checkpoint
 that the named layout (trained earlier in this launch) saved. Rank 0 writes ``{name: run}`` to OUT, a run
-being its losses, the digests of the whole model at initialisation (gathered; not under PP), and every
-router bias this rank holds after training.
+being its losses and gradient norms (before clipping), the digests of the whole model at initialisation
+(gathered; not under PP), every router bias this rank holds after training, and the ``moe/`` metrics
+it wrote to TensorBoard (where a layout turns it on).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def train(overrides: list[str], dump: Path, resume_from: Path | None) -> dict:
 
     from torchtitan.config import ConfigManager
     from torchtitan.distributed.layout_init import gather_full_state_dict
+    from torchtitan.train_step.callbacks import StepEvent, StepPoint
     from torchtitan.trainer import Trainer
 
     if resume_from is not None:
@@ -37,14 +39,33 @@ def train(overrides: list[str], dump: Path, resume_from: Path | None) -> dict:
             src = resume_from / "checkpoint" / f"step-{RESUME_STEP}"
             shutil.copytree(src, dump / "checkpoint" / f"step-{RESUME_STEP}")
         dist.barrier()
-    trainer = Trainer(ConfigManager().parse_args([*overrides, f"--job.dump_folder={dump}"]))
+    grad_norms: list[float] = []
+
+    def record(event: StepEvent) -> None:
+        if event.point is StepPoint.STEP_END:
+            grad_norms.append(float(event.output.grad_norm))
+
+    trainer = Trainer(ConfigManager().parse_args([*overrides, f"--job.dump_folder={dump}"]), callbacks=[record])
     init = {}
     if trainer.pipeline is None:
         init = {fqn: _digest(t) for fqn, t in gather_full_state_dict(trainer.model_parts[0]).items()}
     losses = trainer.train()
     biases = {fqn: buf.tolist() for part in trainer.model_parts for fqn, buf in part.named_buffers()
               if fqn.endswith("router.expert_bias")}
-    return {"losses": losses, "init": init, "biases": biases}
+    return {"losses": losses, "grad_norms": grad_norms, "init": init, "biases": biases,
+            "moe_metrics": _moe_scalars(dump)}
+
+
+def _moe_scalars(dump: Path) -> dict[str, list[float]]:
+    """The ``moe/...`` scalars rank 0 wrote to TensorBoard (none without it)."""
+    events = sorted({p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")})
+    if not events:
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"] if tag.startswith("moe/")}
 
 
 def main(spec_path: str, out_path: str) -> None:

@@ -93,8 +93,10 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     dist.all_reduce(gate_grad)  # the router is replicated: its gradient is summed over the data ranks
     expert_grads = {}
     for name in ("w1", "w2", "w3"):
-        grad = _local(getattr(moe.experts, name).grad)
-        dist.all_reduce(grad, group=mesh["dp"].get_group())  # the ranks that hold the same experts
+        # Each expert's gradient is the mean over the ep ranks whose tokens it took (parallel.py): times
+        # ep, then summed over the ranks that hold the same experts, it is the whole batch's sum.
+        grad = _local(getattr(moe.experts, name).grad) * ep
+        dist.all_reduce(grad, group=mesh["dp"].get_group())
         expert_grads[name] = grad
     shared = {n: p.grad.clone() for n, p in moe.named_parameters() if n.startswith("shared_experts")}
     for grad in shared.values():

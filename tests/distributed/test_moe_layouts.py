@@ -44,15 +44,17 @@ def _dims(shard: int = 8, ep: int = 2, batch: int = 1, **more: int) -> list[str]
 
 SAVE = ["--checkpoint.enable_checkpoint", "--checkpoint.interval=5"]
 NO_AUX = "--moe.aux_loss=none"
+TB = "--metrics.enable_tensorboard=true"  # the MoE metrics are read back from TensorBoard
 PP2 = ["--parallelism.pipeline_parallel_microbatches=2"]
 PARITY = {
     "EP2 x FSDP4": _dims() + SAVE,  # dense FSDP 8; experts: 2 EP ranks x 4 efsdp ranks
     "EP8": _dims(ep=8),
     "HSDP2 x FSDP2, EP2": _dims(shard=4, rep=2),
-    "EP2 x TP2 x FSDP2": _dims(shard=4, batch=2, tp=2),
+    # Gradient accumulation: the auxiliary loss and the counts add up over the micro-batches.
+    "EP2 x TP2 x FSDP2, 2 micro-batches": _dims(shard=4, tp=2) + ["--training.gradient_accumulation_steps=2", TB],
     # The sequence-wise loss takes each CP rank's chunk as its sequence (docs/moe.md): without it here.
     "EP2 x CP2 x FSDP2": _dims(shard=4, batch=2, cp=2) + [NO_AUX],
-    "EP2 x PP2 x FSDP2, 1F1B": _dims(shard=4, batch=2, pp=2) + PP2,
+    "EP2 x PP2 x FSDP2, 1F1B": _dims(shard=4, batch=2, pp=2) + PP2 + [TB],
     "EP2 x PP2 x FSDP2, interleaved": _dims(shard=4, batch=2, pp=2) + PP2 + [
         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"],
 }
@@ -83,7 +85,7 @@ def _launch(root: Path, nproc: int, layouts: dict[str, dict]) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     one = ["--training.batch_size=8", "--parallelism.data_parallel_shard_degree=1"]
-    control = _launch(tmp_path_factory.mktemp("moe_control"), 1, {"control": {"overrides": one},
+    control = _launch(tmp_path_factory.mktemp("moe_control"), 1, {"control": {"overrides": [*one, TB]},
                                                                    NO_AUX: {"overrides": [*one, NO_AUX]}})
     layouts = {name: {"overrides": o} for name, o in PARITY.items()}
     layouts.update({f"resumed {name}": {"overrides": [*o, "--checkpoint.enable_checkpoint"], "resume": SOURCE}
@@ -102,8 +104,12 @@ def test_layout_trains_the_one_process_moe_model(name, runs):
     if run["init"]:
         assert run["init"] == control["init"]  # bitwise: stacked experts drawn by (seed, name, shape)
     rel = _rel(run["losses"], control["losses"])
-    print(f"{name}: step-1 rel {rel[0]:.1e}, max rel over {STEPS} steps {max(rel):.1e}")
+    # Adam is blind to a constant factor on a gradient, so the losses alone would not see expert gradients
+    # doubled (or halved) by a wrong reduction over the expert ranks; the global gradient norm does.
+    norms = _rel(run["grad_norms"], control["grad_norms"])
+    print(f"{name}: step-1 rel {rel[0]:.1e}, max rel over {STEPS} steps {max(rel):.1e}; grad norm {max(norms):.1e}")
     assert rel[0] <= 1e-5 and max(rel) <= 1e-4, (name, rel)
+    assert norms[0] <= 1e-4 and max(norms) <= 1e-3, (name, norms)
     assert run["biases"], "the routing bias is on"
     _assert_biases_close(name, run["biases"], control["biases"])
     assert control["losses"][-1] < control["losses"][0] - 0.3  # and the model learns
@@ -136,3 +142,15 @@ def test_checkpoint_of_ep2_resumes(name, runs):
         return
     assert max(_rel(resumed["losses"], tail)) <= 1e-4, (name, resumed["losses"], tail)
     _assert_biases_close(name, resumed["biases"], straight["biases"])
+
+
+@pytest.mark.parametrize("name", [n for n, o in PARITY.items() if TB in o])
+def test_moe_metrics_count_every_rank_and_stage_once(name, runs):
+    """Logged every 5 steps: the (token, slot) pairs per expert over the 3 sparse layers, summed over the data
+    ranks once (not again over TP's copies, and over both pipeline stages), equal the one process's."""
+    got, want = runs[name]["moe_metrics"], runs["control"]["moe_metrics"]
+    tokens = [got[f"moe/tokens_per_expert/{e}"] for e in range(8)]
+    assert [sum(window) for window in zip(*tokens)] == [5 * 8 * 64 * 2 * 3] * 2  # steps x batch x seq x k x layers
+    assert tokens == [want[f"moe/tokens_per_expert/{e}"] for e in range(8)]
+    for key in ("moe/imbalance", "moe/imbalance_max", "moe/aux_loss"):
+        assert max(_rel(got[key], want[key])) <= 1e-4, (key, got[key], want[key])

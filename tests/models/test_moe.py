@@ -251,6 +251,16 @@ def test_counts_are_not_doubled_by_activation_checkpointing(reentrant):
     assert torch.equal(ac.experts.w1.grad, plain.experts.w1.grad)
 
 
+def test_the_first_grouped_gemm_inside_a_checkpoint_recomputes_the_same(monkeypatch):
+    """torch._grouped_mm's support is probed on first use: here inside a checkpointed forward, whose
+    recompute (probe cached) must save the same tensors, or the backward raises CheckpointError."""
+    monkeypatch.setattr(compat, "_GROUPED_MM_PROBED", {})
+    moe = make_moe()
+    y = checkpoint(moe, torch.randn(2, 8, 16, requires_grad=True), use_reentrant=False)
+    y.sum().backward()
+    assert compat._GROUPED_MM_PROBED and moe.experts.w1.grad is not None
+
+
 def test_counts_add_up_over_micro_batches_and_skip_evaluation():
     moe = make_moe()
     gen = torch.Generator().manual_seed(8)

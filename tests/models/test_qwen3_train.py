@@ -24,13 +24,32 @@ def test_shipped_debug_moe_config_trains_on_one_process(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("RANK", None)
     out = subprocess.run([sys.executable, str(REPO / "train.py"), "--job.config_file", CONFIG,
-                          f"--job.dump_folder={tmp_path}", "--training.steps=20", "--metrics.enable_tensorboard=false"],
+                          f"--job.dump_folder={tmp_path}", "--training.steps=20", "--moe.aux_loss=switch",
+                          "--metrics.log_freq=2"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Model qwen3 debugmodel_moe" in out.stderr
     losses = [float(x) for x in re.findall(r"step: \d+\s+loss: ([0-9.]+)", out.stderr)]
-    assert len(losses) == 20
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    assert len(losses) == 10
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    # The MoE metrics: on the step line, and in TensorBoard, summed over the window's two steps.
+    moe = re.findall(r"moe: imbalance ([0-9.]+) \(max ([0-9.]+)\) aux ([0-9.]+) tokens/expert", out.stderr)
+    assert len(moe) == 10 and all(1 <= float(mean) <= float(peak) for mean, peak, _ in moe), moe
+    assert all(0.9 < float(aux) < 3 for _, _, aux in moe), moe  # Switch's E * sum f P: 1 when balanced
+    scalars = _tensorboard_scalars(tmp_path / "tb")
+    per_step = 1 * 64 * 2 * 3  # batch x seq x top_k x the 3 sparse layers: (token, slot) pairs
+    tokens = [scalars[f"moe/tokens_per_expert/{e}"] for e in range(8)]
+    assert all(sum(step) == 2 * per_step for step in zip(*tokens)), tokens
+    assert len(scalars["moe/imbalance"]) == 10 and scalars["moe/imbalance_max"][0] >= scalars["moe/imbalance"][0]
+
+
+def _tensorboard_scalars(folder) -> dict[str, list[float]]:  # noqa: ANN001
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in folder.rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def _train(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:

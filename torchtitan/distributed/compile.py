@@ -17,11 +17,22 @@ logger = logging.getLogger(__name__)
 
 
 def apply_compile(model: torch.nn.Module) -> None:
-    """Compile each block in place: blocks are identical, so one graph serves them all."""
+    """Compile each block in place: blocks are identical, so one graph serves them all.
+
+    A block whose feed-forward is a mixture of experts (``block.moe`` true) has its attention compiled
+    and its MoE left eager: the MoE sizes its token exchange and counts its tokens from values it
+    reads on the host, which a whole-graph compile cannot trace.
+    """
     layers = cast(torch.nn.ModuleDict, model.layers)  # nn.Module types a submodule as Tensor | Module
+    sparse = 0
     for block in layers.values():
-        block.compile(fullgraph=True)
-    logger.info("Compiled %d transformer blocks", len(layers))
+        if getattr(block, "moe", False):
+            cast(torch.nn.Module, block.attention).compile(fullgraph=True)
+            sparse += 1
+        else:
+            block.compile(fullgraph=True)
+    logger.info("Compiled %d transformer blocks%s", len(layers),
+                f" ({sparse} with experts: their attention; the MoE runs eager)" if sparse else "")
 
 
 def wait_for_embedding_output(model: torch.nn.Module) -> None:

@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from torchtitan.config import JobConfig
@@ -82,19 +82,12 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
 def _shard_experts(experts: torch.nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy, reshard: bool) -> None:
     """One FSDP unit for a layer's expert-parallel experts, over ``efsdp`` (and ``dp_replicate``).
 
-    Their gradient must be the sum over every rank's tokens, like any weight's. The all-to-all
-    already summed the ``ep`` ranks' tokens into each expert's gradient; FSDP sums the ``efsdp``
-    and replica ranks and divides by the whole data-parallel size (dp x cp), as it does for the
-    dense weights over their larger mesh, so the loss scale (loss.py) is right for both. When a
+    FSDP averages their gradients over those ranks, as it averages the dense weights' over all data
+    ranks; the experts' own ``1 / ep`` (``models/moe/parallel.py``) makes the two agree. When a
     rank's experts are fewer than the ``efsdp`` ranks, FSDP shards their rows instead (no padding).
     """
     mesh = dims.expert_fsdp_mesh()
     local_experts = experts.num_experts // dims.ep  # type: ignore[operator]  # GroupedExperts.num_experts
-    efsdp = dims.degree("efsdp")
-    dim = 0 if local_experts % efsdp == 0 else 1
+    dim = 0 if local_experts % dims.degree("efsdp") == 0 else 1
     fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,
                 shard_placement_fn=lambda param: Shard(dim))
-    unit = cast(FSDPModule, experts)
-    unit.set_gradient_divide_factor(float(dims.degree("dp_cp")))
-    # Sum, then divide once: the factor is not the mesh size, and gloo has no pre-multiplied sum.
-    unit.set_force_sum_reduction_for_comms(True)

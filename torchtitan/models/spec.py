@@ -109,6 +109,14 @@ class StateDictAdapter(Protocol):
         ...
 
 
+def _no_experts(args: Any) -> int:
+    return 0
+
+
+def _unchanged(args: Any, cfg: JobConfig) -> Any:
+    return args
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything the rest of the code asks of one model family (see the module docstring)."""
@@ -140,6 +148,6 @@ class ModelSpec:
     # ---- experts (a dense family keeps the defaults): how many each sparse layer has (0: dense); the
     # job's [moe] section applied to the args; and expert parallelism: shard each MoE layer's experts
     # over the ``ep`` mesh, returning the expert modules (FSDP shards each over ``efsdp``)
-    num_experts: Callable[[Any], int] = lambda args: 0
-    with_moe_options: Callable[[Any, JobConfig], Any] = lambda args, cfg: args
+    num_experts: Callable[[Any], int] = _no_experts
+    with_moe_options: Callable[[Any, JobConfig], Any] = _unchanged
     apply_ep: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None

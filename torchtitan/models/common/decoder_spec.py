@@ -33,13 +33,13 @@ def _hidden_width(args: Any) -> int:
     return args.dim
 
 
-def _num_experts(args: Any) -> int:
-    return args.num_experts
-
-
 def _check(args: Any, dims: ParallelDims, cfg: JobConfig) -> list[str]:
     return parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor,
                                   ep=dims.ep)
+
+
+def _num_experts(args: Any) -> int:
+    return args.num_experts
 
 
 def _with_moe_options(args: Any, cfg: JobConfig) -> Any:
@@ -67,7 +67,7 @@ def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
         apply_tp=parallel.apply_moe_decoder_tp,
         apply_cp=parallel.apply_cp,
         prune_stage=parallel.prune_stage,
-        hidden_width=_hidden_width,  # module-level: the planner pickles the spec
+        hidden_width=_hidden_width,  # module-level: the planner pickles the spec to its worker processes
         check=_check,
         state_dict_adapter=DecoderHFAdapter(naming, write_config,
                                             functools.partial(hf_config.fields_of_config, qwen=qwen),

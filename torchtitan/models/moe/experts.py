@@ -33,6 +33,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001 - autograd's signature
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return grad * ctx.scale, None
+
+
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts: an expert-parallel weight is a DTensor sharded on dim 0."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
@@ -72,6 +85,8 @@ class GroupedExperts(nn.Module):
     ``num_experts`` is the global count; under expert parallelism each weight is a DTensor
     sharded on dim 0 (``parallel.apply_expert_parallel``) and this rank computes its slice.
     ``use_grouped_mm=False`` forces the per-expert loop (the benchmark's baseline).
+    ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep (see
+    ``parallel.apply_expert_parallel``).
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
@@ -81,9 +96,12 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         if counts.shape[0] != w1.shape[0]:
             raise ValueError(f"GroupedExperts: {counts.shape[0]} token counts for {w1.shape[0]} local experts")
         x = x.to(w1.dtype)

@@ -7,6 +7,12 @@ from this rank's slice with no collective (works on a meta model), and gives the
 replicated: their gradients must be reduced over the data ranks as any dense weight's.
 Initialise after this with ``layout_init``: a ``Shard(0)`` weight draws only its rows, the
 same rows a single process draws for those experts.
+
+Gradients: an expert's gradient sums the tokens that all ``ep`` ranks sent it, where a dense
+weight's gradient on a rank sums that rank's tokens only. The experts scale their gradients by
+``1 / ep``, so that both are a mean over the data ranks once data parallelism has averaged them
+(FSDP over the ``efsdp`` ranks for the experts, over every data rank for the dense weights), with
+the trainer's loss scale unchanged and nothing asked of FSDP's reduction.
 """
 
 from __future__ import annotations
@@ -36,4 +42,5 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
         local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+    experts.grad_scale = 1.0 / ep
     moe.dispatcher = AllToAllDispatcher(experts.num_experts, ep_mesh.get_group())
