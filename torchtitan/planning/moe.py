@@ -50,16 +50,6 @@ def even_split(total: int, parts: int) -> list[int]:
     return [base + (i < extra) for i in range(parts)]
 
 
-def ep_all_to_all_bytes(tokens: int, top_k: int, dim: int, ep: int, element_size: int, imbalance: float = 1.0) -> int:
-    """Bytes one rank's two row exchanges of one MoE layer's forward move (dispatch and return), counting the
-    larger of what it sends and receives, as the traffic ledger does: ``2 x f x tokens x top_k x dim x bytes``
-    (``f`` capped at ``ep``). The part kept on the rank, ``1/ep`` of it, crosses no link (the cost model's
-    ``(ep - 1) / ep``)."""
-    rows = tokens * top_k
-    received = round(min(imbalance, ep) * rows / ep) * ep if ep > 1 else rows
-    return 2 * max(rows, received) * dim * element_size
-
-
 def _host(values: list[int], shape: tuple[int, ...]) -> torch.Tensor:
     """Counts as a real tensor, readable on the host inside the fake-tensor trace (``.tolist()``)."""
     with compat.unset_fake_temporarily():
