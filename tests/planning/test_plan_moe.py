@@ -52,6 +52,22 @@ def test_all_to_all_bytes_follow_the_formula(ep2_runs):
 
 
 @pytest.mark.slow
+def test_all_to_all_bytes_under_tp_and_pp():
+    """EP 2 x TP 2 x PP 2 x FSDP 2: a MoE layer is replicated over TP (each TP rank routes the whole
+    sequence), and each stage exchanges for its own sparse layers, once per micro-batch."""
+    cfg = _moe_cfg("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2",
+                   "--parallelism.pipeline_parallel_degree=2", "--parallelism.expert_parallel_degree=2",
+                   "--parallelism.pipeline_parallel_schedule=1F1B", "--training.batch_size=2",
+                   "--parallelism.pipeline_parallel_microbatches=2")
+    run = dry_run(cfg, 8)
+    for rank, sparse_layers in zip(run.ranks, (1, 2), strict=True):  # stage 0: layers 0 (dense) and 1
+        rows = {r["phase"]: r for r in rank.traffic.rows() if r["dim"] == "ep" and r["kind"] == "all_to_all"}
+        assert rows["forward"]["bytes"] == 2 * sparse_layers * _a2a_forward_bytes(T, 1.0, 2)
+        assert rows["backward"]["bytes"] == 2 * sparse_layers * (_a2a_forward_bytes(T, 1.0, 2) - E * INT64)
+        assert len(rank.traffic.group_ranks["ep"]) == 2
+
+
+@pytest.mark.slow
 def test_forward_matmul_flops_are_the_active_parameters(ep2_runs):
     balanced, skewed = ep2_runs
     args = balanced.plan.model_args
