@@ -36,7 +36,7 @@ __all__ = [
     "functional_collective_ops", "in_autograd_backward", "member_groups_only", "op_name", "resolve_process_group",
     "skip_pipeline_shape_exchange", "storage_id", "in_pipeline_shape_inference", "mark_pipeline_shape_inference",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
-    "grouped_mm", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
+    "grouped_mm", "grouped_mm_as_on", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
     "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step", "unflatten_mesh",
     "wait_async_collective",
@@ -64,6 +64,7 @@ _AS_THEY_ARE = {
     "FakeTensorMode": "torch._subclasses.fake_tensor",
     "TorchDispatchMode": "torch.utils._python_dispatch",
     "tree_flatten": "torch.utils._pytree",
+    "unset_fake_temporarily": "torch._subclasses.fake_tensor",
 }
 
 
@@ -451,13 +452,30 @@ def grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -
 _GROUPED_MM_PROBED: dict[tuple[str, torch.dtype], bool] = {}
 
 
+_GROUPED_MM_AS_ON: list[frozenset[torch.dtype]] = []  # innermost last: dtypes assumed to take grouped_mm
+
+
+@contextlib.contextmanager
+def grouped_mm_as_on(dtypes: frozenset[torch.dtype]) -> Iterator[None]:
+    """Inside, ``grouped_mm_supported`` answers as a device whose kernel takes exactly ``dtypes``, whatever the
+    tensors' device: the planner's dry run prices a GPU (CUDA's kernel: bf16) on fake CPU tensors, and the
+    fake kernel takes bf16 only, so the CPU probe's answer would be both wrong and fatal there."""
+    _GROUPED_MM_AS_ON.append(frozenset(dtypes))
+    try:
+        yield
+    finally:
+        _GROUPED_MM_AS_ON.pop()
+
+
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs here, forward and backward (probed once per device type and dtype).
 
     The op is present from torch 2.8 but had no CPU kernel until 2.9 and takes only some dtypes
     per device (CUDA: bf16 on sm80+), so a small call is the only reliable test; a failure means
-    the caller's per-expert loop, never an error.
+    the caller's per-expert loop, never an error. Inside ``grouped_mm_as_on`` its dtypes answer.
     """
+    if _GROUPED_MM_AS_ON:
+        return dtype in _GROUPED_MM_AS_ON[-1]
     key = (torch.device(device).type, dtype)
     if key not in _GROUPED_MM_PROBED:
         # Probed on real tensors even inside a fake-tensor trace (the planner), whose answer would stick.

@@ -1,6 +1,6 @@
 """The planner's command line (``scripts/plan.py``) and ``train.py --dry_run``.
 
-    python scripts/plan.py --cluster NAME --world_size N [--json] [--search] [train.py overrides]
+    python scripts/plan.py --cluster NAME --world_size N [--json] [--search] [--moe_imbalance F] [train.py overrides]
     python train.py --dry_run --world_size N [train.py overrides]
 
 A config problem prints the preflight's lines (``config error: ...``) and exits 2, as a launch does.
@@ -23,6 +23,8 @@ def _parser(with_cluster: bool) -> argparse.ArgumentParser:
                    help="comma-separated pipeline ranks to simulate (default: one per stage shape)")
     p.add_argument("--no_symmetry", action="store_true",
                    help="simulate every pipeline rank and every block instead of counting alike ones (slow; a check)")
+    p.add_argument("--moe_imbalance", type=float, default=1.0,
+                   help="models with experts: max over mean tokens per expert, >= 1 (default 1: balanced routing)")
     if with_cluster:
         p.add_argument("--cluster", required=True, help="a cluster name or a .toml file of one's own")
         p.add_argument("--search", action="store_true", help="rank the valid layouts for this world size")
@@ -42,9 +44,11 @@ def dry_run_main(argv: list[str]) -> int:
     from torchtitan.planning.dry_run import dry_run
     from torchtitan.planning.report import dry_run_text
 
+    if (bad := _bad_imbalance(own)) is not None:
+        return bad
     try:
         run = dry_run(ConfigManager().parse_args(rest), own.world_size, pp_ranks=_ranks(own.pp_ranks),
-                      symmetry=not own.no_symmetry)
+                      symmetry=not own.no_symmetry, moe_imbalance=own.moe_imbalance)
     except ConfigError as e:
         return _config_errors(e)
     if own.json:
@@ -53,6 +57,18 @@ def dry_run_main(argv: list[str]) -> int:
     else:
         print(dry_run_text(run))
     return 0
+
+
+def _bad_imbalance(own: argparse.Namespace) -> int | None:
+    """Exit status 2 and the one line for an imbalance factor below 1; None when it is good."""
+    from torchtitan.planning.moe import ImbalanceError, check_imbalance
+
+    try:
+        check_imbalance(own.moe_imbalance)
+    except ImbalanceError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return None
 
 
 def _ranks(text: str | None) -> list[int] | None:
@@ -69,6 +85,8 @@ def plan_main(argv: list[str]) -> int:
     except ClusterError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if (bad := _bad_imbalance(own)) is not None:
+        return bad
     try:
         cfg = ConfigManager().parse_args(rest)
         if own.search:
@@ -77,7 +95,8 @@ def plan_main(argv: list[str]) -> int:
         from torchtitan.planning.dry_run import dry_run
         from torchtitan.planning.report import dry_run_text, estimate_text
 
-        run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks), symmetry=not own.no_symmetry)
+        run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks), symmetry=not own.no_symmetry,
+                      moe_imbalance=own.moe_imbalance)
     except ConfigError as e:
         return _config_errors(e)
     est = estimate(run, cluster)
@@ -92,7 +111,7 @@ def plan_main(argv: list[str]) -> int:
 def _search(args: list[str], own, cluster) -> int:
     from torchtitan.planning.search import search
 
-    results = search(args, own.world_size, cluster)
+    results = search(args, own.world_size, cluster, moe_imbalance=own.moe_imbalance)
     if own.json:
         print(json.dumps({"layouts": [r.to_json() for r in results]}))
         return 0

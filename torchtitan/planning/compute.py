@@ -18,6 +18,8 @@ from torchtitan.planning.memory import local_tensor
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
+if hasattr(aten, "_grouped_mm"):  # the experts' grouped GEMM (torch >= 2.8); its backward is two more of it
+    _MATMULS[aten._grouped_mm.default] = "grouped_mm"
 # Ops that move no data (views, metadata, bookkeeping): no kernel on a GPU.
 _FREE = {"view", "_unsafe_view", "t", "transpose", "detach", "as_strided", "alias", "expand", "unsqueeze",
          "squeeze", "permute", "split", "split_with_sizes", "slice", "select", "unbind", "view_as_real",
@@ -42,7 +44,23 @@ def matmul_flops(func, args) -> int:
     a, b = _shape(args[0]), _shape(args[1])
     if kind == "bmm":
         return 2 * a[0] * a[1] * a[2] * b[2]
+    if kind == "grouped_mm":
+        return grouped_mm_flops(a, b)
     return 2 * a[0] * a[1] * b[1]
+
+
+def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)``: the groups split one dim, so the total is one GEMM's.
+
+    2-D x 3-D (the experts' forward and input gradient): ``[M, K] x [G, K, N]``, rows split: 2 M K N;
+    2-D x 2-D (the weight gradient): ``[N, M] x [M, K] -> [G, N, K]``, the M split: 2 N M K;
+    3-D x 2-D: ``[G, M, K] x [K, N]``, columns split: 2 M K N; 3-D x 3-D: a batched GEMM.
+    """
+    if len(a) == 2:
+        return 2 * a[0] * a[1] * b[-1]
+    if len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[2]
 
 
 def attention_flops(name: str, args) -> tuple[int, bool]:

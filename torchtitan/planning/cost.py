@@ -5,11 +5,15 @@
   the bytes of every other kernel at the achievable HBM bandwidth; a launch cost per kernel.
 - Communication, per collective: ring algorithms, ``latency + bytes x factor / bus bandwidth`` with
   factor (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce, 1 for send/recv. The
-  link is NVLink when the group's ranks share a node, else the network.
+  link is NVLink when the group's ranks share a node, else the network. An all-to-all (the experts'
+  exchange on ``ep``) sends ``1/n`` of its bytes to each rank: those for the rank's node go over NVLink,
+  the rest over the network, at once, so the slower share sets its time.
 - Overlap: FSDP's (and HSDP's) all-gathers and reduce-scatters are prefetched and run beside the
   phase's compute, so only what exceeds it is exposed, plus the first all-gather and the last
   reduce-scatter of the phase; TP/SP and CP collectives sit on the critical path (eager PyTorch), so
-  all of them are exposed; under PP the gradient reduce-scatters run after the schedule (exposed).
+  all of them are exposed, and so are the experts' all-to-alls (their split sizes are read on the
+  host first, and the experts wait for the rows); under PP the gradient reduce-scatters run after the
+  schedule (exposed).
   Pipeline send/recv are asynchronous; their time counts as exposed only beyond the bubble.
 - Pipeline bubble: (pp - 1) / (v x microbatches) of the rank's compute, v = stages per rank.
 """
@@ -76,7 +80,17 @@ def collective_s(kind: str, nbytes: int, count: int, ranks: list[int], c: Cluste
         return 0.0
     inter = crosses_nodes(ranks, c.gpus_per_node)
     bw, lat = (c.network_busbw, c.network_latency_s) if inter else (c.nvlink_busbw, c.nvlink_latency_s)
+    if kind == "all_to_all":
+        return count * lat + all_to_all_transfer_s(nbytes, ranks, c)
     return count * lat + nbytes * _FACTOR.get(kind, lambda n: 1.0)(n) / bw
+
+
+def all_to_all_transfer_s(nbytes: int, ranks: list[int], c: Cluster) -> float:
+    """An all-to-all of ``nbytes`` per rank: ``1/n`` to each rank, the node's share over NVLink and the rest
+    over the network at the same time (the ranks of a group are placed on nodes in order)."""
+    n = len(ranks)
+    same_node = sum(r // c.gpus_per_node == ranks[0] // c.gpus_per_node for r in ranks)
+    return max(nbytes * (same_node - 1) / n / c.nvlink_busbw, nbytes * (n - same_node) / n / c.network_busbw)
 
 
 def _rank_times(run: DryRun, r: RankRun, c: Cluster) -> tuple[float, float, float, dict[str, float]]:
@@ -91,7 +105,7 @@ def _rank_times(run: DryRun, r: RankRun, c: Cluster) -> tuple[float, float, floa
         ranks = r.traffic.group_ranks.get(row["dim"], [])
         t = collective_s(row["kind"], row["bytes"], row["count"], ranks, c)
         by_dim[row["dim"]] = by_dim.get(row["dim"], 0.0) + t
-        fsdp = row["via"] == "c10d" and row["dim"] != "pp"  # FSDP2's own collectives
+        fsdp = row["via"] == "c10d" and row["dim"] != "pp" and row["kind"] != "all_to_all"  # FSDP2's own
         if fsdp and row["phase"] in ("forward", "backward") and pp == 1:
             fsdp_by_phase[row["phase"]] = fsdp_by_phase.get(row["phase"], 0.0) + t
             fsdp_edges += t / blocks  # the first gather / last reduce of a phase has nothing to hide behind

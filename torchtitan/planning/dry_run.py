@@ -26,7 +26,9 @@ What differs from a GPU run, and how it is handled:
 - no weights are initialized (they are fake; init reads random values: ``init_weights=False``), the
   tokenizer and the data set are not read (the flavor's vocabulary and random token ids stand in),
   and the checkpoint manager is not built (it opens a gloo group and installs signal handlers);
-- the loss and grad norm are never read on the host.
+- the loss and grad norm are never read on the host;
+- a MoE layer's token counts are assumed (balanced, or an imbalance factor; ``planning/moe.py``): fake
+  tensors hold no counts to size its all-to-all with.
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.batch import Batch
-from torchtitan.compat import REDISTRIBUTE_LOGGER, FakeTensorMode, fake_process_group_store, member_groups_only
+from torchtitan.compat import (
+    REDISTRIBUTE_LOGGER,
+    FakeTensorMode,
+    fake_process_group_store,
+    grouped_mm_as_on,
+    member_groups_only,
+)
 from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
@@ -52,6 +60,7 @@ from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.models import model_args
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
+from torchtitan.planning.moe import GPU_GROUPED_MM_DTYPES, assume_routing, check_imbalance, moe_notes
 from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
 from torchtitan.planning.symmetry import (
@@ -158,14 +167,14 @@ def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None,
 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
-            workers: int | None = None, symmetry: bool = True) -> DryRun:
+            workers: int | None = None, symmetry: bool = True, moe_imbalance: float = 1.0) -> DryRun:
     """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs: the optimizer state
-    as a first step makes it, then ``steps`` recorded steps."""
-    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers, symmetry)[0]
+    as a first step makes it, then ``steps`` recorded steps. ``moe_imbalance``: see ``planning/moe.py``."""
+    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers, symmetry, moe_imbalance)[0]
 
 
 def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1,
-             workers: int | None = None, symmetry: bool = True) -> list[DryRun]:
+             workers: int | None = None, symmetry: bool = True, moe_imbalance: float = 1.0) -> list[DryRun]:
     """``dry_run`` of several jobs (config, world size, pipeline ranks), every simulated rank of every job in
     one pool of worker processes, so that a search or a set of configs keeps every core busy.
 
@@ -174,15 +183,17 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
     without it, every pp rank (or those named) and every block. Each job is planned first, so a bad one
     raises its ``ConfigError`` before anything is simulated.
     """
+    check_imbalance(moe_imbalance)
     runs, tasks, blocks = [], [], []
     for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
         run, cfg = _planned(cfg, world_size, steps)
+        run.notes += moe_notes(run.plan, moe_imbalance)
         runs.append(run)
         n, why = blocks_to_count(run.plan, cfg) if symmetry else (None, "")
         blocks.append(n)
         plans = [run.plan] if n is None else [with_blocks(run.plan, k) for k in SIMULATED_BLOCKS]
         by_shape = symmetry and pp_ranks is None
-        tasks += [(i, [(cfg, plan, world_size, rank, steps, n is not None) for plan in plans])
+        tasks += [(i, [(cfg, plan, world_size, rank, steps, n is not None, moe_imbalance) for plan in plans])
                   for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline if by_shape else None)]
         run.notes += [line for line in (why, describe_symmetry(run.plan.pipeline) if by_shape else "") if line]
     # One forked process per simulation: DTensor caches meshes (and their process-group names)
@@ -250,9 +261,9 @@ def fake_world(rank: int, world_size: int):
 
 
 def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, steps: int,
-                  regions: bool = False) -> RankRun:
+                  regions: bool = False, moe_imbalance: float = 1.0) -> RankRun:
     """One rank's step; ``regions``: the memory ledger also keeps the highest total of each block's forward and
-    backward (``symmetry.counted_memory``)."""
+    backward (``symmetry.counted_memory``); ``moe_imbalance``: see ``planning/moe.py``."""
     start = time.perf_counter()
     with fake_world(rank, world_size):
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -263,7 +274,7 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         traffic = TrafficLedger({})
         recorder = StepRecorder(memory, traffic, compute)
-        job = _Job(cfg, plan, dims, fake, memory, recorder)
+        job = _Job(cfg, plan, dims, fake, memory, recorder, moe_imbalance)
         if regions:
             recorder.watch_blocks([b for part in job.runner.model_parts
                                    for b in cast(torch.nn.ModuleDict, part.layers).values()])
@@ -271,7 +282,7 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
         _prebuild_cp_masks(cfg, dims)
-        with fake, recorder, track_fsdp_storage(memory):
+        with fake, recorder, track_fsdp_storage(memory), grouped_mm_as_on(GPU_GROUPED_MM_DTYPES):
             job.register_state()
             job.init_optimizer_state(recorder)
             traffic.recording = compute.recording = True
@@ -319,13 +330,14 @@ class _Job:
     its own ``PlainStep``; the recorder follows the step through the step's callbacks."""
 
     def __init__(self, cfg: JobConfig, plan: LaunchPlan, dims: ParallelDims, fake: FakeTensorMode, memory: MemoryLedger,
-                 recorder: StepRecorder):
+                 recorder: StepRecorder, moe_imbalance: float = 1.0):
         self.cfg, self.plan, self.dims, self.memory = cfg, plan, dims, memory
         # Parallelized for the GPU (its dtype policy and kernels), allocated as fake tensors, not initialized.
         io = None if plan.pipeline is None else stage_io(cfg, dims, plan.model_spec, plan.model_args, plan.pipeline)
         options = BuildOptions(device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
                                stage_io=io)
         self.runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
+        assume_routing(self.runner.model_parts, moe_imbalance)  # MoE layers: counts assumed (planning/moe.py)
         self.stage_ids: list[int] = []
         if self.runner.pp_runner is not None:
             make_stages_static(self.runner.pp_runner)

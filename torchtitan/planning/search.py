@@ -2,8 +2,9 @@
 
 Enumerated: tensor parallel degrees up to a node (1, 2, 4, 8), pipeline degrees (1, 2, 4, 8, 16)
 with 1F1B and Interleaved1F1B (one micro-batch per sequence of the local batch), context parallel
-degrees for long sequences (seq_len >= 32k), full and selective activation checkpointing, and the
-local batch that keeps the config's global batch. The preflight drops what it refuses; layouts that
+degrees for long sequences (seq_len >= 32k), expert parallel degrees (1 to 64) for a model with
+experts, full and selective activation checkpointing, and the local batch that keeps the config's
+global batch. The preflight drops what it refuses; layouts that
 do not fit the cluster's memory are dropped; the rest are ranked by predicted tokens/s per GPU.
 Each pipelined layout is simulated on its first and last pipeline ranks only, and every simulated
 rank of every layout shares one pool of worker processes (one per core).
@@ -22,6 +23,7 @@ from torchtitan.planning.dry_run import dry_runs, plan_job
 TP_DEGREES = (1, 2, 4, 8)
 PP_DEGREES = (1, 2, 4, 8, 16)
 CP_DEGREES = (1, 2, 4, 8)
+EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 LONG_SEQUENCE = 32768
 
 
@@ -40,6 +42,7 @@ def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> 
     global_batch = t.batch_size * _config_dp(cfg, world_size)
     out = []
     cps = CP_DEGREES if t.seq_len >= LONG_SEQUENCE else (1,)
+    experts = _num_experts(cfg)
     for tp, pp, cp in itertools.product(TP_DEGREES, PP_DEGREES, cps):
         if tp > gpus_per_node or world_size % (tp * pp * cp):
             continue
@@ -48,11 +51,14 @@ def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> 
             continue
         local = global_batch // dp
         schedules = [("1F1B", 1), ("Interleaved1F1B", 2)] if pp > 1 else [(None, None)]
-        for (schedule, v), ac in itertools.product(schedules, ("full", "selective")):
+        # EP borrows from dp_shard x cp and must divide the experts; none for a dense model.
+        eps = [[f"--parallelism.expert_parallel_degree={ep}"] for ep in EP_DEGREES
+               if (dp * cp) % ep == 0 and experts % ep == 0] if experts else [[]]
+        for (schedule, v), ac, ep in itertools.product(schedules, ("full", "selective"), eps):
             o = [f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.pipeline_parallel_degree={pp}",
                  f"--parallelism.context_parallel_degree={cp}", "--parallelism.data_parallel_replicate_degree=1",
                  f"--parallelism.data_parallel_shard_degree={dp}", f"--training.batch_size={local}",
-                 f"--activation_checkpoint.mode={ac}"]
+                 f"--activation_checkpoint.mode={ac}", *ep]
             if schedule is not None:
                 o += [f"--parallelism.pipeline_parallel_schedule={schedule}",
                       f"--parallelism.pipeline_parallel_stages_per_rank={v}",
@@ -61,13 +67,23 @@ def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> 
     return out
 
 
+def _num_experts(cfg: JobConfig) -> int:
+    """The flavor's routed experts (0 for a dense model or one the registry does not know)."""
+    from torchtitan.models import get_model_spec, model_args
+
+    try:
+        return get_model_spec(cfg.model.name).num_experts(model_args(cfg.model.name, cfg.model.flavor))
+    except ValueError:
+        return 0
+
+
 def _config_dp(cfg: JobConfig, world_size: int) -> int:
     from torchtitan.distributed import ParallelDims
 
     return ParallelDims.from_config(cfg.parallelism, world_size).degree("dp")
 
 
-def search(args: list[str], world_size: int, cluster: Cluster) -> list[Layout]:
+def search(args: list[str], world_size: int, cluster: Cluster, moe_imbalance: float = 1.0) -> list[Layout]:
     """The layouts that the preflight accepts and that fit, best predicted tokens/s first.
 
     ``args`` are the job's train.py arguments; each layout's overrides are appended to them.
@@ -85,7 +101,7 @@ def search(args: list[str], world_size: int, cluster: Cluster) -> list[Layout]:
         # stand for the pipeline: a search prices many layouts.
         accepted.append(overrides)
         jobs.append((trial, world_size, sorted({0, pp - 1})))
-    runs = dry_runs(jobs)
+    runs = dry_runs(jobs, moe_imbalance=moe_imbalance)
     layouts = [Layout(overrides, estimate(run, cluster)) for overrides, run in zip(accepted, runs, strict=True)]
     return sorted([layout for layout in layouts if layout.estimate.fits],
                   key=lambda layout: -layout.estimate.tokens_per_second_per_gpu)

@@ -5,7 +5,9 @@ names the mesh dim it runs over (``dim_of_groups`` maps every group the mesh bui
 per rank are those of the rank's buffer:
 
 - all-gather: the gathered output; reduce-scatter: the unreduced input; all-reduce, broadcast,
-  send and recv: the tensor; all-to-all: the input.
+  send and recv: the tensor; all-to-all: the larger of what the rank sends and receives (the
+  expert-parallel exchange is uneven when routing is: a link carries both directions at once, so the
+  busier one sets its time).
 
 Whether a group stays in a node or crosses the network depends on the cluster's GPUs per node, so
 the ledger keeps each group's global ranks and ``crosses_nodes`` decides for a given node size.
@@ -25,7 +27,8 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 c10d, functional = torch.ops.c10d, functional_collective_ops()
 
 # op -> (kind, where its process group is in args, how its bytes are read)
-# Byte readers: "arg0", "arg1" (a tensor or a list of tensors at that position), "out" (the result).
+# Byte readers: "arg0", "arg1" (a tensor or a list of tensors at that position), "out" (the result);
+# a tuple of them: the largest.
 _OPS: dict = {
     c10d_op("_allgather_base_"): ("all_gather", 2, "arg0"),
     c10d.allgather_.default: ("all_gather", 2, "arg0"),
@@ -38,7 +41,7 @@ _OPS: dict = {
     c10d.broadcast_.default: ("broadcast", 1, "arg0"),
     c10d.send.default: ("send", 1, "arg0"),
     c10d.recv_.default: ("recv", 1, "arg0"),
-    c10d.alltoall_base_.default: ("all_to_all", 2, "arg1"),
+    c10d.alltoall_base_.default: ("all_to_all", 2, ("arg0", "arg1")),
     functional.all_gather_into_tensor.default: ("all_gather", "name2", "out"),
     functional.all_gather_into_tensor_coalesced.default: ("all_gather", "name2", "out"),
     functional.reduce_scatter_tensor.default: ("reduce_scatter", "name3", "arg0"),
@@ -47,7 +50,7 @@ _OPS: dict = {
     functional.all_reduce_.default: ("all_reduce", "name2", "arg0"),
     functional.all_reduce_coalesced.default: ("all_reduce", "name2", "arg0"),
     functional.broadcast.default: ("broadcast", "name2", "arg0"),
-    functional.all_to_all_single.default: ("all_to_all", "name3", "arg0"),
+    functional.all_to_all_single.default: ("all_to_all", "name3", ("arg0", "out")),
 }
 COLLECTIVE_OPS = frozenset(_OPS)
 
@@ -58,6 +61,10 @@ def _nbytes(x) -> int:
     if isinstance(x, (list, tuple)):
         return sum(_nbytes(v) for v in x)
     return 0
+
+
+def _read(reader: str, args, out) -> int:
+    return _nbytes(out) if reader == "out" else _nbytes(args[int(reader[-1])])
 
 
 def _group(func, args, where) -> dist.ProcessGroup:
@@ -95,7 +102,7 @@ class TrafficLedger:
         dim = self.dim_of_group.get(group.group_name, "other")
         if dim not in self.group_ranks:
             self.group_ranks[dim] = dist.get_process_group_ranks(group)
-        nbytes = _nbytes(out) if reader == "out" else _nbytes(args[int(reader[-1])])
+        nbytes = max(_read(r, args, out) for r in (reader if isinstance(reader, tuple) else (reader,)))
         # FSDP2 and the pipeline call c10d directly; DTensor (TP, loss parallel, clipping) and CP go
         # through functional collectives. The cost model overlaps the first kind with compute.
         source = "c10d" if func.namespace == "c10d" else "functional"

@@ -70,6 +70,10 @@ class LocalDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts
 
+    def sort(self, experts: torch.Tensor) -> Routing:
+        """This forward's ``Routing`` (the planner's dry run, which cannot count fake tensors, overrides it)."""
+        return sort_by_expert(experts, self.num_experts)
+
     def exchange(self, routed: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``(rows for the local experts grouped by expert, counts per local expert, state for exchange_back)``."""
         return routed, routing.counts, None
@@ -127,19 +131,29 @@ class AllToAllDispatcher:
             raise ValueError(f"moe num_experts={num_experts} is not divisible by the expert-parallel degree {self.ep}")
         self.num_experts, self.num_local_experts = num_experts, num_experts // self.ep
 
-    def exchange(self, routed: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _Exchanged]:
-        counts = routing.counts
+    def sort(self, experts: torch.Tensor) -> Routing:
+        """This forward's ``Routing`` (the planner's dry run, which cannot count fake tensors, overrides it)."""
+        return sort_by_expert(experts, self.num_experts)
+
+    def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """``(rows from each rank per local expert [ep, E/ep], rows per local expert [E/ep], rows received
+        from each rank, rows sent to each rank)``: the counts exchanged, the split sizes read on the host."""
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # E/ep counts to each rank
         by_rank = received_counts.view(self.ep, self.num_local_experts)  # [source rank, local expert]
         in_splits = counts.view(self.ep, self.num_local_experts).sum(dim=1).tolist()
         out_splits = by_rank.sum(dim=1).tolist()
+        return by_rank, by_rank.sum(dim=0), out_splits, in_splits
+
+    def exchange(self, routed: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _Exchanged]:
+        by_rank, local_counts, out_splits, in_splits = self.exchange_counts(routing.counts)
         received = all_to_all_rows(routed, out_splits, in_splits, self.group)
-        segment = torch.repeat_interleave(torch.arange(by_rank.numel(), device=counts.device), by_rank.reshape(-1))
+        segment = torch.repeat_interleave(torch.arange(by_rank.numel(), device=routed.device), by_rank.reshape(-1),
+                                          output_size=sum(out_splits))  # known: no second read of the counts
         expert_major_key = (segment % self.num_local_experts) * self.ep + segment // self.num_local_experts
         to_expert_major = torch.argsort(expert_major_key, stable=True)
         state = _Exchanged(to_expert_major, out_splits, in_splits)
-        return received.index_select(0, to_expert_major), by_rank.sum(dim=0), state
+        return received.index_select(0, to_expert_major), local_counts, state
 
     def exchange_back(self, out: torch.Tensor, state: _Exchanged) -> torch.Tensor:
         back = torch.empty_like(state.to_expert_major)

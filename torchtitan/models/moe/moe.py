@@ -21,7 +21,7 @@ from torch import nn
 from torchtitan import compat
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
 from torchtitan.models.moe.balance import aux_loss
-from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine, permute, sort_by_expert
+from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine, permute
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.router import TokenChoiceRouter, check_routing
 
@@ -135,7 +135,7 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts, scores = self.router(tokens)
-        routing = sort_by_expert(experts, self.args.num_experts)
+        routing = self.dispatcher.sort(experts)
         counting = self._counting()
         if counting:
             with torch.no_grad():

@@ -1,0 +1,112 @@
+"""The planner on mixture-of-experts jobs: the experts' all-to-all against the formula, the grouped GEMM's
+FLOPs, the imbalance factor and its refusal, EP in --search, and the preflight's EP lines."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO, debug_config
+
+from torchtitan.planning import cli
+from torchtitan.planning.compute import grouped_mm_flops
+from torchtitan.planning.dry_run import dry_run, plan_job
+from torchtitan.planning.search import candidate_overrides
+
+MOE = str(REPO / "train_configs" / "qwen3_debug_moe.toml")
+T, K, D, E, SPARSE_LAYERS = 64, 2, 256, 8, 3  # the debug MoE: seq 64 x batch 1; top-2 of 8; 3 of 4 layers MoE
+BF16, INT64 = 2, 8
+
+
+def _moe_cfg(*overrides: str):
+    return debug_config("--metrics.enable_tensorboard=false", *overrides, config=MOE)
+
+
+def _ep_rows(run) -> dict[str, dict]:
+    return {r["phase"]: r for r in run.ranks[0].traffic.rows() if r["dim"] == "ep" and r["kind"] == "all_to_all"}
+
+
+def _a2a_forward_bytes(tokens: int, imbalance: float, ep: int) -> int:
+    """One rank, one MoE layer, one forward: the rows out and back (the larger of sent and received, in
+    bf16), and the counts exchange (E int64)."""
+    rows = tokens * K
+    received = round(imbalance * rows / ep) * ep
+    return 2 * max(rows, received) * D * BF16 + E * INT64
+
+
+@pytest.fixture(scope="module")
+def ep2_runs():
+    # FSDP 4 with EP 2: the ep group (2 ranks) is not the dp_shard one, so the ledger names it
+    cfg = _moe_cfg("--parallelism.data_parallel_shard_degree=4", "--parallelism.expert_parallel_degree=2")
+    return dry_run(cfg, 4), dry_run(cfg, 4, moe_imbalance=1.5)
+
+
+@pytest.mark.slow  # the dry run's pool of worker processes
+def test_all_to_all_bytes_follow_the_formula(ep2_runs):
+    balanced, skewed = ep2_runs
+    for run, f in ((balanced, 1.0), (skewed, 1.5)):
+        rows = _ep_rows(run)
+        assert rows["forward"]["bytes"] == SPARSE_LAYERS * _a2a_forward_bytes(T, f, 2), f
+        assert rows["forward"]["count"] == SPARSE_LAYERS * 3
+        # backward: the two row exchanges in reverse, no counts
+        assert rows["backward"]["bytes"] == SPARSE_LAYERS * (_a2a_forward_bytes(T, f, 2) - E * INT64), f
+    assert any("balanced" in n for n in balanced.notes) and any("imbalance 1.5" in n for n in skewed.notes)
+
+
+@pytest.mark.slow
+def test_all_to_all_bytes_under_tp_and_pp():
+    """EP 2 x TP 2 x PP 2 x FSDP 2: a MoE layer is replicated over TP (each TP rank routes the whole
+    sequence), and each stage exchanges for its own sparse layers, once per micro-batch."""
+    cfg = _moe_cfg("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2",
+                   "--parallelism.pipeline_parallel_degree=2", "--parallelism.expert_parallel_degree=2",
+                   "--parallelism.pipeline_parallel_schedule=1F1B", "--training.batch_size=2",
+                   "--parallelism.pipeline_parallel_microbatches=2")
+    run = dry_run(cfg, 8)
+    for rank, sparse_layers in zip(run.ranks, (1, 2), strict=True):  # stage 0: layers 0 (dense) and 1
+        rows = {r["phase"]: r for r in rank.traffic.rows() if r["dim"] == "ep" and r["kind"] == "all_to_all"}
+        assert rows["forward"]["bytes"] == 2 * sparse_layers * _a2a_forward_bytes(T, 1.0, 2)
+        assert rows["backward"]["bytes"] == 2 * sparse_layers * (_a2a_forward_bytes(T, 1.0, 2) - E * INT64)
+        assert len(rank.traffic.group_ranks["ep"]) == 2
+
+
+@pytest.mark.slow
+def test_forward_matmul_flops_are_the_active_parameters(ep2_runs):
+    balanced, skewed = ep2_runs
+    args = balanced.plan.model_args
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * T
+    # flops_per_token counts every active parameter; the norms' (two per block, q/k norms, the final one)
+    # do no matmul
+    norms = args.n_layers * (2 * args.dim + 2 * args.head_dim) + args.dim
+    active = (balanced.flops_per_token - attention) / 6 - norms  # the matmul parameters one token uses
+    assert balanced.ranks[0].work["forward"].matmul_flops == 2 * T * active
+    # the slowest rank's experts compute 1.5x the mean rows: their three grouped GEMMs grow by half
+    expert_flops = SPARSE_LAYERS * 2 * T * K * 3 * D * args.moe_hidden_size
+    assert skewed.ranks[0].work["forward"].matmul_flops == 2 * T * active + expert_flops // 2
+
+
+def test_grouped_mm_flops_by_shape():
+    assert grouped_mm_flops((10, 4), (3, 4, 6)) == 2 * 10 * 4 * 6  # forward / input gradient: rows split
+    assert grouped_mm_flops((6, 10), (10, 4)) == 2 * 6 * 10 * 4  # weight gradient: the shared dim split
+    assert grouped_mm_flops((3, 5, 4), (3, 4, 6)) == 2 * 3 * 5 * 4 * 6
+
+
+def test_imbalance_below_one_is_refused_in_one_line(capsys):
+    code = cli.plan_main(["--cluster", "h100-sxm-80g", "--world_size", "2", "--moe_imbalance", "0.8",
+                          "--job.config_file", MOE])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--moe_imbalance=0.8" in err[0] and "at least 1" in err[0]
+
+
+def test_preflight_refuses_an_ep_that_does_not_divide(capsys):
+    code = cli.plan_main(["--cluster", "h100-sxm-80g", "--world_size", "8", "--job.config_file", MOE,
+                          "--parallelism.expert_parallel_degree=3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config error:" in err and "expert_parallel_degree=3" in err
+
+
+def test_search_tries_ep_for_models_with_experts():
+    moe = candidate_overrides(_moe_cfg(), 8, 8)
+    eps = {o for layout in moe for o in layout if "expert_parallel_degree" in o}
+    assert eps == {f"--parallelism.expert_parallel_degree={ep}" for ep in (1, 2, 4, 8)}
+    dense = candidate_overrides(debug_config("--metrics.enable_tensorboard=false"), 8, 8)
+    assert not any("expert_parallel_degree" in o for layout in dense for o in layout)
+    ep8 = next(layout for layout in moe if "--parallelism.expert_parallel_degree=8" in layout)
+    assert plan_job(_moe_cfg(*ep8), 8).dims.ep == 8  # what it proposes the preflight can take
