@@ -4,8 +4,8 @@
 [...], "resume": name or null}}}``. A layout with ``resume`` starts from the step-``RESUME_STEP`` checkpoint
 that the named layout (trained earlier in this launch) saved. Rank 0 writes ``{name: run}`` to OUT, a run
 being its losses and gradient norms (before clipping), the digests of the whole model at initialisation
-(gathered; not under PP), every router bias this rank holds after training, and the ``moe/`` metrics
-it wrote to TensorBoard (where a layout turns it on).
+(gathered; not under PP), every router bias this rank holds after training, and the ``moe/`` metrics it
+wrote to TensorBoard (where a layout turns it on).
 """
 
 from __future__ import annotations
@@ -50,10 +50,14 @@ def train(overrides: list[str], dump: Path, resume_from: Path | None) -> dict:
     if trainer.pipeline is None:
         init = {fqn: _digest(t) for fqn, t in gather_full_state_dict(trainer.model_parts[0]).items()}
     losses = trainer.train()
-    biases = {fqn: buf.tolist() for part in trainer.model_parts for fqn, buf in part.named_buffers()
-              if fqn.endswith("router.expert_bias")}
-    return {"losses": losses, "grad_norms": grad_norms, "init": init, "biases": biases,
+    return {"losses": losses, "grad_norms": grad_norms, "init": init, "biases": _biases(trainer),
             "moe_metrics": _moe_scalars(dump)}
+
+
+def _biases(trainer) -> dict[str, list[float]]:  # noqa: ANN001 - a Trainer
+    """Every router bias this rank holds."""
+    return {fqn: buf.tolist() for part in trainer.model_parts for fqn, buf in part.named_buffers()
+            if fqn.endswith("router.expert_bias")}
 
 
 def _moe_scalars(dump: Path) -> dict[str, list[float]]:
