@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -250,3 +251,25 @@ def test_layouts_without_data_parallelism_compute_in_the_configured_dtype(tmp_pa
         # Same data, same init, same bf16 compute: only the summation order differs (bf16 rounding).
         for got, want in zip(outs[0]["losses"], one["losses"], strict=True):
             assert abs(got - want) < 2e-3 * want, (name, outs[0]["losses"], one["losses"])
+
+
+def test_tokens_per_second_count_the_wait_for_the_device(tmp_path, monkeypatch):
+    """On a GPU the host runs ahead of the device until the loss read of a log step waits for it; a log window's
+    tokens/s must count that wait. A read that sleeps stands in for the device's backlog here (step 2's read: the
+    first step also pays for the set-up)."""
+    trainer = conftest.make_trainer(tmp_path, "--metrics.log_freq=1", "--training.steps=2")
+    backlog_s, read, reads = 2.0, trainer.readout.read, []
+
+    def read_after_the_device(*args, **kwargs):
+        reads.append(1)
+        time.sleep(backlog_s if len(reads) == 2 else 0)
+        return read(*args, **kwargs)
+
+    logged: list[dict] = []
+    log = trainer.metrics_logger.log
+    monkeypatch.setattr(trainer.readout, "read", read_after_the_device)
+    monkeypatch.setattr(trainer.metrics_logger, "log", lambda step, metrics: (logged.append(metrics), log(step, metrics)))
+    trainer.train()
+    second = [m for m in logged if "step_time_s" in m][1]
+    assert second["step_time_s"] >= backlog_s
+    assert second["tps"] <= trainer.cfg.training.batch_size * trainer.cfg.training.seq_len / backlog_s

@@ -10,6 +10,7 @@ instead of hanging.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -218,9 +219,6 @@ class Trainer:
         self.throughput.data_loaded()
         out = self.train_step(batches)
         self.step = out.step  # a fault-tolerant step that healed took a live peer's step
-        # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
-        # so tokens/s and MFU are per device (flops_per_token is for the whole model).
-        self.throughput.step_end(tokens=sum(b.inputs.numel() for b in batches) / self.dims.non_data_parallel_size)
         self.readout.add(out)
         if self.readout.steps_taken == 1:
             # The first step of this run (also after a resume) pays for compilation and lazy set-up;
@@ -228,10 +226,17 @@ class Trainer:
             set_collective_timeout(cfg.comm.train_timeout_seconds)
         log = self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
         validate = self.validator is not None and self.validator.due(self.step)
+        loss = grad_norm = math.nan
         if log or validate or self.checkpointer.may_save(self.step):
             loss, grad_norm = self.readout.read(out.grad_norm)  # one host read; raises at a non-finite loss
-            if log:
-                self._log(loss, grad_norm, out.lr)
+        # The step ends after the read: on a GPU the host runs ahead of the device until something waits for
+        # it, and the read is that wait. So a log window's time is the devices' time for its steps (ended
+        # before the read, a GPU run's tokens/s counted only the host's time: 2x too high on an H200).
+        # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
+        # so tokens/s and MFU are per device (flops_per_token is for the whole model).
+        self.throughput.step_end(tokens=sum(b.inputs.numel() for b in batches) / self.dims.non_data_parallel_size)
+        if log:
+            self._log(loss, grad_norm, out.lr)
         if validate:
             self.validate()
 

@@ -10,7 +10,6 @@ shipped 2048-word tokenizer's vocabulary, saved by ``transformers`` itself, and 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import DEBUG_CONFIG, REPO, debug_config, run_torchrun
+from conftest import DEBUG_CONFIG, REPO, debug_config, run_torchrun, torchrun_env
 from dist_harness import run_ranks
 from helpers import hf_loss
 
@@ -263,7 +262,7 @@ LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 
 
 
 def _launch(*overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NGPU": "2", "CONFIG_FILE": DEBUG_TOML}
+    env = torchrun_env(NGPU="2", CONFIG_FILE=DEBUG_TOML)
     return subprocess.run(["bash", str(REPO / "run_llama_train.sh"), *overrides], capture_output=True, text=True,
                           timeout=120, env=env)
 

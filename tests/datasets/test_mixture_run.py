@@ -9,7 +9,6 @@ starts a new phase at the resumed step.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,10 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, torchrun_env
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
 DEBUG = REPO / "train_configs" / "debug_model.toml"
 STEP_LINE = re.compile(r"step: (\d+)  loss: ([0-9.e+-]+)")
 
@@ -42,9 +40,7 @@ def _config(tmp: Path, weights: tuple[float, float]) -> Path:
 
 
 def _run(dump: Path, config: Path, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = torchrun_env(OMP_NUM_THREADS="1")
     args = ["--job.config_file", str(config), f"--job.dump_folder={dump}", "--job.print_args=false",
             "--metrics.enable_tensorboard=false", "--training.deterministic", "--training.steps=6",
             "--checkpoint.enable_checkpoint", "--checkpoint.interval=3", "--validation.enable",

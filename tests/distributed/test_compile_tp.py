@@ -10,16 +10,13 @@ Three layouts cover TP with and without sequence parallel, TP x PP, TP x CP and 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO, torchrun_env
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
 TP2 = "--parallelism.tensor_parallel_degree=2"
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "debug_model_ci.toml"), f"--training.steps={STEPS}",
@@ -38,11 +35,8 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("compile_tp")
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"common": COMMON, "layouts": LAYOUTS}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           # Inductor's pool of compile workers is more processes than 2 cores want.
-           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    # Inductor's pool of compile workers is more processes than 2 cores want.
+    env = torchrun_env(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
          str(REPO / "tests" / "distributed" / "compile_entry.py"), str(spec), str(out)],

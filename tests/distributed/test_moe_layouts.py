@@ -18,16 +18,14 @@ Degrees: "FSDP n" is the experts' ``efsdp`` = dp_shard x cp / ep; the dense weig
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, torchrun_env
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
 STEPS, SEQ = 10, 64
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "qwen3_debug_moe.toml"), f"--training.steps={STEPS}",
           f"--training.seq_len={SEQ}",
@@ -71,9 +69,7 @@ SOURCE = "EP2 x FSDP4"
 def _launch(root: Path, nproc: int, layouts: dict[str, dict]) -> dict:
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"common": COMMON, "layouts": layouts}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = torchrun_env(OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
          str(REPO / "tests" / "distributed" / "moe_entry.py"), str(spec), str(out)],

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SHIPPED_TOKENIZER
+from conftest import REPO, SHIPPED_TOKENIZER, torchrun_env
 
 from torchtitan.datasets.tokenizer import build_tokenizer
 
@@ -23,7 +22,7 @@ PROMPTS = ["Once upon a time", "The little dog"]
 
 
 def _torchrun(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = torchrun_env(OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            *argv], capture_output=True, text=True, timeout=timeout, env=env)
 

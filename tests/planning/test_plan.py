@@ -4,21 +4,20 @@ trainer's tensors and the preflight's own lines."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEBUG_CONFIG, REPO, debug_config
+from conftest import DEBUG_CONFIG, REPO, debug_config, torchrun_env
 
 from torchtitan.planning.clusters import ClusterError, load_cluster
 from torchtitan.planning.cost import estimate
 from torchtitan.planning.dry_run import dry_run
 
 DEBUG = DEBUG_CONFIG
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+ENV = torchrun_env(OMP_NUM_THREADS="1")
 
 
 def _cfg(*overrides: str):

@@ -30,7 +30,7 @@ def test_launcher_runs_everything_on_the_python_it_is_given(tmp_path):
     shim.chmod(0o755)
     calls = tmp_path / "calls.log"
     env = {**os.environ, "PYTHON": str(shim), "REAL_PY": sys.executable, "CALLS": str(calls),
-           "PYTHONPATH": str(REPO), "CONFIG_FILE": CI_CONFIG}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "CONFIG_FILE": CI_CONFIG}
     env.pop("NGPU", None)
     out = subprocess.run(["bash", str(REPO / "run_llama_train.sh"), "--training.steps=1",
                           "--lr_scheduler.warmup_steps=0", f"--job.dump_folder={tmp_path / 'dump'}",

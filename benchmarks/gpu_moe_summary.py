@@ -1,0 +1,74 @@
+"""The shapes and the table of ``benchmarks/gpu_moe.sh``.
+
+    python benchmarks/gpu_moe_summary.py --write-flavors DIR --layers 4   # the release folders the runs train
+    python benchmarks/gpu_moe_summary.py LOG [LOG ...]                   # one table row per train.py log
+
+The flavors are released shapes cut to ``--layers`` layers, written as release folders (a Hugging Face
+``config.json`` for Qwen3-30B-A3B, Meta's ``params.json`` for Llama 3 8B), so that ``train.py`` and
+``scripts/plan.py`` read the same model from ``--model.flavor DIR``. A row gives the median tokens/s over
+the steps after the third (compile and the allocator warm up in the first ones) and the reserved peak of
+the last step, both as the step line prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+WARM_UP_STEPS = 3
+_STEP = re.compile(r"step: *(\d+) .*?tps: ([\d,]+).*?memory: ([\d.]+)GiB")
+
+
+def write_flavors(folder: Path, layers: int) -> None:
+    import torch
+
+    from torchtitan.models.common import hf_config
+    from torchtitan.models.qwen3.args import qwen3_flavors
+
+    moe = dataclasses.replace(qwen3_flavors["30B-A3B"], n_layers=layers)
+    qwen = folder / f"qwen3_30b_a3b_{layers}l"
+    qwen.mkdir(parents=True, exist_ok=True)
+    config = hf_config.hf_config(moe, architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", qwen=True,
+                                 bos_id=None, eos_id=None, dtype=torch.bfloat16)
+    (qwen / "config.json").write_text(json.dumps(config, indent=1))
+    llama = folder / f"llama3_8b_{layers}l"
+    llama.mkdir(parents=True, exist_ok=True)
+    (llama / "params.json").write_text(json.dumps({  # Meta's Llama 3 8B params.json, fewer layers
+        "dim": 4096, "n_layers": layers, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "multiple_of": 1024,
+        "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5, "rope_theta": 500000.0}))
+
+
+def row(log: Path) -> str:
+    steps = [(int(m[1]), float(m[2].replace(",", "")), float(m[3]))
+             for m in map(_STEP.search, log.read_text(errors="replace").splitlines()) if m]
+    timed = [tps for step, tps, _ in steps if step > WARM_UP_STEPS]
+    if not timed:
+        return f"| {log.stem} | (no step after {WARM_UP_STEPS} logged) | |"
+    return f"| {log.stem} | {statistics.median(timed):,.0f} | {steps[-1][2]:.2f} |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("logs", nargs="*", type=Path)
+    p.add_argument("--write-flavors", type=Path, help="write the release folders here and stop")
+    p.add_argument("--layers", type=int, default=4)
+    a = p.parse_args()
+    if a.write_flavors:
+        write_flavors(a.write_flavors, a.layers)
+        return
+    print("| run | tokens/s (median, steps > 3) | reserved GiB (last step) |\n|---|---|---|")
+    for log in a.logs:
+        print(row(log))
+
+
+if __name__ == "__main__":
+    main()
