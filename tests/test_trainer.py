@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import conftest
@@ -268,7 +268,8 @@ def test_tokens_per_second_count_the_wait_for_the_device(tmp_path, monkeypatch):
     logged: list[dict] = []
     log = trainer.metrics_logger.log
     monkeypatch.setattr(trainer.readout, "read", read_after_the_device)
-    monkeypatch.setattr(trainer.metrics_logger, "log", lambda step, metrics: (logged.append(metrics), log(step, metrics)))
+    monkeypatch.setattr(trainer.metrics_logger, "log",
+                        lambda step, metrics: (logged.append(metrics), log(step, metrics)))
     trainer.train()
     second = [m for m in logged if "step_time_s" in m][1]
     assert second["step_time_s"] >= backlog_s
