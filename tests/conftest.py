@@ -1,5 +1,5 @@
 """What the whole test suite shares: the repository root, the shipped tokenizer, free ports, the debug
-configs, a trainer factory and a ``torchrun`` runner.
+configs (and the debug model's shape with any number of blocks), a trainer factory and a ``torchrun`` runner.
 
 Fixtures serve the test functions. Code that runs where no fixture reaches (a function
 spawned on ranks, a module-level helper) imports the same things by name:
@@ -10,6 +10,7 @@ and ``load_script`` imports a script of the repository as a module.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +43,16 @@ def debug_config(*overrides: str, config: str = DEBUG_CONFIG) -> JobConfig:
     from torchtitan.config import ConfigManager
 
     return ConfigManager().parse_args(["--job.config_file", config, *overrides])
+
+
+def debug_release(folder: Path, n_layers: int) -> str:
+    """A release folder (Meta's ``params.json``) of the debug model's shape with ``n_layers`` blocks, in ``folder``;
+    ``--model.flavor`` takes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.json").write_text(json.dumps({"dim": 256, "n_layers": n_layers, "n_heads": 16, "n_kv_heads": 8,
+                                                    "vocab_size": 2048, "multiple_of": 256, "norm_eps": 1e-5,
+                                                    "rope_theta": 500000.0}))
+    return str(folder)
 
 
 def make_trainer(dump: str | Path, *overrides: str, config: str = DEBUG_CONFIG) -> Trainer:
@@ -103,6 +114,19 @@ def shipped_tokenizer() -> str:
 def free_port() -> Callable[[], int]:
     """Call it for a TCP port that is free now (one call per rendezvous)."""
     return _free_port
+
+
+@pytest.fixture(scope="session")
+def debug_blocks(tmp_path_factory) -> Callable[[int], str]:
+    """``debug_blocks(n)``: a release folder of the debug model's shape with ``n`` blocks (``debug_release``)."""
+    made: dict[int, str] = {}
+
+    def release(n_layers: int) -> str:
+        if n_layers not in made:
+            made[n_layers] = debug_release(tmp_path_factory.mktemp(f"debug{n_layers}"), n_layers)
+        return made[n_layers]
+
+    return release
 
 
 @pytest.fixture

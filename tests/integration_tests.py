@@ -264,8 +264,9 @@ def build_flavors() -> list[Flavor]:
         # ---- data parallel (the control and its relatives) ----
         f(CONTROL, "FSDP 8 (the control every parity-eligible flavor is compared with)",
           (_phase(8, 8, {"dp_shard": 8}, *_dp(1, 8)),)),
-        f("hsdp", "HSDP 2x4: shard within 4 ranks, replicate across 2",
-          (_phase(8, 8, {"dp_replicate": 2, "dp_shard": 4}, *_dp(2, 4)),)),
+        # HSDP 2x4 trains for 30 steps in tests/distributed/test_layout_parity.py; 2x2 on 4 ranks here.
+        f("hsdp", "HSDP 2x2: shard within 2 ranks, replicate across 2",
+          (_phase(4, 4, {"dp_replicate": 2, "dp_shard": 2}, *_dp(2, 2)),)),
         # DDP 8 trains for 30 steps in tests/distributed/test_layout_parity.py; 4 ranks here.
         f("ddp", "DDP 4: FSDP2 on a (dp_replicate=4, dp_shard=1) mesh",
           (_phase(4, 4, {"dp_replicate": 4}, *_dp(4, 1)),)),
@@ -288,8 +289,9 @@ def build_flavors() -> list[Flavor]:
           (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), "--profiling.enable_profiling",
                   "--profiling.profile_freq=2"),),
           checks=(_profile_traces(2),)),
-        f("multinode", "HSDP 2x4 over two launcher agents on this host (NNODES=2, c10d rendezvous), 4 ranks each",
-          (_phase(8, 8, {"dp_replicate": 2, "dp_shard": 4}, *_dp(2, 4), multinode=True),),
+        # tests/test_multinode.py also trains two agents bitwise against one, in two network namespaces.
+        f("multinode", "HSDP 2x2 over two launcher agents on this host (NNODES=2, c10d rendezvous), 2 ranks each",
+          (_phase(4, 4, {"dp_replicate": 2, "dp_shard": 2}, *_dp(2, 2), multinode=True),),
           checks=(_both_agents_ran,)),
         # ---- tensor and context parallel ----
         # tests/distributed/test_tp_cp_layouts.py trains the 8-rank shapes (FSDP 4 x TP 2, FSDP 4 x CP 2, ...)
@@ -317,7 +319,7 @@ def build_flavors() -> list[Flavor]:
         f("pp_gpipe", "PP 2, GPipe", (_phase(2, 1, {"pp": 2}, *_dp(1, 1), *_pp(2, "GPipe")),), requires=("pp",)),
         f("pp_interleaved_1f1b", "PP 2, Interleaved1F1B (2 stages per rank)",
           (_phase(2, 1, {"pp": 2}, *_dp(1, 1), *_pp(2, "Interleaved1F1B")),), requires=("pp",)),
-        f("pp_fsdp", "PP 2 x FSDP 4", (_phase(8, 4, {"pp": 2, "dp_shard": 4}, *_dp(1, 4), *_pp(2, "1F1B")),),
+        f("pp_fsdp", "PP 2 x FSDP 2", (_phase(4, 2, {"pp": 2, "dp_shard": 2}, *_dp(1, 2), *_pp(2, "1F1B")),),
           requires=("pp",)),
         f("pp_tp", "PP 2 x TP 2", (_phase(4, 1, {"pp": 2, "tp": 2}, *_dp(1, 1), *_pp(2, "1F1B"), *_tp(2)),),
           requires=("pp", "tp")),

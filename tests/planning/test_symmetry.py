@@ -4,7 +4,6 @@ exactly, in the totals the planner reports."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 from conftest import debug_config
@@ -12,8 +11,8 @@ from conftest import debug_config
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.planning.clusters import load_cluster
 from torchtitan.planning.cost import estimate
-from torchtitan.planning.dry_run import DryRun, dry_run, plan_job
-from torchtitan.planning.symmetry import blocks_to_count, describe, representatives
+from torchtitan.planning.dry_run import DryRun, dry_run
+from torchtitan.planning.symmetry import describe, representatives
 
 _PP = "--parallelism.pipeline_parallel_"
 
@@ -42,59 +41,11 @@ def test_a_schedule_of_another_warm_up_simulates_every_rank():
     assert representatives(None) == {0: [0]} and describe(None) is None
 
 
-def _debug_shape(tmp_path_factory, n_layers: int) -> str:
-    """A release folder (Meta's params.json) of the debug model's shape with ``n_layers`` blocks."""
-    folder = tmp_path_factory.mktemp(f"debug{n_layers}")
-    (folder / "params.json").write_text(json.dumps({"dim": 256, "n_layers": n_layers, "n_heads": 16, "n_kv_heads": 8,
-                                                    "vocab_size": 2048, "multiple_of": 256, "norm_eps": 1e-5,
-                                                    "rope_theta": 500000.0}))
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def sixteen_layers(tmp_path_factory) -> str:
-    """16 blocks, so that 8 stages hold 2 each."""
-    return _debug_shape(tmp_path_factory, 16)
-
-
-def test_blocks_are_counted_only_where_they_are_alike(tmp_path_factory):
-    ten = _debug_shape(tmp_path_factory, 10)
-
-    def counted(*overrides: str) -> tuple[int | None, str]:
-        cfg = debug_config(f"--model.flavor={ten}", "--parallelism.data_parallel_shard_degree=2", *overrides)
-        return blocks_to_count(plan_job(cfg, 2), cfg)
-
-    assert counted("--activation_checkpoint.mode=full")[0] == 10
-    n, why = counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")
-    assert n is None and "every 2 blocks" in why
-    assert counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")[0] == 10
-    # A pipeline's ranks are reduced by their stage shapes instead; the debug model's 6 blocks are too few to count.
-    assert counted("--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
-                   "--training.batch_size=2")[0] is None
-    assert blocks_to_count(plan_job(debug_config(), 1), debug_config())[0] is None
-
-
-@pytest.mark.slow  # three simulations (forked), about 5 s
-def test_counted_blocks_equal_every_block_simulated(tmp_path_factory):
-    """10 blocks under FSDP 2 x TP 2, full AC, two accumulated micro-batches: simulated with 3 and 4 blocks and
-    counted, every figure of the rank equals the simulation of all 10."""
-    cfg = debug_config(f"--model.flavor={_debug_shape(tmp_path_factory, 10)}", "--metrics.enable_tensorboard=false",
-                       "--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2",
-                       "--activation_checkpoint.mode=full", "--training.seq_len=128", "--training.batch_size=2",
-                       "--training.global_batch_size=8")
-    counted, every = dry_run(cfg, 4), dry_run(cfg, 4, symmetry=False)
-    assert counted.plan.grad_accum == 2 and "blocks counted: 3 and 4 of the 10" in counted.notes[-1]
-    a, b = counted.ranks[0].memory, every.ranks[0].memory
-    assert (a.peak_bytes, a.at_peak, a.final, a.peak_phase) == (b.peak_bytes, b.at_peak, b.final, b.peak_phase)
-    assert counted.ranks[0].work == every.ranks[0].work
-    assert counted.ranks[0].traffic.rows() == every.ranks[0].traffic.rows()
-
-
 @pytest.mark.slow  # four simulated ranks of a 16-rank world, about 15 s
-def test_counted_totals_equal_every_rank_simulated(sixteen_layers):
+def test_counted_totals_equal_every_rank_simulated(debug_blocks):
     """PP 4 (Interleaved1F1B, 2 stages of 2 layers per rank, 8 micro-batches) x TP 2 x FSDP 2: pp rank 1 stands
     for pp rank 2; simulating rank 2 as well changes no figure the planner reports."""
-    cfg = debug_config(f"--model.flavor={sixteen_layers}", "--metrics.enable_tensorboard=false",
+    cfg = debug_config(f"--model.flavor={debug_blocks(16)}", "--metrics.enable_tensorboard=false",
                        f"{_PP}degree=4", f"{_PP}schedule=Interleaved1F1B", f"{_PP}microbatches=8",
                        "--training.batch_size=8", "--parallelism.tensor_parallel_degree=2",
                        "--parallelism.data_parallel_shard_degree=2", "--activation_checkpoint.mode=full")

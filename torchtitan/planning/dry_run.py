@@ -12,8 +12,8 @@ micro-batch or the pipeline schedule, gradient clipping, the optimizer and LR st
 under ``FakeTensorMode``: shapes, dtypes and every op and collective, but no data and no memory of
 the model's size. A recorder (``StepRecorder``), told what the step is doing through the step's
 callbacks, counts each storage at its local size (``memory.py``), each collective by mesh dim
-(``traffic.py``) and each op's work (``compute.py``). A job without a pipeline whose blocks are
-alike is simulated with 3 and 4 blocks and counted at its own (``symmetry.py``).
+(``traffic.py``) and each op's work (``compute.py``). A rank's
+identical blocks and micro-batches are simulated at two small counts and counted at the job's (``repeats.py``).
 
 What differs from a GPU run, and how it is handled:
 
@@ -63,16 +63,16 @@ from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.moe import GPU_GROUPED_MM_DTYPES, assume_routing, check_imbalance, moe_notes
 from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
-from torchtitan.planning.symmetry import (
-    SIMULATED_BLOCKS,
-    blocks_to_count,
+from torchtitan.planning.repeats import (
+    Repeats,
     counted_memory,
+    counted_peak,
     counted_traffic,
     counted_work,
-    representatives,
-    with_blocks,
+    plan_repeats,
 )
 from torchtitan.planning.symmetry import describe as describe_symmetry
+from torchtitan.planning.symmetry import representatives
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
 from torchtitan.preflight import LaunchPlan, preflight
 from torchtitan.train_step.base import StepParts
@@ -178,24 +178,26 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
     """``dry_run`` of several jobs (config, world size, pipeline ranks), every simulated rank of every job in
     one pool of worker processes, so that a search or a set of configs keeps every core busy.
 
-    With ``symmetry`` (``symmetry.py``), one pp rank per stage shape is simulated unless ``pp_ranks`` names
-    them, and a job without a pipeline whose blocks are alike is simulated with 3 and 4 blocks and counted;
-    without it, every pp rank (or those named) and every block. Each job is planned first, so a bad one
+    With ``symmetry``, one pp rank per stage shape is simulated unless ``pp_ranks`` names them
+    (``symmetry.py``), and each counts its identical blocks and micro-batches (``repeats.py``); without it,
+    every pp rank (or those named), every block and every micro-batch. Each job is planned first, so a bad one
     raises its ``ConfigError`` before anything is simulated.
     """
     check_imbalance(moe_imbalance)
-    runs, tasks, blocks = [], [], []
+    runs, tasks, repeats = [], [], []
     for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
         run, cfg = _planned(cfg, world_size, steps)
         run.notes += moe_notes(run.plan, moe_imbalance)
         runs.append(run)
-        n, why = blocks_to_count(run.plan, cfg) if symmetry else (None, "")
-        blocks.append(n)
-        plans = [run.plan] if n is None else [with_blocks(run.plan, k) for k in SIMULATED_BLOCKS]
+        counted = plan_repeats(run.plan, cfg) if symmetry else Repeats()
+        repeats.append(counted)
+        variants = counted.variants(cfg, run.plan)
         by_shape = symmetry and pp_ranks is None
-        tasks += [(i, [(cfg, plan, world_size, rank, steps, n is not None, moe_imbalance) for plan in plans])
+        tasks += [(i, [(c, plan, world_size, rank, steps, counted.counts_blocks, moe_imbalance)
+                       for c, plan in variants])
                   for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline if by_shape else None)]
-        run.notes += [line for line in (why, describe_symmetry(run.plan.pipeline) if by_shape else "") if line]
+        run.notes += [*counted.notes, *([describe_symmetry(run.plan.pipeline) or ""] if by_shape else [])]
+        run.notes = [line for line in run.notes if line]
     # One forked process per simulation: DTensor caches meshes (and their process-group names)
     # across process groups, so each simulated rank needs a process of its own.
     flat = [args for _, sims in tasks for args in sims]
@@ -207,9 +209,7 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
     by_task = dict(zip(order, done_in_order, strict=True))
     results = iter(by_task[j] for j in range(len(flat)))
     for i, sims in tasks:
-        done = [next(results) for _ in sims]
-        n = blocks[i]
-        rank_run = done[0] if n is None else _counted_blocks(done[0], done[1], n - SIMULATED_BLOCKS[0])
+        rank_run = count_back([next(results) for _ in sims], repeats[i])
         if symmetry and jobs[i][2] is None:  # ranks chosen by shape: each stands for the pp ranks of its shape
             rank_run.stands_for = representatives(runs[i].plan.pipeline).get(rank_run.coords.get("pp", 0), [])
         runs[i].ranks.append(rank_run)
@@ -222,11 +222,23 @@ def _blocks_run(plan: LaunchPlan) -> int:
     return n * plan.grad_accum if p is None else n * p.microbatches // p.pp
 
 
-def _counted_blocks(three: RankRun, four: RankRun, extra: int) -> RankRun:
-    """A rank simulated with 3 and with 4 blocks, counted at ``3 + extra`` (``symmetry.py``)."""
-    return RankRun(three.rank, three.coords, three.stages, counted_memory(three.memory, four.memory, extra),
-                   counted_traffic(three.traffic, four.traffic, extra), counted_work(three.work, four.work, extra),
-                   three.seconds + four.seconds)
+def count_back(sims: list[RankRun], repeats: Repeats) -> RankRun:
+    """One rank's run at the job's size from its simulations in ``Repeats.variants`` order (``repeats.py``): the
+    blocks counted at each micro-batch count, then the micro-batches."""
+    if repeats.counts_blocks:
+        pairs = zip(sims[::2], sims[1::2], strict=True)
+        sims = [_counted(a, b, repeats.fewer_blocks, counted_memory) for a, b in pairs]
+    if repeats.microbatches is not None:
+        sims = [_counted(sims[0], sims[1], repeats.microbatch_stretches, counted_peak)]
+    (run,) = sims
+    return run
+
+
+def _counted(a: RankRun, b: RankRun, extra: int, memory) -> RankRun:
+    """``a`` carried ``extra`` steps along the line through ``a`` and ``b`` (``memory``: how its peak is)."""
+    return RankRun(a.rank, a.coords, a.stages, memory(a.memory, b.memory, extra),
+                   counted_traffic(a.traffic, b.traffic, extra), counted_work(a.work, b.work, extra),
+                   a.seconds + b.seconds)
 
 
 def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobConfig]:
@@ -275,9 +287,9 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         traffic = TrafficLedger({})
         recorder = StepRecorder(memory, traffic, compute)
         job = _Job(cfg, plan, dims, fake, memory, recorder, moe_imbalance)
-        if regions:
-            recorder.watch_blocks([b for part in job.runner.model_parts
-                                   for b in cast(torch.nn.ModuleDict, part.layers).values()])
+        if regions:  # each stage's first, middle and last blocks (repeats.py)
+            for part in job.runner.model_parts:
+                recorder.watch_blocks(list(cast(torch.nn.ModuleDict, part.layers).values()))
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)

@@ -1,0 +1,114 @@
+"""What a dry run counts instead of simulating (torchtitan/planning/repeats.py): identical blocks (of a stage, or
+of the model without a pipeline) and identical micro-batches (the pipeline's, or gradient accumulation's). Each
+counted rank equals the simulation of its whole step, figure by figure."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import debug_config
+
+from torchtitan.planning import repeats
+from torchtitan.planning.dry_run import RankRun, dry_run, plan_job
+from torchtitan.planning.repeats import blocks_to_count, microbatches_to_count
+
+_PP = "--parallelism.pipeline_parallel_"
+_SMALL = ("--metrics.enable_tensorboard=false", "--training.seq_len=32")
+
+
+def _assert_equal(counted: RankRun, every: RankRun) -> None:
+    """Every figure equal, but the split of the micro-batches' activations into the largest one and the others
+    (``memory.fold``) is compared as their sum: it goes by which micro-batch's tag a scalar (a loss) was allocated
+    under, which can differ between step sizes by those few bytes."""
+    a, b = counted.memory, every.memory
+    assert (a.peak_bytes, a.peak_phase) == (b.peak_bytes, b.peak_phase)
+    assert _joined(a.at_peak) == _joined(b.at_peak)
+    assert _joined(a.final) == _joined(b.final)
+    assert counted.work == every.work
+    assert counted.traffic.rows() == every.traffic.rows()
+
+
+def _joined(split: dict[str, int]) -> dict[str, int]:
+    out = dict(split)
+    out["activations"] = out.pop("activations", 0) + out.pop("in_flight", 0)
+    return out
+
+
+def test_blocks_are_counted_only_where_they_are_alike(debug_blocks):
+    def counted(*overrides: str) -> tuple[int, str]:
+        cfg = debug_config(f"--model.flavor={debug_blocks(10)}", "--parallelism.data_parallel_shard_degree=2",
+                           *overrides)
+        return blocks_to_count(plan_job(cfg, 2), cfg)
+
+    assert counted("--activation_checkpoint.mode=full")[0] == 7  # simulated with 3 and 4 of the 10
+    fewer, why = counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")
+    assert fewer == 0 and "every 2 blocks" in why
+    assert counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")[0] == 7
+    # Under a pipeline, each stage's blocks: 10 over 2 stages leaves 5 a stage, too few to be worth counting.
+    assert counted(f"{_PP}degree=2", "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")[0] == 0
+    assert blocks_to_count(plan_job(debug_config(), 1), debug_config())[0] == 0
+
+
+def test_microbatches_are_counted_from_where_each_schedule_repeats(debug_blocks):
+    def counted(*overrides: str, world: int = 2):
+        cfg = debug_config(f"--model.flavor={debug_blocks(8)}", *overrides)
+        return microbatches_to_count(plan_job(cfg, world))[:2]
+
+    pp2 = (f"{_PP}degree=2", "--parallelism.data_parallel_shard_degree=1")
+    assert counted(*pp2, f"{_PP}schedule=1F1B", f"{_PP}microbatches=8", "--training.batch_size=8") == ((3, 4), 8)
+    assert counted(*pp2, f"{_PP}schedule=1F1B", f"{_PP}microbatches=6", "--training.batch_size=6") == (None, 6)
+    interleaved = (*pp2, f"{_PP}schedule=Interleaved1F1B", f"{_PP}stages_per_rank=2")
+    assert counted(*interleaved, f"{_PP}microbatches=14", "--training.batch_size=14") == ((6, 8), 14)
+    assert counted(*interleaved, f"{_PP}microbatches=12", "--training.batch_size=12") == (None, 12)
+    zero_bubble = (*pp2, f"{_PP}schedule=ZBVZeroBubble", "--activation_checkpoint.mode=none")
+    assert counted(*zero_bubble, f"{_PP}microbatches=12", "--training.batch_size=12") == (None, 12)
+    looped = (*pp2, f"{_PP}schedule=LoopedBFS", f"{_PP}stages_per_rank=2")
+    assert counted(*looped, f"{_PP}microbatches=12", "--training.batch_size=12") == (None, 12)
+    accumulated = ("--parallelism.data_parallel_shard_degree=2", "--training.batch_size=1")
+    assert counted(*accumulated, "--training.global_batch_size=12") == ((2, 3), 6)
+    assert counted(*accumulated, "--training.global_batch_size=8") == (None, 4)
+
+
+@pytest.mark.slow  # six simulations (forked) of a small step, a few seconds in all
+@pytest.mark.parametrize("schedule,microbatches", [("GPipe", 7), ("1F1B", 7), ("Interleaved1F1B", 14)])
+def test_counted_microbatches_equal_every_microbatch_simulated(debug_blocks, schedule, microbatches):
+    """PP 2 x FSDP 2, a block a stage: each simulated pp rank, with two small micro-batch counts simulated and the
+    rest counted, equals its simulation with all of them."""
+    v = 2 if schedule == "Interleaved1F1B" else 1
+    cfg = debug_config(f"--model.flavor={debug_blocks(2 * v)}", *_SMALL, f"{_PP}degree=2", f"{_PP}schedule={schedule}",
+                       f"{_PP}stages_per_rank={v}", f"{_PP}microbatches={microbatches}",
+                       f"--training.batch_size={microbatches}", "--parallelism.data_parallel_shard_degree=2")
+    counted, every = dry_run(cfg, 4), dry_run(cfg, 4, symmetry=False)
+    assert any("pipeline micro-batches counted" in n for n in counted.notes)
+    assert [r.coords["pp"] for r in counted.ranks] == [r.coords["pp"] for r in every.ranks] == [0, 1]
+    for c, e in zip(counted.ranks, every.ranks, strict=True):
+        _assert_equal(c, e)
+
+
+@pytest.mark.slow  # four simulations of one rank and one of the whole step
+def test_counted_blocks_and_microbatches_of_a_pipeline_stage(debug_blocks, monkeypatch):
+    """1F1B, PP 2 x TP 2, 5 blocks a stage, 7 micro-batches, full AC: each stage simulated with 3 and 4 blocks at 3
+    and 4 micro-batches, counted at 5 blocks and 7 micro-batches, equals the whole step of pp rank 0."""
+    monkeypatch.setattr(repeats, "FEWEST_BLOCKS", 5)  # worth it from 8 blocks a stage; 5 keeps the test small
+    cfg = debug_config(f"--model.flavor={debug_blocks(10)}", *_SMALL, f"{_PP}degree=2", f"{_PP}schedule=1F1B",
+                       f"{_PP}microbatches=7", "--training.batch_size=7", "--parallelism.tensor_parallel_degree=2",
+                       "--parallelism.data_parallel_shard_degree=1", "--activation_checkpoint.mode=full")
+    counted, every = dry_run(cfg, 4, pp_ranks=[0]), dry_run(cfg, 4, pp_ranks=[0], symmetry=False)
+    assert any("each stage simulated with 2 blocks fewer" in n for n in counted.notes)
+    assert any("pipeline micro-batches counted: 3 and 4 of the 7" in n for n in counted.notes)
+    _assert_equal(counted.ranks[0], every.ranks[0])
+
+
+@pytest.mark.slow  # four simulations (forked) of a few blocks and one of the whole step
+def test_counted_blocks_and_accumulation_equal_the_whole_step(debug_blocks, monkeypatch):
+    """5 blocks under FSDP 2 x TP 2, full AC, 5 accumulated micro-batches: simulated with 3 and 4 blocks at 2 and 3
+    micro-batches and counted, every figure of the rank equals the simulation of all 5 blocks and 5 micro-batches."""
+    monkeypatch.setattr(repeats, "FEWEST_BLOCKS", 5)  # worth it from 8 blocks; 5 keeps the test small
+    cfg = debug_config(f"--model.flavor={debug_blocks(5)}", *_SMALL,
+                       "--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2",
+                       "--activation_checkpoint.mode=full", "--training.batch_size=1",
+                       "--training.global_batch_size=10")
+    counted, every = dry_run(cfg, 4), dry_run(cfg, 4, symmetry=False)
+    assert counted.plan.grad_accum == 5
+    assert any("blocks counted: 3 and 4 of the 5" in n for n in counted.notes)
+    assert any("accumulated micro-batches counted: 2 and 3 of the 5" in n for n in counted.notes)
+    _assert_equal(counted.ranks[0], every.ranks[0])

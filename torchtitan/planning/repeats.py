@@ -1,0 +1,254 @@
+"""What a dry run counts instead of simulating: identical blocks, and identical micro-batches.
+
+A rank's step repeats itself in two ways. The blocks of a stage (of the model, without a pipeline) are
+alike, and so are the micro-batches of a step. Both are counted the same way: the rank is simulated
+at two small sizes, and every total is carried to the job's size along the line through the two.
+
+**Blocks.** Each stage is simulated with ``fewer`` blocks less than it holds (3 in the smallest stage:
+a first, one middle, a last) and with one more. Work, collectives and the state after the step are
+sums over the blocks: each middle block adds the same. The peak is a maximum, not a sum, so it is
+carried region by region (``MemoryLedger.enter``: each block's forward and backward begins one):
+within the forward or backward of the k-th middle block of a stage, the memory is what it was when
+that stage's middle blocks began, plus k times what one middle block leaves behind, plus that
+block's own profile; and what a stage's earlier micro-batches keep in flight grows by one block's
+share per block. So the highest total of every region lies on a line in the number of middle blocks,
+and the peak is the highest of those lines at the job's count.
+
+**Micro-batches.** Past a first count, one more micro-batch (one more round of ``pp`` of them under
+Interleaved1F1B) inserts the same stretch of ops into the step: a forward in the forward phase and a
+backward in the backward phase (GPipe, gradient accumulation), or one more turn of the
+steady phase (1F1B, Interleaved1F1B), whose forward and backward leave the memory as they found it.
+So work and collectives grow by the same amount per stretch, and so does the peak: by one
+micro-batch's activations where every forward runs before the first backward, by nothing where the
+warm-up sets how many are in flight. ``MICROBATCH_START`` gives, per schedule, the first count from
+which that holds and the size of a stretch; the two simulations are that count and one stretch more.
+
+tests/planning/test_repeats.py checks each against the simulation of the whole step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import cast
+
+import torch
+
+from torchtitan.config import JobConfig
+from torchtitan.planning.compute import PhaseWork
+from torchtitan.planning.memory import MemoryReport, fold
+from torchtitan.planning.traffic import CollectiveStats, TrafficLedger
+from torchtitan.preflight import LaunchPlan
+
+FIRST_SIMULATED = 3  # blocks in the smallest stage's first simulation: a first, one middle, a last
+FEWEST_BLOCKS = 8  # below this, two simulations of 3 and 4 blocks cost about as much as one of all of them
+
+
+@dataclasses.dataclass(frozen=True)
+class Repeats:
+    """How one job's ranks are simulated smaller and counted back; the defaults simulate everything."""
+
+    fewer_blocks: int = 0  # blocks per stage left out of the first simulation (the second has one more)
+    microbatches: tuple[int, int] | None = None  # the two micro-batch counts simulated, None: the job's own
+    job_microbatches: int = 1  # the job's micro-batches per step (pipeline, else gradient accumulation)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def counts_blocks(self) -> bool:
+        return self.fewer_blocks > 0
+
+    def variants(self, cfg: JobConfig, plan: LaunchPlan) -> list[tuple[JobConfig, LaunchPlan]]:
+        """The (config, plan) pairs to simulate: for each micro-batch count, each block count (blocks vary
+        fastest); ``count_back`` in dry_run.py takes their runs in this order."""
+        sizes = [None] if self.microbatches is None else list(self.microbatches)
+        fewer = [self.fewer_blocks, self.fewer_blocks - 1] if self.counts_blocks else [0]
+        out = []
+        for m in sizes:
+            c, p = (cfg, plan) if m is None else with_microbatches(cfg, plan, m)
+            out += [(c, with_fewer_blocks(p, k)) for k in fewer]
+        return out
+
+    @property
+    def microbatch_stretches(self) -> int:
+        """Stretches of micro-batches between the first simulated count and the job's."""
+        if self.microbatches is None:
+            return 0
+        first, second = self.microbatches
+        return (self.job_microbatches - first) // (second - first)
+
+
+# ---- identical blocks ------------------------------------------------------------------------------------------
+def stage_blocks(plan: LaunchPlan) -> list[int]:
+    """Blocks per pipeline stage (the whole model without a pipeline)."""
+    if plan.pipeline is None:
+        return [plan.model_args.n_layers]
+    starts = plan.pipeline.layer_starts
+    return [starts[s + 1] - starts[s] for s in range(len(starts) - 1)]
+
+
+def blocks_to_count(plan: LaunchPlan, cfg: JobConfig) -> tuple[int, str]:
+    """Blocks per stage left out of the first simulation (0: every block simulated), and why."""
+    counts = stage_blocks(plan)
+    fewest = min(counts)
+    ac = cfg.activation_checkpoint
+    if fewest < FEWEST_BLOCKS:
+        return 0, ""
+    if ac.mode == "selective" and ac.selective_ac_option not in ("op", "1"):
+        return 0, (f"every block simulated: selective AC every {ac.selective_ac_option} blocks makes the blocks "
+                   "differ")
+    if not _blocks_alike(plan):
+        return 0, "every block simulated: the model's blocks differ in their modules or parameter shapes"
+    fewer = fewest - FIRST_SIMULATED
+    if plan.pipeline is None:
+        return fewer, (f"blocks counted: 3 and 4 of the {fewest} simulated, the middle ones counted {fewest - 2} "
+                       "times (each middle block does the same work, traffic and memory)")
+    return fewer, (f"blocks counted: each stage simulated with {fewer} blocks fewer than it holds and with one "
+                   f"more ({FIRST_SIMULATED} and {FIRST_SIMULATED + 1} in a stage of {fewest}), its middle blocks "
+                   "counted (each does the same work, traffic and memory)")
+
+
+def _blocks_alike(plan: LaunchPlan) -> bool:
+    with torch.device("meta"):
+        model = plan.model_spec.build(plan.model_args)
+    signatures = {(tuple(type(m).__name__ for m in block.modules()),
+                   tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
+                  for block in cast(torch.nn.ModuleDict, model.layers).values()}
+    return len(signatures) == 1
+
+
+def with_fewer_blocks(plan: LaunchPlan, fewer: int) -> LaunchPlan:
+    """``plan`` for the same model with ``fewer`` blocks less in each stage."""
+    if fewer == 0:
+        return plan
+    counts = [n - fewer for n in stage_blocks(plan)]
+    args = dataclasses.replace(plan.model_args, n_layers=sum(counts))
+    if plan.pipeline is None:
+        return dataclasses.replace(plan, model_args=args)
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    return dataclasses.replace(plan, model_args=args,
+                               pipeline=dataclasses.replace(plan.pipeline, layer_starts=tuple(starts)))
+
+
+# ---- identical micro-batches -----------------------------------------------------------------------------------
+def microbatch_start(plan: LaunchPlan) -> tuple[int, int] | None:
+    """(the first count of micro-batches from which one more stretch adds the same ops, a stretch's size) for the
+    job's schedule; None where that is not known (the zero-bubble schedules: every micro-batch simulated)."""
+    p = plan.pipeline
+    if p is None:
+        return 2, 1  # gradient accumulation: the first micro-batch creates the gradients, the others add to them
+    if p.schedule == "GPipe":
+        # Every forward before the first backward. With two, the peak can lie in the backward of the first one
+        # instead, off the line that the micro-batches in flight draw from three on.
+        return max(3, p.pp), 1
+    if p.schedule == "1F1B":
+        return p.pp + 1, 1  # the lowest rank's warm-up is pp forwards; past it, a steady turn exists on every rank
+    if p.schedule == "Interleaved1F1B":
+        # Rounds of pp micro-batches. The warm-up ((v - 1) pp + 2 (pp - 1 - rank) ops) is shorter than the step
+        # on every rank from two rounds on, but the peak still moves between the second round and the third
+        # (tests/planning/test_repeats.py shows the line from the third on).
+        return 3 * p.pp, p.pp
+    # LoopedBFS (each local stage runs every micro-batch in turn) draws no line from a first count that holds for
+    # every rank and pipeline degree measured here, and the zero-bubble schedules were not measured: every
+    # micro-batch is simulated.
+    return None
+
+
+def microbatches_to_count(plan: LaunchPlan) -> tuple[tuple[int, int] | None, int, str]:
+    """(the two micro-batch counts to simulate, None: the job's own; the job's count; why)."""
+    p = plan.pipeline
+    if p is not None and plan.grad_accum > 1:
+        return None, p.microbatches, ""  # both at once: not counted
+    job = plan.grad_accum if p is None else p.microbatches
+    start = microbatch_start(plan)
+    if start is None:
+        return None, job, ""
+    first, stretch = start
+    second = first + stretch
+    if job < first + second or (job - first) % stretch:
+        return None, job, ""
+    what = "accumulated micro-batches" if p is None else "pipeline micro-batches"
+    return (first, second), job, (f"{what} counted: {first} and {second} of the {job} simulated, the others counted "
+                                  "(past the first, each adds the same ops and the same memory)")
+
+
+def with_microbatches(cfg: JobConfig, plan: LaunchPlan, m: int) -> tuple[JobConfig, LaunchPlan]:
+    """``cfg`` and ``plan`` with ``m`` micro-batches of the same size a step."""
+    p = plan.pipeline
+    if p is None:
+        return cfg, dataclasses.replace(plan, grad_accum=m)
+    t = cfg.training
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(t, batch_size=t.batch_size // p.microbatches * m),
+                              parallelism=dataclasses.replace(cfg.parallelism, pipeline_parallel_microbatches=m))
+    return cfg, dataclasses.replace(plan, pipeline=dataclasses.replace(p, microbatches=m))
+
+
+def plan_repeats(plan: LaunchPlan, cfg: JobConfig) -> Repeats:
+    """What ``plan``'s ranks count rather than simulate."""
+    fewer, why_blocks = blocks_to_count(plan, cfg)
+    sizes, job, why_microbatches = microbatches_to_count(plan)
+    return Repeats(fewer, sizes, job, tuple(line for line in (why_blocks, why_microbatches) if line))
+
+
+# ---- counting back -----------------------------------------------------------------------------------------------
+def _line(a: int, b: int, extra: int) -> int:
+    """The value ``extra`` steps past ``a`` on the line through ``a`` and ``b`` (one step apart)."""
+    return a + extra * (b - a)
+
+
+def _lines(a: dict[str, int], b: dict[str, int], extra: int) -> dict[str, int]:
+    return {k: _line(a.get(k, 0), b.get(k, 0), extra) for k in {**a, **b}}
+
+
+def counted_work(a: dict[str, PhaseWork], b: dict[str, PhaseWork], extra: int) -> dict[str, PhaseWork]:
+    out = {}
+    for phase in {**a, **b}:
+        wa, wb = dataclasses.asdict(a.get(phase, PhaseWork())), dataclasses.asdict(b.get(phase, PhaseWork()))
+        out[phase] = PhaseWork(**_lines(wa, wb, extra))
+    return out
+
+
+def counted_traffic(a: TrafficLedger, b: TrafficLedger, extra: int) -> TrafficLedger:
+    out = TrafficLedger(a.dim_of_group, group_ranks=a.group_ranks)
+    for key in {**a.stats, **b.stats}:
+        sa, sb = a.stats.get(key, CollectiveStats()), b.stats.get(key, CollectiveStats())
+        out.stats[key] = CollectiveStats(_line(sa.count, sb.count, extra), _line(sa.bytes, sb.bytes, extra))
+    return out
+
+
+def counted_memory(a: MemoryReport, b: MemoryReport, extra: int) -> MemoryReport:
+    """Blocks: the peak ``extra`` middle blocks past ``a``'s, the highest of the regions' lines (see above)."""
+    ra, rb = _merged(a.regions), _merged(b.regions)
+    if [r[0] for r in ra] != [r[0] for r in rb]:
+        raise RuntimeError("repeats: the two simulations passed different regions; simulate every block (a bug: "
+                           "the blocks are not alike)")
+    best: tuple[int, dict[str, int], str] | None = None
+    for (_, ta, sa, phase), (_, tb, sb, _) in zip(ra, rb, strict=True):
+        total = _line(ta, tb, extra)
+        if best is None or total > best[0]:
+            best = (total, _lines(sa, sb, extra), phase)
+    assert best is not None, "a simulation enters its first region before it allocates"
+    return MemoryReport(peak_bytes=best[0], at_peak=fold(best[1]), final=_lines(a.final, b.final, extra),
+                        peak_phase=best[2])
+
+
+def counted_peak(a: MemoryReport, b: MemoryReport, extra: int) -> MemoryReport:
+    """Micro-batches: the peak, its split and the state after the step ``extra`` stretches past ``a``'s (each
+    stretch raises the peak by the same amount, often none: see above)."""
+    if a.peak_phase != b.peak_phase:
+        raise RuntimeError(f"repeats: the peak moved from {a.peak_phase} to {b.peak_phase} with one more stretch of "
+                           "micro-batches; simulate every micro-batch (--no_symmetry)")
+    return MemoryReport(peak_bytes=_line(a.peak_bytes, b.peak_bytes, extra),
+                        at_peak=_lines(a.at_peak, b.at_peak, extra), final=_lines(a.final, b.final, extra),
+                        peak_phase=b.peak_phase)
+
+
+def _merged(regions: list[list]) -> list[list]:
+    """One region for each run of middle blocks (its highest total), as the other regions are."""
+    out: list[list] = []
+    for r in regions:
+        if out and r[0] == out[-1][0] and r[0].endswith("middle"):
+            out[-1] = max(out[-1], r, key=lambda x: x[1])
+        else:
+            out.append(r)
+    return out
