@@ -9,14 +9,14 @@ Three layouts cover TP with and without sequence parallel, TP x PP, TP x CP and 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO, torchrun_env
+from conftest import REPO
+from layout_entry import launch
 
 pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
 STEPS = 10
 TP2 = "--parallelism.tensor_parallel_degree=2"
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "debug_model_ci.toml"), f"--training.steps={STEPS}",
@@ -32,18 +32,10 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("compile_tp")
-    spec, out = root / "spec.json", root / "out.json"
-    spec.write_text(json.dumps({"common": COMMON, "layouts": LAYOUTS}))
     # Inductor's pool of compile workers is more processes than 2 cores want.
-    env = torchrun_env(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-         str(REPO / "tests" / "distributed" / "compile_entry.py"), str(spec), str(out)],
-        capture_output=True, text=True, timeout=1800, env=env,
-    )
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(out.read_text())
+    return launch(HERE / "compile_entry.py", tmp_path_factory.mktemp("compile_tp"), COMMON,
+                  {name: {"overrides": o} for name, o in LAYOUTS.items()}, nproc=4, timeout=1800,
+                  env={"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

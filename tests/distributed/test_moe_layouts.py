@@ -17,13 +17,11 @@ Degrees: "FSDP n" is the experts' ``efsdp`` = dp_shard x cp / ep; the dense weig
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, torchrun_env
+from conftest import REPO
+from layout_entry import launch
 
 pytestmark = pytest.mark.slow
 STEPS, SEQ = 10, 64
@@ -67,15 +65,8 @@ SOURCE = "EP2 x FSDP4"
 
 
 def _launch(root: Path, nproc: int, layouts: dict[str, dict]) -> dict:
-    spec, out = root / "spec.json", root / "out.json"
-    spec.write_text(json.dumps({"common": COMMON, "layouts": layouts}))
-    env = torchrun_env(OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(REPO / "tests" / "distributed" / "moe_entry.py"), str(spec), str(out)],
-        capture_output=True, text=True, timeout=2400, env=env)
-    assert done.returncode == 0, done.stderr[-8000:]
-    return json.loads(out.read_text())
+    return launch(Path(__file__).with_name("moe_entry.py"), root, COMMON, layouts, nproc=nproc, timeout=2400,
+                  env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +74,7 @@ def runs(tmp_path_factory) -> dict:
     one = ["--training.batch_size=8", "--parallelism.data_parallel_shard_degree=1"]
     control = _launch(tmp_path_factory.mktemp("moe_control"), 1, {"control": {"overrides": [*one, TB]},
                                                                    NO_AUX: {"overrides": [*one, NO_AUX]}})
-    layouts = {name: {"overrides": o} for name, o in PARITY.items()}
+    layouts: dict[str, dict] = {name: {"overrides": o} for name, o in PARITY.items()}
     layouts.update({f"resumed {name}": {"overrides": [*o, "--checkpoint.enable_checkpoint"], "resume": SOURCE}
                     for name, o in RESUMED.items()})
     return {**control, **_launch(tmp_path_factory.mktemp("moe_layouts"), 8, layouts)}
