@@ -8,6 +8,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtitan.models import get_model_spec, model_args, model_names, spec_for_args
 from torchtitan.models.llama3 import ModelArgs, Transformer, llama3_flavors
@@ -41,6 +42,22 @@ def test_every_spec_pickles_as_the_planner_sends_it_to_its_workers(name):
     spec = get_model_spec(name)
     again = pickle.loads(pickle.dumps(spec))
     assert again.name == name and again.hidden_width(model_args(name, "debugmodel")) > 0
+
+
+@pytest.mark.parametrize("name, flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel"),
+                                          ("qwen3", "debugmodel_moe"), ("mixtral", "debugmodel")])
+def test_the_spec_hands_the_step_and_the_planner_every_moe_layer(name, flavor):
+    """The trainer's balancing and the planner's assumed routing see the MoE layers only through the spec."""
+    spec, args = get_model_spec(name), model_args(name, flavor)
+    with torch.device("meta"):
+        model = spec.build(args)
+    sparse = [m for m in model.modules() if type(m).__name__ == "MoE"]
+    assert bool(sparse) == bool(spec.num_experts(args)), (name, flavor)
+    layers = spec.expert_layers(model)
+    assert [id(m) for m in layers] == [id(m) for m in sparse]
+    assert all(m.tokens_per_expert.shape == (spec.num_experts(args),) for m in layers)
+    assert spec.assume_routing(model, 1.0) == len(sparse)
+    assert all(type(m.dispatcher).__name__.startswith("Assumed") for m in sparse)
 
 
 def _family_imports(path: Path, root: Path) -> list[str]:
