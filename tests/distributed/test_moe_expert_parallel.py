@@ -19,8 +19,8 @@ import torch
 from dist_harness import run_ranks
 
 from torchtitan.distributed.layout_init import init_params_layout_invariant
+from torchtitan.models.expert_balance import update_expert_bias
 from torchtitan.models.moe import MoE, MoEArgs
-from torchtitan.models.moe.balance import update_expert_bias
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,9 @@ from torch.utils.checkpoint import checkpoint
 
 from torchtitan import compat
 from torchtitan.distributed.layout_init import init_params_layout_invariant
+from torchtitan.models.expert_balance import imbalance, update_expert_bias
 from torchtitan.models.moe import MoE, MoEArgs
-from torchtitan.models.moe.balance import imbalance, sequence_aux_loss, switch_aux_loss, update_expert_bias
+from torchtitan.models.moe.balance import sequence_aux_loss, switch_aux_loss
 from torchtitan.models.moe.experts import GroupedExperts, grouped_mm_fits
 from torchtitan.models.moe.router import TokenChoiceRouter
 

@@ -1,4 +1,5 @@
-"""The model registry: families by ``--model.name``, and the seam that keeps them in ``models/<family>/``."""
+"""The model registry: families by ``--model.name``, and the seam that keeps them, and the components they
+share (``models/common``, ``models/moe``), behind their ``ModelSpec``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtitan.models import get_model_spec, model_args, model_names, spec_for_args
 from torchtitan.models.llama3 import ModelArgs, Transformer, llama3_flavors
@@ -42,9 +44,25 @@ def test_every_spec_pickles_as_the_planner_sends_it_to_its_workers(name):
     assert again.name == name and again.hidden_width(model_args(name, "debugmodel")) > 0
 
 
+@pytest.mark.parametrize("name, flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel"),
+                                          ("qwen3", "debugmodel_moe"), ("mixtral", "debugmodel")])
+def test_the_spec_hands_the_step_and_the_planner_every_moe_layer(name, flavor):
+    """The trainer's balancing and the planner's assumed routing see the MoE layers only through the spec."""
+    spec, args = get_model_spec(name), model_args(name, flavor)
+    with torch.device("meta"):
+        model = spec.build(args)
+    sparse = [m for m in model.modules() if type(m).__name__ == "MoE"]
+    assert bool(sparse) == bool(spec.num_experts(args)), (name, flavor)
+    layers = spec.expert_layers(model)
+    assert [id(m) for m in layers] == [id(m) for m in sparse]
+    assert all(m.tokens_per_expert.shape == (spec.num_experts(args),) for m in layers)
+    assert spec.assume_routing(model, 1.0) == len(sparse)
+    assert all(type(m.dispatcher).__name__.startswith("Assumed") for m in sparse)
+
+
 def _family_imports(path: Path, root: Path) -> list[str]:
-    """The ``torchtitan.models.<family>`` modules that ``path`` (under the package ``root``) imports,
-    relative imports resolved."""
+    """The ``torchtitan.models.<package>`` modules (a family's, or a shared component's) that ``path`` (under
+    the package ``root``) imports, relative imports resolved."""
     package = ".".join(path.relative_to(root.parent).with_suffix("").parts[:-1]).split(".")
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -61,23 +79,21 @@ def _family_imports(path: Path, root: Path) -> list[str]:
     return found
 
 
-# Packages under models/ that are shared components, not families: the MoE feed-forward, whose balancing
-# the step drives (train_step/experts.py) as it drives attention's kernels (models/attention.py).
-COMPONENTS = {"moe"}
-
-
 def _is_family_module(name: str, families: Path) -> bool:
+    """A module in a package under models/: a family, or a component the families share (``common``, ``moe``:
+    the trainer and the planner reach the MoE layers through ``ModelSpec.expert_layers`` and
+    ``assume_routing``). The modules directly in models/ (``spec.py``, ``expert_balance.py``, ``layers.py``,
+    the registry) are the interface below the families, open to all."""
     parts = name.split(".")
-    return (len(parts) >= 3 and parts[:2] == ["torchtitan", "models"] and (families / parts[2]).is_dir()
-            and parts[2] not in COMPONENTS)
+    return len(parts) >= 3 and parts[:2] == ["torchtitan", "models"] and (families / parts[2]).is_dir()
 
 
 def _offenders(root: Path) -> dict[str, list[str]]:
-    """Modules of the package ``root`` outside ``models/<family>/`` that import a family."""
+    """Modules of the package ``root`` outside ``models/<package>/`` that import a family or a shared component."""
     families, out = root / "models", {}
     for path in sorted(root.rglob("*.py")):
         if path.is_relative_to(families) and len(path.relative_to(families).parts) > 1:
-            continue  # inside models/<family>/: a family may import itself
+            continue  # inside models/<package>/: a family may import itself and the shared components
         found = _family_imports(path, root)
         if found:
             out[str(path.relative_to(root.parent))] = found
@@ -86,22 +102,33 @@ def _offenders(root: Path) -> dict[str, list[str]]:
 
 def test_no_module_outside_a_family_imports_one():
     offenders = _offenders(PACKAGE)
-    assert not offenders, f"these modules import a model family; ask the registry (torchtitan.models): {offenders}"
+    assert not offenders, ("these modules import a model family or a component under models/; ask the family's "
+                           f"ModelSpec (torchtitan.models registry, models/spec.py): {offenders}")
 
 
 def test_the_import_check_finds_every_spelling(tmp_path):
     # The check above must be able to fail: a copy of the layout with offenders in each spelling.
     root = tmp_path / "torchtitan"
     (root / "models" / "llama3").mkdir(parents=True)
+    (root / "models" / "moe").mkdir()
     (root / "planning").mkdir()
+    (root / "train_step").mkdir()
     (root / "models" / "llama3" / "spec.py").write_text("from torchtitan.models.llama3 import model\n"
                                                         "from . import args\n")
     (root / "models" / "registry.py").write_text("from .llama3 import spec\nfrom torchtitan.models import spec\n")
     (root / "planning" / "run.py").write_text("import torchtitan.models.llama3.model\n"
                                               "from torchtitan.models.llama3 import Transformer\n"
                                               "from torchtitan.models import get_model_spec\n")
+    # The MoE component is shared by families, not open to the step and the planner (they ask the spec).
+    (root / "models" / "moe" / "moe.py").write_text("from torchtitan.models.expert_balance import ExpertLayer\n")
+    (root / "models" / "llama3" / "model.py").write_text("from torchtitan.models.moe import MoE\n")
+    (root / "train_step" / "experts.py").write_text("from torchtitan.models.moe.balance import aux_loss\n"
+                                                    "from torchtitan.models.expert_balance import imbalance\n")
+    (root / "planning" / "moe.py").write_text("from ..models.moe import dispatch\n")
     assert _offenders(root) == {
         "torchtitan/models/registry.py": ["torchtitan.models.llama3", "torchtitan.models.llama3.spec"],
+        "torchtitan/planning/moe.py": ["torchtitan.models.moe", "torchtitan.models.moe.dispatch"],
         "torchtitan/planning/run.py": ["torchtitan.models.llama3.model", "torchtitan.models.llama3",
                                        "torchtitan.models.llama3.Transformer"],
+        "torchtitan/train_step/experts.py": ["torchtitan.models.moe.balance", "torchtitan.models.moe.balance.aux_loss"],
     }

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig
 from torchtitan.distributed.init_spec import InitSpec
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.expert_balance import ExpertLayer
 
 
 class FamilyArgs(Protocol):
@@ -117,6 +118,14 @@ def _unchanged(args: Any, cfg: JobConfig) -> Any:
     return args
 
 
+def _no_expert_layers(module: nn.Module) -> list[ExpertLayer]:
+    return []
+
+
+def _no_routing(module: nn.Module, imbalance: float) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything the rest of the code asks of one model family (see the module docstring)."""
@@ -151,3 +160,8 @@ class ModelSpec:
     num_experts: Callable[[Any], int] = _no_experts
     with_moe_options: Callable[[Any, JobConfig], Any] = _unchanged
     apply_ep: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None
+    # the MoE layers of a model part, which the trainer balances and logs (train_step/experts.py)
+    expert_layers: Callable[[nn.Module], list[ExpertLayer]] = _no_expert_layers
+    # the planner's dry run (planning/moe.py): (model part, imbalance factor) -> the MoE layers made to
+    # assume their token counts, which fake tensors do not hold
+    assume_routing: Callable[[nn.Module, float], int] = _no_routing

@@ -349,7 +349,7 @@ class _Job:
         options = BuildOptions(device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
                                stage_io=io)
         self.runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
-        assume_routing(self.runner.model_parts, moe_imbalance)  # MoE layers: counts assumed (planning/moe.py)
+        assume_routing(self.runner.model_parts, plan.model_spec, moe_imbalance)  # MoE layers (planning/moe.py)
         self.stage_ids: list[int] = []
         if self.runner.pp_runner is not None:
             make_stages_static(self.runner.pp_runner)

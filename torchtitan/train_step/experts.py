@@ -4,54 +4,59 @@
   pre-hook, so after every micro-batch and pipeline microbatch of the step) each MoE layer's
   token counts are summed over the ranks that see different tokens (``dp x cp``: not TP, whose
   ranks route the same tokens, and per pipeline stage, which holds its own layers), and each
-  router's bias moves toward balance (``models/moe/balance.py``). The counts exclude activation
-  recompute (``MoE`` counts in the original forward only).
-- **Auxiliary loss**: its gradient goes in through each MoE's output (``MoE``); its scale is set
+  router's bias moves toward balance (``models/expert_balance.py``). The counts exclude activation
+  recompute (a layer counts in the original forward only).
+- **Auxiliary loss**: its gradient goes in through each MoE layer's output; its scale is set
   here so that it adds up like the main loss: the mean over the step's forwards (micro-batches x
   pipeline microbatches) and, through the data-parallel gradient average, over the data ranks.
 - **What is logged** (``metrics``, on logging steps, every rank): the auxiliary loss (mean over
   layers and forwards), the load imbalance (max over mean tokens per expert of each layer: the
   mean and the max over layers) and the tokens each expert received (over all sparse layers),
   since the last log.
+
+The MoE layers come from the family's ``ModelSpec.expert_layers`` as ``ExpertLayer``s: the step never
+imports the MoE component (``models/moe``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.moe import MoE
-from torchtitan.models.moe.balance import imbalance, reduce_counts, update_expert_bias
+from torchtitan.models.expert_balance import ExpertLayer, imbalance, reduce_counts, update_expert_bias
+from torchtitan.models.spec import ModelSpec
 
 
 class ExpertBalance:
     """The MoE layers of this rank's model parts, balanced before each optimizer step; see the module docstring."""
 
-    def __init__(self, model_parts: Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer, num_experts: int,
+    def __init__(self, moes: list[ExpertLayer], optimizer: torch.optim.Optimizer, num_experts: int,
                  coeff: float, dims: ParallelDims, pipeline_microbatches: int = 1):
         # A pipeline stage may hold no MoE layer; it still takes part in the logging collectives.
-        self.moes = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+        self.moes = moes
         self.num_experts = num_experts
         self.coeff, self.dims, self.pipeline_microbatches = coeff, dims, pipeline_microbatches
         loss_mesh: DeviceMesh | None = dims.get_mesh("loss")
         self.group = None if loss_mesh is None else loss_mesh.get_group()
-        self.biased = any(m.router.expert_bias is not None for m in self.moes)
+        self.biased = any(m.expert_bias is not None for m in self.moes)
         self.window: torch.Tensor | None = None  # [L, E] tokens per expert since the last log
         self.window_reduced = self.biased  # the bias update sums the counts over dp x cp each step
         self.handle = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     @staticmethod
-    def of(model_parts: Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer, num_experts: int,
+    def of(model_parts: Sequence[torch.nn.Module], spec: ModelSpec, args: Any, optimizer: torch.optim.Optimizer,
            coeff: float, dims: ParallelDims, pipeline_microbatches: int = 1) -> ExpertBalance | None:
-        """The balance of a model with ``num_experts`` per MoE layer (None for a dense model: 0)."""
+        """The balance of the MoE layers of ``model_parts``, a model of ``spec`` (None for a dense model)."""
+        num_experts = spec.num_experts(args)
         if not num_experts:
             return None
-        return ExpertBalance(model_parts, optimizer, num_experts, coeff, dims, pipeline_microbatches)
+        moes = [m for part in model_parts for m in spec.expert_layers(part)]
+        return ExpertBalance(moes, optimizer, num_experts, coeff, dims, pipeline_microbatches)
 
     def start_step(self, micro_batches: int) -> None:
         """Scale each auxiliary loss's gradient by one over the step's forwards (see the module docstring)."""
@@ -103,7 +108,7 @@ class ExpertBalance:
         """``sums`` summed and ``peak`` maxed over every rank (the process group's device)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return sums, peak
-        device = cast(torch.Tensor, self.moes[0].tokens_per_expert).device if self.moes else torch.device("cpu")
+        device = self.moes[0].tokens_per_expert.device if self.moes else torch.device("cpu")
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         sums, peak = sums.to(device), peak.to(device)

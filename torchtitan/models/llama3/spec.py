@@ -3,30 +3,18 @@ a Llama 3 model. Registered under ``--model.name=llama3``."""
 
 from __future__ import annotations
 
-from torch import nn
-
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common import parallel as common_parallel
+from torchtitan.models.common.decoder_spec import decoder_spec
 from torchtitan.models.llama3.adapter import Llama3StateDictAdapter
 from torchtitan.models.llama3.args import ModelArgs, llama3_flavors
 from torchtitan.models.llama3.model import Attention, Transformer, ffn_hidden_dim, flops_per_token
 from torchtitan.models.llama3.parallelize import apply_cp, apply_tp
 from torchtitan.models.llama3.release import args_from_release
 from torchtitan.models.registry import register_model_spec
-from torchtitan.models.spec import ModelSpec
-from torchtitan.ops.cpu_kernels import use_cpu_kernels
-
-
-def _use_cpu_kernels(model: nn.Module, onednn_linears: bool) -> dict[str, int]:
-    return use_cpu_kernels(model, Attention, onednn_linears=onednn_linears)
-
 
 prune_stage = common_parallel.prune_stage  # shared by the decoders (models/common/parallel.py)
-
-
-def _hidden_width(args: ModelArgs) -> int:
-    return args.dim  # the residual stream
 
 
 def check(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> list[str]:
@@ -52,22 +40,10 @@ def check(args: ModelArgs, dims: ParallelDims, cfg: JobConfig) -> list[str]:
     return problems
 
 
-SPEC = ModelSpec(
-    name="llama3",
-    args_type=ModelArgs,
-    flavors=llama3_flavors,
-    read_release=args_from_release,
-    build=Transformer,
-    flops_per_token=flops_per_token,
-    use_cpu_kernels=_use_cpu_kernels,
-    apply_tp=apply_tp,
-    apply_cp=apply_cp,
-    prune_stage=prune_stage,
-    hidden_width=_hidden_width,
-    check=check,
-    state_dict_adapter=Llama3StateDictAdapter(),
-    supports_kv_cache=True,
-)
+# A decoder like the shared one (models/common/decoder_spec.py), with Llama 3's own model, plans and checks.
+SPEC = decoder_spec("llama3", ModelArgs, llama3_flavors, args_from_release, build=Transformer,
+                    flops_per_token=flops_per_token, attention=Attention, apply_tp=apply_tp, apply_cp=apply_cp,
+                    check=check, state_dict_adapter=Llama3StateDictAdapter())
 register_model_spec(SPEC)
 
 __all__ = ["SPEC", "check", "prune_stage"]

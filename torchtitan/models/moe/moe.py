@@ -5,7 +5,8 @@ for balancing and logging, the (token, slot) pairs each expert received since th
 consumed, in the non-persistent buffer ``tokens_per_expert [E]`` (int64, this rank's tokens):
 counted in training mode only, once per forward (never again in an activation-checkpoint
 recompute, nor in a pipeline stage's shape inference), summed over micro-batches until
-``balance.update_expert_bias`` zeroes them.
+``models/expert_balance.update_expert_bias`` zeroes them. ``MoE`` is the ``ExpertLayer`` that the
+trainer balances (``models/expert_balance.py``); ``moe_layers`` finds them in a model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from torchtitan import compat
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
+from torchtitan.models.expert_balance import ExpertLayer
 from torchtitan.models.moe.balance import aux_loss
 from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine, permute
 from torchtitan.models.moe.experts import GroupedExperts
@@ -40,7 +42,7 @@ class MoEArgs:
     route_scale: float = 1.0
     num_groups: int = 1  # group-limited routing: experts in num_groups groups, tokens choose in topk_groups
     topk_groups: int = 1
-    load_balance_bias: bool = False  # the auxiliary-loss-free bias (updated by balance.update_expert_bias)
+    load_balance_bias: bool = False  # the auxiliary-loss-free bias (expert_balance.update_expert_bias moves it)
     aux_loss: Literal["none", "switch", "sequence"] = "none"
     aux_loss_coeff: float = 0.0
     use_grouped_mm: bool = True
@@ -125,6 +127,11 @@ class MoE(nn.Module):
         if self.router.expert_bias is not None:
             self.router.expert_bias.zero_()
 
+    @property
+    def expert_bias(self) -> torch.Tensor | None:
+        """The router's auxiliary-loss-free bias [E] (None without ``load_balance_bias``)."""
+        return self.router.expert_bias
+
     def _counting(self) -> bool:
         # A recompute under activation checkpointing runs inside the backward pass; the original
         # forward never does (it may run with grad on or off, so grad mode cannot tell them apart).
@@ -177,3 +184,8 @@ class MoE(nn.Module):
             specs.update({"shared_experts.w1.weight": in_spec, "shared_experts.w3.weight": in_spec,
                           "shared_experts.w2.weight": out_spec})
         return specs
+
+
+def moe_layers(module: nn.Module) -> list[ExpertLayer]:
+    """The MoE layers of ``module`` (a model or a pipeline stage of one), in module order."""
+    return [m for m in module.modules() if isinstance(m, MoE)]

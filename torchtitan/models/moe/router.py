@@ -39,7 +39,7 @@ class TokenChoiceRouter(nn.Module):
     losses use); ``weights`` are the chosen experts' scores, renormalised to sum to one when
     ``norm_topk_prob`` and multiplied by ``route_scale``. With ``load_balance_bias`` the
     persistent buffer ``expert_bias [E]`` (checkpointed, zero at first) is added to the scores
-    for the choice only; ``balance.update_expert_bias`` moves it.
+    for the choice only; ``models/expert_balance.update_expert_bias`` moves it.
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: ScoreFunc = "softmax",
