@@ -7,10 +7,10 @@ DeepSeek's sequence-wise auxiliary loss. All 8-rank layouts train in one torchru
 (tests/distributed/moe_entry.py); one process is the control:
 
 - each layout starts from bitwise the one-process weights (experts included; not checked under PP,
-  whose ranks hold different layers), its step-1 loss is within 1e-5 and 10 steps within 1e-4 of
+  whose ranks hold different layers), its step-1 loss is within 1e-5 and 6 steps within 1e-4 of
   the control's, and its routing biases end equal to the control's up to a few flipped choices;
-- "EP2 x FSDP8" saves at step 5: the same layout resumed from it repeats steps 6-10 bitwise (routing
-  bias included), and EP 1, EP 4, EP 2 x TP 2 and EP 2 x PP 2 resume it within 1e-4.
+- "EP2 x FSDP8" saves at step 3: the same layout resumed from it repeats steps 4-6 bitwise (routing
+  bias included), and EP 1, EP 4 and EP 2 x TP 2 resume it within 1e-4.
 
 Degrees: "FSDP n" is the experts' ``efsdp`` = dp_shard x cp / ep; the dense weights shard over dp_shard x cp.
 """
@@ -24,10 +24,11 @@ from conftest import REPO
 from layout_entry import launch
 
 pytestmark = pytest.mark.slow
-STEPS, SEQ = 10, 64
+STEPS, SEQ = 6, 64
+HALF = STEPS // 2  # saved and logged every HALF steps
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "qwen3_debug_moe.toml"), f"--training.steps={STEPS}",
           f"--training.seq_len={SEQ}",
-          "--job.print_args=false", "--metrics.enable_tensorboard=false", "--metrics.log_freq=5",
+          "--job.print_args=false", "--metrics.enable_tensorboard=false", f"--metrics.log_freq={HALF}",
           "--training.deterministic", "--moe.aux_loss=sequence", "--moe.aux_loss_coeff=0.01",
           "--moe.load_balance_coeff=0.001", "--training.mixed_precision_param=float32"]
 
@@ -39,7 +40,7 @@ def _dims(shard: int = 8, ep: int = 2, batch: int = 1, **more: int) -> list[str]
             f"--training.batch_size={batch}", *(f"--parallelism.{names[k]}={v}" for k, v in more.items())]
 
 
-SAVE = ["--checkpoint.enable_checkpoint", "--checkpoint.interval=5"]
+SAVE = ["--checkpoint.enable_checkpoint", f"--checkpoint.interval={HALF}"]
 NO_AUX = "--moe.aux_loss=none"
 TB = "--metrics.enable_tensorboard=true"  # the MoE metrics are read back from TensorBoard
 PP2 = ["--parallelism.pipeline_parallel_microbatches=2"]
@@ -55,7 +56,7 @@ PARITY = {
     "EP2 x PP2 x FSDP2, interleaved": _dims(shard=4, batch=2, pp=2) + PP2 + [
         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"],
 }
-RESUMED = {  # resumed at step 5 from "EP2 x FSDP4"
+RESUMED = {  # resumed at step HALF from "EP2 x FSDP4"
     "same layout": _dims(),
     "EP1": _dims(ep=1),
     "EP4": _dims(ep=4),
@@ -99,7 +100,7 @@ def test_layout_trains_the_one_process_moe_model(name, runs):
     assert norms[0] <= 1e-4 and max(norms) <= 1e-3, (name, norms)
     assert run["biases"], "the routing bias is on"
     _assert_biases_close(name, run["biases"], control["biases"])
-    assert control["losses"][-1] < control["losses"][0] - 0.3  # and the model learns
+    assert control["losses"][-1] < control["losses"][0] - 0.15  # and the model learns (8.06 to 7.80 in 6 steps)
 
 
 COEFF = 0.001  # --moe.load_balance_coeff
@@ -111,7 +112,7 @@ def _assert_biases_close(name: str, biases: dict[str, list[float]], reference: d
     A bias moves by +-coeff per step from the sign of (mean - count): a token whose top-k choice flips
     on a rounding difference between layouts changes a count by one and can move two biases by 2 coeff.
     So none is off by more than a few coeff, where a wrong count reduction (over TP, or not over the
-    data ranks) moves them apart by up to 2 coeff per step, 20 coeff over the run.
+    data ranks) moves them apart by up to 2 coeff per step, 2 x STEPS coeff over the run.
     """
     diffs = [abs(a - b) for fqn, bias in biases.items() for a, b in zip(bias, reference[fqn], strict=True)]
     differ = sum(d > 1e-6 for d in diffs)
@@ -122,7 +123,7 @@ def _assert_biases_close(name: str, biases: dict[str, list[float]], reference: d
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_checkpoint_of_ep2_resumes(name, runs):
     straight, resumed = runs[SOURCE], runs[f"resumed {name}"]
-    tail = straight["losses"][5:]
+    tail = straight["losses"][HALF:]
     if name == "same layout":
         assert resumed["losses"] == tail  # bitwise
         assert resumed["biases"] == straight["biases"]
@@ -133,11 +134,11 @@ def test_checkpoint_of_ep2_resumes(name, runs):
 
 @pytest.mark.parametrize("name", [n for n, o in PARITY.items() if TB in o])
 def test_moe_metrics_count_every_rank_and_stage_once(name, runs):
-    """Logged every 5 steps: the (token, slot) pairs per expert over the 3 sparse layers, summed over the data
+    """Logged every HALF steps: the (token, slot) pairs per expert over the 3 sparse layers, summed over the data
     ranks once (not again over TP's copies, and over both pipeline stages), equal the one process's."""
     got, want = runs[name]["moe_metrics"], runs["control"]["moe_metrics"]
     tokens = [got[f"moe/tokens_per_expert/{e}"] for e in range(8)]
-    assert [sum(window) for window in zip(*tokens)] == [5 * 8 * SEQ * 2 * 3] * 2  # steps x batch x seq x k x layers
+    assert [sum(window) for window in zip(*tokens)] == [HALF * 8 * SEQ * 2 * 3] * 2  # steps x batch x seq x k x layers
     assert tokens == [want[f"moe/tokens_per_expert/{e}"] for e in range(8)]
     for key in ("moe/imbalance", "moe/imbalance_max", "moe/aux_loss"):
         assert max(_rel(got[key], want[key])) <= 1e-4, (key, got[key], want[key])
