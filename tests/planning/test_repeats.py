@@ -16,9 +16,9 @@ _SMALL = ("--metrics.enable_tensorboard=false", "--training.seq_len=32")
 
 
 def _assert_equal(counted: RankRun, every: RankRun) -> None:
-    """Every figure equal, but the split of the micro-batches' activations into the largest one and the others
-    (``memory.fold``) is compared as their sum: it goes by which micro-batch's tag a scalar (a loss) was allocated
-    under, which can differ between step sizes by those few bytes."""
+    """Every figure equal, but the split of the kept forward tensors into the largest micro-batch's and the others'
+    (``memory.fold``) is compared as their sum: it goes by which micro-batch's tag each was allocated under (receive
+    buffers and scalars take the last forward's), which can move between the two at another step size."""
     a, b = counted.memory, every.memory
     assert (a.peak_bytes, a.peak_phase) == (b.peak_bytes, b.peak_phase)
     assert _joined(a.at_peak) == _joined(b.at_peak)

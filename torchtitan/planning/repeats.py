@@ -162,14 +162,21 @@ def microbatches_to_count(plan: LaunchPlan) -> tuple[tuple[int, int] | None, int
     job = plan.grad_accum if p is None else p.microbatches
     start = microbatch_start(plan)
     if start is None:
-        return None, job, ""
+        assert p is not None, "gradient accumulation always has a start"
+        return None, job, (f"every micro-batch simulated: {p.schedule}'s step was not measured to repeat from a "
+                           "first count of micro-batches" if job > 2 * p.pp else "")
     first, stretch = start
     second = first + stretch
-    if job < first + second or (job - first) % stretch:
+    if job < first + second:
         return None, job, ""
+    if (job - first) % stretch:
+        return None, job, (f"every micro-batch simulated: {job} micro-batches are not {first} plus whole rounds of "
+                           f"{stretch}")
     what = "accumulated micro-batches" if p is None else "pipeline micro-batches"
     return (first, second), job, (f"{what} counted: {first} and {second} of the {job} simulated, the others counted "
-                                  "(past the first, each adds the same ops and the same memory)")
+                                  "(past the first, each adds the same ops and the same memory; the split of the "
+                                  "kept activations between the largest micro-batch and the others is approximate, "
+                                  "their sum exact)")
 
 
 def with_microbatches(cfg: JobConfig, plan: LaunchPlan, m: int) -> tuple[JobConfig, LaunchPlan]:
