@@ -67,6 +67,7 @@ def world() -> list[list[dict[str, Any]]]:
     return run_ranks(_sent, 2, timeout=120)
 
 
+@pytest.mark.slow  # the two gloo ranks of ``world``
 def test_balanced_routing_sends_exactly_the_formula(world):
     for rank, cases in enumerate(world):
         for case in (c for c in cases if c["balanced"]):
@@ -79,6 +80,7 @@ def test_balanced_routing_sends_exactly_the_formula(world):
     assert world[0][1]["sent"] == 6 * 6 * DIM * 2 + 2 * 2 * 8
 
 
+@pytest.mark.slow
 def test_uneven_routing_sends_exactly_the_count_of_its_routing(world):
     for rank, cases in enumerate(world):
         case = cases[2]

@@ -234,6 +234,7 @@ def test_world_size_one():
 EP_LAYOUTS = {"ep2_fsdp8": (1, 1, 8, 1, 1, 2), "ep2_cp2_tp2": (1, 1, 2, 2, 2, 2), "hsdp2x2_ep2": (1, 2, 2, 1, 2, 2)}
 
 
+@pytest.mark.slow  # spawns gloo ranks
 def test_sparse_mesh_at_ep_two():
     results = run_ranks(_describe_meshes, 8, EP_LAYOUTS)
     for name, (pp, rep, shard, cp, tp, ep) in EP_LAYOUTS.items():
