@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_moe_summary.py --write-flavors DIR --layers 4   # the release folders the runs train
     python benchmarks/gpu_moe_summary.py LOG [LOG ...]                   # one table row per train.py log
+    python benchmarks/gpu_moe_summary.py --trace rank0_trace.json          # GPU kernel time by kind
 
 The flavors are released shapes cut to ``--layers`` layers, written as release folders (a Hugging Face
 ``config.json`` for Qwen3-30B-A3B, Meta's ``params.json`` for Llama 3 8B), so that ``train.py`` and
@@ -56,12 +57,47 @@ def row(log: Path) -> str:
     return f"| {log.stem} | {statistics.median(timed):,.0f} | {steps[-1][2]:.2f} |"
 
 
+# Kernel kinds, by the first pattern that matches a kernel's name (case-insensitive).
+KERNEL_KINDS = [
+    ("grouped GEMM", r"grouped|group_gemm|ragged"),
+    ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|matmul"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("sort, gather, scatter", r"sort|scatter|gather|index|radix|cub::|histogram|bincount|cumsum|scan"),
+    ("copy", r"memcpy|memset|copy"),
+    ("optimizer", r"multi_tensor|adam"),
+    ("elementwise and reductions", r"elementwise|vectorized|reduce|norm|softmax|cross_entropy|triton"),
+]
+
+
+def kernel_time(trace: Path) -> None:
+    """GPU time of a torch.profiler Chrome trace's kernels, by kind, and the largest kernels (ms)."""
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    kernels = [(e["name"], e.get("dur", 0) / 1000) for e in events if e.get("cat") == "kernel"]
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for name, ms in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.I)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
+        by_name[name] = by_name.get(name, 0.0) + ms
+    total = sum(by_kind.values())
+    print("| kernel kind | ms | share |\n|---|---|---|")
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"| {kind} | {ms:.1f} | {100 * ms / max(total, 1e-9):.0f}% |")
+    print(f"| all kernels | {total:.1f} | |\n\nlargest kernels (ms):")
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {ms:8.1f}  {name[:110]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logs", nargs="*", type=Path)
     p.add_argument("--write-flavors", type=Path, help="write the release folders here and stop")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--trace", type=Path, help="print the GPU kernel time of this profiler trace by kind and stop")
     a = p.parse_args()
+    if a.trace:
+        kernel_time(a.trace)
+        return
     if a.write_flavors:
         write_flavors(a.write_flavors, a.layers)
         return
