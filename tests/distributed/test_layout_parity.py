@@ -2,8 +2,8 @@
 
 All runs use float32 on CPU/gloo, the debug model, ``training.deterministic`` and
 the same global batch (8 sequences): local batch 1 on 8 ranks, 8 on one process.
-They train 12 steps, hold 5% of the documents out of training and validate on them (two
-global batches of 8) every 6 steps and at the last one: the validation loss must match
+They train 8 steps, hold 5% of the documents out of training and validate on them (two
+global batches of 8) every 4 steps and at the last one: the validation loss must match
 one process's too, and validating must leave training bitwise unchanged.
 """
 
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 DEBUG = DEBUG_CONFIG
-STEPS = 12
+STEPS = 8
 
 # name -> (ranks, overrides); local batch is 8 / dp degree so the global batch is always 8.
 LAYOUTS = {
@@ -36,7 +36,7 @@ LAYOUTS = {
 CONTROL = (1, ["--training.batch_size=8"])
 HELD_OUT = "--validation.held_out_fraction=0.05"
 # The validation batch defaults to the training one, so the global validation batch is 8 in every layout.
-VALIDATION = [HELD_OUT, "--validation.enable", "--validation.freq=6", "--validation.steps=2"]
+VALIDATION = [HELD_OUT, "--validation.enable", "--validation.freq=4", "--validation.steps=2"]
 
 
 def make_trainer(dump: str, *overrides: str):
@@ -166,7 +166,7 @@ def test_loss_parity_across_layouts(layouts, control):
         assert rel[0] <= 1e-6, name
         assert max(rel) <= 1e-4, (name, max(rel))
         assert_validation_parity(name, results, control)
-    assert reference[-1] < reference[0] - 0.5  # and the model does learn
+    assert reference[-1] < reference[0] - 0.3  # and the model does learn (8.05 to 7.56 in 8 steps)
 
 
 def test_tied_flavor_trains_tied_and_alike_in_every_layout(layouts, control):

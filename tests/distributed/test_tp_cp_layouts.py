@@ -32,7 +32,6 @@ LAYOUTS = {
     "TP2 (no SP) x FSDP4": (8, [TP2, *_dp(1, 4), "--parallelism.enable_sequence_parallel=false"]),
     "HSDP2x2 x TP2": (8, [TP2, *_dp(2, 2)]),
     "CP2 x FSDP4": (8, [CP2, *_dp(1, 4)]),
-    "HSDP2 x CP2": (4, [CP2, *_dp(2, 1)]),
     "HSDP2x2 x CP2": (8, [CP2, *_dp(2, 2)]),
     "FSDP2 x TP2 x CP2": (8, [TP2, CP2, *_dp(1, 2)]),
 }
