@@ -230,8 +230,8 @@ class Trainer:
         if log or validate or self.checkpointer.may_save(self.step):
             loss, grad_norm = self.readout.read(out.grad_norm)  # one host read; raises at a non-finite loss
         # The step ends after the read: on a GPU the host runs ahead of the device until something waits for
-        # it, and the read is that wait. So a log window's time is the devices' time for its steps (ended
-        # before the read, a GPU run's tokens/s counted only the host's time: 2x too high on an H200).
+        # it, and the read is that wait. So a log window's time is the device's time for its steps; ended
+        # before the read, it counted only the host's (benchmarks/README.md section 21).
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
         self.throughput.step_end(tokens=sum(b.inputs.numel() for b in batches) / self.dims.non_data_parallel_size)
