@@ -174,6 +174,7 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from torchtitan.distributed.lifecycle import shutdown_distributed
     from torchtitan.metrics import peak_flops
     from torchtitan.models.llama3 import flops_per_token, llama3_flavors
     from torchtitan.optim import build_optimizer
@@ -249,7 +250,7 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
     }
     if breakdown:
         result["profile"] = breakdown
-    dist.destroy_process_group()
+    shutdown_distributed(ok=True, timeout_seconds=60)
     return result
 
 

@@ -82,16 +82,20 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    ok = False
     try:
         result = run(args)
+        ok = True
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        import torch.distributed as dist
+        # The trainer's ending: meet the peers, destroy the groups and collect them now. A gloo group
+        # left to the interpreter's exit can abort the process ("terminate called without an active
+        # exception"), which failed a CI run.
+        from torchtitan.distributed.lifecycle import shutdown_distributed
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed(ok=ok, timeout_seconds=60)
     if int(os.environ.get("RANK", "0")) == 0:
         if args.json:
             print(json.dumps(result))

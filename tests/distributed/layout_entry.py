@@ -42,6 +42,7 @@ def run_layouts(train: Callable[[Layout], dict], argv: Sequence[str] | None = No
     """
     import torch.distributed as dist
 
+    from torchtitan.distributed.lifecycle import shutdown_distributed
     from torchtitan.logging_setup import init_logger
 
     spec_path, out_path = argv if argv is not None else sys.argv[1:]
@@ -57,8 +58,7 @@ def run_layouts(train: Callable[[Layout], dict], argv: Sequence[str] | None = No
             print(f"{Path(sys.argv[0]).stem}: {name}: {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(records))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed(ok=True, timeout_seconds=120)  # the trainer's ending: no gloo group left to the exit
 
 
 def launch(entry: Path, root: Path, common: list[str], layouts: dict[str, dict], *, nproc: int, timeout: float,
