@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from checkpoint.helpers import FSDP2, full_model_digests, make_trainer
 from dist_harness import run_ranks
 
-from torchtitan.checkpoint import integrity
+from torchtitan.checkpoint import integrity, space
 
 COMMON = [*FSDP2, "--training.steps=4", "--checkpoint.interval=2", "--comm.train_timeout_seconds=60"]
 SHARD = "__1_0.distcp"
@@ -55,8 +55,10 @@ def _corrupt_then_load(rank: int, world_size: int, dump: str) -> dict:
     logger = logging.getLogger("torchtitan.checkpoint")
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
+    first_save_estimates = _record_state_sizes()
     straight = make_trainer(dump, *COMMON)
     out = {"straight": straight.train(), "straight_weights": full_model_digests(straight)}
+    out["first_save_estimate"] = first_save_estimates[0]  # step 2's; step 4 goes by step 2's size on disk
     folder = Path(dump) / "checkpoint"
     dist.barrier()
     if rank == 0:
@@ -89,6 +91,21 @@ def _corrupt_then_load(rank: int, world_size: int, dump: str) -> dict:
     return out
 
 
+def _record_state_sizes() -> list[dict[str, int]]:
+    """What ``space.state_sizes`` estimates, call by call, for the states of the saves that follow."""
+    estimates: list[dict[str, int]] = []
+    measure = space.state_sizes
+
+    def recording(state, prefix=""):
+        sizes = measure(state, prefix)
+        if not prefix:  # the whole state, not one of its recursive parts
+            estimates.append(sizes)
+        return sizes
+
+    space.state_sizes = recording
+    return estimates
+
+
 def _verifies(path: Path) -> bool:
     checksums = json.loads((path / "checkpoint.json").read_text())["checksums"]
     return integrity.bad_files(path, checksums, set(checksums["files"])) == []
@@ -114,6 +131,11 @@ def test_a_flipped_byte_is_caught_and_the_restart_resumes_bitwise_from_the_step_
         assert len(unverified) == (1 if rank == 0 else 0), (rank, o["old_lines"])
     assert any("loaded" in line and "step-2" in line for line in out[0]["resumed_lines"])
     assert out[0]["new_step4_verified"]
+    # The space check's estimate for a first save (the ranks' state sizes, united) is on the safe
+    # side of what DCP wrote, and not far above it (docs/checkpoint_integrity.md).
+    estimate = sum({k: v for o in out for k, v in o["first_save_estimate"].items()}.values())
+    written = space.checkpoint_bytes(tmp_path / "checkpoint" / "step-2")
+    assert written is not None and written <= estimate <= 1.10 * written, (estimate, written)
 
 
 def test_checksums_are_those_of_the_files_on_disk(tmp_path):
