@@ -484,6 +484,15 @@ def test_fake_tensors_dispatch_mode_and_backward():
     assert not compat.in_autograd_backward()
 
 
+def test_op_schema_tells_in_place_updates_from_out_buffers():
+    # OpOverload._schema: which arguments an op writes, which are keyword-only, what it returns.
+    update = compat.op_schema(torch.ops.aten._foreach_mul_.Scalar)
+    assert not update.returns and [a.name for a in update.arguments if a.alias_info and a.alias_info.is_write] == [
+        "self"], "the foreach update no longer marks its tensors as written in its schema"
+    (out,) = [a for a in compat.op_schema(torch.ops.aten.add.out).arguments if a.name == "out"]
+    assert out.kwarg_only and out.alias_info.is_write, "an out= buffer is no longer a written keyword-only argument"
+
+
 def test_dtensor_local(fake_world):
     # DTensor._local_tensor: the shard as stored, read inside a dispatch mode.
     from torch.distributed.tensor import Shard, distribute_tensor

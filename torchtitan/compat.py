@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
     "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh", "fsdp_storage_hooks",
-    "functional_collective_ops", "in_autograd_backward", "member_groups_only", "op_name", "resolve_process_group",
+    "functional_collective_ops", "in_autograd_backward", "member_groups_only", "op_name", "op_schema",
+    "resolve_process_group",
     "skip_pipeline_shape_exchange", "storage_id", "in_pipeline_shape_inference", "mark_pipeline_shape_inference",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_as_on", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
@@ -399,6 +400,13 @@ def op_name(func: Any) -> str:
     if not hasattr(func, "_opname"):
         raise _missing("OpOverload._opname")
     return func._opname
+
+
+def op_schema(func: Any) -> torch.FunctionSchema:
+    """An ``OpOverload``'s schema: its arguments (with what each may write) and its returns."""
+    if not hasattr(func, "_schema"):
+        raise _missing("OpOverload._schema")
+    return func._schema
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:

@@ -36,14 +36,14 @@ def test_8b_fsdp8_row_stays_in_its_band_against_the_published_run():
 
     The targets (docs/planning.md) are tokens/s within 20% and memory within 15% of the published run;
     the prediction is deterministic, so it is also pinned to the figures benchmarks/README.md section 17
-    gives for it (6,649 tokens/s per GPU, 77.7 GiB), to a rounding.
+    gives for it (6,622 tokens/s per GPU, 77.7 GiB), to a rounding.
     """
     cluster, world, args, pp_ranks, published_tps, _, published_gib = load_script(
         "benchmarks/plan_validation.py").ROWS["8b-fsdp8"]
     e = estimate(dry_run(ConfigManager().parse_args(args), world, pp_ranks=pp_ranks), load_cluster(cluster))
     assert abs(e.tokens_per_second_per_gpu / published_tps - 1) <= 0.20, e.tokens_per_second_per_gpu
     assert abs(e.peak_memory_gib / published_gib - 1) <= 0.15, e.peak_memory_gib
-    assert e.tokens_per_second_per_gpu == pytest.approx(6649, abs=0.5)
+    assert e.tokens_per_second_per_gpu == pytest.approx(6622, abs=0.5)
     assert e.peak_memory_gib == pytest.approx(77.7, abs=0.05)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchtitan.compat import op_name, tree_flatten
+from torchtitan.compat import op_name, op_schema, tree_flatten
 from torchtitan.planning.memory import local_tensor
 
 aten = torch.ops.aten
@@ -78,6 +78,29 @@ def attention_flops(name: str, args) -> tuple[int, bool]:
     return (2 * forward if backward else forward), causal
 
 
+def moved_bytes(func, args, kwargs, out) -> int:
+    """The bytes a memory-bound kernel reads and writes, each tensor once each way.
+
+    Read: every tensor argument but an ``out=`` buffer (keyword-only), which is only written. Written: what
+    the op returns, its ``out=`` buffers, and the arguments it updates in place without returning them: the
+    foreach ops and the fused optimizers return nothing, and their updates are nearly half of an AdamW
+    step's bytes. Fused Adam(W)'s schema marks the gradients as written because it unscales them in place
+    when given a ``grad_scale``; without one it only reads them.
+    """
+    read: dict[int, torch.Tensor] = {}
+    written = {id(t): t for t in _tensors(out)}
+    for i, arg in enumerate(op_schema(func).arguments):
+        tensors = _tensors(args[i] if i < len(args) else kwargs.get(arg.name))
+        writes = arg.alias_info is not None and arg.alias_info.is_write
+        if arg.name == "grads" and kwargs.get("grad_scale") is None:
+            writes = False
+        if not (writes and arg.kwarg_only):
+            read.update((id(t), t) for t in tensors)
+        if writes:
+            written.update((id(t), t) for t in tensors)
+    return sum(t.numel() * t.element_size() for t in [*read.values(), *written.values()])
+
+
 @dataclass
 class PhaseWork:
     matmul_flops: int = 0
@@ -112,7 +135,7 @@ class ComputeLedger:
             if causal:
                 w.causal_attention_flops += flops
             return
-        w.memory_bytes += sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + _tensors(out))
+        w.memory_bytes += moved_bytes(func, args, kwargs, out)
 
     def totals(self) -> PhaseWork:
         total = PhaseWork()
