@@ -66,12 +66,17 @@ class StepEstimate:
         return out
 
 
-def phase_compute_s(w: PhaseWork, c: Cluster) -> float:
+def phase_compute_terms(w: PhaseWork, c: Cluster) -> dict[str, float]:
+    """A phase's compute time on ``c`` by kind of work, in seconds (benchmarks/plan_by_kind.py prints them)."""
     attention = w.attention_flops - 0.5 * w.causal_attention_flops
-    return (w.matmul_flops / (c.peak_bf16_flops * c.matmul_efficiency)
-            + attention / (c.peak_bf16_flops * c.attention_efficiency)
-            + w.memory_bytes / (c.hbm_bandwidth * c.hbm_efficiency)
-            + w.kernels * c.kernel_launch_s)
+    return {"matmul": w.matmul_flops / (c.peak_bf16_flops * c.matmul_efficiency),
+            "attention": attention / (c.peak_bf16_flops * c.attention_efficiency),
+            "memory": w.memory_bytes / (c.hbm_bandwidth * c.hbm_efficiency),
+            "launch": w.kernels * c.kernel_launch_s}
+
+
+def phase_compute_s(w: PhaseWork, c: Cluster) -> float:
+    return sum(phase_compute_terms(w, c).values())
 
 
 def collective_s(kind: str, nbytes: int, count: int, ranks: list[int], c: Cluster) -> float:
