@@ -10,7 +10,8 @@ The processes are forked from a forkserver that imported torch and the trainer o
 session, so a world starts in about a second instead of paying for those imports in every
 process (8 spawned ranks on 2 cores took 16.5 s under load). Each process takes the caller's
 environment as it is at the call, as a spawned one would, and meets the others in a barrier
-before ``fn``, so no rank tears down while a peer is still connecting.
+before ``fn``, so no rank tears down while a peer is still connecting, and again through the
+store after it (``shutdown_distributed``), so the rank hosting the store outlives its last use.
 """
 
 from __future__ import annotations
@@ -39,16 +40,22 @@ def _child(fn, rank, world_size, port, args, results, collective_timeout, enviro
     )
     import torch.distributed as dist
 
+    from torchtitan.distributed.lifecycle import shutdown_distributed
+
+    ok = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout))
         dist.barrier()
         # Pickle by value: tensors sent as-is would live in shared memory that dies with this process.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        ok = True
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # The trainer's ending: rank 0 hosts the store, so it leaves only after every rank is done with
+        # it. Leaving at once, it reset a slower rank's connection while that rank still made a
+        # sub-group (16 ranks on 2 cores, "Connection reset by peer" in new_group).
+        shutdown_distributed(ok=ok, timeout_seconds=collective_timeout)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, collective_timeout: int = 60) -> list:
