@@ -159,7 +159,6 @@ class S3Bucket:
 def s3_server() -> Iterator[str]:
     """moto's S3 server on 127.0.0.1 (a free port), with dummy credentials in this process' environment (and so
     in every rank and torchrun it starts); yields the endpoint, stops the server and restores the environment."""
-    pytest.importorskip("s3fs", reason="object storage needs s3fs: pip install '.[s3]'")
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
