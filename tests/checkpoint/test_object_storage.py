@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from conftest import REPO, debug_config, load_script
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.checkpoint import integrity, store
 from torchtitan.checkpoint.location import RemotePath, location

@@ -51,7 +51,8 @@ def test_a_killed_writer_leaves_the_last_committed_step_and_the_restart_resumes_
     folder = f"{s3_bucket.url}/run"
     run = ["--training.steps=6", "--checkpoint.interval=2", "--metrics.log_freq=1", f"--checkpoint.folder={folder}",
            "--checkpoint.keep_latest_k=1"]
-    crashed = _torchrun(HERE / "crash_entry.py", tmp_path, *run, env={"CRASH_AT_STEP": "4", "CRASH_IN_FOLDER": "step-4"})
+    crashed = _torchrun(HERE / "crash_entry.py", tmp_path, *run,
+                        env={"CRASH_AT_STEP": "4", "CRASH_IN_FOLDER": "step-4"})
     assert crashed.returncode != 0
     listing = scan(location(folder))
     # Rank 0 died after uploading its shard of step 4: the objects are there, the manifest is not.

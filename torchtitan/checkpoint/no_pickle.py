@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -46,13 +45,16 @@ class NoPickleLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def to_json(value: Any) -> str:
+def to_json(value: object) -> str:
     """A state as JSON text (DCP keeps a string as one value, where it would flatten nested dicts)."""
     return json.dumps(value, sort_keys=True)
 
 
-def from_json(text: object, what: str) -> Any:
+def from_json(text: object, what: str) -> dict:
     """The state ``to_json`` wrote; an older checkpoint's pickled bytes are refused in one line."""
     if not isinstance(text, str):
         raise OldFormatError(old_format_line(what))
-    return json.loads(text)
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: expected a JSON object, found {type(value).__name__}")
+    return value
