@@ -6,12 +6,15 @@
 - In one 2-rank FSDP world: an async save does not hold up the next step (its upload is
   held until that step has finished), a flipped byte in an object is caught by its checksum
   (``load_step`` ends the job naming the object; the latest falls back to the step before and
-  trains on bitwise), and one process reads the FSDP checkpoint back whole.
+  trains on bitwise), a SIGTERM saves its step and stops, and one process reads the FSDP
+  checkpoint back whole.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -25,6 +28,7 @@ from dist_harness import run_ranks
 from torchtitan.checkpoint import integrity
 from torchtitan.checkpoint.location import location
 from torchtitan.checkpoint.store import read_manifest, scan
+from torchtitan.train_step.callbacks import StepEvent, StepPoint
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -118,6 +122,18 @@ def _async_then_corrupt(rank: int, world_size: int, dump: str, folder: str) -> d
     resumed = make_trainer(dump, *common)
     out["resumed"] = resumed.train()
     out["resumed_weights"] = full_model_digests(resumed)
+
+    # A preemption: SIGTERM reaches rank 1 during step 5; the ranks agree at that step's check, save it, stop.
+    preempted = make_trainer(dump, *common, "--training.steps=8", "--checkpoint.interval=100",
+                             "--checkpoint.preemption_check_steps=1")
+
+    def sigterm_in_step_5(event: StepEvent) -> None:
+        if event.point is StepPoint.STEP_END and rank == 1 and event.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    preempted.callbacks.add(sigterm_in_step_5)
+    preempted.train()
+    out["preempted_at"] = preempted.step
     return out
 
 
@@ -131,9 +147,13 @@ def test_async_save_does_not_hold_up_the_step_and_a_corrupted_object_is_caught(s
                                         "is corrupt (checksum "), (rank, o["explicit"], shard)
         assert o["resumed"] == o["straight"][2:], rank  # from step 2, steps 3-4 bitwise as the first time
         assert o["resumed_weights"] == o["straight_weights"], rank
+        assert o["preempted_at"] == 5, rank
+    listing = scan(location(folder))
+    assert sorted(listing.committed) == [2, 4, 5] and not listing.partial
+    assert read_manifest(listing.committed[5])["kind"] == "full" and _all_files_verify(listing.committed[5])
     # The resumed run saved step 4 again, over the damaged one: it verifies, and one process reads the
     # FSDP 2 checkpoint whole (another layout), equal to what the ranks held.
-    step_4 = scan(location(folder)).committed[4]
+    step_4 = listing.committed[4]
     assert _all_files_verify(step_4)
     whole = {k[len("model."):]: digest(v) for k, v in checkpoint_tensors(step_4, "model.").items()}
     assert whole == out[0]["straight_weights"]
