@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.checkpoint.location import is_remote, location
+from torchtitan.checkpoint.location import is_remote, store_problems
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint, model_shapes, own_checkpoint_exists
 from torchtitan.checkpoint.store import STATE_KEYS, scan
 from torchtitan.config import ConfigError, JobConfig
@@ -329,10 +329,7 @@ def _check_object_store(cfg: JobConfig) -> list[str]:
     problems = []
     for flag, uri in (("--checkpoint.folder", ck.folder), ("--checkpoint.initial_load_path", ck.initial_load_path)):
         if uri and is_remote(uri):
-            try:
-                location(uri)
-            except ImportError as e:
-                problems.append(f"{flag}={uri}: {e}")
+            problems += [f"{flag}={uri}: {line}" for line in store_problems(uri)]
     if is_remote(ck.folder) and ck.enable_checkpoint and cfg.fault_tolerance.enable:
         problems.append(f"--checkpoint.folder={ck.folder}: fault-tolerant replica groups each commit a folder of "
                         "their own by a rename, which an object store lacks; with --fault_tolerance.enable use a "

@@ -13,7 +13,8 @@ from conftest import REPO, debug_config, load_script
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.checkpoint import integrity, store
-from torchtitan.checkpoint.location import RemotePath, location
+from torchtitan.checkpoint.loader import _one_line
+from torchtitan.checkpoint.location import RemotePath, location, store_problems
 from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner, OldFormatError
 from torchtitan.checkpoint.selection import checkpoint_folder
 
@@ -107,14 +108,28 @@ def test_a_second_commit_of_a_step_on_s3_is_refused_by_the_server(s3_bucket):
     assert sorted(store.scan(folder).committed) == [4]
 
 
+def test_preflight_names_a_missing_bucket_in_one_line(s3_bucket, tmp_path):
+    from torchtitan.preflight import check_checkpoint
+
+    assert store_problems(f"{s3_bucket.url}/run") == []
+    cfg = debug_config(f"--job.dump_folder={tmp_path}", "--checkpoint.enable_checkpoint",
+                       f"--checkpoint.folder=s3://{s3_bucket.name}-missing/run")
+    assert check_checkpoint(cfg, 2, lambda: torch.nn.Linear(1, 1)) == [
+        f"--checkpoint.folder=s3://{s3_bucket.name}-missing/run: the bucket s3://{s3_bucket.name}-missing does not "
+        "exist (or these credentials cannot see it); create it first"]
+
+
 def test_a_crafted_value_is_not_unpickled_and_an_old_pickled_state_is_refused():
     folder = _memory("crafted/run")
     path = _save(folder, 1, {"rng": {"rank0": _Crafted()}})
     with pytest.raises(CheckpointException) as raised:  # DCP wraps the planner's error, as on every rank
         dcp.load({"rng": {"rank0": ""}}, storage_reader=store.dcp_reader(path), planner=NoPickleLoadPlanner(),
                  no_dist=True)
-    assert "OldFormatError: checkpoint value 'rng.rank0' was written by an older version of this project as a " \
-           "pickle, which is not loaded" in str(raised.value)
+    # The loader shares it with the other ranks as one line, not DCP's traceback per rank.
+    assert _one_line(raised.value) == (
+        "OldFormatError: checkpoint value 'rng.rank0' was written by an older version of this project as a pickle, "
+        "which is not loaded (a crafted checkpoint would run code); resume without it "
+        "(--checkpoint.exclude_from_loading) or start a new run (UnpicklingError)")
     assert _RAN == []
     # The old format's pickled RNG and LR schedule blobs load as bytes, and are refused, not unpickled.
     from torchtitan.checkpoint.states import BUILTIN

@@ -30,6 +30,14 @@ from torchtitan.distributed.parallel_dims import same_layout
 logger = logging.getLogger(__name__)
 
 
+def _one_line(error: BaseException) -> str:
+    """An error as one line: DCP's exception (a traceback per rank) gives its first rank's error alone."""
+    if isinstance(error, CheckpointException) and error.failures:
+        first, _trace = next(iter(error.failures.values()))
+        error = first
+    return f"{type(error).__name__}: {error}"
+
+
 class Loader:
     """Loads this run's checkpoint, or its ``initial_load_path``; every method is called on every rank."""
 
@@ -187,7 +195,7 @@ class Loader:
             dcp_loader.load(state, storage_reader=dcp_reader(path), planner=NoPickleLoadPlanner(),
                             process_group=self.agreement.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - shared with the other ranks below, then raised
-            error = f"{type(e).__name__}: {e}"
+            error = _one_line(e)
         self.agreement.outcomes(error, f"loading {path}")
         refusal = None
         try:

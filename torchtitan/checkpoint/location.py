@@ -151,6 +151,25 @@ class RemotePath:
         self.fs.makedirs(self.path, exist_ok=True)  # prefixes exist by their objects; buckets must exist
 
 
+def store_problems(url: str) -> list[str]:
+    """Why ``url`` cannot be used (no driver, an S3 bucket that does not exist or cannot be reached); [] if it can.
+
+    Before any process group, so a missing bucket or missing credentials end the job with one line each
+    rank rather than at the first save.
+    """
+    try:
+        path = RemotePath(url)
+        if path.protocol in ("s3", "s3a"):
+            bucket = RemotePath(f"{path.protocol}://{path.path.split('/', 1)[0]}", path.fs)
+            if not bucket.exists():
+                return [f"the bucket {bucket} does not exist (or these credentials cannot see it); create it first"]
+    except ImportError as e:
+        return [str(e)]
+    except Exception as e:  # noqa: BLE001 - credentials, endpoint, network: all are this one problem
+        return [f"cannot reach the store ({type(e).__name__}: {e}); check AWS_ENDPOINT_URL and the credentials"]
+    return []
+
+
 # A local folder or an object-store prefix; both answer the same ``pathlib`` calls used here.
 Location = Path | RemotePath
 
