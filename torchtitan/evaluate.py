@@ -34,6 +34,7 @@ before any process group exists; the options themselves are checked there too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -191,16 +192,8 @@ class Validator:
     @torch.no_grad()
     def run(self) -> ValidationResult:
         """The loss over the validation data; for a mixture's parts also each part's, and the loss over all."""
-        modes = [part.training for part in self.model_parts]
-        try:
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                for part in self.model_parts:
-                    part.eval()
-                local = {name: self._evaluate(data) for name, data in self.parts.items()}
-        finally:
-            for part, mode in zip(self.model_parts, modes):
-                part.train(mode)
-            _reshard(self.model_parts)
+        with evaluation_mode(self.model_parts, self.device):
+            local = {name: self._evaluate(data) for name, data in self.parts.items()}
         results = {name: self._reduce(name, *found) for name, found in local.items()}
         if not isinstance(self.data, dict):
             return results[""]
@@ -233,6 +226,22 @@ class Validator:
             if batches == self.max_batches:
                 break
         return local_sum, local_tokens, batches
+
+
+@contextlib.contextmanager
+def evaluation_mode(model_parts: list[torch.nn.Module], device: torch.device) -> Iterator[None]:
+    """Evaluate without disturbing training: eval mode, the random generators restored, FSDP's gathered
+    parameters freed after (the caller runs under ``torch.no_grad()``)."""
+    modes = [part.training for part in model_parts]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for part in model_parts:
+                part.eval()
+            yield
+    finally:
+        for part, mode in zip(model_parts, modes):
+            part.train(mode)
+        _reshard(model_parts)
 
 
 def _reshard(model_parts: list[torch.nn.Module]) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.batch import Batch
-from torchtitan.distributed.collectives import start_sum
+from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.ops.cpu_kernels import cross_entropy_sum_sliced
 
 IGNORE_INDEX = -100  # label of a position that is not scored
@@ -38,6 +38,18 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, cpu_slices: bo
     if sliced is not None:
         return sliced
     return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of token cross-entropies, float64 ``[batch]``: a choice's negative log-likelihood
+    (downstream evaluation scores one choice a row).
+
+    Under loss parallel (inside ``loss_parallel()``) the per-token losses come back replicated over
+    the vocabulary shards, so every TP rank holds every row's sum.
+    """
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
+                                ignore_index=IGNORE_INDEX)
+    return local_value(per_token).double().view(labels.shape).sum(dim=1)
 
 
 def training_loss(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

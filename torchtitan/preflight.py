@@ -40,6 +40,7 @@ from torchtitan.distributed.activation_checkpoint import selective_ac_interval
 from torchtitan.distributed.parallel_dims import dp_shard_problem
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.distributed.seeding import sharded_dims_problem
+from torchtitan.downstream.build import check_eval_tasks
 from torchtitan.evaluate import check_validation_data
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.metrics.wandb_run import wandb_problems
@@ -103,6 +104,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     problems += check_installed_torch(cfg, dims)
     _raise_if(problems)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
+    problems += check_eval_tasks(cfg, tokenizer)
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
                                     split=HeldOutSplit.from_config(cfg.validation), seq_len=t.seq_len,

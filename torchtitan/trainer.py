@@ -25,6 +25,7 @@ from torchtitan.datasets.mixture import mixture_metrics, start_data_at
 from torchtitan.datasets.partition import job_data_slot
 from torchtitan.distributed import init_distributed, manual_seed, set_determinism
 from torchtitan.distributed.lifecycle import set_collective_timeout
+from torchtitan.downstream.build import build_downstream_evaluator
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
@@ -102,6 +103,9 @@ class Trainer:
                 cfg, build_validation_data(cfg, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
                 self.runner.validation_forward, self.loss_mesh, self.dims.get_mesh("pp"), self.device,
             )
+        # Downstream tasks ([eval]), scored through the same forward as validation.
+        self.evaluator = build_downstream_evaluator(cfg, plan.tokenizer, self.runner, self.dims, self.device)
+        self.eval_scores: dict[int, dict[str, float]] = {}  # step -> eval/<task>/<score>, for tests and scripts
         # The plain step, or this replica group's step under fault tolerance; built before the
         # checkpointer, which it tells who writes the job's checkpoints and what else they hold.
         self.step_strategy = build_step_strategy(cfg, StepParts(
@@ -226,6 +230,8 @@ class Trainer:
             set_collective_timeout(cfg.comm.train_timeout_seconds)
         log = self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
         validate = self.validator is not None and self.validator.due(self.step)
+        evaluate = self.evaluator is not None and self.evaluator.due(self.step)
+        log = log or evaluate  # the scores go on the step's line
         loss = grad_norm = math.nan
         if log or validate or self.checkpointer.may_save(self.step):
             loss, grad_norm = self.readout.read(out.grad_norm)  # one host read; raises at a non-finite loss
@@ -235,8 +241,9 @@ class Trainer:
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
         self.throughput.step_end(tokens=sum(b.inputs.numel() for b in batches) / self.dims.non_data_parallel_size)
+        scores = self._evaluate() if evaluate else {}
         if log:
-            self._log(loss, grad_norm, out.lr)
+            self._log(loss, grad_norm, out.lr, scores)
         if validate:
             self.validate()
 
@@ -256,9 +263,16 @@ class Trainer:
         self.validation_losses[self.step] = result.loss
         return result
 
-    def _log(self, loss: float, grad_norm: float, lr: float) -> None:
+    def _evaluate(self) -> dict[str, float]:
+        """Score the downstream tasks now (every rank); record them at the current step."""
+        assert self.evaluator is not None, "_evaluate() runs only where [eval] has tasks"
+        scores = self.evaluator.run()
+        self.eval_scores[self.step] = scores
+        return scores
+
+    def _log(self, loss: float, grad_norm: float, lr: float, scores: dict[str, float]) -> None:
         experts = self.runner.experts  # a collective over the world: every rank logs on the same steps
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.throughput.metrics(),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **scores, **self.throughput.metrics(),
                    **device_memory(self.device), **mixture_metrics(self.dataloader),
                    **(experts.metrics() if experts is not None else {})}
         self.throughput.reset_window()

@@ -257,6 +257,18 @@ class Validation:
 
 
 @dataclass
+class Eval:
+    tasks: list[str] = field_with_help(
+        [], "Multiple-choice tasks scored during training: JSONL files ({context, choices, label} a line, named by "
+        "the file's stem) or the shipped task 'continuation'; empty = off (docs/evaluation.md)")
+    freq: int = field_with_help(500, "Score the tasks every this many steps, and after the last step", min=1)
+    limit: int | None = field_with_help(None, "Score at most this many requests of each task (unset = all)", min=1)
+    batch_size: int | None = field_with_help(
+        None, "Rows (one request's choice each) per data-parallel rank and forward (unset = training's batch)",
+        min=1)
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = field_with_help(300, "Timeout for process-group set-up and the first step", min=1)
     train_timeout_seconds: int = field_with_help(
@@ -320,6 +332,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 

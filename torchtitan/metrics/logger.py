@@ -138,7 +138,8 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     Read keys: loss, grad_norm, lr, tps, tflops, mfu_pct, max_reserved_gib /
     max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s, and a mixture's
     ``data/tokens/<source>`` (tokens each source gave so far) as one compact field, and a model with
-    experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another.
+    experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another, and
+    downstream scores (``eval/<task>/<score>``) as a last.
     """
     fields = [f"step: {step}"]
 
@@ -167,7 +168,25 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     moe = _moe_field(metrics)
     if moe is not None:
         fields.append(moe)
+    scores = _eval_field(metrics)
+    if scores is not None:
+        fields.append(scores)
     return "  ".join(fields)
+
+
+_EVAL_PREFIX = "eval/"
+
+
+def _eval_field(metrics: Mapping[str, float | None]) -> str | None:
+    """Downstream scores: ``eval: continuation acc 0.312 acc_norm 0.305 bpb 2.14``, task after task."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in metrics.items():
+        if key.startswith(_EVAL_PREFIX) and value is not None:
+            task, _, score = key[len(_EVAL_PREFIX):].rpartition("/")
+            tasks.setdefault(task, []).append(f"{score} {value:.4g}")
+    if not tasks:
+        return None
+    return "eval: " + " | ".join(f"{task} {' '.join(parts)}" for task, parts in tasks.items())
 
 
 _EXPERT_PREFIX = "moe/tokens_per_expert/"

@@ -110,13 +110,15 @@ class ModelRunner:
             self.callbacks.emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
         return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
 
-    def validation_forward(self, batch: Batch | Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def validation_forward(self, batch: Batch | Sequence[torch.Tensor],
+                           loss_fn: LossFn | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Loss sum of one validation batch through training's forward (None on a PP rank without the output),
-        and the tokens this rank scored."""
-        batch = self.shard_batch(batch)
+        and the tokens this rank scored. ``loss_fn`` replaces training's loss (downstream evaluation sums
+        each row apart); under CP each rank's value covers its share of the sequence."""
+        batch, loss_fn = self.shard_batch(batch), loss_fn or self.loss_fn
         with self.train_context():
             if self.pp_runner is None:
-                loss = self.loss_fn(self.model_parts[0](batch.inputs, **batch.model_kwargs()), batch.labels)
+                loss = loss_fn(self.model_parts[0](batch.inputs, **batch.model_kwargs()), batch.labels)
             else:
-                loss = self.pp_runner.forward_only(batch, self.loss_fn)
+                loss = self.pp_runner.forward_only(batch, loss_fn)
         return (None if loss is None else local_value(loss)), count_tokens(batch.labels)
