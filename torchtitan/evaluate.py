@@ -15,7 +15,9 @@ documents: its loss then depends on the DP degree, and an evaluation takes
 The loss is the sum of the token cross-entropies over every evaluated token of every
 rank, divided by the number of those tokens: the mean token loss of the evaluated
 windows, whatever the layout (the parity tests check this against one process).
-Perplexity is its exponential.
+Perplexity is its exponential. Bits per byte is the same loss summed, in bits, per UTF-8 byte of the
+text the evaluated tokens stand for (``datasets/token_bytes.py``): unlike the loss per token it
+compares models with different tokenizers.
 
 How it runs. Every model part goes into eval mode, and the batches go through the
 same forward as training (CP sequence sharding, loss parallel under TP) under
@@ -51,6 +53,7 @@ from torchtitan.datasets.loaders import build_mixture_validation, document_bos
 from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 from torchtitan.distributed.collectives import reduce_scalar
+from torchtitan.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -139,20 +142,27 @@ class ValidationResult:
     tokens: int  # tokens evaluated, over all ranks
     batches: int  # global batches evaluated
     sources: dict[str, ValidationResult] = dataclasses.field(default_factory=dict)  # a mixture's, by source
+    text_bytes: int = 0  # UTF-8 bytes of text the evaluated tokens stand for (datasets/token_bytes.py)
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss) if self.loss < 700 else math.inf
 
+    @property
+    def bpb(self) -> float:
+        """Bits per byte: the loss summed over the tokens, in bits, per byte of their text."""
+        return self.loss * self.tokens / (self.text_bytes * math.log(2)) if self.text_bytes else math.nan
+
     def source_metrics(self) -> dict[str, float]:
-        """``validation/loss/<source>`` of a mixture's held-out parts (empty otherwise)."""
-        return {f"validation/loss/{name}": r.loss for name, r in self.sources.items()}
+        """``validation/{loss,bpb}/<source>`` of a mixture's held-out parts (empty otherwise)."""
+        return {f"validation/{what}/{name}": getattr(r, what) for name, r in self.sources.items()
+                for what in ("loss", "bpb")}
 
     def sources_line(self) -> str:
         """The per-source losses, compact, to follow the validation line (empty without sources)."""
         if not self.sources:
             return ""
-        return "  per source: " + " ".join(f"{name} {r.loss:.5g}" for name, r in self.sources.items())
+        return "  per source: " + " ".join(f"{name} {r.loss:.5g} ({r.bpb:.4g} bpb)" for name, r in self.sources.items())
 
 
 class Validator:
@@ -173,8 +183,13 @@ class Validator:
         loss_mesh: DeviceMesh | None,
         pp_mesh: DeviceMesh | None,
         device: torch.device,
+        byte_lengths: torch.Tensor,
+        cp_degree: int = 1,
     ):
         v = cfg.validation
+        # Bytes are counted from each rank's whole batch, which its CP peers hold too: their sum over
+        # ``loss_mesh`` (dp x cp) counts every window cp_degree times.
+        self.byte_lengths, self.cp_degree = byte_lengths, cp_degree
         self.freq, self.max_batches, self.last_step = v.freq, v.steps, cfg.training.steps
         self.data, self.model_parts, self.forward_loss = data, model_parts, forward_loss
         self.loss_mesh, self.pp_mesh, self.device = loss_mesh, pp_mesh, device
@@ -199,9 +214,9 @@ class Validator:
             return results[""]
         sums, tokens = sum(r.loss * r.tokens for r in results.values()), sum(r.tokens for r in results.values())
         return ValidationResult(loss=sums / tokens, tokens=tokens, batches=sum(r.batches for r in results.values()),
-                                sources=results)
+                                sources=results, text_bytes=sum(r.text_bytes for r in results.values()))
 
-    def _reduce(self, name: str, local_sum: torch.Tensor, local_tokens: torch.Tensor | int,
+    def _reduce(self, name: str, local_sum: torch.Tensor, local_tokens: torch.Tensor | int, local_bytes: int,
                 batches: int) -> ValidationResult:
         if self.max_batches > 0 and batches < self.max_batches and name not in self._warned_short:
             self._warned_short.add(name)
@@ -211,21 +226,24 @@ class Validator:
         loss_sum = reduce_scalar(local_sum, "sum", self.pp_mesh)  # only the last stage holds it
         loss_sum = reduce_scalar(loss_sum, "sum", self.loss_mesh)
         tokens = reduce_scalar(float(local_tokens), "sum", self.loss_mesh)
-        return ValidationResult(loss=loss_sum / tokens, tokens=int(tokens), batches=batches)
+        text_bytes = round(reduce_scalar(float(local_bytes), "sum", self.loss_mesh)) // self.cp_degree
+        return ValidationResult(loss=loss_sum / tokens, tokens=int(tokens), batches=batches, text_bytes=text_bytes)
 
     def _evaluate(self, data: TokenStoreDataset | ShardedStreamDataset
-                  ) -> tuple[torch.Tensor, torch.Tensor | int, int]:
+                  ) -> tuple[torch.Tensor, torch.Tensor | int, int, int]:
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        local_tokens = batches = 0
+        local_tokens = local_bytes = batches = 0
         for batch in self._batches(data):  # (inputs, labels), and the positions under block_causal
-            loss, tokens = self.forward_loss(Batch.of(batch))
+            batch = Batch.of(batch)
+            local_bytes += label_bytes(batch.labels, self.byte_lengths)
+            loss, tokens = self.forward_loss(batch)
             if loss is not None:
                 local_sum += loss.double()
             local_tokens += tokens
             batches += 1
             if batches == self.max_batches:
                 break
-        return local_sum, local_tokens, batches
+        return local_sum, local_tokens, local_bytes, batches
 
 
 @contextlib.contextmanager
@@ -242,6 +260,11 @@ def evaluation_mode(model_parts: list[torch.nn.Module], device: torch.device) ->
         for part, mode in zip(model_parts, modes):
             part.train(mode)
         _reshard(model_parts)
+
+
+def label_bytes(labels: torch.Tensor, byte_lengths: torch.Tensor) -> int:
+    """The bytes of text that the scored labels (all but ``IGNORE_INDEX``) stand for."""
+    return int(byte_lengths[labels[labels != IGNORE_INDEX].cpu()].sum())
 
 
 def _reshard(model_parts: list[torch.nn.Module]) -> None:

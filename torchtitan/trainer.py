@@ -23,6 +23,7 @@ from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
 from torchtitan.datasets.mixture import mixture_metrics, start_data_at
 from torchtitan.datasets.partition import job_data_slot
+from torchtitan.datasets.token_bytes import token_byte_lengths
 from torchtitan.distributed import init_distributed, manual_seed, set_determinism
 from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.downstream.build import build_downstream_evaluator
@@ -102,6 +103,7 @@ class Trainer:
             self.validator = Validator(
                 cfg, build_validation_data(cfg, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
                 self.runner.validation_forward, self.loss_mesh, self.dims.get_mesh("pp"), self.device,
+                token_byte_lengths(plan.tokenizer), self.dims.degree("cp"),
             )
         # Downstream tasks ([eval]), scored through the same forward as validation.
         self.evaluator = build_downstream_evaluator(cfg, plan.tokenizer, self.runner, self.dims, self.device)
@@ -254,11 +256,12 @@ class Trainer:
         t = self.cfg.training
         trained = self.step * self.grad_accum * t.batch_size * self.data_degree * t.seq_len
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
-                   "validation/tokens": result.tokens, "validation/train_tokens_seen": trained,
+                   "validation/bpb": result.bpb, "validation/tokens": result.tokens,
+                   "validation/train_tokens_seen": trained,
                    **result.source_metrics()}
         if self.rank == 0:
             logger.info(format_validation_line(self.step, result.loss, result.perplexity, result.tokens,
-                                               result.batches, trained) + result.sources_line())
+                                               result.batches, trained, result.bpb) + result.sources_line())
         self.metrics_logger.log(self.step, metrics)
         self.validation_losses[self.step] = result.loss
         return result

@@ -93,6 +93,11 @@ class Tokenizer:
         """Text of ``ids``; BOS/EOS (and other special tokens) decode to nothing."""
         raise NotImplementedError
 
+    def byte_lengths(self) -> list[int]:
+        """The UTF-8 bytes of text each token id stands for (bits per byte divide by them;
+        ``datasets/token_bytes.py``). Here: each token decoded alone, exact for whole characters."""
+        return [len(self.decode([i]).encode("utf-8")) for i in range(self.n_words)]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model_path={self.model_path!r}, n_words={self.n_words})"
 
@@ -126,6 +131,19 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         # int() also accepts 0-d tensors and numpy integers.
         return self._sp.decode([int(i) for i in ids])
+
+    def byte_lengths(self) -> list[int]:
+        """Exact: a piece's text with its word-boundary mark as a space; a byte-fallback piece one byte;
+        control and unknown pieces none."""
+        sp, out = self._sp, []
+        for i in range(self.n_words):
+            if sp.is_control(i) or sp.is_unknown(i):
+                out.append(0)
+            elif sp.is_byte(i):
+                out.append(1)
+            else:
+                out.append(len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8")))
+        return out
 
 
 def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
@@ -179,6 +197,11 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([i for i in (int(i) for i in ids) if i not in self._special_ids])
+
+    def byte_lengths(self) -> list[int]:
+        """Exact: each rank's bytes; special tokens none."""
+        return [0 if i in self._special_ids else len(self._enc.decode_single_token_bytes(i))
+                for i in range(self.n_words)]
 
 
 def _token_content(value) -> str | None:

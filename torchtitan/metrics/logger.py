@@ -127,8 +127,10 @@ def format_batch_line(steps: int, local_batch: int, seq_len: int, micro_steps: i
             f"dp degree {dp_degree}")
 
 
-def format_validation_line(step: int, loss: float, perplexity: float, tokens: int, batches: int, trained: int) -> str:
-    return (f"validation step: {step}  loss: {loss:.5g}  perplexity: {perplexity:.5g}  tokens: {tokens:,} "
+def format_validation_line(step: int, loss: float, perplexity: float, tokens: int, batches: int, trained: int,
+                           bpb: float | None = None) -> str:
+    shown = "" if bpb is None else f"  bpb: {bpb:.4g}"
+    return (f"validation step: {step}  loss: {loss:.5g}  perplexity: {perplexity:.5g}{shown}  tokens: {tokens:,} "
             f"({batches} batch(es))  trained on: {trained:,} tokens")
 
 
