@@ -162,7 +162,7 @@ class ValidationResult:
         """The per-source losses, compact, to follow the validation line (empty without sources)."""
         if not self.sources:
             return ""
-        return "  per source: " + " ".join(f"{name} {r.loss:.5g} ({r.bpb:.4g} bpb)" for name, r in self.sources.items())
+        return "  per source: " + " ".join(f"{name} {r.loss:.5g} (bpb {r.bpb:.4g})" for name, r in self.sources.items())
 
 
 class Validator:

@@ -61,7 +61,7 @@ def test_fsdp2_mixture_resumes_in_one_process_and_matches_the_straight_run(tmp_p
     log = straight.stdout + straight.stderr
     assert straight.returncode == 0, log[-4000:]
     assert re.search(r"step: 6 .*  mix: web \S+ code \S+", log), log[-3000:]
-    assert re.search(r"validation step: 3 .*per source: web \S+ code \S+", log), log[-3000:]
+    assert re.search(r"validation step: 3 .*per source: web \S+ \(bpb \S+\) code \S+ \(bpb \S+\)", log), log[-3000:]
 
     target = tmp_path / "one"
     shutil.copytree(tmp_path / "fsdp2" / "checkpoint" / "step-3", target / "checkpoint" / "step-3")
