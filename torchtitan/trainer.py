@@ -99,6 +99,7 @@ class Trainer:
         self._setup_metrics()
         self.validator: Validator | None = None
         self.validation_losses: dict[int, float] = {}  # step -> validation loss, for tests and scripts
+        self.validation_results: dict[int, ValidationResult] = {}  # step -> the whole result (bytes, sources)
         if cfg.validation.enable:
             self.validator = Validator(
                 cfg, build_validation_data(cfg, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
@@ -264,6 +265,7 @@ class Trainer:
                                                result.batches, trained, result.bpb) + result.sources_line())
         self.metrics_logger.log(self.step, metrics)
         self.validation_losses[self.step] = result.loss
+        self.validation_results[self.step] = result
         return result
 
     def _evaluate(self) -> dict[str, float]:

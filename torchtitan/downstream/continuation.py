@@ -31,6 +31,7 @@ CONTEXT_CHARS = 160
 CHOICE_CHARS = 48
 N_CHOICES = 4
 _SEED = 0
+_MIN_POOL = 16
 
 
 def held_out_documents(validation: Validation) -> list[str]:
@@ -64,18 +65,19 @@ def build_continuation_task(validation: Validation, limit: int | None = None) ->
     """The ``continuation`` task: ``limit`` requests (all when None).
 
     The windows are shuffled before ``limit`` keeps the first ones, and the wrong choices are drawn
-    from the kept windows only: every kept passage is a right choice once and a wrong one about
-    three times, so a score that ignores the context (one that prefers a style of passage) stays
-    at chance, however many requests are kept.
+    from the kept windows only (from the first ``_MIN_POOL`` when fewer are kept): every kept passage
+    is a right choice once and a wrong one about three times, so a score that ignores the context
+    (one that prefers a style of passage) stays at chance.
     """
     windows = [(doc_id, context, choice) for doc_id, document in enumerate(held_out_documents(validation))
                for context, choice in passages(document)]
     rng = random.Random(_SEED)
     rng.shuffle(windows)
     kept = windows[:limit] if limit is not None else windows
+    pool = windows[:max(len(kept), _MIN_POOL)]  # a few requests still draw from several documents
     requests = []
     for doc_id, context, gold in kept:
-        others = [choice for other, _, choice in kept if other != doc_id]
+        others = [choice for other, _, choice in pool if other != doc_id]
         if len(others) < N_CHOICES - 1:
             continue
         choices = rng.sample(others, N_CHOICES - 1)

@@ -113,6 +113,9 @@ def load_tasks(cfg: JobConfig) -> list[Task]:
             tasks.append(read_task_file(spec, cfg.eval.limit))
         elif spec in SHIPPED:
             tasks.append(SHIPPED[spec](cfg, cfg.eval.limit))
+            if not tasks[-1].requests:
+                raise TaskError(f"--eval.tasks: the shipped task {spec!r} came out empty with this held-out split; "
+                                "raise --validation.held_out_fraction")
         else:
             raise TaskError(f"--eval.tasks: unknown task {spec!r}; give a .jsonl file or a shipped task "
                             f"({', '.join(SHIPPED)})")
