@@ -49,3 +49,12 @@ def test_step_validation_and_mesh_lines_read_back(printed):
     assert BATCH_LINE.findall(out) == [("8", "2048", "4", "16")]
     # A validation line is not a step line (the matrix counts training steps with STEP_LINE).
     assert len(STEP_LINE.findall(out)) == 1
+
+
+def test_downstream_scores_and_validation_bpb_end_their_lines(printed):
+    metrics = {"loss": 3.0, "eval/continuation/acc": 0.3125, "eval/continuation/acc_norm": 0.28,
+               "eval/continuation/bpb": 2.1234, "eval/my/task/acc": 1.0}
+    out = printed(format_step_line(40, metrics), format_validation_line(40, 3.2, 24.5, 128, 1, 2560, bpb=1.875))
+    assert STEP_LINE.findall(out) == [("3", "40", "3")]
+    assert "eval: continuation acc 0.3125 acc_norm 0.28 bpb 2.123 | my/task acc 1" in out
+    assert VALIDATION_LINE.findall(out) == [("3", "40", "3.2")] and "bpb: 1.875" in out
