@@ -9,11 +9,11 @@ passage of the task (preflight refuses the embedded corpus without one, see ``ch
 Each held-out document, its whitespace collapsed, is cut into consecutive windows: a
 context of about ``CONTEXT_CHARS`` characters and the next ``CHOICE_CHARS`` or so, both cut
 at a space, so every choice begins with one; windows with other characters than ASCII are left
-out (the shipped tokenizer spells them a byte a token, too long for a short ``seq_len``). The wrong choices are the continuations of
-three windows of other documents, drawn with a fixed seed, and the right one's place is
-drawn too: the task is the same on every machine with the same Python (the corpus depends
-on the Python version, see ``embedded_corpus.py``). With the default split it has 309
-requests under Python 3.11.
+out (the shipped tokenizer spells them a byte a token, too long for a short ``seq_len``). The
+wrong choices are the continuations of three windows of other documents, drawn with a fixed
+seed, and the right one's place is drawn too: the task is the same on every machine with the
+same Python (the corpus depends on the Python version, see ``embedded_corpus.py``). With the
+default split it has 309 requests under Python 3.11.
 """
 
 from __future__ import annotations
