@@ -133,6 +133,7 @@ _CHANGED = {
     ("parallelism", "pipeline_parallel_split_points"): ["layers.2", "layers.4"],
     ("checkpoint", "exclude_from_loading"): ["optimizer", "dataloader"],
     ("activation_checkpoint", "selective_ac_option"): "op",
+    ("eval", "tasks"): ["continuation", "tasks dir/arc_easy ü.jsonl"],
     # Excludes validation.dataset/dataset_path (set below): round-tripped on its own in the test.
     ("validation", "held_out_fraction"): None,
 }
