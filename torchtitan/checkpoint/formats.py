@@ -304,6 +304,17 @@ def _region(value: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
     return tuple((o, o + s) for o, s in zip(offset, shape))
 
 
+def _release_buffer(source: HFSource | MetaSource, fqn: str) -> str | None:
+    """The Hugging Face tensor that holds our buffer ``fqn``, when the family names one and the folder has it."""
+    if not isinstance(source, HFSource):
+        return None
+    try:
+        name = source.tensor_for(fqn)
+    except KeyError:
+        return None
+    return name if name in source.shapes else None
+
+
 def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_group=None) -> int:
     """Fill ``model`` (any layout; a pipeline rank's parts as one view) from ``path``; returns tensors loaded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -320,11 +331,13 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_gr
     adapter = spec_for_args(args).state_dict_adapter
     source = HFSource(where, adapter) if fmt == "hf" else MetaSource(where, adapter)
     filled: dict[str, Any] = {}
-    # Releases hold parameters only: a persistent buffer (an MoE router's bias) keeps its initial value.
+    # A persistent buffer (an MoE router's bias) keeps its initial value unless the release names it
+    # (DeepSeek-V3's e_score_correction_bias).
     buffers = {fqn for fqn, _ in model.named_buffers()}
     for fqn, value in state.items():
         if fqn in buffers:
-            filled[fqn] = value
+            name = _release_buffer(source, fqn)
+            filled[fqn] = value if name is None else source.read(fqn, args, None).to(value.dtype).to(value.device)
             continue
         region = _region(value)
         if isinstance(value, DTensor):

@@ -189,27 +189,28 @@ def _runs(segments: list[int], seq: int) -> list[tuple[int, int]]:
 
 
 def per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
-    """One causal SDPA per document: q [B, H, L, D], k/v [B, H_kv, L, D] -> [B, H, L, D].
+    """One causal SDPA per document: q, k [B, H(_kv), L, D], v [B, H_kv, L, Dv] -> [B, H, L, Dv].
 
     The rows are laid end to end as [B*L, heads, D] (free when the tensors are head-transposed
     views of [B, L, heads, D], as in the model) and cut with one ``split``, so backward gathers
     the pieces' gradients with one concatenation instead of a full-size buffer per piece.
     Consecutive rows that hold one document each go through one batched call.
     """
-    batch, heads, seq, dim = q.shape
+    batch, heads, seq, _ = q.shape
     runs = _runs(segments, seq)
     sizes = [rows * length for rows, length in runs]
 
     def pieces(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim).split(sizes)
+        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]).split(sizes)
 
     gqa = heads != k.shape[1]
+    v_dim = v.shape[-1]  # may differ from the query/key head (MLA)
     outs = []
     for (rows, length), a, b, c in zip(runs, pieces(q), pieces(k), pieces(v)):
-        a, b, c = (t.reshape(rows, length, t.shape[1], dim).transpose(1, 2) for t in (a, b, c))
+        a, b, c = (t.reshape(rows, length, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (a, b, c))
         out = F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
-        outs.append(out.transpose(1, 2).reshape(rows * length, heads, dim))
-    return torch.cat(outs).view(batch, seq, heads, dim).transpose(1, 2)
+        outs.append(out.transpose(1, 2).reshape(rows * length, heads, v_dim))
+    return torch.cat(outs).view(batch, seq, heads, v_dim).transpose(1, 2)
 
 
 def _dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,12 @@ class LayerCache:
         return self.owner.mask
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' ``k, v`` ([B, kv_heads, new, head_dim]); all filled slots' keys and values."""
+        """Write the new tokens' ``k, v`` ([B, kv_heads, new, head_dim], each its own head_dim); all filled
+        slots' keys and values."""
         start, end = self.owner.length, self.owner.length + k.shape[2]
-        if self.k is None or self.v is None:
-            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
-            self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
+        if self.k is None or self.v is None:  # each its own width: values may be narrower than keys (MLA)
+            self.k = k.new_zeros(k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.v = v.new_zeros(v.shape[0], v.shape[1], self.owner.capacity, v.shape[3])
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]

@@ -61,9 +61,9 @@ class YarnScaling:
     truncate: bool = True
 
     def __post_init__(self) -> None:
-        if not self.factor > 0 or self.original_context < 1 or not self.beta_fast > self.beta_slow > 0:
+        if not self.factor > 0 or self.original_context < 1 or not self.beta_fast >= self.beta_slow > 0:
             raise ValueError(f"YaRN rope scaling needs factor > 0, original_max_position_embeddings >= 1 and "
-                             f"beta_fast > beta_slow > 0; got {self}")
+                             f"beta_fast >= beta_slow > 0; got {self}")
 
     @staticmethod
     def _mscale(scale: float, m: float) -> float:

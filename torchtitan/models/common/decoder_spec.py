@@ -93,6 +93,12 @@ def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
     spec = decoder_spec(name, args_type, flavors, read_release, build=MoEDecoder, flops_per_token=flops_per_token,
                         attention=Attention, apply_tp=parallel.apply_moe_decoder_tp, apply_cp=parallel.apply_cp,
                         check=_check, state_dict_adapter=adapter)
+    return with_experts(spec)
+
+
+def with_experts(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the shared MoE's expert fields: the count, the job's [moe] options, expert parallelism,
+    the layers the trainer balances, and the planner's routing assumption."""
     return dataclasses.replace(spec, num_experts=_num_experts, with_moe_options=_with_moe_options,
                                apply_ep=parallel.apply_moe_decoder_ep, expert_layers=moe_layers,
                                assume_routing=assume_routing)

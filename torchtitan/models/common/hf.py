@@ -68,9 +68,19 @@ class DecoderHFAdapter:
 
     def __init__(self, naming: HFNaming, hf_config: Callable[..., dict[str, Any]],
                  fields_of_config: Callable[[dict[str, Any]], dict[str, Any]],
-                 fields_of_args: Callable[[Any], dict[str, Any]]):
+                 fields_of_args: Callable[[Any], dict[str, Any]],
+                 build: Callable[[Any], torch.nn.Module] | None = None):
         self.naming = naming
         self._hf_config, self._fields_of_config, self._fields_of_args = hf_config, fields_of_config, fields_of_args
+        self._build = build  # the family's model (None: MoEDecoder), whose parameters from_hf fills
+
+    def model_fqns(self, args: Any) -> list[str]:
+        """Every parameter name of ``args``'s model (a tied weight under both names)."""
+        from torchtitan.models.common.moe_decoder import MoEDecoder
+
+        with torch.device("meta"):
+            model = (self._build or MoEDecoder)(args)
+        return [fqn for fqn, _ in model.named_parameters(remove_duplicate=False)]
 
     # ---- names
     def hf_name(self, fqn: str, tied: bool) -> str:
@@ -130,12 +140,8 @@ class DecoderHFAdapter:
 
     def from_hf(self, state: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
         """Hugging Face's -> ours, for the parameters of ``args``'s model; ValueError naming a missing tensor."""
-        from torchtitan.models.common.moe_decoder import MoEDecoder
-
-        with torch.device("meta"):
-            fqns = [fqn for fqn, _ in MoEDecoder(args).named_parameters(remove_duplicate=False)]
         out: dict[str, torch.Tensor] = {}
-        for fqn in fqns:
+        for fqn in self.model_fqns(args):
             names = self.hf_expert_names(fqn, args) or [self.hf_name(fqn, tied=bool(args.tie_word_embeddings))]
             missing = [n for n in names if n not in state]
             if fqn == "output.weight" and missing and "model.embed_tokens.weight" in state:
