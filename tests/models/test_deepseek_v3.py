@@ -183,3 +183,60 @@ def test_bad_release_configs_are_refused_in_one_line(entry, message, tmp_path):
     with pytest.raises(ValueError, match=message) as info:
         model_args("deepseek_v3", str(tmp_path))
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- FP8 releases
+
+BLOCK = 16  # the release's 128 x 128, scaled down so that the tiny weights hold several blocks, some partial
+
+
+def _fp8_release(folder: Path) -> dict[str, torch.Tensor]:
+    """The saved model requantized as DeepSeek-V3's FP8 release is: every projection float8_e4m3fn with a
+    per-block ``_scale_inv``; returns the dequantized value of each quantized weight, computed block by block."""
+    from safetensors.torch import load_file, save_file
+
+    file = folder / "model.safetensors"
+    state, out, expected = load_file(file), {}, {}
+    for name, w in state.items():
+        if w.dim() != 2 or not name.endswith("proj.weight"):
+            out[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
+        q, scale, value = torch.empty_like(w, dtype=torch.float8_e4m3fn), torch.empty(rows, cols), torch.empty_like(w)
+        for i in range(rows):
+            for j in range(cols):
+                cut = (slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK))
+                scale[i, j] = w[cut].abs().max() / 448.0
+                q[cut] = (w[cut] / scale[i, j]).to(torch.float8_e4m3fn)
+                value[cut] = q[cut].float() * scale[i, j]
+        out[name], out[name + "_scale_inv"], expected[name] = q, scale, value
+    save_file(out, file, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+def test_fp8_block_weights_are_dequantized_on_load(tmp_path):
+    saved(tmp_path)
+    expected = _fp8_release(tmp_path)
+    model, args = ours(tmp_path)
+    attn, moe = model.layers["1"].attention, model.layers["1"].feed_forward
+    assert torch.equal(attn.wkv_b.weight, expected["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert torch.equal(attn.wq_a.weight, expected["model.layers.1.self_attn.q_a_proj.weight"])
+    assert torch.equal(moe.experts.w2[5], expected["model.layers.1.mlp.experts.5.down_proj.weight"])
+    # quantization moved the weights: the check above is not of the unquantized values
+    assert not torch.equal(attn.wkv_b.weight, saved(tmp_path / "again").model.layers[1].self_attn.kv_b_proj.weight)
+
+
+def test_an_unknown_quantization_is_refused_in_one_line(tmp_path):
+    saved(tmp_path)
+    args = model_args("deepseek_v3", str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    problems = check_source(str(tmp_path), "hf", args)
+    assert len(problems) == 1 and "quant_method 'mxfp4'" in problems[0] and "\n" not in problems[0]
+    with pytest.raises(ValueError, match="is not supported: only fp8 e4m3"):
+        load_into(DeepSeekV3Model(args), str(tmp_path), "hf", args)

@@ -33,6 +33,7 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 
+from torchtitan.checkpoint.quantized import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block_size
 from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
@@ -81,6 +82,7 @@ class HFSource:
     def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
         self.folder, self.adapter = folder, adapter
         self.config = json.loads((folder / "config.json").read_text())
+        self.fp8_block = fp8_block_size(self.config)  # FP8 weights dequantized on read (checkpoint/quantized.py)
         index = folder / INDEX_FILE
         weight_map: dict[str, str] | None
         if index.is_file():
@@ -127,6 +129,14 @@ class HFSource:
         return self.shapes.get(self.tensor_for(fqn))
 
     def _read_one(self, name: str, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        """Tensor ``name`` (or its ``region``) as stored, an FP8 block-quantized weight as float32."""
+        if self.fp8_block is not None and name + SCALE_SUFFIX in self.shapes:
+            whole = dequantize_fp8_blocks(self._read_plain(name, None), self._read_plain(name + SCALE_SUFFIX, None),
+                                          self.fp8_block)
+            return whole if region is None else whole[tuple(slice(a, b) for a, b in region)]
+        return self._read_plain(name, region)
+
+    def _read_plain(self, name: str, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
@@ -155,10 +165,10 @@ class HFSource:
         heads = self.adapter.hf_permuted_heads(fqn, args)
         if heads is not None and len(shape) == 1:  # a per-head vector (a query/key norm): small, read whole
             return self.adapter.rows_from_hf(self._read_one(name, None), heads)[region[0][0]:region[0][1]]
+        if heads is None:
+            return self._read_one(name, region)
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
             view = f.get_slice(name)
-            if heads is None:
-                return view[tuple(slice(a, b) for a, b in region)]
             hd = shape[0] // heads
             (r0, r1), (c0, c1) = region
             h0, h1 = r0 // hd, math.ceil(r1 / hd)

@@ -8,7 +8,6 @@ auxiliary-loss-free bias is ``mlp.gate.e_score_correction_bias`` there: written 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +106,9 @@ def read_release(path: str | Path) -> DeepSeekV3Args:
     try:
         fields = fields_of_config(config)
         max_pos = config.get("max_position_embeddings")
-        extra: dict[str, Any] = {"max_seq_len": max_pos} if isinstance(max_pos, int) else {}
-        return DeepSeekV3Args(score_func="sigmoid", **fields, **extra)
+        if isinstance(max_pos, int):
+            fields["max_seq_len"] = max_pos
+        return DeepSeekV3Args(score_func="sigmoid", **fields)
     except KeyError as e:
         raise ValueError(f"{file} lacks the entry {e}") from None
     except ValueError as e:
@@ -117,7 +117,7 @@ def read_release(path: str | Path) -> DeepSeekV3Args:
 
 def hf_config(args: DeepSeekV3Args, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
     """A ``config.json`` of ``DeepseekV3ForCausalLM`` describing ``args`` (the hub's key layout)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    rope: dict[str, float | int | bool | str] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.yarn is not None:
         rope = {**args.yarn.to_hf(), "rope_theta": args.rope_theta}
     return {
@@ -153,15 +153,15 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
             return f"model.layers.{parts[1]}.{_MLA[parts[2]]}"
         return super().hf_name(fqn, tied)
 
-    def hf_permuted_heads(self, fqn: str, args: Any) -> int | None:
+    def hf_permuted_heads(self, fqn: str, args: DeepSeekV3Args) -> int | None:
         return None  # rotary pairs are stored alike
 
-    def to_hf(self, state: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    def to_hf(self, state: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
         out = super().to_hf(state, args)  # which leaves out the routing bias
         out.update({self.hf_name(fqn, tied=False): t for fqn, t in state.items() if fqn.endswith("router.expert_bias")})
         return out
 
-    def from_hf(self, state: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    def from_hf(self, state: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
         out = super().from_hf(state, args)
         for i in range(args.n_layers):
             if args.is_moe_layer(i):
@@ -169,8 +169,3 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
                 if name in state:
                     out[f"layers.{i}.feed_forward.router.expert_bias"] = state[name]
         return out
-
-
-def with_fields(base: DeepSeekV3Args, **fields: Any) -> DeepSeekV3Args:
-    """``base`` with some fields replaced (tests, flavors)."""
-    return dataclasses.replace(base, **fields)
