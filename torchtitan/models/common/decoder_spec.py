@@ -47,7 +47,7 @@ def _num_experts(args: Any) -> int:
     return args.num_experts
 
 
-def _with_moe_options(args: Any, cfg: JobConfig) -> Any:
+def with_moe_options(args: Any, cfg: JobConfig) -> Any:
     """The job's [moe] section (balancing) applied to the args of a model with experts."""
     if not args.num_experts:
         return args
@@ -99,6 +99,6 @@ def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
 def with_experts(spec: ModelSpec) -> ModelSpec:
     """``spec`` with the shared MoE's expert fields: the count, the job's [moe] options, expert parallelism,
     the layers the trainer balances, and the planner's routing assumption."""
-    return dataclasses.replace(spec, num_experts=_num_experts, with_moe_options=_with_moe_options,
+    return dataclasses.replace(spec, num_experts=_num_experts, with_moe_options=with_moe_options,
                                apply_ep=parallel.apply_moe_decoder_ep, expert_layers=moe_layers,
                                assume_routing=assume_routing)

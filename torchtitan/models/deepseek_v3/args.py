@@ -94,12 +94,13 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=64, top_k=6, moe_hidden_size=1408, num_shared_experts=2, route_scale=2.446,
         first_k_dense_replace=1, rope_theta=50000.0, norm_eps=1e-5),
-    # deepseek-ai/DeepSeek-V3: 61 layers, 3 dense, 256 experts in 8 groups (4 kept), top-8, one shared, 1 MTP.
+    # deepseek-ai/DeepSeek-V3: 61 layers, 3 dense, 256 experts in 8 groups (4 kept), top-8, one shared (its one
+    # MTP module: --model.mtp_layers=1).
     "671B": _release(
         dim=7168, n_layers=61, n_heads=128, vocab_size=129280, ffn_hidden_size=18432, max_seq_len=163840,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=256, top_k=8, moe_hidden_size=2048, num_shared_experts=1, num_groups=8, topk_groups=4,
-        route_scale=2.5, first_k_dense_replace=3, yarn=_V3_YARN, num_mtp_layers=1),
+        route_scale=2.5, first_k_dense_replace=3, yarn=_V3_YARN),
     # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's shape with 64 heads, 384 experts in one group, one dense layer.
     "kimi_k2": _release(
         dim=7168, n_layers=61, n_heads=64, vocab_size=163840, ffn_hidden_size=18432, max_seq_len=131072,

@@ -14,7 +14,8 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.moe_decoder import MoEDecoder
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
-from torchtitan.models.kv_cache import LayerCache
+from torchtitan.models.deepseek_v3.mtp import MTPModule, depth_inputs
+from torchtitan.models.kv_cache import KVCache, LayerCache
 from torchtitan.models.layers import FeedForward, RMSNorm, precompute_rope_cache
 from torchtitan.models.moe import MoE
 
@@ -69,6 +70,41 @@ class DeepSeekV3Model(MoEDecoder):
 
     def __init__(self, args: DeepSeekV3Args):
         Decoder.__init__(self, args, DeepSeekV3Block)
+        # Multi-token prediction (mtp.py): depth k's block is layer n_layers + k - 1, as releases number it.
+        self.mtp: nn.ModuleDict | None = None
+        if args.num_mtp_layers:
+            self.mtp = nn.ModuleDict({str(k): MTPModule(DeepSeekV3Block(args.n_layers + k, args), args)
+                                      for k in range(args.num_mtp_layers)})
+        self._mtp_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's forward; with ``labels`` (training with multi-token prediction) it also keeps each
+        depth's (logits, labels) for ``pop_mtp_outputs``. Returns the main logits either way."""
+        if labels is None or self.mtp is None or cache is not None:
+            return super().forward(tokens, positions, cache)
+        assert self.tok_embeddings is not None and self.norm is not None and self.output is not None, (
+            "multi-token prediction needs the whole model (preflight refuses it under pipeline parallelism)")
+        h = self.tok_embeddings(tokens)
+        rope = self.rope_cache if positions is None else self.rope_cache[positions]
+        documents = None
+        if self.args.attn_mask_type == "block_causal" and positions is not None:
+            documents = self.document_mask(positions, tokens.shape[0])
+        for layer in self.layers.values():
+            h = layer(h, rope, documents=documents)
+        self._mtp_outputs = []
+        previous = h
+        for k, module in enumerate(self.mtp.values(), start=1):
+            assert isinstance(module, MTPModule)
+            ids, targets = depth_inputs(tokens, labels, k)
+            previous = module(previous, self.tok_embeddings(ids), rope, documents)
+            self._mtp_outputs.append((self.output(module.norm(previous)), targets))
+        return self.output(self.norm(h))
+
+    def pop_mtp_outputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each depth's (logits [B, L, vocab], labels [B, L]) of the last forward given labels; cleared."""
+        out, self._mtp_outputs = self._mtp_outputs, []
+        return out
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
         a = self.args
@@ -82,6 +118,13 @@ class DeepSeekV3Model(MoEDecoder):
         for block in self.layers.values():
             assert isinstance(block, DeepSeekV3Block)
             by_param.update(block_init_specs(block, block.layer_id + 1 if args.depth_init else args.n_layers))
+        for module in (self.mtp or {}).values():
+            assert isinstance(module, MTPModule) and isinstance(module.block, DeepSeekV3Block)
+            by_param.update(block_init_specs(module.block, module.block.layer_id + 1 if args.depth_init
+                                             else args.n_layers))
+            for norm in (module.enorm, module.hnorm, module.norm):
+                by_param[id(norm.weight)] = InitSpec("ones")
+            by_param[id(module.eh_proj.weight)] = trunc_normal_spec(0.02, 2.0)
         if self.norm is not None:
             by_param[id(self.norm.weight)] = InitSpec("ones")
         if self.tok_embeddings is not None:

@@ -11,6 +11,7 @@ feed-forwards and MoE follow the shared decoder's plan (``models/common/parallel
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import cast
 
@@ -31,6 +32,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common import parallel
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.decoder_spec import with_moe_options as parallel_moe_options
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
 from torchtitan.models.moe import MoE
@@ -75,6 +77,24 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
 
 
 def check(args: DeepSeekV3Args, dims: ParallelDims, cfg: JobConfig) -> list[str]:
-    """The shared decoder's problems (widths TP must divide, experts EP must divide, ...), one line each."""
-    return parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor,
-                                  ep=dims.ep)
+    """The shared decoder's problems (widths TP must divide, experts EP must divide, ...), and the layouts
+    multi-token prediction cannot run in yet, one line each."""
+    problems = parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor,
+                                      ep=dims.ep)
+    if args.num_mtp_layers:
+        # Its modules read the token ids and the shared embedding beside the last block's output (one stage
+        # has not both), roll the tokens along the whole sequence (a CP rank holds chunks of it), and have no
+        # TP plan yet.
+        for flag, degree in (("pipeline_parallel_degree", cfg.parallelism.pipeline_parallel_degree),
+                             ("context_parallel_degree", dims.cp), ("tensor_parallel_degree", dims.tp)):
+            if degree > 1:
+                problems.append(f"--model.mtp_layers={args.num_mtp_layers} with --parallelism.{flag}={degree}: no "
+                                f"schedule places the multi-token prediction modules there yet; use "
+                                f"--parallelism.{flag}=1 or --model.mtp_layers=0")
+    return problems
+
+
+def with_job_options(args: DeepSeekV3Args, cfg: JobConfig) -> DeepSeekV3Args:
+    """The job's [moe] balancing (the shared decoder's) and its multi-token prediction options."""
+    args = parallel_moe_options(args, cfg)
+    return dataclasses.replace(args, num_mtp_layers=cfg.model.mtp_layers, mtp_loss_weight=cfg.model.mtp_loss_weight)
