@@ -7,6 +7,7 @@ layout starts from bitwise the one-process weights (not checked under PP, whose 
 layers), its step-1 loss is within 1e-5 and 10 steps within 1e-4 of the control's, and so is the global
 gradient norm (a gradient summed twice, or once too few, over TP shows there: Adam would hide it from
 the losses). TP 2 runs with sequence parallelism: MLA shards its heads and keeps the latent path whole.
+Multi-token prediction (one depth) runs under EP 2 x FSDP 4 against a one-process control with it on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from layout_entry import launch
 
 pytestmark = pytest.mark.slow
 STEPS, SEQ, BATCH = 10, 32, 4
+MTP = "--model.mtp_layers=1"
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"), f"--training.steps={STEPS}",
           f"--training.seq_len={SEQ}", "--job.print_args=false", "--metrics.enable_tensorboard=false",
           f"--metrics.log_freq={STEPS}", "--training.deterministic", "--moe.load_balance_coeff=0.001",
@@ -40,13 +42,15 @@ PARITY = {
     "PP2 x FSDP2": _dims(2, 2, pp=2) + ["--parallelism.pipeline_parallel_microbatches=2"],
     "EP2 x FSDP4": _dims(4, 1, ep=2),
     "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
+    # multi-token prediction (one depth; its MoE block's experts EP-sharded too), against its own control
+    "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP],
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     entry = Path(__file__).with_name("moe_entry.py")
-    one = {"control": {"overrides": _dims(1, BATCH)}}
+    one = {"control": {"overrides": _dims(1, BATCH)}, "control MTP": {"overrides": [*_dims(1, BATCH), MTP]}}
     control = launch(entry, tmp_path_factory.mktemp("dsv3_control"), COMMON, one, nproc=1, timeout=1200,
                      env={"OMP_NUM_THREADS": "1"})
     layouts = {name: {"overrides": o} for name, o in PARITY.items()}
@@ -61,7 +65,7 @@ def _rel(a: list[float], b: list[float]) -> list[float]:
 
 @pytest.mark.parametrize("name", list(PARITY))
 def test_layout_trains_the_one_process_model(name, runs):
-    control, run = runs["control"], runs[name]
+    control, run = runs["control MTP" if MTP in PARITY[name] else "control"], runs[name]
     if run["init"]:
         assert run["init"] == control["init"]
     rel, norms = _rel(run["losses"], control["losses"]), _rel(run["grad_norms"], control["grad_norms"])
@@ -71,3 +75,10 @@ def test_layout_trains_the_one_process_model(name, runs):
     assert norms[0] <= 1e-4 and max(norms) <= 1e-3, (name, norms)
     assert run["biases"], "the routing bias is on"
     assert control["losses"][-1] < control["losses"][0]  # and the model learns
+
+
+def test_mtp_trains_another_model(runs):
+    """The main loss is what is logged: with MTP it starts the same (same init of the shared weights) and then
+    moves apart, as the MTP loss's gradient reaches the shared embedding, blocks and output."""
+    plain, mtp = runs["control"]["losses"], runs["control MTP"]["losses"]
+    assert abs(mtp[0] - plain[0]) <= 1e-6 * plain[0] and max(_rel(mtp, plain)[1:]) > 1e-4
