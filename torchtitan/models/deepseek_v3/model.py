@@ -101,6 +101,19 @@ class DeepSeekV3Model(MoEDecoder):
             self._mtp_outputs.append((self.output(module.norm(previous)), targets))
         return self.output(self.norm(h))
 
+    def extra_blocks(self) -> list[nn.Module]:
+        """The blocks that run after ``layers`` (the MTP modules): FSDP makes each its own unit."""
+        return list(self.mtp.values()) if self.mtp is not None else []
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """Layer key -> MoE, the MTP modules' included (``mtp.k``): balancing and EP go through them all."""
+        layers = super().moe_layers()
+        for k, module in (self.mtp or {}).items():
+            assert isinstance(module, MTPModule) and isinstance(module.block, DeepSeekV3Block)
+            if isinstance(module.block.feed_forward, MoE):
+                layers[f"mtp.{k}"] = module.block.feed_forward
+        return layers
+
     def pop_mtp_outputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each depth's (logits [B, L, vocab], labels [B, L]) of the last forward given labels; cleared."""
         out, self._mtp_outputs = self._mtp_outputs, []
