@@ -260,3 +260,35 @@ def test_moe_decoder_families_greedy_equals_transformers_generate(case, tmp_path
     assert cached.tokens == full.tokens
     assert cached.tokens == hf_greedy(tmp_path, prompt_tokens, NEW, cls)
     assert len({tuple(t) for t in cached.tokens}) == 3  # rows differ: the prompts (and the padding) reach them
+
+
+def test_deepseek_v3_greedy_equals_transformers_generate(tmp_path) -> None:
+    """MLA's cache (the latent and the shared rotary key) decodes as transformers' DeepseekV3ForCausalLM
+    generates: query LoRA, YaRN, a dense layer then experts with a shared one, left-padded rows."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=TINY.vocab_size, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=TINY.max_seq_len, num_mtp_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 24})
+    torch.manual_seed(0)
+    theirs = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if ".self_attn." in name and "layernorm" not in name:
+                p.mul_(10.0)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    theirs.save_pretrained(tmp_path)
+    shutil.copyfile(SHIPPED_TOKENIZER, tmp_path / "tokenizer.model")
+    source = describe(tmp_path)
+    assert source.spec.name == "deepseek_v3"
+    loaded = load(source, device=torch.device("cpu"))
+    prompt_tokens = [loaded.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+    cached = decode(loaded.model, prompt_tokens, NEW, Sampling(), stop_ids=[], max_len=loaded.args.max_seq_len)
+    full = decode(loaded.model, prompt_tokens, NEW, Sampling(), stop_ids=[], max_len=loaded.args.max_seq_len,
+                  use_cache=False)
+    assert cached.tokens == full.tokens
+    assert cached.tokens == hf_greedy(tmp_path, prompt_tokens, NEW, transformers.DeepseekV3ForCausalLM)
+    assert len({tuple(t) for t in cached.tokens}) == 3
