@@ -22,7 +22,8 @@ from conftest import REPO, SHIPPED_TOKENIZER
 from torchtitan.checkpoint.formats import export_hf
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.generation import Sampling, decode, describe, filter_logits, generate, load
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import llama3_flavors
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat and then it looked at", "Hi"]
 NEW = 24
@@ -39,11 +40,11 @@ def _script():
     return module
 
 
-def random_model(args, seed: int = 0) -> Transformer:
+def random_model(args, seed: int = 0) -> Decoder:
     """A random model whose attention matters: the init's small projections (std 0.02) leave the logits
     to the embedding alone, and a wrong mask or position would not change a greedy token."""
     torch.manual_seed(seed)
-    model = Transformer(args)
+    model = Decoder(args)
     model.init_weights()
     with torch.no_grad():
         for layer in model.layers.values():
@@ -206,7 +207,7 @@ def test_bad_input_is_one_line_each(hf_dirs, tmp_path, capsys) -> None:
 def test_training_forward_is_unchanged_by_the_cache_path() -> None:
     """A forward without a cache is the plain causal forward; with one, the prefill's logits are the same."""
     torch.manual_seed(0)
-    model = Transformer(dataclasses.replace(TINY, attn_mask_type="causal"))
+    model = Decoder(dataclasses.replace(TINY, attn_mask_type="causal"))
     model.init_weights()
     tokens = torch.randint(0, TINY.vocab_size, (2, 16))
     from torchtitan.models.kv_cache import KVCache
@@ -220,7 +221,7 @@ def test_training_forward_is_unchanged_by_the_cache_path() -> None:
 
 
 def _decoder_configs() -> dict[str, tuple[type, object]]:
-    """transformers' model and a tiny config of each family on ``MoEDecoder`` (the shipped tokenizer's vocabulary)."""
+    """transformers' model and a tiny config of each family on ``Decoder`` (the shipped tokenizer's vocabulary)."""
     small = dict(vocab_size=TINY.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=TINY.max_seq_len)
     return {

@@ -35,14 +35,15 @@ def _report_mtp_loss(model: DeepSeekV3Model, t: torch.Tensor) -> torch.Tensor:
     each depth's sequence shortened by one: h^k_{1:T-k} = TRM_k(M_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))])."""
     assert model.tok_embeddings is not None and model.output is not None and model.mtp is not None
     inputs, T = t[:, :-1], t.shape[1] - 1
+    backend = model.backend_for(t.device)  # causal SDPA: scores and rotation only
     h = model.tok_embeddings(inputs)
     for layer in model.layers.values():
-        h = layer(h, model.rope_cache)
+        h = layer(h, model.rope_cache, backend=backend)
     total = torch.zeros(())
     for k, module in enumerate(model.mtp.values(), start=1):  # h^{k-1} covers positions 1..T-k+1
         emb = model.tok_embeddings(t[:, k:T])  # t_{i+k} for i = 1..T-k
         h = module.block(module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h[:, :T - k])], -1)),
-                         model.rope_cache)
+                         model.rope_cache, backend=backend)
         logits = model.output(module.norm(h))  # P^k_{i+k+1}, i = 1..T-k
         total = total + F.cross_entropy(logits.flatten(0, 1), t[:, k + 1:].flatten(), reduction="sum") / (B * T)
     return LAMBDA / D * total

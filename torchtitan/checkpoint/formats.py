@@ -37,7 +37,7 @@ from torchtitan.checkpoint.quantized import SCALE_SUFFIX, dequantize_fp8_blocks,
 from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
-from torchtitan.models.spec import StateDictAdapter
+from torchtitan.models.spec import MetaRelease, StateDictAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class HFSource:
         region = region or tuple((0, s) for s in shape)
         heads = self.adapter.hf_permuted_heads(fqn, args)
         if heads is not None and len(shape) == 1:  # a per-head vector (a query/key norm): small, read whole
-            return self.adapter.rows_from_hf(self._read_one(name, None), heads)[region[0][0]:region[0][1]]
+            return self.adapter.rows_from_hf(fqn, self._read_one(name, None), heads)[region[0][0]:region[0][1]]
         if heads is None:
             return self._read_one(name, region)
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
@@ -173,14 +173,14 @@ class HFSource:
             (r0, r1), (c0, c1) = region
             h0, h1 = r0 // hd, math.ceil(r1 / hd)
             block = view[h0 * hd:h1 * hd, c0:c1]
-            return self.adapter.rows_from_hf(block, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
+            return self.adapter.rows_from_hf(fqn, block, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
 
 
 class MetaSource:
     """Meta's release folder: params.json and one or more consolidated.NN.pth (model-parallel shards)."""
 
-    def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
-        self.folder, self.adapter = folder, adapter
+    def __init__(self, folder: Path, release: MetaRelease | None = None) -> None:
+        self.folder, self.release = folder, release
         self.params = json.loads((folder / "params.json").read_text())
         self.files = sorted(folder.glob("consolidated.*.pth"))
         if not self.files:
@@ -199,21 +199,21 @@ class MetaSource:
         return self._parts
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        assert self.adapter is not None, "reading tensors needs the family's adapter"
+        assert self.release is not None, "reading tensors needs the family's Meta reader"
         out = {}
         for fqn, t in self.parts()[0].items():
             shape = list(t.shape)
-            dim = self.adapter.meta_split_dim(fqn)
+            dim = self.release.split_dim(fqn)
             if dim is not None and len(self.parts()) > 1:
                 shape[dim] = sum(p[fqn].shape[dim] for p in self.parts())
             out[fqn] = tuple(shape)
         return out
 
     def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
-        assert self.adapter is not None, "reading tensors needs the family's adapter"
-        fqn = self.adapter.meta_name(fqn, args, self.parts()[0])
+        assert self.release is not None, "reading tensors needs the family's Meta reader"
+        fqn = self.release.name(fqn, args, self.parts()[0])
         pieces = [p[fqn] for p in self.parts()]
-        dim = self.adapter.meta_split_dim(fqn)
+        dim = self.release.split_dim(fqn)
         full = pieces[0] if len(pieces) == 1 or dim is None else torch.cat(pieces, dim=dim)
         if region is None:
             return full.clone()
@@ -261,7 +261,8 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
     if not where.is_dir():
         return [f"{flag}: no such folder"]
     expected = _expected_shapes(args)
-    adapter = spec_for_args(args).state_dict_adapter
+    spec = spec_for_args(args)
+    adapter = spec.state_dict_adapter
     try:
         if fmt == "hf":
             if not (where / "config.json").is_file():
@@ -281,11 +282,14 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
             if not (where / "params.json").is_file():
                 return [f"{flag}: no params.json there; --checkpoint.initial_load_format=meta wants Meta's release "
                         "folder (params.json + consolidated.*.pth)"]
-            source = MetaSource(where, adapter)
-            problems = adapter.meta_params_problems(args, source.params, f"{flag}/params.json")
+            if spec.meta_release is None:
+                return [f"{flag}/params.json: this model family has no Meta-format release; use "
+                        "--checkpoint.initial_load_format=hf"]
+            source = MetaSource(where, spec.meta_release)
+            problems = spec.meta_release.params_problems(args, source.params, f"{flag}/params.json")
             if problems:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
-            return shape_problems(where, adapter.meta_shapes(source.shapes(), expected, args), expected)
+            return shape_problems(where, spec.meta_release.shapes(source.shapes(), expected, args), expected)
         ckpt = dcp_checkpoint_path(where)
         problems, manifest = verify(ckpt, _expected_shapes(args, buffers=True))
         if not problems and "model" not in manifest.get("states", []):
@@ -338,8 +342,8 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_gr
         dcp_loader.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
         set_model_state_dict(model, wrapped["model"])
         return len(state)
-    adapter = spec_for_args(args).state_dict_adapter
-    source = HFSource(where, adapter) if fmt == "hf" else MetaSource(where, adapter)
+    spec = spec_for_args(args)
+    source = HFSource(where, spec.state_dict_adapter) if fmt == "hf" else MetaSource(where, spec.meta_release)
     filled: dict[str, Any] = {}
     # A persistent buffer (an MoE router's bias) keeps its initial value unless the release names it
     # (DeepSeek-V3's e_score_correction_bias).

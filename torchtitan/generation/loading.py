@@ -141,7 +141,7 @@ def load(source: Source, *, device: torch.device, dtype: torch.dtype = torch.flo
     with torch.device("meta"):
         model = source.spec.build(source.args)
     if tp_mesh is not None:
-        source.spec.apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=False)
+        source.spec.apply_tp(model, tp_mesh, False, False)  # no sequence or loss parallelism
     model.to_empty(device=device)
     with warnings.catch_warnings():
         # DCP warns that it reads on a single process: that is what a one-process load does.

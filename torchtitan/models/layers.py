@@ -1,8 +1,6 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embeddings, grouped-query attention
-(optionally with per-head query/key norms), the SwiGLU feed-forward.
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, the SwiGLU feed-forward.
 
-They were Llama 3's; families that reuse them (Qwen3, Mixtral) import them from here, so no family
-imports another.
+The attention modules are in ``models/attention`` (``gqa.py``), built on these.
 """
 
 import math
@@ -12,9 +10,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from torchtitan.models.attention import AttentionBackend, DocumentMask, block_causal_attention
-from torchtitan.models.kv_cache import LayerCache
 
 
 class RMSNorm(nn.Module):
@@ -208,71 +203,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(bs, n_kv, n_rep, seqlen, head_dim).reshape(bs, n_kv * n_rep, seqlen, head_dim)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention with rotary positions.
-
-    ``qk_norm_eps``: Qwen3's query/key norm, an RMSNorm over each head's ``head_dim`` applied to q and
-    k before the rotation (None: none, as Llama). ``head_dim`` need not be ``dim / n_heads``.
-    """
-
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None):
-        super().__init__()
-        self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
-        self.q_norm: RMSNorm | None = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
-        self.k_norm: RMSNorm | None = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
-        # None: this layer's own kernels (``sdpa``, ``masked_sdpa``); context parallelism sets its backend
-        # (models/attention.py) through the model's ``use_attention_backend``.
-        self.backend: AttentionBackend | None = None
-
-    def rotary(self, xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate the query and key heads (``apply_rotary_emb``); a CPU kernel may stand in (ops/cpu_kernels.py)."""
-        return apply_rotary_emb(xq, xk, rope_cache)
-
-    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention: q [B, H, L, D]; k, v [B, H_kv, L, D] (grouped-query heads).
-
-        On CPU a grouped-query kernel may stand in (ops/cpu_kernels.py).
-        """
-        n_rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
-
-    def masked_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask) -> torch.Tensor:
-        """Document-masked attention of whole sequences (models/attention.py)."""
-        return block_causal_attention(q, k, v, documents)
-
-    def cached_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """Decoding: the new tokens' queries against every cached key (the cache's padding and causal mask)."""
-        k, v = cache.update(k, v)
-        n_rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=cache.mask)
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        """``cache``: decoding (models/kv_cache.py) appends this forward's keys and values to it and
-        attends to all it holds; training passes none and runs the branches below it."""
-        bs, seqlen, _ = x.shape
-        # -1 instead of n_heads: under tensor parallelism these are the local heads.
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation (Qwen3): both or none
-            xq, xk = self.q_norm(xq), self.k_norm(xk)
-        xq, xk = self.rotary(xq, xk, rope_cache[..., :seqlen, :])
-        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        if cache is not None:
-            out = self.cached_sdpa(q, k, v, cache)
-        elif self.backend is not None:
-            out = self.backend.causal(q, k, v) if documents is None else self.backend.block_causal(q, k, v, documents)
-        else:
-            out = self.sdpa(q, k, v) if documents is None else self.masked_sdpa(q, k, v, documents)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
-
-
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -282,5 +212,3 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-

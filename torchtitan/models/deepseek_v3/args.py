@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan.models.common.moe_decoder import DecoderArgs
+from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.deepseek_v3.mla import MLAConfig
 from torchtitan.models.layers import YarnScaling
 from torchtitan.models.moe import MoEArgs
 
@@ -58,6 +59,12 @@ class DeepSeekV3Args(DecoderArgs):
             raise ValueError(f"kv_lora_rank={self.kv_lora_rank} and v_head_dim={self.v_head_dim} must be positive, "
                              f"q_lora_rank={self.q_lora_rank} and first_k_dense_replace="
                              f"{self.first_k_dense_replace} not negative")
+
+    def attention(self) -> MLAConfig:  # the block's attention module: MLA
+        return MLAConfig(dim=self.dim, n_heads=self.n_heads, q_lora_rank=self.q_lora_rank,
+                         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                         qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, norm_eps=self.norm_eps,
+                         softmax_scale=self.softmax_scale())
 
     def moe_args(self) -> MoEArgs:
         """The shared MoE's, with the routing bias always there: DeepSeek-V3's ``e_score_correction_bias`` is

@@ -9,29 +9,20 @@ auxiliary-loss-free bias is ``mlp.gate.e_score_correction_bias`` there: written 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from torchtitan.models.common import hf_config as common_config
-from torchtitan.models.common.hf import DecoderHFAdapter, HFNaming
+from torchtitan.models.common.config import DecoderConfig, JsonObject
+from torchtitan.models.common.hf import DecoderHFAdapter
+from torchtitan.models.common.weight_map import WeightMap, WeightTemplate
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.layers import YarnScaling
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-NAMING = HFNaming("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})
-
-_MLA = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-        "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
-        "attention.wq_b.weight": "self_attn.q_b_proj.weight",
-        "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-        "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-        "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-        "feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias",
-        "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-        "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-        "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight"}
+NAMING = ("gate_proj", "down_proj", "up_proj")  # each expert's w1, w2, w3 there
 
 # The fields a release and the configured model must agree on (a mismatch is one line each).
 FIELDS = ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_size", "norm_eps", "rope_theta", "num_experts",
@@ -139,33 +130,64 @@ def hf_config(args: DeepSeekV3Args, *, bos_id: int | None, eos_id: int | None, d
     }
 
 
+def _templates() -> list[WeightTemplate]:
+    """Our names <-> the release's (``common/weight_map.py``); ``scale``: an FP8 release's block scales."""
+    layer, ours = "model.layers.{layer}.", "layers.{layer}."
+    rows = [WeightTemplate("tok_embeddings.weight", "model.embed_tokens.weight"),
+            WeightTemplate("norm.weight", "model.norm.weight"),
+            WeightTemplate("output.weight", "lm_head.weight")]
+    plain = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+             "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+             "feed_forward.router.gate.weight": "mlp.gate.weight",
+             "feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias"}
+    projections = {"attention.wq.weight": "self_attn.q_proj", "attention.wq_a.weight": "self_attn.q_a_proj",
+                   "attention.wq_b.weight": "self_attn.q_b_proj",
+                   "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa",
+                   "attention.wkv_b.weight": "self_attn.kv_b_proj", "attention.wo.weight": "self_attn.o_proj",
+                   "feed_forward.w1.weight": "mlp.gate_proj", "feed_forward.w2.weight": "mlp.down_proj",
+                   "feed_forward.w3.weight": "mlp.up_proj",
+                   "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj",
+                   "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj",
+                   "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj"}
+    rows += [WeightTemplate(ours + k, layer + v) for k, v in plain.items()]
+    rows += [WeightTemplate(ours + k, layer + v + ".weight", scale=layer + v + ".weight_scale_inv")
+             for k, v in projections.items()]
+    for w, theirs in zip(("w1", "w2", "w3"), NAMING):
+        name = layer + "mlp.experts.{expert}." + theirs
+        rows.append(WeightTemplate(ours + "feed_forward.experts." + w, name + ".weight",
+                                   scale=name + ".weight_scale_inv"))
+    return rows
+
+
+class DeepSeekV3Config:
+    """The ``HFConfigFormat`` (``common/hf.py``) of DeepSeek-V3 releases."""
+
+    def write(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
+        return hf_config(cast(DeepSeekV3Args, args), bos_id=bos_id, eos_id=eos_id, dtype=dtype)
+
+    def problems(self, args: DecoderConfig, config: JsonObject, source: str) -> list[str]:
+        ours, theirs = fields_of_args(cast(DeepSeekV3Args, args)), fields_of_config(config)
+        return [f"{source}: {k} is {theirs.get(k)!r} there, {v!r} in the configured model"
+                for k, v in ours.items() if theirs.get(k) != v]
+
+
 class DeepSeekV3HFAdapter(DecoderHFAdapter):
-    """``DecoderHFAdapter`` with MLA's names, the shared experts' and the routing bias."""
+    """The decoder's adapter with DeepSeek-V3's rows, and the routing bias written and read (the weight
+    map leaves routing biases out: the other families' releases have no place for them)."""
 
     def __init__(self) -> None:
-        from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+        super().__init__(WeightMap(_templates()), DeepSeekV3Config())
 
-        super().__init__(NAMING, hf_config, fields_of_config, fields_of_args, build=DeepSeekV3Model)
-
-    def hf_name(self, fqn: str, tied: bool) -> str:
-        parts = fqn.split(".", 2)
-        if len(parts) == 3 and parts[0] == "layers" and parts[2] in _MLA:
-            return f"model.layers.{parts[1]}.{_MLA[parts[2]]}"
-        return super().hf_name(fqn, tied)
-
-    def hf_permuted_heads(self, fqn: str, args: DeepSeekV3Args) -> int | None:
-        return None  # rotary pairs are stored alike
-
-    def to_hf(self, state: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
-        out = super().to_hf(state, args)  # which leaves out the routing bias
+    def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
+        out = super().to_hf(state, args)
         out.update({self.hf_name(fqn, tied=False): t for fqn, t in state.items() if fqn.endswith("router.expert_bias")})
         return out
 
-    def from_hf(self, state: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
+    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         out = super().from_hf(state, args)
         for i in range(args.n_layers):
-            if args.is_moe_layer(i):
-                name = self.hf_name(f"layers.{i}.feed_forward.router.expert_bias", tied=False)
-                if name in state:
-                    out[f"layers.{i}.feed_forward.router.expert_bias"] = state[name]
+            fqn = f"layers.{i}.feed_forward.router.expert_bias"
+            if args.is_moe_layer(i) and self.hf_name(fqn, tied=False) in state:
+                out[fqn] = state[self.hf_name(fqn, tied=False)]
         return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan.models.attention import DocumentMask
+from torchtitan.models.attention import AttentionBackend, DocumentMask
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.layers import RMSNorm
 
@@ -25,7 +25,7 @@ IGNORE_INDEX = -100  # torchtitan/loss.py's: a position that is not scored
 
 
 class MTPModule(nn.Module):
-    """One depth: ``forward(h [B, L, dim], emb [B, L, dim], rope_cache, documents) -> h^k [B, L, dim]``."""
+    """One depth: ``forward(h [B, L, dim], emb [B, L, dim], rope_cache, *, backend, documents) -> h^k``."""
 
     def __init__(self, block: nn.Module, args: DeepSeekV3Args):
         super().__init__()
@@ -35,10 +35,10 @@ class MTPModule(nn.Module):
         self.block = block
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope_cache: torch.Tensor,
-                documents: DocumentMask | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope_cache: torch.Tensor, *, backend: AttentionBackend,
+                documents: DocumentMask | None = None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return self.block(x, rope_cache, documents=documents)
+        return self.block(x, rope_cache, backend=backend, documents=documents)
 
 
 def depth_inputs(tokens: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
