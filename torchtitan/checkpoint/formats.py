@@ -37,6 +37,7 @@ from torchtitan.checkpoint.quantized import SCALE_SUFFIX, dequantize_fp8_blocks,
 from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
+from torchtitan.models.common.config import DecoderConfig
 from torchtitan.models.spec import MetaRelease, StateDictAdapter
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class HFSource:
         assert self.adapter is not None, "reading tensors needs the family's adapter"
         return self.adapter.hf_name(fqn, tied=bool(self.config.get("tie_word_embeddings")))
 
-    def expert_names(self, fqn: str, args: Any) -> list[str] | None:
+    def expert_names(self, fqn: str, args: DecoderConfig) -> list[str] | None:
         """The per-expert tensors of our stacked ``fqn`` (None: not stacked); ValueError naming one that is absent."""
         assert self.adapter is not None, "reading tensors needs the family's adapter"
         names = self.adapter.hf_expert_names(fqn, args)
@@ -121,7 +122,7 @@ class HFSource:
                                  "is incomplete or has fewer experts than the configured model")
         return names
 
-    def shape_of(self, fqn: str, args: Any) -> tuple[int, ...] | None:
+    def shape_of(self, fqn: str, args: DecoderConfig) -> tuple[int, ...] | None:
         """Our ``fqn``'s shape as the folder holds it (stacked experts: [E, ...]); None: absent."""
         experts = self.expert_names(fqn, args)
         if experts is not None:
@@ -145,7 +146,7 @@ class HFSource:
                 return view[:]
             return view[tuple(slice(a, b) for a, b in region)]
 
-    def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+    def read(self, fqn: str, args: DecoderConfig, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         """Our tensor ``fqn`` (our layout), or the ``region`` (start, stop per dim) of it; reads only that region.
 
         Where Hugging Face orders the rows of each head otherwise (e.g. rotary q/k), the rows of a region
@@ -209,7 +210,7 @@ class MetaSource:
             out[fqn] = tuple(shape)
         return out
 
-    def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+    def read(self, fqn: str, args: DecoderConfig, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         assert self.release is not None, "reading tensors needs the family's Meta reader"
         fqn = self.release.name(fqn, args, self.parts()[0])
         pieces = [p[fqn] for p in self.parts()]
@@ -241,7 +242,7 @@ def dcp_checkpoint_path(path: Path) -> Path:
     return scan(path).committed[latest]
 
 
-def _expected_shapes(args: Any, buffers: bool = False) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(args: DecoderConfig, buffers: bool = False) -> dict[str, tuple[int, ...]]:
     """FQN -> shape of the model's parameters (a release's tensors), with ``buffers`` its persistent buffers
     too (a checkpoint's: an MoE router's bias)."""
     with torch.device("meta"):
@@ -252,7 +253,7 @@ def _expected_shapes(args: Any, buffers: bool = False) -> dict[str, tuple[int, .
     return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
 
 
-def check_source(path: str, fmt: str, args: Any) -> list[str]:
+def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
     """Problems with ``--checkpoint.initial_load_path`` for the configured model; reads headers only."""
     from torchtitan.checkpoint.store import shape_problems, verify
 
@@ -329,7 +330,7 @@ def _release_buffer(source: HFSource | MetaSource, fqn: str) -> str | None:
     return name if name in source.shapes else None
 
 
-def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_group=None) -> int:
+def load_into(model: torch.nn.Module, path: str, fmt: str, args: DecoderConfig, process_group=None) -> int:
     """Fill ``model`` (any layout; a pipeline rank's parts as one view) from ``path``; returns tensors loaded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -392,7 +393,7 @@ def check_export_target(out_dir: Path) -> str | None:
     return None
 
 
-def export_hf(state: dict[str, torch.Tensor], args: Any, out_dir: str | Path, *, tokenizer=None,
+def export_hf(state: dict[str, torch.Tensor], args: DecoderConfig, out_dir: str | Path, *, tokenizer=None,
               max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``state`` (our FQNs, full tensors) as a Hugging Face folder of the model's family (for Llama 3,
     ``LlamaForCausalLM``); returns the files.

@@ -7,7 +7,8 @@ checks read nothing else. A family differs from another only in how its fields g
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import Field
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -54,7 +55,12 @@ class AttentionConfig(Protocol):
 
 
 class DecoderConfig(Protocol):
-    """A decoder's shape; the four plain fields are those preflight replaces from the job's config."""
+    """A decoder's shape; the four plain fields are those preflight replaces from the job's config.
+
+    A dataclass (``dataclasses.replace`` makes variants of it).
+    """
+
+    __dataclass_fields__: ClassVar[dict[str, Field[object]]]
 
     vocab_size: int  # a named flavor takes the tokenizer's
     max_seq_len: int  # the training sequence length
