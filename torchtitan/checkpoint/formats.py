@@ -33,8 +33,10 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 
+from torchtitan.checkpoint.location import Location, RemotePath, location
+from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
 from torchtitan.checkpoint.quantized import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block_size
-from torchtitan.checkpoint.store import read_dcp_metadata
+from torchtitan.checkpoint.store import dcp_reader, read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
 from torchtitan.models.common.config import DecoderConfig
@@ -229,7 +231,7 @@ def find_run_config(checkpoint: Path) -> Path | None:
     return None
 
 
-def dcp_checkpoint_path(path: Path) -> Path:
+def dcp_checkpoint_path(path: Location) -> Location:
     """A committed step folder as given, or the latest one of a checkpoint folder."""
     from torchtitan.checkpoint.store import scan
 
@@ -257,8 +259,11 @@ def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
     """Problems with ``--checkpoint.initial_load_path`` for the configured model; reads headers only."""
     from torchtitan.checkpoint.store import shape_problems, verify
 
-    where = Path(path).expanduser()
+    where = location(path)
     flag = f"--checkpoint.initial_load_path={path}"
+    if isinstance(where, RemotePath) and fmt != "dcp":
+        return [f"{flag}: {fmt} weights are read from a local folder only; download them first (an object-store "
+                "URI takes --checkpoint.initial_load_format=dcp, a checkpoint of this project)"]
     if not where.is_dir():
         return [f"{flag}: no such folder"]
     expected = _expected_shapes(args)
@@ -269,6 +274,7 @@ def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
             if not (where / "config.json").is_file():
                 return [f"{flag}: no config.json there; --checkpoint.initial_load_format=hf wants a Hugging Face "
                         "folder (config.json + *.safetensors)"]
+            assert isinstance(where, Path)  # a remote source is dcp, above
             source = HFSource(where, adapter)
             problems = adapter.hf_config_problems(args, source.config, f"{flag}/config.json")
             if problems:
@@ -283,6 +289,7 @@ def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
             if not (where / "params.json").is_file():
                 return [f"{flag}: no params.json there; --checkpoint.initial_load_format=meta wants Meta's release "
                         "folder (params.json + consolidated.*.pth)"]
+            assert isinstance(where, Path)
             if spec.meta_release is None:
                 return [f"{flag}/params.json: this model family has no Meta-format release; use "
                         "--checkpoint.initial_load_format=hf"]
@@ -337,12 +344,14 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: DecoderConfig, 
 
     # A model's state dict holds tensors only (torch types it for any state dict).
     state = cast(dict[str, torch.Tensor], get_model_state_dict(model))
-    where = Path(path).expanduser()
+    where = location(path)
     if fmt == "dcp":
         wrapped: dict[str, Any] = {"model": state}
-        dcp_loader.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
+        dcp_loader.load(wrapped, storage_reader=dcp_reader(dcp_checkpoint_path(where)),
+                        planner=NoPickleLoadPlanner(), process_group=process_group)
         set_model_state_dict(model, wrapped["model"])
         return len(state)
+    assert isinstance(where, Path)  # preflight refuses a remote hf or meta source
     spec = spec_for_args(args)
     source = HFSource(where, spec.state_dict_adapter) if fmt == "hf" else MetaSource(where, spec.meta_release)
     filled: dict[str, Any] = {}
