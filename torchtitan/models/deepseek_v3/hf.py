@@ -9,7 +9,7 @@ auxiliary-loss-free bias is ``mlp.gate.e_score_correction_bias`` there: written 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -31,7 +31,7 @@ FIELDS = ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_size", "norm_e
           "first_k_dense_replace", "yarn", "tie_word_embeddings")
 
 
-def _rope(config: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+def _rope(config: JsonObject) -> tuple[float, YarnScaling | None]:
     """(rope_theta, YaRN or None) from ``rope_scaling`` (releases) or ``rope_parameters`` (transformers 5)."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
@@ -44,7 +44,7 @@ def _rope(config: dict[str, Any]) -> tuple[float, YarnScaling | None]:
     return theta, YarnScaling.from_hf(scaling, int(config["max_position_embeddings"]))
 
 
-def _refusals(config: dict[str, Any]) -> None:
+def _refusals(config: JsonObject) -> None:
     """ValueError, one line, for a release this model cannot represent."""
     if config.get("rope_interleave", True) is False:
         raise ValueError("rope_interleave false (rotary halves, not pairs) is not supported; DeepSeek-V3 releases "
@@ -56,7 +56,7 @@ def _refusals(config: dict[str, Any]) -> None:
                          "only silu experts with sigmoid routing are DeepSeek-V3's")
 
 
-def fields_of_config(config: dict[str, Any]) -> dict[str, Any]:
+def fields_of_config(config: JsonObject) -> JsonObject:
     """``FIELDS`` as a DeepSeek-V3 ``config.json`` states them (transformers' defaults where it is silent)."""
     _refusals(config)
     theta, yarn = _rope(config)
@@ -77,7 +77,7 @@ def fields_of_config(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def fields_of_args(args: DeepSeekV3Args) -> dict[str, Any]:
+def fields_of_args(args: DeepSeekV3Args) -> JsonObject:
     out = {k: getattr(args, k) for k in FIELDS}
     out["norm_eps"], out["rope_theta"], out["route_scale"] = (float(args.norm_eps), float(args.rope_theta),
                                                               float(args.route_scale))
@@ -106,7 +106,7 @@ def read_release(path: str | Path) -> DeepSeekV3Args:
         raise ValueError(f"{file}: {e}") from None
 
 
-def hf_config(args: DeepSeekV3Args, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(args: DeepSeekV3Args, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
     """A ``config.json`` of ``DeepseekV3ForCausalLM`` describing ``args`` (the hub's key layout)."""
     rope: dict[str, float | int | bool | str] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.yarn is not None:
