@@ -33,7 +33,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from ft_heal import LARGE  # noqa: E402
 
 from torchtitan.checkpoint import integrity  # noqa: E402
-from torchtitan.models.llama3 import ModelArgs, Transformer, llama3_flavors  # noqa: E402
+from torchtitan.models.common.decoder import Decoder  # noqa: E402
+from torchtitan.models.llama3 import ModelArgs, llama3_flavors  # noqa: E402
 
 
 def _state(shape: str) -> dict:
@@ -42,7 +43,7 @@ def _state(shape: str) -> dict:
     else:
         args = ModelArgs(**LARGE, max_seq_len=64)
     torch.manual_seed(0)
-    model = Transformer(args)
+    model = Decoder(args)
     model.init_weights()
     params = dict(model.named_parameters())
     # AdamW's moments: random, so that nothing compresses or hashes specially.

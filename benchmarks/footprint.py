@@ -146,7 +146,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.common.decoder import Decoder
 
     rss_at_start = peak_rss_bytes()  # torch and the project imported, nothing built yet
 
@@ -169,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
             trainer._run_step(data_iter)
     held["optimizer"] = state_bytes(trainer.model_parts, trainer.optimizer)["optimizer"]
     with torch.device("meta"):
-        numel = full_param_numel([Transformer(trainer.model_args)])  # the whole model, every stage
+        numel = full_param_numel([Decoder(trainer.model_args)])  # the whole model, every stage
     # Every dim but dp_replicate splits the state: FSDP over dp_shard x cp, TP, PP by stages.
     dims = trainer.dims
     shard = dims.degree("dp_shard_cp") * dims.tp * dims.pp

@@ -7,7 +7,7 @@
 Each variant runs in its own process (a fresh allocator and compile cache) and reports
 tokens/s, TFLOP/s, MFU and peak memory on one device:
 
-- project-*:   the project's Transformer, its activation checkpointing and compile helpers
+- project-*:   the project's Decoder, its activation checkpointing and compile helpers
                (parallelize.py) and bf16 through FSDP2's MixedPrecisionPolicy on a 1-GPU mesh,
                the project's fused AdamW;
 - reference-*: a Llama 3 block written here with plain PyTorch (nn.Linear, F.rms_norm,
@@ -49,7 +49,8 @@ def build_reference(args, device):
     import torch.nn.functional as F
     from torch import nn
 
-    from torchtitan.models.llama3.model import ffn_hidden_dim, rope_frequencies
+    from torchtitan.models.layers import rope_frequencies
+    from torchtitan.models.llama3 import ffn_hidden_dim
 
     hd, n_kv = args.head_dim, args.n_kv_heads
 
@@ -113,10 +114,10 @@ def build_project(args, device, compile_: bool, sac: bool):
 
     from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
     from torchtitan.distributed.compile import apply_compile
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.common.decoder import Decoder
 
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Decoder(args)
     if sac:
         apply_activation_checkpointing(model, "selective", "op")
     if compile_:
@@ -176,7 +177,8 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
 
     from torchtitan.distributed.lifecycle import shutdown_distributed
     from torchtitan.metrics import peak_flops
-    from torchtitan.models.llama3 import flops_per_token, llama3_flavors
+    from torchtitan.models.common.flops import flops_per_token
+    from torchtitan.models.llama3 import llama3_flavors
     from torchtitan.optim import build_optimizer
 
     device = torch.device("cuda", 0) if not smoke else torch.device("cpu")
@@ -260,7 +262,8 @@ def run_peer(variant: str, layers: int, seq: int, steps: int, warmup: int, peer_
 
     from benchmarks.peer.peer_torchtitan import parse_step_lines
     from torchtitan.metrics import peak_flops
-    from torchtitan.models.llama3 import flops_per_token, llama3_flavors
+    from torchtitan.models.common.flops import flops_per_token
+    from torchtitan.models.llama3 import llama3_flavors
 
     flags = variant.split("-")[1:]
     cmd = [sys.executable, str(REPO / "benchmarks" / "peer" / "peer_torchtitan.py"), "--layers", str(layers),

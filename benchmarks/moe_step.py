@@ -26,9 +26,13 @@ import torch.nn.functional as F
 from common import load_average, machine_description
 
 from torchtitan.distributed.layout_init import init_params_layout_invariant
-from torchtitan.models import get_model_spec, model_args
-from torchtitan.models.common.moe_decoder import DecoderArgs, MoEDecoder, flops_per_token, param_counts
+from torchtitan.models import model_args
+from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.flops import flops_per_token, param_counts
+from torchtitan.models.common.parallel import use_attention
 from torchtitan.models.layers import FeedForward
+from torchtitan.ops.cpu_kernels import use_onednn_linears
 
 
 def dense_counterpart(moe_args: DecoderArgs) -> tuple[DecoderArgs, dict[int, int]]:
@@ -58,17 +62,18 @@ def dense_flops_per_token(dense: DecoderArgs, widths: dict[int, int], seq_len: i
     return flops_per_token(dense, seq_len) + 6.0 * _width_correction(dense, widths)
 
 
-def build(args: DecoderArgs, widths: dict[int, int], seed: int) -> MoEDecoder:
-    model = MoEDecoder(args)
+def build(args: DecoderArgs, widths: dict[int, int], seed: int) -> Decoder:
+    model = Decoder(args)
     for i, width in widths.items():
         model.layers[str(i)].feed_forward = FeedForward(args.dim, width)
     init_params_layout_invariant(model, seed)
     model.init_buffers()
-    get_model_spec("qwen3").use_cpu_kernels(model, True)  # as train.py on CPU (cpu_matmul=onednn)
+    use_onednn_linears(model)  # as train.py on CPU (cpu_matmul=onednn), with its attention backend
+    use_attention(model, "auto", "cpu", None, args.max_seq_len)
     return model.train()
 
 
-def step(model: MoEDecoder, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, labels: torch.Tensor
+def step(model: Decoder, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, labels: torch.Tensor
          ) -> tuple[float, float]:
     """One optimizer step: (seconds of forward + backward, seconds of the AdamW step and zeroing)."""
     start = time.perf_counter()
@@ -81,7 +86,7 @@ def step(model: MoEDecoder, optimizer: torch.optim.Optimizer, tokens: torch.Tens
     return middle - start, time.perf_counter() - middle
 
 
-def describe(moe_args: DecoderArgs, dense_args: DecoderArgs, widths: dict[int, int], dense: MoEDecoder,
+def describe(moe_args: DecoderArgs, dense_args: DecoderArgs, widths: dict[int, int], dense: Decoder,
              seq_len: int) -> None:
     """Print both models' parameter and FLOP counts; raise if the dense model built is not the one counted."""
     moe_total, moe_active = param_counts(moe_args)
@@ -97,7 +102,7 @@ def describe(moe_args: DecoderArgs, dense_args: DecoderArgs, widths: dict[int, i
     print(f"training FLOPs per token at seq {seq_len} (flops_per_token): MoE {moe_flops:.5g}, dense {dense_flops:.5g}")
 
 
-def time_steps(models: dict[str, MoEDecoder], batch: int, seq_len: int, warmup: int, steps: int
+def time_steps(models: dict[str, Decoder], batch: int, seq_len: int, warmup: int, steps: int
                ) -> dict[str, list[tuple[float, float]]]:
     """(ms forward + backward, ms optimizer) per step of each model, ``steps`` after ``warmup``, the
     models taking turns step by step."""

@@ -52,9 +52,9 @@ class ReferenceLoop:
         from torch.distributed.fsdp import fully_shard
 
         from torchtitan.datasets import build_dataloader, build_tokenizer
-        from torchtitan.models.llama3 import Transformer
-        from torchtitan.models.llama3.model import Attention
-        from torchtitan.ops.cpu_kernels import use_cpu_kernels
+        from torchtitan.models.common.decoder import Decoder
+        from torchtitan.models.common.parallel import use_attention
+        from torchtitan.ops.cpu_kernels import use_onednn_linears
         from torchtitan.optim import build_lr_scheduler
 
         cfg, dims = trainer.cfg, trainer.dims
@@ -65,9 +65,11 @@ class ReferenceLoop:
             mesh = init_device_mesh("cpu", (dims.dp_shard,), mesh_dim_names=("shard",))
             dp_rank, dp_degree = mesh.get_rank(), dims.dp_shard
         with torch.device("meta"):
-            model = Transformer(trainer.model_args)
+            model = Decoder(trainer.model_args)
         # The trainer's CPU kernels (linear products among them), so that only overhead differs.
-        use_cpu_kernels(model, Attention, onednn_linears=cfg.training.cpu_matmul == "onednn")
+        if cfg.training.cpu_matmul == "onednn":
+            use_onednn_linears(model)
+        use_attention(model, cfg.model.attention_backend, "cpu", None, cfg.training.seq_len)
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)

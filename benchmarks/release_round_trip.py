@@ -31,7 +31,7 @@ def measure(name: str, config: dict, folder: Path, tokens: torch.Tensor) -> dict
 
     from torchtitan.checkpoint.formats import export_hf, load_into
     from torchtitan.models import model_args
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.common.decoder import Decoder
 
     torch.manual_seed(0)
     original = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
@@ -39,7 +39,7 @@ def measure(name: str, config: dict, folder: Path, tokens: torch.Tensor) -> dict
     with torch.no_grad():
         reference = original(tokens).logits
     args = model_args("llama3", str(folder / "release"))
-    ours = Transformer(args).eval()
+    ours = Decoder(args).eval()
     load_into(ours, str(folder / "release"), "hf", args)
     with torch.no_grad():
         project = ours(tokens)

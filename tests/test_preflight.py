@@ -8,8 +8,7 @@ from conftest import DEBUG_CONFIG, REPO, SHIPPED_TOKENIZER, debug_config
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.datasets import build_tokenizer
-from torchtitan.models.llama3 import llama3_flavors
-from torchtitan.models.llama3.model import ffn_hidden_dim
+from torchtitan.models.llama3 import ffn_hidden_dim, llama3_flavors
 from torchtitan.preflight import check_config, gradient_accumulation_steps, preflight
 
 DEBUG = DEBUG_CONFIG

@@ -127,6 +127,9 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, li
         args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     else:
         args = dataclasses.replace(args, vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
+    if cfg.model.mtp_layers and not hasattr(args, "num_mtp_layers"):
+        problems.append(f"--model.mtp_layers={cfg.model.mtp_layers}: model family {cfg.model.name} has no "
+                        "multi-token prediction; use --model.name=deepseek_v3 or --model.mtp_layers=0")
     return get_model_spec(cfg.model.name).with_moe_options(args, cfg), problems
 
 

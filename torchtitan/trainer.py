@@ -280,6 +280,8 @@ class Trainer:
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **scores, **self.throughput.metrics(),
                    **device_memory(self.device), **mixture_metrics(self.dataloader),
                    **(experts.metrics() if experts is not None else {})}
+        if self.runner.mtp is not None:  # a collective over the data ranks, on logging steps
+            metrics.update(self.runner.mtp.metrics(None if self.loss_mesh is None else self.loss_mesh.get_group()))
         self.throughput.reset_window()
         if self.rank == 0:
             logger.info(format_step_line(self.step, metrics))

@@ -23,9 +23,9 @@ from dist_harness import run_ranks
 from helpers import hf_logits, hf_loss, reference_batch
 
 from torchtitan.checkpoint.formats import check_source, export_hf, load_into
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import ffn_hidden_dim, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
-from torchtitan.models.llama3.model import ffn_hidden_dim
 
 DEBUG_TOML = DEBUG_CONFIG
 SEQ, BATCH = 32, 2
@@ -58,7 +58,7 @@ def test_block_causal_logits_are_transformers_logits_with_packed_position_ids(hf
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, FLAVOR.vocab_size, (2, SEQ), generator=gen)
     positions = torch.tensor([[*range(SEQ // 4), *range(SEQ - SEQ // 4)], [*range(SEQ // 2), *range(SEQ // 2)]])
-    model = Transformer(dataclasses.replace(FLAVOR, max_seq_len=SEQ, attn_mask_type="block_causal"))
+    model = Decoder(dataclasses.replace(FLAVOR, max_seq_len=SEQ, attn_mask_type="block_causal"))
     load_into(model, str(hf_dir), "hf", model.args)
     theirs = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -72,7 +72,7 @@ def test_block_causal_logits_are_transformers_logits_with_packed_position_ids(hf
 
 def test_one_process_load_matches_hf_logits_with_and_without_rope_scaling(hf_dir, tmp_path) -> None:
     tokens = torch.randint(0, FLAVOR.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    model = Transformer(dataclasses.replace(FLAVOR, max_seq_len=SEQ))
+    model = Decoder(dataclasses.replace(FLAVOR, max_seq_len=SEQ))
     assert load_into(model, str(hf_dir), "hf", model.args) == len(model.state_dict())
     with torch.no_grad():
         diff = (model(tokens) - hf_logits(hf_dir, tokens)).abs().max().item()
@@ -91,7 +91,7 @@ def test_one_process_load_matches_hf_logits_with_and_without_rope_scaling(hf_dir
     assert check_source(str(scaled_dir), "hf", dataclasses.replace(args, rope_scaling=False))[0].endswith(
         "rope scaling (rope_scaling) is {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
         "'original_context': 16.0} there, None in the configured model")
-    model = Transformer(args)
+    model = Decoder(args)
     load_into(model, str(scaled_dir), "hf", args)
     with torch.no_grad():
         diff = (model(tokens) - hf_logits(scaled_dir, tokens)).abs().max().item()
@@ -101,7 +101,7 @@ def test_one_process_load_matches_hf_logits_with_and_without_rope_scaling(hf_dir
 def test_meta_folder_loads_like_hf(hf_dir, tmp_path) -> None:
     """Meta's layout: our names, adjacent-pair rotary rows, two model-parallel shards joined on load."""
     args = dataclasses.replace(FLAVOR, max_seq_len=SEQ)
-    ours = Transformer(args)
+    ours = Decoder(args)
     load_into(ours, str(hf_dir), "hf", args)
     full = ours.state_dict()
     split = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
@@ -117,7 +117,7 @@ def test_meta_folder_loads_like_hf(hf_dir, tmp_path) -> None:
         "dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048, "multiple_of": 256,
         "ffn_dim_multiplier": None, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": False}))
     assert check_source(str(meta_dir), "meta", args) == []
-    loaded = Transformer(args)
+    loaded = Decoder(args)
     load_into(loaded, str(meta_dir), "meta", args)
     for fqn, t in loaded.state_dict().items():
         assert torch.equal(t, full[fqn]), fqn
@@ -284,7 +284,7 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
     args = dataclasses.replace(FLAVOR, max_seq_len=SEQ)
     from torchtitan.checkpoint.formats import read_model_weights
 
-    ours = Transformer(args)
+    ours = Decoder(args)
     ours.load_state_dict(read_model_weights(dump / "checkpoint" / "step-1"))
     tokens, _ = reference_batch(BATCH)
     with torch.no_grad():
@@ -299,7 +299,7 @@ def test_8b_shaped_export_matches_transformers(tmp_path) -> None:
     args = dataclasses.replace(llama3_flavors["8B"], n_layers=2, vocab_size=256)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Decoder(args)
     model.to_empty(device="cpu")
     model.init_buffers()
     with torch.no_grad():  # about the init's scales, drawn untruncated (init_weights takes 4x longer here)

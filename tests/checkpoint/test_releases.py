@@ -24,7 +24,8 @@ from helpers import hf_loss
 from torchtitan.checkpoint.formats import check_source, load_into
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.models import model_args
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.convert import model_fields
 from torchtitan.preflight import preflight
 
@@ -74,7 +75,7 @@ def test_published_configs_give_the_released_shapes(tmp_path) -> None:
         for path in (folder, folder / "config.json"):
             args = model_args("llama3", str(path))
             with torch.device("meta"):
-                assert Transformer(args).num_params() == PARAM_COUNTS[name], name
+                assert Decoder(args).num_params() == PARAM_COUNTS[name], name
             assert model_fields(args) == model_fields(llama3_flavors[NAMED[name]]), name
     # Llama 3.0: no rope scaling.
     folder = write_json(tmp_path / "3.0-8B", "config.json", {**PUBLISHED["3.1-8B"], "rope_scaling": None,
@@ -124,7 +125,7 @@ def hf_release(folder: Path, config: dict, seed: int) -> Path:
 def meta_release(folder: Path, hf_dir: Path) -> Path:
     """The same weights as Meta lays them out (our names, one consolidated file, params.json)."""
     args = model_args("llama3", str(hf_dir))
-    model = Transformer(args)
+    model = Decoder(args)
     load_into(model, str(hf_dir), "hf", args)
     folder.mkdir()
     torch.save(dict(model.state_dict()), folder / "consolidated.00.pth")

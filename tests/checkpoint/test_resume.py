@@ -119,7 +119,7 @@ def test_weights_only_export_loads_into_a_plain_model(fsdp_straight, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from torchtitan.checkpoint import export_model_weights
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.common.decoder import Decoder
 
     dump, straight = fsdp_straight
     final = dump / "checkpoint" / "step-6"
@@ -130,7 +130,7 @@ def test_weights_only_export_loads_into_a_plain_model(fsdp_straight, tmp_path):
 
     trainer_args = _model_args()
     weights = export_model_weights(final, tmp_path / "model.pt")
-    model = Transformer(trainer_args).to(torch.bfloat16)
+    model = Decoder(trainer_args).to(torch.bfloat16)
     model.load_state_dict(torch.load(tmp_path / "model.pt"), strict=True)
     assert {fqn: digest(p) for fqn, p in model.named_parameters()} == straight[0]["weights_bf16"]
     assert weights.keys() == straight[0]["weights_bf16"].keys()

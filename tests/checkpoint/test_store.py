@@ -54,10 +54,11 @@ def test_purge_never_deletes_the_only_complete_checkpoint(tmp_path):
 
 
 def _tiny_model():
-    from torchtitan.models.llama3 import ModelArgs, Transformer
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.models.llama3 import ModelArgs
 
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
+    model = Decoder(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
     model.init_weights()
     return model
 

@@ -161,14 +161,15 @@ def test_unknown_or_broken_tokenizers_name_the_formats(files, tmp_path) -> None:
 def test_export_copies_hf_and_tiktoken_tokenizers(files, tmp_path) -> None:
     """An HF export carries the tokenizer: tokenizer.json beside the weights, Meta's file in original/."""
     from torchtitan.checkpoint.formats import export_hf
-    from torchtitan.models.llama3 import ModelArgs, Transformer
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.models.llama3 import ModelArgs
 
     for name, path, copied in (("hf", files["hf"], "tokenizer.json"),
                                ("tiktoken", files["tiktoken"], "original/tokenizer.model")):
         tok = build_tokenizer(str(path))
         args = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=tok.n_words, multiple_of=16, max_seq_len=8)
         out = tmp_path / name
-        export_hf(Transformer(args).state_dict(), args, out, tokenizer=tok)
+        export_hf(Decoder(args).state_dict(), args, out, tokenizer=tok)
         again = build_tokenizer(str(out / copied))
         assert type(again) is type(tok)
         for text in TEXTS:

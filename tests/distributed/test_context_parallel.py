@@ -15,7 +15,7 @@ from torchtitan.distributed.context_parallel import (
     local_positions,
     shard_sequence,
 )
-from torchtitan.models.llama3.model import repeat_kv
+from torchtitan.models.layers import repeat_kv
 
 B, H, H_KV, L, D = 2, 4, 2, 32, 8
 

@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.models.attention import document_ids
-from torchtitan.models.llama3 import ModelArgs, Transformer
-from torchtitan.models.llama3.parallelize import apply_cp
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.parallel import use_attention
+from torchtitan.models.llama3 import ModelArgs
 
 L = 32
 # Row 0: 3, 6, 2, 13 and 8 tokens; row 1: a document continued from the last window (16), 1 and 15 tokens.
@@ -27,10 +28,10 @@ DOCS = [[3, 6, 2, 13, 8], [16, 1, 15]]
 POSITIONS = torch.tensor([[p for n in row for p in range(n)] for row in DOCS])
 
 
-def _model() -> Transformer:
+def _model() -> Decoder:
     torch.manual_seed(0)
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, max_seq_len=L)
-    model = Transformer(args).double()
+    model = Decoder(args).double()
     model.init_weights()
     return model
 
@@ -46,7 +47,7 @@ def _cp_matches_one_process(rank: int, world_size: int) -> dict:
 
     cp_model = copy.deepcopy(model)
     cp_model.zero_grad()
-    apply_cp(cp_model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",)), L)
+    use_attention(cp_model, "auto", "cpu", init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",)), L)
 
     def shard(t: torch.Tensor) -> torch.Tensor:
         return shard_sequence(t, rank, world_size)

@@ -312,14 +312,14 @@ def test_preflight_reports_pipeline_errors_before_any_process_group():
 
 def test_pruned_stage_keeps_fqns_and_the_unsplit_init():
     from torchtitan.distributed.layout_init import init_params_layout_invariant
-    from torchtitan.models.llama3 import Transformer
-    from torchtitan.models.llama3.args import ModelArgs
-    from torchtitan.models.llama3.spec import prune_stage
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.models.common.parallel import prune_stage
+    from torchtitan.models.llama3 import ModelArgs
 
     args = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=16)
     with torch.device("meta"):
-        meta = Transformer(args)
-    whole = Transformer(args)
+        meta = Decoder(args)
+    whole = Decoder(args)
     whole.init_buffers()
     init_params_layout_invariant(whole, seed=5)
     expected = dict(whole.named_parameters())

@@ -20,8 +20,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.distributed.grads import match_grad_placements
-from torchtitan.models.llama3 import ModelArgs, Transformer
-from torchtitan.models.llama3.parallelize import apply_tp
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.parallel import apply_tp
+from torchtitan.models.llama3 import ModelArgs
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -59,7 +60,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _compare(rank: int, world_size: int, sequence_parallel: bool, use_loss_parallel: bool) -> dict:
     torch.manual_seed(0)
-    reference = Transformer(ARGS)
+    reference = Decoder(ARGS)
     reference.init_weights()
     sharded = copy.deepcopy(reference)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
@@ -117,7 +118,7 @@ def test_tp_model_matches_unsharded(world_size, sequence_parallel, use_loss_para
         assert r["logits_err"] < 1e-5
         assert r["loss_err"] < 1e-4 * r["loss"]
         assert max(r["grad_err"].values()) < 1e-5, r["grad_err"]
-        assert len(r["grad_err"]) == len(list(Transformer(ARGS).parameters()))
+        assert len(r["grad_err"]) == len(list(Decoder(ARGS).parameters()))
     p = results[0]["placements"]
     # Megatron layout: column-parallel in-projections, row-parallel out-projections, vocab-sharded embeddings.
     for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):

@@ -34,8 +34,8 @@ import pytest
 import torch
 from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
+from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.llama3 import llama3_flavors
-from torchtitan.models.llama3.model import Transformer
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -49,7 +49,7 @@ CHECK_BYTES = 2 * 2 * 8  # the replica check's table: 2 groups x (fingerprint, p
 def _param_bytes() -> int:
     """The debug model's parameters in float32, counted from the flavor table (a meta model)."""
     with torch.device("meta"):
-        model = Transformer(llama3_flavors["debugmodel"])
+        model = Decoder(llama3_flavors["debugmodel"])
     return 4 * sum(p.numel() for p in model.parameters())
 
 

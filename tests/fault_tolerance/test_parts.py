@@ -152,10 +152,11 @@ def test_fingerprint_sees_one_flipped_bit_and_a_swap():
 
 
 def _meta_debug_model() -> torch.nn.Module:
-    from torchtitan.models.llama3 import Transformer, llama3_flavors
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.models.llama3 import llama3_flavors
 
     with torch.device("meta"):
-        return Transformer(llama3_flavors["debugmodel"])
+        return Decoder(llama3_flavors["debugmodel"])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 9])

@@ -22,7 +22,8 @@ from conftest import REPO, SHIPPED_TOKENIZER
 from torchtitan.checkpoint.formats import export_hf
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.generation import Sampling, decode, describe, filter_logits, generate, load
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import llama3_flavors
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat and then it looked at", "Hi"]
 NEW = 24
@@ -39,11 +40,11 @@ def _script():
     return module
 
 
-def random_model(args, seed: int = 0) -> Transformer:
+def random_model(args, seed: int = 0) -> Decoder:
     """A random model whose attention matters: the init's small projections (std 0.02) leave the logits
     to the embedding alone, and a wrong mask or position would not change a greedy token."""
     torch.manual_seed(seed)
-    model = Transformer(args)
+    model = Decoder(args)
     model.init_weights()
     with torch.no_grad():
         for layer in model.layers.values():
@@ -206,7 +207,7 @@ def test_bad_input_is_one_line_each(hf_dirs, tmp_path, capsys) -> None:
 def test_training_forward_is_unchanged_by_the_cache_path() -> None:
     """A forward without a cache is the plain causal forward; with one, the prefill's logits are the same."""
     torch.manual_seed(0)
-    model = Transformer(dataclasses.replace(TINY, attn_mask_type="causal"))
+    model = Decoder(dataclasses.replace(TINY, attn_mask_type="causal"))
     model.init_weights()
     tokens = torch.randint(0, TINY.vocab_size, (2, 16))
     from torchtitan.models.kv_cache import KVCache
@@ -220,7 +221,7 @@ def test_training_forward_is_unchanged_by_the_cache_path() -> None:
 
 
 def _decoder_configs() -> dict[str, tuple[type, object]]:
-    """transformers' model and a tiny config of each family on ``MoEDecoder`` (the shipped tokenizer's vocabulary)."""
+    """transformers' model and a tiny config of each family on ``Decoder`` (the shipped tokenizer's vocabulary)."""
     small = dict(vocab_size=TINY.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=TINY.max_seq_len)
     return {
@@ -260,3 +261,35 @@ def test_moe_decoder_families_greedy_equals_transformers_generate(case, tmp_path
     assert cached.tokens == full.tokens
     assert cached.tokens == hf_greedy(tmp_path, prompt_tokens, NEW, cls)
     assert len({tuple(t) for t in cached.tokens}) == 3  # rows differ: the prompts (and the padding) reach them
+
+
+def test_deepseek_v3_greedy_equals_transformers_generate(tmp_path) -> None:
+    """MLA's cache (the latent and the shared rotary key) decodes as transformers' DeepseekV3ForCausalLM
+    generates: query LoRA, YaRN, a dense layer then experts with a shared one, left-padded rows."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=TINY.vocab_size, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=TINY.max_seq_len, num_mtp_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 24})
+    torch.manual_seed(0)
+    theirs = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if ".self_attn." in name and "layernorm" not in name:
+                p.mul_(10.0)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    theirs.save_pretrained(tmp_path)
+    shutil.copyfile(SHIPPED_TOKENIZER, tmp_path / "tokenizer.model")
+    source = describe(tmp_path)
+    assert source.spec.name == "deepseek_v3"
+    loaded = load(source, device=torch.device("cpu"))
+    prompt_tokens = [loaded.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+    cached = decode(loaded.model, prompt_tokens, NEW, Sampling(), stop_ids=[], max_len=loaded.args.max_seq_len)
+    full = decode(loaded.model, prompt_tokens, NEW, Sampling(), stop_ids=[], max_len=loaded.args.max_seq_len,
+                  use_cache=False)
+    assert cached.tokens == full.tokens
+    assert cached.tokens == hf_greedy(tmp_path, prompt_tokens, NEW, transformers.DeepseekV3ForCausalLM)
+    assert len({tuple(t) for t in cached.tokens}) == 3

@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
-from torchtitan.models.llama3 import ModelArgs, Transformer
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import ModelArgs
 
 ARGS = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
 
 
 def _forward_calls(mode: str, option: str) -> tuple[list[int], dict[str, torch.Tensor], list[str]]:
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Decoder(ARGS)
     model.init_weights()
     apply_activation_checkpointing(model, mode, option) if mode != "none" else None
     calls = [0] * ARGS.n_layers
@@ -40,7 +41,7 @@ def test_checkpointed_blocks_recompute_and_keep_fqns_and_grads(mode, option, exp
 
 def test_bad_selective_option_is_rejected():
     with pytest.raises(ValueError, match="use 'op' or a positive integer"):
-        apply_activation_checkpointing(Transformer(ARGS), "selective", "zero")
+        apply_activation_checkpointing(Decoder(ARGS), "selective", "zero")
 
 
 class _CountProducts(torch.utils._python_dispatch.TorchDispatchMode):
@@ -63,7 +64,7 @@ def test_op_level_ac_recomputes_every_second_linear_product(mode, option, recomp
     Full AC recomputes 6: the recompute stops once the last tensor backward needs exists (w2's input).
     """
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Decoder(ARGS)
     model.init_weights()
     if mode != "none":
         apply_activation_checkpointing(model, mode, option)

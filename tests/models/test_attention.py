@@ -18,7 +18,8 @@ from torchtitan.models.attention import (
     document_ids,
     per_document_sdpa,
 )
-from torchtitan.models.llama3 import ModelArgs, Transformer
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import ModelArgs
 
 B, H, H_KV, L, D = 2, 4, 2, 24, 8
 # Row 0: documents of 5, 11 and 8 tokens; row 1: one document that started in an earlier window, then 14 tokens.
@@ -89,11 +90,11 @@ def test_unknown_mask_type_is_refused_with_the_choices():
         ModelArgs(attn_mask_type="full")
 
 
-def _model(mask_type: str) -> Transformer:
+def _model(mask_type: str) -> Decoder:
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=64,
                      attn_mask_type=mask_type)
-    model = Transformer(args)
+    model = Decoder(args)
     model.init_weights()
     return model.eval()
 

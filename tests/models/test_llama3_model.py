@@ -5,16 +5,20 @@ import math
 import pytest
 import torch
 
-from torchtitan.models.llama3 import InitSpec, ModelArgs, Transformer, apply_init_spec, flops_per_token, llama3_flavors
-from torchtitan.models.llama3.model import Attention, apply_rotary_emb, precompute_rope_cache
+from torchtitan.distributed.init_spec import InitSpec, apply_init_spec
+from torchtitan.models.attention import SDPACausal
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.flops import flops_per_token
+from torchtitan.models.layers import apply_rotary_emb, precompute_rope_cache
+from torchtitan.models.llama3 import ModelArgs, llama3_flavors
 
 # Keep the rope cache small; everything else is the debug flavor (GQA: 16 q heads, 8 kv heads).
 DEBUG = dataclasses.replace(llama3_flavors["debugmodel"], max_seq_len=64)
 
 
-def make_model(args: ModelArgs = DEBUG, seed: int = 0) -> Transformer:
+def make_model(args: ModelArgs = DEBUG, seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
-    model = Transformer(args)
+    model = Decoder(args)
     model.init_weights()
     return model
 
@@ -37,12 +41,12 @@ def test_output_shape_and_gqa():
 def test_attention_matches_naive_reference():
     args = dataclasses.replace(DEBUG, n_heads=8, n_kv_heads=2)
     torch.manual_seed(0)
-    attn = Attention(args)
+    attn = args.attention().build()
     bs, seqlen, hd = 2, 7, args.head_dim
     x = torch.randn(bs, seqlen, args.dim)
     rope = precompute_rope_cache(hd, seqlen, args.rope_theta)
     with torch.no_grad():
-        out = attn(x, rope)
+        out = attn(x, rope, backend=SDPACausal())
         q = attn.wq(x).view(bs, seqlen, 8, hd)
         k = attn.wk(x).view(bs, seqlen, 2, hd)
         v = attn.wv(x).view(bs, seqlen, 2, hd)
@@ -167,7 +171,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_param_counts(flavor):
     with torch.device("meta"):
-        model = Transformer(llama3_flavors[flavor])
+        model = Decoder(llama3_flavors[flavor])
     assert model.num_params() == PUBLISHED[flavor]
     assert model.num_params(exclude_embedding=True) == PUBLISHED[flavor] - 128256 * llama3_flavors[flavor].dim
     assert (model.output.weight is model.tok_embeddings.weight) == (flavor in ("1B", "3B"))
@@ -176,7 +180,7 @@ def test_param_counts(flavor):
 def test_meta_init():
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Transformer(DEBUG)
+        model = Decoder(DEBUG)
     assert model.rope_cache.is_meta
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=torch.device("cpu"))
@@ -202,7 +206,7 @@ def test_meta_init():
     assert out.kind == "trunc_normal" and out.std == DEBUG.dim**-0.5 and out.b == pytest.approx(3 * out.std)
     assert specs["tok_embeddings.weight"] == InitSpec("normal", std=1.0)
 
-    flat = Transformer(dataclasses.replace(DEBUG, depth_init=False)).param_init_specs()
+    flat = Decoder(dataclasses.replace(DEBUG, depth_init=False)).param_init_specs()
     assert flat["layers.0.feed_forward.w2.weight"].std == pytest.approx(0.02 / math.sqrt(2 * DEBUG.n_layers))
 
 
@@ -246,5 +250,5 @@ def test_flops_per_token():
     expected = 6 * n + 12 * DEBUG.n_layers * DEBUG.dim * seq
     assert flops_per_token(DEBUG, seq) == expected
     with torch.device("meta"):
-        big = Transformer(llama3_flavors["8B"])
+        big = Decoder(llama3_flavors["8B"])
     assert flops_per_token(llama3_flavors["8B"], 8192) == 6 * big.num_params(True) + 12 * 32 * 4096 * 8192

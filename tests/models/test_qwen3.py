@@ -13,7 +13,8 @@ import transformers  # a test-only dependency (the dev extra)
 
 from torchtitan.checkpoint.formats import check_source, export_hf, load_into
 from torchtitan.models import get_model_spec, model_args
-from torchtitan.models.common.moe_decoder import MoEDecoder, param_counts
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.flops import param_counts
 from torchtitan.models.moe import MoE
 
 VOCAB = 96
@@ -58,7 +59,7 @@ def _saved(case: str, folder: Path) -> tuple[str, torch.nn.Module]:
     return family, model
 
 
-def _ours(family: str, folder: Path) -> tuple[MoEDecoder, object]:
+def _ours(family: str, folder: Path) -> tuple[Decoder, object]:
     args = dataclasses.replace(model_args(family, str(folder)), attn_mask_type="causal")
     model = get_model_spec(family).build(args)
     assert check_source(str(folder), "hf", args) == []
@@ -120,7 +121,7 @@ def test_a_folder_missing_an_expert_is_refused_naming_the_key(tmp_path):
     problems = check_source(str(tmp_path / "hf"), "hf", args)
     assert len(problems) == 1 and key in problems[0]
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        load_into(MoEDecoder(args), str(tmp_path / "hf"), "hf", args)
+        load_into(Decoder(args), str(tmp_path / "hf"), "hf", args)
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         get_model_spec(family).state_dict_adapter.from_hf(state, args)
 
@@ -152,7 +153,7 @@ def test_flavors_have_the_published_parameter_counts(family, flavor, total, acti
     assert abs(got_active - (active or total)) / (active or total) < 0.01
     with torch.device("meta"):
         small = dataclasses.replace(args, n_layers=2, mlp_only_layers=())
-        assert MoEDecoder(small).num_params() == param_counts(small)[0]
+        assert Decoder(small).num_params() == param_counts(small)[0]
 
 
 def test_flops_count_active_experts_only():
@@ -197,7 +198,8 @@ def test_preflight_names_widths_tp_does_not_divide_and_tying_under_pp():
         "--parallelism.tensor_parallel_degree=8: the model's n_kv_heads (4) is not divisible by it; pick a degree "
         "that divides n_kv_heads",
         "--model.flavor=debugmodel ties the output projection to the embedding, which pipeline parallelism does not "
-        "support (they live on different stages); use --parallelism.pipeline_parallel_degree=1"]
+        "support (they live on different stages); use --parallelism.pipeline_parallel_degree=1 (FSDP, HSDP, DDP, TP "
+        "and CP all train it tied)"]
     # Only dense layers' width matters to TP: Mixtral's experts are replicated over TP.
     mixtral = dataclasses.replace(model_args("mixtral", "debugmodel"), ffn_hidden_size=7, moe_hidden_size=7)
     assert check_decoder(mixtral, tp=2, pp=1, flavor="debugmodel") == []

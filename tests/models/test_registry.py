@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from torchtitan.models import get_model_spec, model_args, model_names, spec_for_args
-from torchtitan.models.llama3 import ModelArgs, Transformer, llama3_flavors
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.llama3 import ModelArgs, llama3_flavors
 from torchtitan.models.spec import ModelSpec
 
 PACKAGE = Path(__file__).resolve().parents[2] / "torchtitan"
@@ -21,7 +22,8 @@ FAMILIES = PACKAGE / "models"
 def test_unknown_name_names_the_option_and_the_families():
     with pytest.raises(ValueError) as info:
         get_model_spec("gpt")
-    assert str(info.value) == "--model.name=gpt: unknown model family; choose one of llama3, qwen3, mixtral"
+    assert str(info.value) == ("--model.name=gpt: unknown model family; choose one of llama3, qwen3, mixtral, "
+                               "deepseek_v3")
     with pytest.raises(ValueError, match="--model.name=gpt: unknown model family"):
         model_args("gpt", "debugmodel")
 
@@ -29,7 +31,7 @@ def test_unknown_name_names_the_option_and_the_families():
 def test_llama3_is_found_with_its_flavors_and_model():
     spec = get_model_spec("llama3")
     assert isinstance(spec, ModelSpec) and spec.name == "llama3" and "llama3" in model_names()
-    assert spec.flavors is llama3_flavors and spec.args_type is ModelArgs and spec.build is Transformer
+    assert spec.flavors is llama3_flavors and spec.args_type is ModelArgs and spec.build is Decoder
     assert spec_for_args(llama3_flavors["8B"]) is spec
     assert model_args("llama3", "8B") is llama3_flavors["8B"]
     with pytest.raises(TypeError, match="no registered model family"):
@@ -79,12 +81,20 @@ def _family_imports(path: Path, root: Path) -> list[str]:
     return found
 
 
+# Packages and modules under models/ that are interface, not a family or a shared component: the attention
+# backends (the step names the run's in its log line), and the decoder's argument protocol that ModelSpec's
+# fields are typed by.
+INTERFACE = ("torchtitan.models.attention", "torchtitan.models.common.config")
+
+
 def _is_family_module(name: str, families: Path) -> bool:
     """A module in a package under models/: a family, or a component the families share (``common``, ``moe``:
     the trainer and the planner reach the MoE layers through ``ModelSpec.expert_layers`` and
     ``assume_routing``). The modules directly in models/ (``spec.py``, ``expert_balance.py``, ``layers.py``,
-    the registry) are the interface below the families, open to all."""
+    the registry) and ``INTERFACE`` are the interface below the families, open to all."""
     parts = name.split(".")
+    if any(name == i or name.startswith(i + ".") for i in INTERFACE):
+        return False
     return len(parts) >= 3 and parts[:2] == ["torchtitan", "models"] and (families / parts[2]).is_dir()
 
 
@@ -117,7 +127,7 @@ def test_the_import_check_finds_every_spelling(tmp_path):
                                                         "from . import args\n")
     (root / "models" / "registry.py").write_text("from .llama3 import spec\nfrom torchtitan.models import spec\n")
     (root / "planning" / "run.py").write_text("import torchtitan.models.llama3.model\n"
-                                              "from torchtitan.models.llama3 import Transformer\n"
+                                              "from torchtitan.models.llama3 import Decoder\n"
                                               "from torchtitan.models import get_model_spec\n")
     # The MoE component is shared by families, not open to the step and the planner (they ask the spec).
     (root / "models" / "moe" / "moe.py").write_text("from torchtitan.models.expert_balance import ExpertLayer\n")
@@ -129,6 +139,6 @@ def test_the_import_check_finds_every_spelling(tmp_path):
         "torchtitan/models/registry.py": ["torchtitan.models.llama3", "torchtitan.models.llama3.spec"],
         "torchtitan/planning/moe.py": ["torchtitan.models.moe", "torchtitan.models.moe.dispatch"],
         "torchtitan/planning/run.py": ["torchtitan.models.llama3.model", "torchtitan.models.llama3",
-                                       "torchtitan.models.llama3.Transformer"],
+                                       "torchtitan.models.llama3.Decoder"],
         "torchtitan/train_step/experts.py": ["torchtitan.models.moe.balance", "torchtitan.models.moe.balance.aux_loss"],
     }

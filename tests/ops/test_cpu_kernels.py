@@ -2,8 +2,9 @@
 
 - one eligibility rule: each kernel runs on eager CPU tensors and hands anything else (another
   device, code being compiled) to the plain math;
-- the switch swaps classes in place: same parameters, FQNs and state dict; with only the
-  attention kernels on, a model's output is bitwise the plain math's;
+- the linear switch replaces modules over the same parameters: same FQNs, state dict and tied weights;
+  the attention kernels are the backend's (``cpu_kernels``), and with only them on a model's output
+  is bitwise the plain math's;
 - each kernel: oneDNN linears agree with float64 to rounding (every product on oneDNN, selective
   AC keeps their outputs); complex RoPE is the real formula bitwise; grouped-query SDPA gives the
   same output bitwise and K/V gradients to rounding; sliced cross-entropy gives the one-call
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -21,15 +23,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.loss import IGNORE_INDEX, cross_entropy_sum
-from torchtitan.models.llama3 import ModelArgs, Transformer
-from torchtitan.models.llama3.model import Attention, precompute_rope_cache, repeat_kv, rotate_pairs
+from torchtitan.models.attention import AttentionBackend, select_backend
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.layers import precompute_rope_cache, repeat_kv, rotate_pairs
+from torchtitan.models.llama3 import ModelArgs
 from torchtitan.ops import cpu_kernels
 from torchtitan.ops.cpu_kernels import (
     CROSS_ENTROPY_SLICE_BYTES,
     OneDNNLinear,
     onednn_available,
     rotate_pairs_complex,
-    use_cpu_kernels,
+    use_onednn_linears,
 )
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
@@ -48,27 +52,27 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model(onednn_linears: bool | None) -> Transformer:
+def _model(onednn_linears: bool | None) -> Decoder:
     """The small model, initialised; with its CPU kernels switched on unless ``onednn_linears`` is None."""
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Decoder(ARGS)
     model.init_weights()
     if onednn_linears is not None:
-        use_cpu_kernels(model, Attention, onednn_linears=onednn_linears)
+        if onednn_linears:
+            use_onednn_linears(model)
+        model.use_attention_backend(_cpu_attention())
     return model
 
 
 def _onednn_linear(in_features: int, out_features: int, bias: bool) -> OneDNNLinear:
-    linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    assert use_cpu_kernels(linear, Attention, onednn_linears=True) == {"attention": 0, "linear": 1}
-    assert type(linear) is OneDNNLinear
-    return linear
+    parent = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias))
+    assert use_onednn_linears(parent) == 1
+    assert type(parent[0]) is OneDNNLinear
+    return parent[0]
 
 
-def _cpu_attention() -> Attention:
-    attention = Attention(ARGS)
-    assert use_cpu_kernels(attention, Attention, onednn_linears=False) == {"attention": 1, "linear": 0}
-    return attention
+def _cpu_attention() -> AttentionBackend:
+    return select_backend("auto", "causal", "cpu", cpu_kernels=True)
 
 
 # ---------------------------------------------------------------- one eligibility rule
@@ -82,13 +86,13 @@ def _run_linear(device: str):
 def _run_rotary(device: str):
     attention, cache = _cpu_attention(), precompute_rope_cache(8, 8, 10000.0).to(device)
     x = torch.randn(2, 8, 4, 8, device=device)
-    return lambda: attention.rotary(x, x, cache)
+    return lambda: attention.rotate(x, x, cache)
 
 
 def _run_sdpa(device: str):
     attention = _cpu_attention()
     q, kv = torch.randn(1, 4, 8, 8, device=device), torch.randn(1, 2, 8, 8, device=device)
-    return lambda: attention.sdpa(q, kv, kv)
+    return lambda: attention.attend(q, kv, kv, None)
 
 
 def _run_cross_entropy(device: str):
@@ -127,25 +131,34 @@ def test_each_kernel_runs_only_where_the_one_rule_holds(kernel, case, monkeypatc
 
 
 @needs_onednn
-def test_the_switch_swaps_classes_and_keeps_the_parameters_and_state_dict():
+def test_the_switch_replaces_linears_over_the_same_parameters_and_state_dict():
     model = _model(None)
+    params = {name: p for name, p in model.named_parameters()}
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = torch.arange(16).view(2, 8) % ARGS.vocab_size
     expected = model(tokens)
-    counts = use_cpu_kernels(model, Attention, onednn_linears=True)
-    assert counts == {"attention": ARGS.n_layers, "linear": 7 * ARGS.n_layers + 1}  # q k v o w1 w2 w3; output
-    assert all(isinstance(b.attention, Attention) for b in model.layers.values())
+    assert use_onednn_linears(model) == 7 * ARGS.n_layers + 1  # q k v o w1 w2 w3; output
+    assert all(type(m) is OneDNNLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert all(p is params[name] for name, p in model.named_parameters())  # the same parameter objects
     state = model.state_dict()
     assert list(state) == list(before) and all(torch.equal(state[k], before[k]) for k in before)
     torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_onednn
+def test_the_switch_keeps_a_tied_output_tied():
+    model = Decoder(dataclasses.replace(ARGS, tie_word_embeddings=True))
+    use_onednn_linears(model)
+    assert model.output is not None and model.tok_embeddings is not None
+    assert type(model.output) is OneDNNLinear and model.output.weight is model.tok_embeddings.weight
+
+
 def test_attention_kernels_alone_give_the_plain_models_output_bitwise():
     tokens = torch.arange(16).view(2, 8) % ARGS.vocab_size
-    plain, swapped = _model(None), _model(onednn_linears=False)
-    assert type(swapped.layers["0"].attention) is not Attention
-    assert all(type(m) is torch.nn.Linear for m in swapped.modules() if isinstance(m, torch.nn.Linear))
-    assert torch.equal(plain(tokens), swapped(tokens))
+    plain, with_kernels = _model(None), _model(onednn_linears=False)
+    assert with_kernels.attention_backend is not None and with_kernels.attention_backend.cpu_kernels
+    assert all(type(m) is torch.nn.Linear for m in with_kernels.modules() if isinstance(m, torch.nn.Linear))
+    assert torch.equal(plain(tokens), with_kernels(tokens))
 
 
 # ---------------------------------------------------------------- each kernel
@@ -241,7 +254,7 @@ def test_grouped_query_attention_matches_repeated_heads():
     v = torch.randn(2, 2, 64, 16, requires_grad=True)
     upstream = torch.randn(2, 8, 64, 16)
     results = []
-    for fn in (lambda: _cpu_attention().sdpa(q, k, v),
+    for fn in (lambda: _cpu_attention().attend(q, k, v, None),
                lambda: F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), is_causal=True)):
         q.grad = k.grad = v.grad = None
         out = fn()

@@ -36,10 +36,10 @@ def fsdp2_tp2():
 @pytest.mark.slow
 def test_traffic_of_fsdp2_tp2_equals_the_hand_count(fsdp2_tp2):
     from torchtitan.models import model_args
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.common.decoder import Decoder
 
     with torch.device("meta"):
-        model = Transformer(model_args("llama3", "debugmodel"))
+        model = Decoder(model_args("llama3", "debugmodel"))
     # Per TP rank: linears and embeddings split 2 ways; norm weights whole (sequence parallel replicates them).
     local = {name: p.numel() // (1 if "norm" in name else 2) for name, p in model.named_parameters()}
     last = f"layers.{model.args.n_layers - 1}."
@@ -75,10 +75,10 @@ def test_memory_of_fsdp2_tp2_is_its_local_shards(fsdp2_tp2):
 
 def _meta_params():
     from torchtitan.models import model_args
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.common.decoder import Decoder
 
     with torch.device("meta"):
-        return list(Transformer(model_args("llama3", "debugmodel")).named_parameters())
+        return list(Decoder(model_args("llama3", "debugmodel")).named_parameters())
 
 
 @pytest.mark.slow

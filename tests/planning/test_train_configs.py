@@ -22,7 +22,9 @@ from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
 @pytest.mark.parametrize(("config", "world", "layout"), [
     ("llama3_8b", 8, {"dp_shard": 8}), ("llama3_70b", 256, {"dp_shard": 32, "tp": 8}),
     ("llama3_405b", 512, {"dp_shard": 8, "tp": 8, "pp": 8}), ("qwen3_30b_a3b", 64, {"dp_shard": 64, "ep": 8}),
-    ("mixtral_8x7b", 64, {"dp_shard": 64, "ep": 8})])
+    ("mixtral_8x7b", 64, {"dp_shard": 64, "ep": 8}), ("deepseek_v3_16b", 64, {"dp_shard": 64, "ep": 8}),
+    ("deepseek_v3_671b", 2048, {"dp_shard": 128, "pp": 16, "ep": 64}),
+    ("kimi_k2", 256, {"dp_shard": 16, "pp": 16, "ep": 16})])
 def test_shipped_configs_pass_the_preflight_at_their_world_sizes(config, world, layout):
     """The launch checks alone (no dry run, well under a second each): degrees, batch, pipeline split."""
     plan = plan_job(ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / f"{config}.toml")]),

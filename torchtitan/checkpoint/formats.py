@@ -35,10 +35,12 @@ import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 
 from torchtitan.checkpoint.location import Location, RemotePath, location
 from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
+from torchtitan.checkpoint.quantized import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block_size
 from torchtitan.checkpoint.store import dcp_reader, read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
-from torchtitan.models.spec import StateDictAdapter
+from torchtitan.models.common.config import DecoderConfig
+from torchtitan.models.spec import MetaRelease, StateDictAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class HFSource:
     def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
         self.folder, self.adapter = folder, adapter
         self.config = json.loads((folder / "config.json").read_text())
+        self.fp8_block = fp8_block_size(self.config)  # FP8 weights dequantized on read (checkpoint/quantized.py)
         index = folder / INDEX_FILE
         weight_map: dict[str, str] | None
         if index.is_file():
@@ -110,7 +113,7 @@ class HFSource:
         assert self.adapter is not None, "reading tensors needs the family's adapter"
         return self.adapter.hf_name(fqn, tied=bool(self.config.get("tie_word_embeddings")))
 
-    def expert_names(self, fqn: str, args: Any) -> list[str] | None:
+    def expert_names(self, fqn: str, args: DecoderConfig) -> list[str] | None:
         """The per-expert tensors of our stacked ``fqn`` (None: not stacked); ValueError naming one that is absent."""
         assert self.adapter is not None, "reading tensors needs the family's adapter"
         names = self.adapter.hf_expert_names(fqn, args)
@@ -121,7 +124,7 @@ class HFSource:
                                  "is incomplete or has fewer experts than the configured model")
         return names
 
-    def shape_of(self, fqn: str, args: Any) -> tuple[int, ...] | None:
+    def shape_of(self, fqn: str, args: DecoderConfig) -> tuple[int, ...] | None:
         """Our ``fqn``'s shape as the folder holds it (stacked experts: [E, ...]); None: absent."""
         experts = self.expert_names(fqn, args)
         if experts is not None:
@@ -129,6 +132,14 @@ class HFSource:
         return self.shapes.get(self.tensor_for(fqn))
 
     def _read_one(self, name: str, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        """Tensor ``name`` (or its ``region``) as stored, an FP8 block-quantized weight as float32."""
+        if self.fp8_block is not None and name + SCALE_SUFFIX in self.shapes:
+            whole = dequantize_fp8_blocks(self._read_plain(name, None), self._read_plain(name + SCALE_SUFFIX, None),
+                                          self.fp8_block)
+            return whole if region is None else whole[tuple(slice(a, b) for a, b in region)]
+        return self._read_plain(name, region)
+
+    def _read_plain(self, name: str, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
@@ -137,7 +148,7 @@ class HFSource:
                 return view[:]
             return view[tuple(slice(a, b) for a, b in region)]
 
-    def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+    def read(self, fqn: str, args: DecoderConfig, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
         """Our tensor ``fqn`` (our layout), or the ``region`` (start, stop per dim) of it; reads only that region.
 
         Where Hugging Face orders the rows of each head otherwise (e.g. rotary q/k), the rows of a region
@@ -156,23 +167,23 @@ class HFSource:
         region = region or tuple((0, s) for s in shape)
         heads = self.adapter.hf_permuted_heads(fqn, args)
         if heads is not None and len(shape) == 1:  # a per-head vector (a query/key norm): small, read whole
-            return self.adapter.rows_from_hf(self._read_one(name, None), heads)[region[0][0]:region[0][1]]
+            return self.adapter.rows_from_hf(fqn, self._read_one(name, None), heads)[region[0][0]:region[0][1]]
+        if heads is None:
+            return self._read_one(name, region)
         with safe_open(str(self.folder / self.file_of[name]), framework="pt") as f:
             view = f.get_slice(name)
-            if heads is None:
-                return view[tuple(slice(a, b) for a, b in region)]
             hd = shape[0] // heads
             (r0, r1), (c0, c1) = region
             h0, h1 = r0 // hd, math.ceil(r1 / hd)
             block = view[h0 * hd:h1 * hd, c0:c1]
-            return self.adapter.rows_from_hf(block, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
+            return self.adapter.rows_from_hf(fqn, block, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
 
 
 class MetaSource:
     """Meta's release folder: params.json and one or more consolidated.NN.pth (model-parallel shards)."""
 
-    def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
-        self.folder, self.adapter = folder, adapter
+    def __init__(self, folder: Path, release: MetaRelease | None = None) -> None:
+        self.folder, self.release = folder, release
         self.params = json.loads((folder / "params.json").read_text())
         self.files = sorted(folder.glob("consolidated.*.pth"))
         if not self.files:
@@ -191,21 +202,21 @@ class MetaSource:
         return self._parts
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        assert self.adapter is not None, "reading tensors needs the family's adapter"
+        assert self.release is not None, "reading tensors needs the family's Meta reader"
         out = {}
         for fqn, t in self.parts()[0].items():
             shape = list(t.shape)
-            dim = self.adapter.meta_split_dim(fqn)
+            dim = self.release.split_dim(fqn)
             if dim is not None and len(self.parts()) > 1:
                 shape[dim] = sum(p[fqn].shape[dim] for p in self.parts())
             out[fqn] = tuple(shape)
         return out
 
-    def read(self, fqn: str, args: Any, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
-        assert self.adapter is not None, "reading tensors needs the family's adapter"
-        fqn = self.adapter.meta_name(fqn, args, self.parts()[0])
+    def read(self, fqn: str, args: DecoderConfig, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+        assert self.release is not None, "reading tensors needs the family's Meta reader"
+        fqn = self.release.name(fqn, args, self.parts()[0])
         pieces = [p[fqn] for p in self.parts()]
-        dim = self.adapter.meta_split_dim(fqn)
+        dim = self.release.split_dim(fqn)
         full = pieces[0] if len(pieces) == 1 or dim is None else torch.cat(pieces, dim=dim)
         if region is None:
             return full.clone()
@@ -233,7 +244,7 @@ def dcp_checkpoint_path(path: Location) -> Location:
     return scan(path).committed[latest]
 
 
-def _expected_shapes(args: Any, buffers: bool = False) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(args: DecoderConfig, buffers: bool = False) -> dict[str, tuple[int, ...]]:
     """FQN -> shape of the model's parameters (a release's tensors), with ``buffers`` its persistent buffers
     too (a checkpoint's: an MoE router's bias)."""
     with torch.device("meta"):
@@ -244,7 +255,7 @@ def _expected_shapes(args: Any, buffers: bool = False) -> dict[str, tuple[int, .
     return {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
 
 
-def check_source(path: str, fmt: str, args: Any) -> list[str]:
+def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
     """Problems with ``--checkpoint.initial_load_path`` for the configured model; reads headers only."""
     from torchtitan.checkpoint.store import shape_problems, verify
 
@@ -256,7 +267,8 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
     if not where.is_dir():
         return [f"{flag}: no such folder"]
     expected = _expected_shapes(args)
-    adapter = spec_for_args(args).state_dict_adapter
+    spec = spec_for_args(args)
+    adapter = spec.state_dict_adapter
     try:
         if fmt == "hf":
             if not (where / "config.json").is_file():
@@ -278,11 +290,14 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
                 return [f"{flag}: no params.json there; --checkpoint.initial_load_format=meta wants Meta's release "
                         "folder (params.json + consolidated.*.pth)"]
             assert isinstance(where, Path)
-            source = MetaSource(where, adapter)
-            problems = adapter.meta_params_problems(args, source.params, f"{flag}/params.json")
+            if spec.meta_release is None:
+                return [f"{flag}/params.json: this model family has no Meta-format release; use "
+                        "--checkpoint.initial_load_format=hf"]
+            source = MetaSource(where, spec.meta_release)
+            problems = spec.meta_release.params_problems(args, source.params, f"{flag}/params.json")
             if problems:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
-            return shape_problems(where, adapter.meta_shapes(source.shapes(), expected, args), expected)
+            return shape_problems(where, spec.meta_release.shapes(source.shapes(), expected, args), expected)
         ckpt = dcp_checkpoint_path(where)
         problems, manifest = verify(ckpt, _expected_shapes(args, buffers=True))
         if not problems and "model" not in manifest.get("states", []):
@@ -311,7 +326,18 @@ def _region(value: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
     return tuple((o, o + s) for o, s in zip(offset, shape))
 
 
-def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_group=None) -> int:
+def _release_buffer(source: HFSource | MetaSource, fqn: str) -> str | None:
+    """The Hugging Face tensor that holds our buffer ``fqn``, when the family names one and the folder has it."""
+    if not isinstance(source, HFSource):
+        return None
+    try:
+        name = source.tensor_for(fqn)
+    except KeyError:
+        return None
+    return name if name in source.shapes else None
+
+
+def load_into(model: torch.nn.Module, path: str, fmt: str, args: DecoderConfig, process_group=None) -> int:
     """Fill ``model`` (any layout; a pipeline rank's parts as one view) from ``path``; returns tensors loaded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -326,14 +352,16 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_gr
         set_model_state_dict(model, wrapped["model"])
         return len(state)
     assert isinstance(where, Path)  # preflight refuses a remote hf or meta source
-    adapter = spec_for_args(args).state_dict_adapter
-    source = HFSource(where, adapter) if fmt == "hf" else MetaSource(where, adapter)
+    spec = spec_for_args(args)
+    source = HFSource(where, spec.state_dict_adapter) if fmt == "hf" else MetaSource(where, spec.meta_release)
     filled: dict[str, Any] = {}
-    # Releases hold parameters only: a persistent buffer (an MoE router's bias) keeps its initial value.
+    # A persistent buffer (an MoE router's bias) keeps its initial value unless the release names it
+    # (DeepSeek-V3's e_score_correction_bias).
     buffers = {fqn for fqn, _ in model.named_buffers()}
     for fqn, value in state.items():
         if fqn in buffers:
-            filled[fqn] = value
+            name = _release_buffer(source, fqn)
+            filled[fqn] = value if name is None else source.read(fqn, args, None).to(value.dtype).to(value.device)
             continue
         region = _region(value)
         if isinstance(value, DTensor):
@@ -374,7 +402,7 @@ def check_export_target(out_dir: Path) -> str | None:
     return None
 
 
-def export_hf(state: dict[str, torch.Tensor], args: Any, out_dir: str | Path, *, tokenizer=None,
+def export_hf(state: dict[str, torch.Tensor], args: DecoderConfig, out_dir: str | Path, *, tokenizer=None,
               max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``state`` (our FQNs, full tensors) as a Hugging Face folder of the model's family (for Llama 3,
     ``LlamaForCausalLM``); returns the files.

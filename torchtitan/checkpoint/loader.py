@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -26,6 +26,9 @@ from torchtitan.checkpoint.store import CheckpointKind, dcp_reader, read_dcp_met
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import same_layout
+
+if TYPE_CHECKING:
+    from torchtitan.models.common.config import DecoderConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class Loader:
     """Loads this run's checkpoint, or its ``initial_load_path``; every method is called on every rank."""
 
     def __init__(self, cfg: JobConfig, folder: Location, states: StateRegistry, agreement: Agreement, *, rank: int,
-                 layout: dict[str, int], model_args: Any = None) -> None:
+                 layout: dict[str, int], model_args: DecoderConfig | None = None) -> None:
         self.cfg, self.ck = cfg, cfg.checkpoint
         self.folder, self.states, self.agreement = folder, states, agreement
         self.rank, self.layout = rank, layout
@@ -217,6 +220,7 @@ class Loader:
         assert self.ck.initial_load_path is not None  # initial_load is set only with a path
         from torchtitan.checkpoint.formats import load_into
 
+        assert self.model_args is not None, "an initial load is set up with the model's args"
         started, n, error = time.monotonic(), 0, None
         try:
             n = load_into(self.states.holders.model, self.ck.initial_load_path, self.ck.initial_load_format,

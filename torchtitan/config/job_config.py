@@ -51,6 +51,18 @@ class Model:
         "RoPE restarts per document; as Llama 3 and TorchTitan train) or causal (every earlier token of the window, "
         "across documents). See docs/attention_masks.md", choices=("block_causal", "causal"),
     )
+    attention_backend: str = field_with_help(
+        "auto", "Attention score kernel: auto (context parallel under CP, else FlexAttention on CUDA or one SDPA per "
+        "document on CPU for block_causal, causal SDPA for causal), sdpa (causal only), document_sdpa, flex (CUDA). "
+        "Preflight refuses a backend that lacks what the run needs. See docs/models.md",
+        choices=("auto", "sdpa", "document_sdpa", "flex"),
+    )
+    mtp_layers: int = field_with_help(
+        0, "Multi-token prediction depths (DeepSeek-V3 report §2.2; deepseek_v3 only): each extra module predicts "
+        "one token further ahead and adds its loss; 0 is off. See docs/models.md", min=0)
+    mtp_loss_weight: float = field_with_help(
+        0.3, "Weight lambda of the multi-token prediction loss: lambda / depths times the sum of the depths' "
+        "losses is added to the main loss", min=0.0)
 
 
 @dataclass

@@ -29,6 +29,7 @@ with grouped-query attention is small next to the activations.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -96,28 +97,44 @@ def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor
     return whole.index_select(dim, order)
 
 
+# (local query chunk, its global index g, the keys and values up to the chunk's end) -> its output
+ChunkScore = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attend_chunks(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mesh: DeviceMesh,
+                  score: ChunkScore) -> torch.Tensor:
+    """The one context-parallel loop: each of this rank's two load-balanced query chunks attends to the
+    whole sequence's keys up to its own end (``score`` applies the mask); their outputs, in local order.
+
+    q: [B, H, L_local, D]; k_all, v_all: the gathered keys and values [B, H_kv, L, D] (``gather_sequence``).
+    """
+    chunk = q.shape[2] // 2
+    outs = []
+    for local, g in enumerate(chunk_ids(mesh.get_local_rank(), mesh.size())):
+        n_kv = (g + 1) * chunk  # keys up to the end of this chunk
+        outs.append(score(q[:, :, local * chunk : (local + 1) * chunk], g, k_all[:, :, :n_kv], v_all[:, :, :n_kv]))
+    return torch.cat(outs, dim=2)
+
+
+def _causal_chunk(q_chunk: torch.Tensor, g: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    chunk, n_kv = q_chunk.shape[2], k.shape[2]
+    if torch.compiler.is_compiling():
+        mask = _causal_mask(chunk, n_kv, q_chunk.device)
+    else:
+        mask = _lower_right_bias(chunk, n_kv)
+    return F.scaled_dot_product_attention(q_chunk, k, v, attn_mask=mask)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Causal attention of local queries against the whole sequence's keys/values.
 
     q, k, v: [B, H, L_local, D] in this rank's load-balanced layout (k and v may
     have fewer heads than q: grouped-query attention; they are repeated after the
-    all-gather so the communication stays at the K/V head count).
-    Returns [B, H, L_local, D] in the same layout.
+    all-gather so the communication stays at the K/V head count). v's head size may
+    differ from q's and k's. Returns [B, H, L_local, D_v] in the same layout.
     """
-    cp_size, cp_rank = mesh.size(), mesh.get_local_rank()
-    chunk = q.shape[2] // 2
     k_all, v_all = gather_sequence(k.contiguous(), mesh, dim=2), gather_sequence(v.contiguous(), mesh, dim=2)
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k_all, v_all = k_all.repeat_interleave(n_rep, dim=1), v_all.repeat_interleave(n_rep, dim=1)
-
-    outs = []
-    for local, g in enumerate(chunk_ids(cp_rank, cp_size)):
-        q_chunk = q[:, :, local * chunk : (local + 1) * chunk]
-        n_kv = (g + 1) * chunk  # keys up to the end of this chunk
-        if torch.compiler.is_compiling():
-            mask = _causal_mask(chunk, n_kv, q.device)
-        else:
-            mask = _lower_right_bias(chunk, n_kv)
-        outs.append(F.scaled_dot_product_attention(q_chunk, k_all[:, :, :n_kv], v_all[:, :, :n_kv], attn_mask=mask))
-    return torch.cat(outs, dim=2)
+    return attend_chunks(q, k_all, v_all, mesh, _causal_chunk)

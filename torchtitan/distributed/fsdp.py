@@ -57,6 +57,10 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     mp = mixed_precision(cfg, device_type)
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
     blocks = list(cast(torch.nn.ModuleDict, model.layers).values())
+    # Blocks that run after ``layers`` (DeepSeek-V3's multi-token prediction modules): units of their own,
+    # so that their expert-parallel experts get their own unit too.
+    extra = getattr(model, "extra_blocks", None)
+    blocks += cast(list[torch.nn.Module], extra()) if callable(extra) else []
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         last = i == len(blocks) - 1 and cfg.parallelism.fsdp_reshard_after_forward == "default"

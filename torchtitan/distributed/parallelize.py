@@ -1,17 +1,17 @@
 """Apply the parallelisms to a model of any family, in a fixed readable order:
 
-    (CPU: kernel swap) -> the family's tensor parallel plan -> the family's context-parallel binding
-    -> expert parallelism -> activation checkpointing -> torch.compile -> FSDP2
+    (CPU: oneDNN linears) -> the family's tensor parallel plan -> the attention backend (context
+    parallelism's included) -> expert parallelism -> activation checkpointing -> torch.compile -> FSDP2
 
 Order matters: TP rewrites the linear layers into DTensor shards first, EP shards the experts over
 ``ep`` (before FSDP, which shards each rank's experts over ``efsdp``), AC and compile then wrap
 each block's (already parallel) forward, and FSDP comes last so that it shards what the other
 steps produced and its all-gathers sit outside the compiled and recomputed regions. On CPU the
-family first swaps in the eager-CPU kernels (ops/cpu_kernels.py): a class change that the later
-steps do not see.
+float32 linear layers first move to oneDNN (ops/cpu_kernels.py, ``training.cpu_matmul``): the same
+parameters in a module the later steps do not tell apart.
 
-What differs per family (which layers TP shards, how attention runs under CP, which modules take
-CPU kernels) comes from the family's ``FamilyParallelism`` (its ``ModelSpec``,
+What differs per family (which layers TP shards, how attention runs) comes from the family's
+``FamilyParallelism`` (its ``ModelSpec``,
 ``torchtitan/models/spec.py``); AC, compile, FSDP and mixed precision are the same for all and
 live beside this module. Every step keeps the parameter FQNs unchanged (AC replaces forward in
 place, in-place ``Module.compile``, FSDP2), which checkpoints and the layout-invariant init rely on.
@@ -31,6 +31,7 @@ from torchtitan.distributed.activation_checkpoint import apply_activation_checkp
 from torchtitan.distributed.compile import apply_compile, wait_for_embedding_output
 from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.ops.cpu_kernels import use_onednn_linears
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +40,14 @@ class FamilyParallelism(Protocol):
     """The family-specific steps of ``parallelize`` (a ``ModelSpec`` provides them)."""
 
     # Positional-only: ModelSpec provides these as plain callables.
-    def use_cpu_kernels(self, model: torch.nn.Module, onednn_linears: bool, /) -> dict[str, int]:
-        """Swap the model's modules for their eager-CPU kernel classes; how many of each kind."""
-        ...
-
     def apply_tp(self, model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
-                 loss_parallel: bool) -> None:
+                 loss_parallel: bool, /) -> None:
         """The family's tensor-parallel plan."""
         ...
 
-    def apply_cp(self, model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int, /) -> None:
-        """Bind the model to context parallelism (its attention backend, and its positions)."""
+    def use_attention(self, model: torch.nn.Module, choice: str, device_type: str, cp_mesh: DeviceMesh | None,
+                      seq_len: int, /) -> None:
+        """Give the model the run's attention backend (context parallelism's binds its positions too)."""
         ...
 
     # Shard each MoE layer's experts over the ep mesh; returns the expert modules (None: a dense family).
@@ -73,21 +71,17 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
                 family: FamilyParallelism) -> torch.nn.Module:
     """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
     one_rank = fsdp_on_one_rank(dims, cfg, device_type)
-    if device_type == "cpu":
-        onednn = cfg.training.cpu_matmul == "onednn" and not cfg.training.compile
-        if n := family.use_cpu_kernels(model, onednn)["linear"]:
+    if device_type == "cpu" and cfg.training.cpu_matmul == "onednn" and not cfg.training.compile:
+        if n := use_onednn_linears(model):
             logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
     if dims.tp_enabled:
         # TP parameters must share the root of the mesh FSDP goes on, one-rank FSDP included.
         tp_mesh = dims.tp_mesh(fsdp_on_one_rank=one_rank)
         assert tp_mesh is not None, "TP is on"
-        family.apply_tp(model, tp_mesh,
-                        sequence_parallel=cfg.parallelism.enable_sequence_parallel,
-                        loss_parallel=dims.loss_parallel_enabled)
-    if dims.cp_enabled:
-        cp_mesh = dims.get_mesh("cp")
-        assert cp_mesh is not None, "CP is on"
-        family.apply_cp(model, cp_mesh, cfg.training.seq_len)
+        family.apply_tp(model, tp_mesh, cfg.parallelism.enable_sequence_parallel, dims.loss_parallel_enabled)
+    cp_mesh = dims.get_mesh("cp") if dims.cp_enabled else None
+    assert cp_mesh is not None or not dims.cp_enabled, "CP is on"
+    family.use_attention(model, cfg.model.attention_backend, device_type, cp_mesh, cfg.training.seq_len)
     experts: list[torch.nn.Module] = []
     if dims.ep_enabled:
         ep_mesh = dims.get_mesh("ep")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.checkpoint.formats import _expected_shapes, dcp_checkpoint_path, find_run_config, load_into
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer, resolve_tokenizer_path
 from torchtitan.models import get_model_spec, model_names
+from torchtitan.models.common.config import DecoderConfig
 from torchtitan.models.spec import ModelSpec
 
 FORMATS = ("dcp", "hf", "meta")
@@ -35,7 +35,7 @@ class Loaded:
     """What generation needs: the model (eval mode, weights loaded), its args and family, the tokenizer."""
 
     model: nn.Module
-    args: Any
+    args: DecoderConfig
     spec: ModelSpec
     tokenizer: Tokenizer
     fmt: str
@@ -56,7 +56,8 @@ def checkpoint_format(path: Path) -> str:
                      "folder (config.json + *.safetensors) nor a Meta release (params.json + consolidated.*.pth)")
 
 
-def _run_args(path: Path, config: Path | None, tokenizer_path: str | None) -> tuple[Any, ModelSpec, Tokenizer]:
+def _run_args(path: Path, config: Path | None,
+              tokenizer_path: str | None) -> tuple[DecoderConfig, ModelSpec, Tokenizer]:
     """A project checkpoint's model args, family and tokenizer, from its run's config.toml."""
     from torchtitan.config import ConfigManager
     from torchtitan.preflight import configured_model_args
@@ -70,7 +71,7 @@ def _run_args(path: Path, config: Path | None, tokenizer_path: str | None) -> tu
     return args, get_model_spec(cfg.model.name), tokenizer
 
 
-def _release_args(path: Path, model_name: str | None) -> tuple[Any, ModelSpec]:
+def _release_args(path: Path, model_name: str | None) -> tuple[DecoderConfig, ModelSpec]:
     """A release's args and the family that reads it (``model_name``, else the first that can)."""
     errors = []
     for name in [model_name] if model_name else model_names():
@@ -82,7 +83,7 @@ def _release_args(path: Path, model_name: str | None) -> tuple[Any, ModelSpec]:
     raise ValueError(errors[0] if len(errors) == 1 else f"{path}: no model family reads it ({'; '.join(errors)})")
 
 
-def _check_vocabulary(path: Path, fmt: str, args: Any, tokenizer: Tokenizer) -> None:
+def _check_vocabulary(path: Path, fmt: str, args: DecoderConfig, tokenizer: Tokenizer) -> None:
     """The tokenizer must fit the weights: a project checkpoint's shapes must be those of its args
     (whose vocabulary is the tokenizer's), and a release must hold every token id of the tokenizer."""
     from torchtitan.checkpoint.store import read_dcp_metadata
@@ -108,7 +109,7 @@ class Source:
 
     path: Path
     fmt: str
-    args: Any
+    args: DecoderConfig
     spec: ModelSpec
     tokenizer: Tokenizer
 
@@ -141,7 +142,7 @@ def load(source: Source, *, device: torch.device, dtype: torch.dtype = torch.flo
     with torch.device("meta"):
         model = source.spec.build(source.args)
     if tp_mesh is not None:
-        source.spec.apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=False)
+        source.spec.apply_tp(model, tp_mesh, False, False)  # no sequence or loss parallelism
     model.to_empty(device=device)
     with warnings.catch_warnings():
         # DCP warns that it reads on a single process: that is what a one-process load does.

@@ -140,8 +140,9 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     Read keys: loss, grad_norm, lr, tps, tflops, mfu_pct, max_reserved_gib /
     max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s, and a mixture's
     ``data/tokens/<source>`` (tokens each source gave so far) as one compact field, and a model with
-    experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another, and
-    downstream scores (``eval/<task>/<score>``) as a last.
+    experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another;
+    ``mtp/loss`` (multi-token prediction) beside the loss, and downstream scores (``eval/<task>/<score>``)
+    as a last.
     """
     fields = [f"step: {step}"]
 
@@ -151,6 +152,7 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
             fields.append(template.format(value))
 
     add("loss", "loss: {:.5g}")
+    add("mtp/loss", "mtp_loss: {:.5g}")  # multi-token prediction's, apart from the main loss
     add("grad_norm", "grad_norm: {:.4f}")
     add("lr", "lr: {:.1e}")
     add("tps", "tps: {:,.0f}")

@@ -19,10 +19,12 @@ import torch
 
 
 class LayerCache:
-    """One attention layer's slots: ``[B, kv_heads, capacity, head_dim]`` keys and values.
+    """One attention layer's slots: ``[B, kv_heads, capacity, head_dim]`` keys and ``[B, kv_heads, capacity,
+    v_head_dim]`` values.
 
-    Allocated on the first write, from the shapes the layer writes: under tensor parallelism a
-    rank holds only its local heads.
+    Each is allocated on the first write, from the shape the layer writes it with: under tensor
+    parallelism a rank holds only its local heads, and the value head size may differ from the key's
+    (multi-head latent attention).
     """
 
     def __init__(self, owner: KVCache) -> None:
@@ -36,12 +38,12 @@ class LayerCache:
         return self.owner.mask
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' ``k, v`` ([B, kv_heads, new, head_dim]); all filled slots' keys and values."""
+        """Write the new tokens' ``k`` [B, kv_heads, new, head_dim] and ``v`` [B, kv_heads, new, v_head_dim];
+        all filled slots' keys and values."""
         start, end = self.owner.length, self.owner.length + k.shape[2]
-        if self.k is None or self.v is None:
-            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
-            self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
+        if self.k is None or self.v is None:  # each its own width: values may be narrower than keys (MLA)
+            self.k = k.new_zeros(k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.v = v.new_zeros(v.shape[0], v.shape[1], self.owner.capacity, v.shape[3])
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torchtitan.models.common.config import DecoderConfig
     from torchtitan.models.spec import ModelSpec
 
-_FAMILY_MODULES = ("torchtitan.models.llama3.spec", "torchtitan.models.qwen3.spec", "torchtitan.models.mixtral.spec")
+_FAMILY_MODULES = ("torchtitan.models.llama3.spec", "torchtitan.models.qwen3.spec", "torchtitan.models.mixtral.spec",
+                  "torchtitan.models.deepseek_v3.spec")
 _SPECS: dict[str, ModelSpec] = {}
 
 
@@ -43,7 +45,7 @@ def get_model_spec(name: str) -> ModelSpec:
     return specs[name]
 
 
-def spec_for_args(args: Any) -> ModelSpec:
+def spec_for_args(args: object) -> ModelSpec:
     """The spec of the family whose arguments ``args`` are (for code handed args alone, e.g. a weights reader)."""
     for spec in _load_families().values():
         if isinstance(args, spec.args_type):
@@ -51,7 +53,7 @@ def spec_for_args(args: Any) -> ModelSpec:
     raise TypeError(f"{type(args).__name__} is the arguments of no registered model family")
 
 
-def model_flavors(name: str) -> dict:
+def model_flavors(name: str) -> dict[str, DecoderConfig]:
     """The flavors (args by flavor name) of a model family."""
     return dict(get_model_spec(name).flavors)
 
@@ -61,7 +63,7 @@ def is_flavor_path(flavor: str) -> bool:
     return os.sep in flavor or flavor.endswith(".json") or os.path.exists(os.path.expanduser(flavor))
 
 
-def model_args(name: str, flavor: str) -> Any:
+def model_args(name: str, flavor: str) -> DecoderConfig:
     """The args of ``flavor``: a flavor name, or a release folder / config.json / params.json.
 
     ValueError (one line, naming the option) when it is neither.

@@ -3,19 +3,16 @@
 The trainer, preflight, evaluation, the planner and the checkpoint formats never import a family;
 they look its spec up by ``model.name`` (``torchtitan/models/registry.py``) and go through it. A
 family lives in ``torchtitan/models/<family>/`` and registers its spec there (docs/models.md says
-how to add one).
-
-Besides the spec's functions, the generic code relies on a few names of the family's model and
-arguments (``FamilyModel``, ``FamilyArgs``): the repeated blocks in ``model.layers`` (what
-pipeline stages split and activation checkpointing, compile and FSDP wrap), the layout-invariant
-init specs, and the shape fields that preflight fills from the config.
+how to add one). Every family is a configuration of the one decoder (``models/common``): its
+arguments are a ``DecoderConfig`` dataclass, and the spec's functions are the decoder's, with the
+family's own flavors, release reader and weight names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -24,22 +21,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig
 from torchtitan.distributed.init_spec import InitSpec
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.common.config import DecoderConfig, JsonObject
 from torchtitan.models.expert_balance import ExpertLayer
 
-
-class FamilyArgs(Protocol):
-    """A family's hyper-parameters: a dataclass; preflight replaces these fields from the config."""
-
-    vocab_size: int  # a named flavor takes the tokenizer's
-    max_seq_len: int  # the training sequence length
-    attn_mask_type: str  # --model.attn_mask_type
-    n_layers: int  # the blocks that pipeline stages split
+FamilyArgs = DecoderConfig  # a family's hyper-parameters (models/common/config.py)
 
 
 class FamilyModel(Protocol):
     """What the generic code calls on a family's model (the whole model, or one pipeline stage of it)."""
 
-    args: Any
+    args: DecoderConfig
     layers: nn.ModuleDict  # the repeated blocks, keyed by their index in the whole model
 
     def param_init_specs(self) -> dict[str, InitSpec]:
@@ -52,19 +43,21 @@ class FamilyModel(Protocol):
 
     def num_params(self, exclude_embedding: bool = False) -> int: ...
 
+    # Optional ``extra_blocks() -> list[nn.Module]``: blocks that run after ``layers`` (DeepSeek-V3's MTP
+    # modules), each its own FSDP unit (distributed/fsdp.py).
     # Generation (a spec with ``supports_kv_cache``): ``forward(tokens, cache=KVCache)`` takes the
     # rows' new tokens, appends their keys and values to the cache and returns their logits; the
     # args' ``max_seq_len`` is the longest sequence it takes.
 
 
 class StateDictAdapter(Protocol):
-    """A family's names and layouts in Hugging Face and Meta releases (checkpoint/formats.py does the I/O)."""
+    """A family's names and layouts in Hugging Face releases (checkpoint/formats.py does the I/O)."""
 
-    def to_hf(self, state: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         """Our full state dict -> Hugging Face names and layout."""
         ...
 
-    def from_hf(self, state: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         """Hugging Face names and layout -> ours."""
         ...
 
@@ -72,58 +65,63 @@ class StateDictAdapter(Protocol):
         """The Hugging Face tensor that holds our parameter ``fqn`` (``tied``: the release ties embeddings)."""
         ...
 
-    def hf_expert_names(self, fqn: str, args: Any) -> list[str] | None:
+    def hf_expert_names(self, fqn: str, args: DecoderConfig) -> list[str] | None:
         """The per-expert Hugging Face tensors of our stacked ``fqn`` ([E, ...]), in order (None: not stacked)."""
         ...
 
-    def hf_permuted_heads(self, fqn: str, args: Any) -> int | None:
+    def hf_permuted_heads(self, fqn: str, args: DecoderConfig) -> int | None:
         """Heads whose rows Hugging Face stores in another order in ``fqn`` (None: stored alike)."""
         ...
 
-    def rows_from_hf(self, w: torch.Tensor, heads: int) -> torch.Tensor:
-        """Whole heads' rows from Hugging Face's order into ours."""
+    def rows_from_hf(self, fqn: str, w: torch.Tensor, heads: int) -> torch.Tensor:
+        """Whole heads' rows of ``fqn`` from Hugging Face's order into ours."""
         ...
 
-    def hf_config(self, args: Any, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+    def hf_config(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None,
+                  dtype: torch.dtype) -> JsonObject:
         """A ``config.json`` describing ``args``."""
         ...
 
-    def hf_config_problems(self, args: Any, config: dict[str, Any], source: str) -> list[str]:
+    def hf_config_problems(self, args: DecoderConfig, config: JsonObject, source: str) -> list[str]:
         """One line per shape in which a ``config.json`` differs from ``args``."""
         ...
 
-    def meta_params_problems(self, args: Any, params: dict[str, Any], source: str) -> list[str]:
-        """One line per shape in which Meta's ``params.json`` differs from ``args``."""
+
+class MetaRelease(Protocol):
+    """Meta's ``params.json`` and ``consolidated.*.pth`` (Llama 3's own reader)."""
+
+    def params_problems(self, args: DecoderConfig, params: JsonObject, source: str) -> list[str]:
+        """One line per shape in which ``params.json`` differs from ``args``."""
         ...
 
-    def meta_split_dim(self, fqn: str) -> int | None:
+    def split_dim(self, fqn: str) -> int | None:
         """The dim along which Meta's model-parallel shards split ``fqn`` (None: replicated)."""
         ...
 
-    def meta_name(self, fqn: str, args: Any, present: Container[str]) -> str:
-        """The tensor of a Meta release that holds our ``fqn`` (``present``: the names the release has)."""
+    def name(self, fqn: str, args: DecoderConfig, present: Container[str]) -> str:
+        """The tensor of a release that holds our ``fqn`` (``present``: the names the release has)."""
         ...
 
-    def meta_shapes(self, shapes: dict[str, tuple[int, ...]], expected: Container[str],
-                    args: Any) -> dict[str, tuple[int, ...]]:
-        """A Meta release's parameter shapes under our names, for comparison with ``expected``."""
+    def shapes(self, shapes: dict[str, tuple[int, ...]], expected: Container[str],
+               args: DecoderConfig) -> dict[str, tuple[int, ...]]:
+        """A release's parameter shapes under our names, for comparison with ``expected``."""
         ...
 
 
-def _no_experts(args: Any) -> int:
-    return 0
+@dataclass(frozen=True)
+class ExpertSpec:
+    """What a family with experts adds (``ModelSpec.experts``)."""
 
-
-def _unchanged(args: Any, cfg: JobConfig) -> Any:
-    return args
-
-
-def _no_expert_layers(module: nn.Module) -> list[ExpertLayer]:
-    return []
-
-
-def _no_routing(module: nn.Module, imbalance: float) -> int:
-    return 0
+    # the job's [moe] section applied to the args
+    with_moe_options: Callable[[DecoderConfig, JobConfig], DecoderConfig]
+    # expert parallelism: shard each MoE layer's experts over the ``ep`` mesh, returning the expert
+    # modules (FSDP shards each over ``efsdp``)
+    apply_ep: Callable[[nn.Module, DeviceMesh], list[nn.Module]]
+    # the MoE layers of a model part, which the trainer balances and logs (train_step/experts.py)
+    layers: Callable[[nn.Module], list[ExpertLayer]]
+    # the planner's dry run (planning/moe.py): (model part, imbalance factor) -> the MoE layers made to
+    # assume their token counts, which fake tensors do not hold
+    assume_routing: Callable[[nn.Module, float], int]
 
 
 @dataclass(frozen=True)
@@ -131,37 +129,46 @@ class ModelSpec:
     """Everything the rest of the code asks of one model family (see the module docstring)."""
 
     name: str  # --model.name
-    args_type: type  # the family's FamilyArgs dataclass
+    args_type: type  # the family's DecoderConfig dataclass
     # ---- sizes: named flavors, and a release's config.json / params.json read into args
-    flavors: Mapping[str, Any]
-    read_release: Callable[[str], Any]  # ValueError (one line) for what the family cannot represent
+    flavors: Mapping[str, DecoderConfig]
+    read_release: Callable[[str], DecoderConfig]  # ValueError (one line) for what the family cannot represent
     # ---- build: the model from args, on the current default device (the meta device in the trainer);
     # its param_init_specs() are the layout-invariant init
-    build: Callable[[Any], nn.Module]
-    flops_per_token: Callable[[Any, int], float]  # (args, seq_len) -> training FLOPs per token
+    build: Callable[[DecoderConfig], nn.Module]
+    flops_per_token: Callable[[DecoderConfig, int], float]  # (args, seq_len) -> training FLOPs per token
     # ---- parallelize (distributed/parallelize.py applies these, then AC, compile and FSDP)
-    use_cpu_kernels: Callable[[nn.Module, bool], dict[str, int]]  # (model, onednn_linears) -> counts
-    apply_tp: Callable[..., None]  # (model, tp_mesh, sequence_parallel=, loss_parallel=): the TP plan
-    apply_cp: Callable[[nn.Module, DeviceMesh, int], None]  # (model, cp_mesh, seq_len): the CP binding
+    apply_tp: Callable[[nn.Module, DeviceMesh, bool, bool], None]  # (model, tp_mesh, sequence_parallel, loss_parallel)
+    # (model, --model.attention_backend, device type, cp mesh or None, seq_len): the run's attention backend
+    use_attention: Callable[[nn.Module, str, str, DeviceMesh | None, int], None]
     # ---- pipeline: (stage, layers it keeps, is first, is last), pruning a copy of the whole model in
     # place; and the width of the hidden state that flows between stages [micro-batch, seq, width]
     prune_stage: Callable[[nn.Module, range, bool, bool], None]
-    hidden_width: Callable[[Any], int]
-    # ---- preflight: the problems the family adds (heads and widths against TP, ...), one line each
-    check: Callable[[Any, ParallelDims, JobConfig], list[str]]
-    # ---- weights in Hugging Face and Meta releases
+    hidden_width: Callable[[DecoderConfig], int]
+    # ---- preflight: the problems the family adds (heads and widths against TP, the attention backend), one each
+    check: Callable[[DecoderConfig, ParallelDims, JobConfig], list[str]]
+    # ---- weights in Hugging Face releases, and Meta's (None: the family has none)
     state_dict_adapter: StateDictAdapter
+    meta_release: MetaRelease | None = None
     # ---- generation (torchtitan/generation): the model's forward takes ``cache=`` a
     # ``models/kv_cache.KVCache`` (new tokens only, positions and mask from the cache)
     supports_kv_cache: bool = False
-    # ---- experts (a dense family keeps the defaults): how many each sparse layer has (0: dense); the
-    # job's [moe] section applied to the args; and expert parallelism: shard each MoE layer's experts
-    # over the ``ep`` mesh, returning the expert modules (FSDP shards each over ``efsdp``)
-    num_experts: Callable[[Any], int] = _no_experts
-    with_moe_options: Callable[[Any, JobConfig], Any] = _unchanged
-    apply_ep: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None
-    # the MoE layers of a model part, which the trainer balances and logs (train_step/experts.py)
-    expert_layers: Callable[[nn.Module], list[ExpertLayer]] = _no_expert_layers
-    # the planner's dry run (planning/moe.py): (model part, imbalance factor) -> the MoE layers made to
-    # assume their token counts, which fake tensors do not hold
-    assume_routing: Callable[[nn.Module, float], int] = _no_routing
+    # ---- experts (None: a dense family)
+    experts: ExpertSpec | None = None
+
+    def num_experts(self, args: DecoderConfig) -> int:
+        """Experts per sparse layer of ``args``'s model (0: dense)."""
+        return args.num_experts
+
+    def with_moe_options(self, args: DecoderConfig, cfg: JobConfig) -> DecoderConfig:
+        return args if self.experts is None else self.experts.with_moe_options(args, cfg)
+
+    @property
+    def apply_ep(self) -> Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None:
+        return None if self.experts is None else self.experts.apply_ep
+
+    def expert_layers(self, module: nn.Module) -> list[ExpertLayer]:
+        return [] if self.experts is None else self.experts.layers(module)
+
+    def assume_routing(self, module: nn.Module, imbalance: float) -> int:
+        return 0 if self.experts is None else self.experts.assume_routing(module, imbalance)

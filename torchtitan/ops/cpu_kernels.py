@@ -8,17 +8,19 @@ repeated K/V heads); this module holds what runs instead on a CPU, in eager mode
   (``training.cpu_matmul``). Same IEEE float32 products, summed in another blocking: results
   differ by rounding;
 - RoPE: one complex product per tensor instead of four real ones and a stack (and their
-  backward); bitwise the real formula;
+  backward); bitwise the real formula (applied by the attention backends too);
 - grouped-query attention: SDPA reads each K/V head for its query group itself (``enable_gqa``)
-  instead of copies repeated per query head; the same output bitwise, K/V gradients to rounding;
+  instead of copies repeated per query head; the same output bitwise, K/V gradients to rounding
+  (applied by the attention backends, models/attention/backends.py, with ``cpu_kernels``);
 - the token cross-entropies: taken in row slices that stay in cache from the log-softmax to
   its gradient; the same gradient bitwise, the summed value to rounding.
 
 What each one saves is measured in benchmarks/README.md §11.
 
-The switch is ``use_cpu_kernels``: a module-swap converter, run by ``distributed/parallelize.py`` on CPU
-before the parallelisms, that changes the classes of the linear and attention modules in place
-(parameters, FQNs, state dict and hooks untouched). The cross-entropy is reached through
+The linear layers' switch is ``use_onednn_linears``, run by ``distributed/parallelize.py`` on CPU before
+the parallelisms: each plain ``nn.Linear`` is replaced by a ``OneDNNLinear`` over the same parameters
+(FQNs, state dict and tied weights untouched). The attention kernels are chosen with the model's
+attention backend (``select_backend``, ``cpu_kernels``). The cross-entropy is reached through
 ``torchtitan.loss.cross_entropy_sum``. Every kernel applies only where ``eager_cpu`` holds, and
 otherwise falls back to the math it stands in for, so DTensors (tensor parallelism), other devices
 and code being compiled never see these kernels.
@@ -26,8 +28,8 @@ and code being compiled never see these kernels.
 
 from __future__ import annotations
 
-import functools
 import logging
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -109,30 +111,6 @@ def rotate_pairs_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tenso
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
-class CpuAttentionKernels:
-    """Mixin over an attention module with ``rotary(xq, xk, rope_cache)`` and ``sdpa(q, k, v)`` methods.
-
-    Each override runs its CPU kernel where ``eager_cpu`` holds and the module's own math elsewhere.
-    Under context parallelism the layer calls its attention backend instead of ``sdpa``.
-    """
-
-    def rotary(self, xq: torch.Tensor, xk: torch.Tensor, rope_cache: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not eager_cpu(xq, xk):
-            return super().rotary(xq, xk, rope_cache)  # pyright: ignore[reportAttributeAccessIssue]  (a mixin)
-        cos, sin = rope_cache.unsqueeze(-2).chunk(2, dim=-1)
-        rotation = torch.complex(cos.float(), sin.float())  # a bf16 cache widens exactly, as the real path promotes it
-        return rotate_pairs_complex(xq, rotation), rotate_pairs_complex(xk, rotation)
-
-    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        # The CPU kernel reads each K/V head for its query group itself: no repeated copies of k and
-        # v, and no sum over those copies in backward. Anything beyond plain causal attention (extra
-        # arguments) goes to the module's own sdpa.
-        if args or kwargs or q.shape[1] == k.shape[1] or not eager_cpu(q, k, v):
-            return super().sdpa(q, k, v, *args, **kwargs)  # pyright: ignore[reportAttributeAccessIssue]  (a mixin)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
 # ---------------------------------------------------------------- the token cross-entropies
 
 # Logits are scored in slices of about this many bytes: one call over the whole [tokens, vocab]
@@ -156,32 +134,33 @@ def cross_entropy_sum_sliced(logits: torch.Tensor, labels: torch.Tensor, ignore_
     return torch.stack(sums).sum()
 
 
-# ---------------------------------------------------------------- the switch
+# ---------------------------------------------------------------- the switch for linear layers
 
 
-@functools.cache
-def _with_cpu_kernels(attention: type[nn.Module]) -> type[nn.Module]:
-    """``attention`` with ``CpuAttentionKernels`` in front, one class per attention class."""
-    return type(f"Cpu{attention.__name__}", (CpuAttentionKernels, attention), {})
+def onednn_linear_of(linear: nn.Linear) -> OneDNNLinear:
+    """A ``OneDNNLinear`` holding ``linear``'s own parameters (the same objects: ties and FQNs stay)."""
+    new = OneDNNLinear.__new__(OneDNNLinear)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    # nn.Linear types them as tensors; they are its registered parameters (bias: or None).
+    new.register_parameter("weight", cast(nn.Parameter, linear.weight))
+    new.register_parameter("bias", cast("nn.Parameter | None", linear.bias))
+    return new
 
 
-def use_cpu_kernels(model: nn.Module, attention: type[nn.Module], onednn_linears: bool) -> dict[str, int]:
-    """Swap ``model``'s modules, in place, for their CPU-kernel classes; returns how many of each.
-
-    Every module whose class is exactly ``attention`` takes ``CpuAttentionKernels``; with
-    ``onednn_linears`` (and a torch with oneDNN) every plain ``nn.Linear`` becomes ``OneDNNLinear``.
-    A class change keeps the parameters, their FQNs, the state dict and every hook as they are.
+def use_onednn_linears(model: nn.Module) -> int:
+    """Replace every plain ``nn.Linear`` child of ``model`` by a ``OneDNNLinear`` over the same parameters;
+    how many. The state dict, the FQNs and tied weights are unchanged; no hooks are on the model yet
+    (``distributed/parallelize.py`` runs this first). A torch without oneDNN keeps ATen's kernels (0).
     """
-    cpu_attention = _with_cpu_kernels(attention)
-    counts = {"attention": 0, "linear": 0}
-    if onednn_linears and not onednn_available():
+    if not onednn_available():
         logger.warning("This torch build has no oneDNN: float32 linear layers stay on ATen's default kernels")
-        onednn_linears = False
-    for m in model.modules():
-        if type(m) is attention:
-            m.__class__ = cpu_attention
-            counts["attention"] += 1
-        elif onednn_linears and type(m) is nn.Linear:
-            m.__class__ = OneDNNLinear
-            counts["linear"] += 1
-    return counts
+        return 0
+    replaced: dict[int, OneDNNLinear] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                if id(child) not in replaced:
+                    replaced[id(child)] = onednn_linear_of(child)
+                parent.register_module(name, replaced[id(child)])
+    return len(replaced)

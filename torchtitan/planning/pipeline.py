@@ -21,6 +21,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import mixed_precision
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.models.common.config import DecoderConfig
 from torchtitan.models.spec import ModelSpec
 
 
@@ -31,7 +32,7 @@ def make_stages_static(pp_runner: PipelineRunner) -> None:
     skip_pipeline_shape_exchange(pp_runner.schedule)
 
 
-def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any,
+def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderConfig,
              plan: PipelinePlan) -> Callable[[int], dict]:
     """Each stage's example input and output on the meta device (gradients alike), as the model makes them.
 

@@ -25,7 +25,7 @@ from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.loss import training_loss
-from torchtitan.models.attention import describe_kernel
+from torchtitan.models.attention import describe_backend
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.train_step.callbacks import StepCallbacks
@@ -93,8 +93,8 @@ def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: in
               device: torch.device) -> None:
     logger.info("Model %s %s: %s parameters, %.3g FLOPs/token", cfg.model.name, cfg.model.flavor, f"{n_params:,}",
                 fpt)
-    logger.info(describe_kernel(plan.model_args.attn_mask_type, device.type, compiled=cfg.training.compile,
-                                context_parallel=dims.cp_enabled))
+    logger.info(describe_backend(cfg.model.attention_backend, plan.model_args.attn_mask_type, device.type,
+                                 compiled=cfg.training.compile, context_parallel=dims.cp_enabled))
     if plan.pipeline is not None:
         logger.info("Pipeline %s, %d microbatches: %s", plan.pipeline.schedule, plan.pipeline.microbatches,
                     plan.pipeline.describe())

@@ -25,6 +25,7 @@ from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.loss import count_tokens
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.experts import ExpertBalance
+from torchtitan.train_step.mtp import MTPLoss, mtp_settings
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,6 +42,9 @@ class ModelRunner:
         self.loss_fn, self.dims, self.device, self.callbacks = loss_fn, dims, device, callbacks
         self.flops_per_token = flops_per_token
         self.experts = experts  # a model with MoE layers: their balancing and metrics (train_step/experts.py)
+        # multi-token prediction (train_step/mtp.py); preflight refuses it under pipeline parallelism
+        depths, weight = mtp_settings(model_parts[0]) if pp_runner is None else (0, 0.0)
+        self.mtp = MTPLoss(depths, weight) if depths else None
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters()]
@@ -78,18 +82,23 @@ class ModelRunner:
             return self._pipeline_forward_backward(batches, scale)
         emit = self.callbacks.emit
         local_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        model = self.model_parts[0]
         for i, batch in enumerate(batches):
             if before_micro_batch is not None:
                 before_micro_batch(i)
             emit(StepPoint.MICRO_BATCH_START, micro_batch=i)
             with self.train_context():
-                logits = self.model_parts[0](batch.inputs, **batch.model_kwargs())
+                mtp = {"labels": batch.labels} if self.mtp is not None else {}
+                logits = model(batch.inputs, **batch.model_kwargs(), **mtp)
                 emit(StepPoint.FORWARD_END, micro_batch=i)
                 loss_sum = self.loss_fn(logits, batch.labels)
                 del logits  # not kept through backward (autograd keeps what it needs)
+                objective = loss_sum
+                if self.mtp is not None:  # the extra depths' loss trains, the main loss is what is logged
+                    objective = loss_sum + self.mtp.objective(model, batch.labels, self.loss_fn)
                 emit(StepPoint.BACKWARD_START, micro_batch=i)
                 # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
-                (loss_sum * scale().to(loss_sum.dtype)).backward()
+                (objective * scale().to(objective.dtype)).backward()
             local_loss_sum += local_value(loss_sum).detach().double()
             del loss_sum
             emit(StepPoint.MICRO_BATCH_END, micro_batch=i)

@@ -1,3 +1,4 @@
-"""What model families share above the building blocks of ``models/layers.py``: the decoder skeleton
-(``decoder``), the MoE-capable decoder of Qwen3 and Mixtral (``moe_decoder``), its parallelism and its
-Hugging Face names. No family is imported here."""
+"""The one decoder every family configures: its arguments protocol (``config``), the model (``decoder``),
+the Qwen3/Mixtral arguments (``args``), FLOP counts (``flops``), parallelism and preflight checks
+(``parallel``), Hugging Face names and configs (``weight_map``, ``hf``, ``hf_config``) and the spec built
+from them (``decoder_spec``). No family is imported here."""

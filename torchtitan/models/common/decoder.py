@@ -1,43 +1,74 @@
-"""The decoder-only transformer that the families share: embedding, blocks, final norm, output.
+"""The one decoder-only transformer of every family: embedding, blocks, final norm, output.
+
+A family is a configuration of it (``config.DecoderConfig``): each block is pre-norm attention (the
+module ``args.attention()`` builds: grouped-query, with or without QK-norm) and a pre-norm feed-forward,
+SwiGLU or the shared ``MoE`` in the layers ``args.is_moe_layer`` names. Llama 3, Qwen3, Qwen3-MoE and
+Mixtral differ only in their arguments.
 
 Written to be easy to parallelise:
-- `layers` is a ModuleDict keyed by the original layer index, and the embedding, final norm and
+- ``layers`` is a ModuleDict keyed by the original layer index, and the embedding, final norm and
   output projection may be None, so pipeline stages can prune the model and still keep the
   original parameter names;
-- initialisation is described by each family's `param_init_specs()` (one spec per parameter), the
-  single source of truth for both plain and sharded initialisation;
-- a family gives the blocks (``block(layer_id, args)``); its args provide ``vocab_size``, ``dim``,
-  ``n_layers``, ``norm_eps``, ``head_dim``, ``rope_theta``, ``rope_scaling_params()``,
-  ``max_seq_len``, ``tie_word_embeddings`` and ``attn_mask_type``.
+- initialisation is described by ``param_init_specs()`` (one spec per parameter), the single source
+  of truth for both plain and sharded initialisation;
+- attention's kernels are one backend object (``models/attention/backends.py``) that the decoder
+  holds and passes to every block in its forward; ``use_attention_backend`` is where a run's choice
+  (``select_backend``) lands.
 """
 
-from collections.abc import Callable
-from typing import Any
+from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
-from torchtitan.distributed.init_spec import InitSpec, apply_init_spec
-from torchtitan.models.attention import AttentionBackend, DocumentMask, build_document_mask
-from torchtitan.models.kv_cache import KVCache
-from torchtitan.models.layers import RMSNorm, precompute_rope_cache
+from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
+from torchtitan.models.attention import (
+    AttentionBackend,
+    DocumentMask,
+    select_backend,
+)
+from torchtitan.models.common.config import AttentionModule, DecoderConfig
+from torchtitan.models.kv_cache import KVCache, LayerCache
+from torchtitan.models.layers import FeedForward, RMSNorm, precompute_rope_cache
+from torchtitan.models.moe import MoE
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm attention, then pre-norm SwiGLU or MoE (named ``feed_forward`` either way)."""
+
+    def __init__(self, layer_id: int, args: DecoderConfig):
+        super().__init__()
+        self.layer_id = layer_id  # kept so depth-scaled init survives pipeline pruning
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention: AttentionModule = args.attention().build()
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe = args.is_moe_layer(layer_id)
+        self.feed_forward: MoE | FeedForward = (MoE(args.moe_args()) if self.moe
+                                                else FeedForward(args.dim, args.dense_ffn_dim()))
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, backend: AttentionBackend,
+                documents: DocumentMask | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        # Keywords: tensor parallelism lays out the positional inputs of attention only.
+        h = x + self.attention(self.attention_norm(x), rope_cache, backend=backend, documents=documents, cache=cache)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Decoder(nn.Module):
-    """Embedding -> blocks (``layers``) -> final norm -> output projection; see the module docstring.
+    """Embedding -> blocks (``layers``) -> final norm -> output projection; see the module docstring."""
 
-    ``block(layer_id, args)`` builds each block; subclasses give ``param_init_specs``.
-    """
-
-    def __init__(self, args: Any, block: Callable[[int, Any], nn.Module]):
+    def __init__(self, args: DecoderConfig):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): block(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        self.attention_backend: AttentionBackend | None = None  # see use_attention_backend
+        # None until a run selects one (use_attention_backend): the forward then takes the local default
+        # for its inputs' device.
+        self.attention_backend: AttentionBackend | None = None
         # Non-persistent: it is derived from args, so it stays out of checkpoints.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
 
@@ -53,7 +84,7 @@ class Decoder(nn.Module):
         if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Decoder":
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Decoder:
         super().to_empty(device=device, recurse=recurse)
         self.tie_weights()
         return self
@@ -62,21 +93,91 @@ class Decoder(nn.Module):
         a = self.args
         return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling_params(), device)
 
+    def blocks(self) -> list[DecoderBlock]:
+        return [b for b in self.layers.values() if isinstance(b, DecoderBlock)]
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """Layer key -> its MoE feed-forward (this stage's sparse layers): what balancing and EP go through."""
+        return {k: b.feed_forward for k, b in self.layers.items() if isinstance(b.feed_forward, MoE)}
+
+    # ---------------------------------------------------------------- init
+
     def param_init_specs(self) -> dict[str, InitSpec]:
-        raise NotImplementedError
+        """FQN -> InitSpec for every parameter of this (possibly pruned) model.
+
+        Norm weights (query/key norms included) ones; attention's in-projections, w1/w3, the router and
+        the experts' w1/w3 trunc_normal(0.02, cut at +-2 std); out-projections (wo, w2, the experts' w2)
+        trunc_normal(cut at +-2 std) with std 0.02 / sqrt(2 * (layer_id + 1)) if depth_init else
+        0.02 / sqrt(2 * n_layers); embedding normal(0, 1); output trunc_normal(dim**-0.5, cut at +-3 std).
+        A tied embedding/output takes the output's rule: it sets the scale of the logits, while the first
+        norm rescales whatever the embedding holds. Stacked experts draw their full [E, ...] value from
+        (seed, name, shape) like any parameter (layout_init). Specs are attached by parameter identity
+        and named through named_parameters(), so wrappers (FSDP, activation checkpointing) keep working.
+        """
+        args = self.args
+        by_param: dict[int, InitSpec] = {}
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                by_param[id(module.weight)] = InitSpec("ones")
+            elif isinstance(module, DecoderBlock):
+                depth = module.layer_id + 1 if args.depth_init else args.n_layers
+                out_std = 0.02 / math.sqrt(2 * depth)
+                in_spec, out_spec = trunc_normal_spec(0.02, 2.0), trunc_normal_spec(out_std, 2.0)
+                attn, ffn = module.attention, module.feed_forward
+                for lin in attn.in_projections():
+                    by_param[id(lin.weight)] = in_spec
+                for lin in attn.out_projections():
+                    by_param[id(lin.weight)] = out_spec
+                if isinstance(ffn, MoE):
+                    for name, spec in ffn.param_init_specs(0.02, out_std).items():
+                        by_param[id(ffn.get_parameter(name))] = spec
+                else:
+                    by_param[id(ffn.w1.weight)] = by_param[id(ffn.w3.weight)] = in_spec
+                    by_param[id(ffn.w2.weight)] = out_spec
+        if self.tok_embeddings is not None:
+            by_param[id(self.tok_embeddings.weight)] = InitSpec("normal", std=1.0)
+        if self.output is not None:  # after the embedding: a tied weight takes the output's rule
+            by_param[id(self.output.weight)] = trunc_normal_spec(args.dim**-0.5, 3.0)
+        by_param.update(self.extra_init_specs())
+        specs: dict[str, InitSpec] = {}
+        for fqn, param in self.named_parameters():
+            if id(param) not in by_param:
+                raise RuntimeError(f"no init spec for parameter {fqn}")
+            specs[fqn] = by_param[id(param)]
+        return specs
+
+    def extra_init_specs(self) -> dict[int, InitSpec]:
+        """id(parameter) -> InitSpec of parameters outside the blocks, norms, embedding and output that a
+        subclass adds (DeepSeek-V3's MTP projections); none here."""
+        return {}
 
     @torch.no_grad()
     def init_buffers(self, buffer_device: torch.device | None = None) -> None:
-        """Recompute the (non-persistent) rope cache, e.g. after ``to_empty``."""
+        """Recompute the (non-persistent) rope cache, e.g. after ``to_empty``; zero each MoE's counts (and bias)."""
         device = buffer_device if buffer_device is not None else self.rope_cache.device
         self.rope_cache = self._rope_cache(device)
+        for moe in self.moe_layers().values():
+            moe.init_buffers()
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Recompute the rope cache, then fill every parameter from param_init_specs()."""
+        """Recompute the buffers, then fill every parameter from param_init_specs()."""
         self.init_buffers(buffer_device)
         specs = self.param_init_specs()
         for fqn, param in self.named_parameters():
             apply_init_spec(param, specs[fqn])
+
+    # ---------------------------------------------------------------- forward
+
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """The backend every block's attention and each forward's document mask go through (a run's
+        choice, ``select_backend``; context parallelism's is ``ContextParallel``)."""
+        self.attention_backend = backend
+
+    def backend_for(self, device: torch.device) -> AttentionBackend:
+        """The selected backend, or the local default for ``device`` when no run selected one."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return select_backend("auto", self.args.attn_mask_type, device.type)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -91,52 +192,37 @@ class Decoder(nn.Module):
         """
         if cache is not None:
             return self._forward_cached(tokens, cache)
+        backend = self.backend_for(tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Attention slices the cache to its own length: under sequence parallelism h holds only
         # part of the sequence here, while attention sees all of it.
         rope = self.rope_cache if positions is None else self.rope_cache[positions]
         documents = None
         if self.args.attn_mask_type == "block_causal" and positions is not None:
-            documents = self.document_mask(positions, tokens.shape[0])  # once per forward, shared by the layers
+            documents = backend.document_mask(positions, tokens.shape[0])  # once per forward, shared by the layers
         for layer in self.layers.values():
-            h = layer(h, rope, documents=documents)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
+            h = layer(h, rope, backend=backend, documents=documents)
+        return self._head(h)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One decoding forward: the new tokens attend to the cache's keys; each layer appends its own."""
+        backend = self.backend_for(tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache[cache.begin(tokens.shape[1])]
         for key, layer in self.layers.items():
-            h = layer(h, rope, cache=cache.layer(key))
+            h = layer(h, rope, backend=backend, cache=cache.layer(key))
         cache.advance(tokens.shape[1])
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
         return h
-
-    def use_attention_backend(self, backend: AttentionBackend) -> None:
-        """Make every attention layer, and the document mask of each forward, go through ``backend``
-        (context parallelism selects ``ContextParallelAttention``)."""
-        self.attention_backend = backend
-        for layer in self.layers.values():
-            # nn.Module.__setattr__ is typed for tensors and modules; any attribute is allowed.
-            layer.attention.backend = backend  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
-
-    def document_mask(self, positions: torch.Tensor, batch: int) -> DocumentMask:
-        """The documents of this forward's rows: of the whole sequence under an attention backend."""
-        if self.attention_backend is not None:
-            return self.attention_backend.document_mask(positions, batch)
-        return build_document_mask(positions, batch)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once
         if exclude_embedding and self.tok_embeddings is not None:
             n -= self.tok_embeddings.weight.numel()
         return n
-
-

@@ -1,20 +1,23 @@
-"""A ``MoEDecoder``'s shape in a Hugging Face ``config.json`` (Qwen3, Qwen3-MoE, Mixtral), both ways.
+"""The decoder's shape in a Hugging Face ``config.json`` (Qwen3, Qwen3-MoE, Mixtral), both ways.
 
 Reads the hub's fields (``num_experts``, ``rope_theta``) and those transformers 5 writes
-(``num_local_experts``, ``rope_parameters``). ``--model.flavor DIR`` goes through ``args_from_release``.
+(``num_local_experts``, ``rope_parameters``). A family is an ``HFDecoderConfig``: its architectures,
+model types and how it spells its experts (``ExpertKeys``); ``--model.flavor DIR`` goes through its
+``read``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
 from torchtitan.lfs import check_not_lfs_pointer
-from torchtitan.models.common.moe_decoder import DecoderArgs
+from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.common.config import DecoderConfig, JsonObject
 
 ArgsT = TypeVar("ArgsT", bound=DecoderArgs)  # the family's args class: what these functions return
 
@@ -24,7 +27,7 @@ FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", 
           "mlp_only_layers", "decoder_sparse_step")
 
 
-def read_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
+def read_config(path: str | Path) -> tuple[Path, JsonObject]:
     """(the file, its JSON object) of ``path``: a release folder or its ``config.json``; ValueError (one line)."""
     p = Path(path).expanduser()
     file = p if p.is_file() else p / "config.json"
@@ -33,7 +36,7 @@ def read_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
     return file, read_json_object(file)
 
 
-def read_json_object(file: Path) -> dict[str, Any]:
+def read_json_object(file: Path) -> JsonObject:
     """A release's JSON config (config.json, params.json) as a dict; ValueError (one line) when it is an LFS
     pointer, not JSON, or not an object. Every family's release reader goes through it."""
     check_not_lfs_pointer(file)
@@ -46,7 +49,7 @@ def read_json_object(file: Path) -> dict[str, Any]:
     return config
 
 
-def rope_theta(config: dict[str, Any]) -> float:
+def rope_theta(config: JsonObject) -> float:
     """``rope_theta`` (released layout) or ``rope_parameters.rope_theta`` (transformers 5); no scaling accepted."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
@@ -56,8 +59,26 @@ def rope_theta(config: dict[str, Any]) -> float:
     return float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
 
 
-def fields_of_config(config: dict[str, Any], *, qwen: bool) -> dict[str, Any]:
-    """``FIELDS`` as a Qwen3 / Qwen3-MoE (``qwen``) or Mixtral ``config.json`` states them."""
+@dataclass(frozen=True)
+class ExpertKeys:
+    """How a family's ``config.json`` spells its experts.
+
+    Qwen3-MoE: ``num_experts`` and ``moe_intermediate_size``, with ``norm_topk_prob``, ``mlp_only_layers``
+    and ``decoder_sparse_step``. Mixtral: ``num_local_experts``, every layer sparse, experts as wide as
+    ``intermediate_size``, weights renormalised.
+    """
+
+    count: str  # the key written for the expert count (both spellings are read)
+    width: str | None  # the expert width's key; None: intermediate_size
+    layer_options: bool  # norm_topk_prob, mlp_only_layers and decoder_sparse_step are stated
+
+
+QWEN3_EXPERTS = ExpertKeys("num_experts", "moe_intermediate_size", True)
+MIXTRAL_EXPERTS = ExpertKeys("num_local_experts", None, False)
+
+
+def fields_of_config(config: JsonObject, keys: ExpertKeys) -> JsonObject:
+    """``FIELDS`` as a ``config.json`` states them."""
     n_heads = config["num_attention_heads"]
     experts = int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
     fields = {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
@@ -68,17 +89,16 @@ def fields_of_config(config: dict[str, Any], *, qwen: bool) -> dict[str, Any]:
               "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)), "num_experts": experts,
               "top_k": int(config.get("num_experts_per_tok", 2)) if experts else 2,
               "moe_hidden_size": 0, "norm_topk_prob": True, "mlp_only_layers": (), "decoder_sparse_step": 1}
-    if experts and qwen:
-        fields.update(moe_hidden_size=config["moe_intermediate_size"],
-                      norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+    if experts:
+        fields.update(moe_hidden_size=config[keys.width or "intermediate_size"])
+    if experts and keys.layer_options:
+        fields.update(norm_topk_prob=bool(config.get("norm_topk_prob", False)),
                       mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
                       decoder_sparse_step=int(config.get("decoder_sparse_step", 1) or 1))
-    elif experts:  # Mixtral: every layer sparse, experts as wide as intermediate_size, weights renormalised
-        fields.update(moe_hidden_size=config["intermediate_size"])
     return fields
 
 
-def fields_of_args(args: DecoderArgs) -> dict[str, Any]:
+def fields_of_args(args: DecoderArgs) -> JsonObject:
     out = {k: getattr(args, k) for k in FIELDS}
     out["norm_eps"], out["rope_theta"] = float(args.norm_eps), float(args.rope_theta)
     if not args.num_experts:  # meaningless without experts
@@ -86,53 +106,65 @@ def fields_of_args(args: DecoderArgs) -> dict[str, Any]:
     return out
 
 
-def args_from_config(args_type: type[ArgsT], config: dict[str, Any], *, qwen: bool) -> ArgsT:
-    fields = fields_of_config(config, qwen=qwen)
-    max_pos = config.get("max_position_embeddings")
-    extra: dict[str, Any] = {"max_seq_len": max_pos} if isinstance(max_pos, int) else {}
-    return args_type(**fields, **extra)
+@dataclass(frozen=True)
+class HFDecoderConfig(Generic[ArgsT]):
+    """A family's ``config.json``: read into its args type, written from args, compared with args."""
 
+    args_type: type[ArgsT]
+    architectures: tuple[str, ...]  # [dense, with experts] (one: the same for both)
+    model_types: tuple[str, ...]  # likewise
+    experts: ExpertKeys
 
-def args_from_release(path: str | Path, args_type: type[ArgsT], architectures: tuple[str, ...],
-                      model_types: tuple[str, ...], *, qwen: bool) -> ArgsT:
-    """``args_type`` with every shape the release at ``path`` states; ValueError (one line) for what is not
-    this family or not supported."""
-    file, config = read_config(path)
-    archs = config.get("architectures") or []
-    if config.get("model_type") not in model_types or (archs and not any(a in architectures for a in archs)):
-        raise ValueError(f"{file}: architecture {archs or config.get('model_type')} is not of this family; it reads "
-                         f"{', '.join(architectures)} releases")
-    try:
-        return args_from_config(args_type, config, qwen=qwen)
-    except KeyError as e:
-        raise ValueError(f"{file} lacks the entry {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{file}: {e}") from None
+    def _ours(self, args: DecoderConfig) -> ArgsT:
+        if not isinstance(args, self.args_type):
+            raise TypeError(f"{type(args).__name__} is not the arguments of {self.architectures[0]}")
+        return args
 
+    def read(self, path: str | Path) -> ArgsT:
+        """The args with every shape the release at ``path`` states; ValueError (one line) for what is not
+        this family or not supported."""
+        file, config = read_config(path)
+        archs = config.get("architectures") or []
+        if config.get("model_type") not in self.model_types or (archs and not any(a in self.architectures
+                                                                                  for a in archs)):
+            raise ValueError(f"{file}: architecture {archs or config.get('model_type')} is not of this family; it "
+                             f"reads {', '.join(self.architectures)} releases")
+        try:
+            fields = fields_of_config(config, self.experts)
+            max_pos = config.get("max_position_embeddings")
+            if isinstance(max_pos, int):
+                fields["max_seq_len"] = max_pos
+            return self.args_type(**fields)
+        except KeyError as e:
+            raise ValueError(f"{file} lacks the entry {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
 
-def hf_config(args: DecoderArgs, *, architecture: str, model_type: str, qwen: bool, bos_id: int | None,
-              eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
-    """A ``config.json`` describing ``args`` in the hub's key layout."""
-    config: dict[str, Any] = {
-        "architectures": [architecture], "model_type": model_type, "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_size, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "vocab_size": args.vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id,
-        "tie_word_embeddings": args.tie_word_embeddings, "attention_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
-    }
-    if args.num_experts and qwen:
-        config.update({"num_experts": args.num_experts, "num_experts_per_tok": args.top_k,
-                       "moe_intermediate_size": args.moe_hidden_size, "norm_topk_prob": args.norm_topk_prob,
-                       "mlp_only_layers": list(args.mlp_only_layers),
-                       "decoder_sparse_step": args.decoder_sparse_step, "router_aux_loss_coef": 0.0})
-    elif args.num_experts:
-        config.update({"num_local_experts": args.num_experts, "num_experts_per_tok": args.top_k,
-                       "router_aux_loss_coef": 0.0})
-    return config
+    def problems(self, args: DecoderConfig, config: JsonObject, source: str) -> list[str]:
+        ours, theirs = fields_of_args(self._ours(args)), fields_of_config(config, self.experts)
+        return [f"{source}: {k} is {theirs.get(k)!r} there, {v!r} in the configured model"
+                for k, v in ours.items() if theirs.get(k) != v]
 
-
-def with_fields(base: DecoderArgs, **fields: Any) -> DecoderArgs:
-    """``base`` with some fields replaced (tests, flavors)."""
-    return dataclasses.replace(base, **fields)
+    def write(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
+        """A ``config.json`` describing ``args`` in the hub's key layout."""
+        args = self._ours(args)
+        moe = bool(args.num_experts)
+        config: JsonObject = {
+            "architectures": [self.architectures[moe % len(self.architectures)]],
+            "model_type": self.model_types[moe % len(self.model_types)], "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden_size, "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta, "vocab_size": args.vocab_size, "bos_token_id": bos_id,
+            "eos_token_id": eos_id, "tie_word_embeddings": args.tie_word_embeddings, "attention_bias": False,
+            "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+        }
+        if moe:
+            config.update({self.experts.count: args.num_experts, "num_experts_per_tok": args.top_k,
+                           "router_aux_loss_coef": 0.0})
+        if moe and self.experts.width is not None:
+            config[self.experts.width] = args.moe_hidden_size
+        if moe and self.experts.layer_options:
+            config.update({"norm_topk_prob": args.norm_topk_prob, "mlp_only_layers": list(args.mlp_only_layers),
+                           "decoder_sparse_step": args.decoder_sparse_step})
+        return config

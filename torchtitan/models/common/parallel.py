@@ -1,5 +1,6 @@
-"""Parallelism every decoder of ``models/common/decoder.py`` shares: the context-parallel binding, the
-pipeline stage pruning, and the dense part of the tensor-parallel plan."""
+"""The decoder's parallelism (every family's): the tensor-parallel plan, the attention backend a run
+selects (context parallelism's included), expert parallelism, the pipeline stage pruning, and the
+preflight checks of the model against a layout."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from torchtitan.config import JobConfig
 from torchtitan.distributed.context_parallel import local_positions
-from torchtitan.models.attention import ContextParallelAttention
+from torchtitan.distributed.lifecycle import device_type
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.attention import backend_problems, select_backend
+from torchtitan.models.common.config import DecoderConfig
 from torchtitan.models.common.decoder import Decoder
 
 logger = logging.getLogger(__name__)
@@ -60,11 +65,20 @@ def prune_stage(stage: torch.nn.Module, layers: range, first: bool, last: bool) 
         decoder.output = None
 
 
-def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Select the context-parallel attention backend (all-gather K/V, document masks from the whole
-    sequence's positions) and, when the forward gets no positions, feed the model the rotary positions
-    of this rank's load-balanced sequence chunks."""
-    cast(Decoder, model).use_attention_backend(ContextParallelAttention(cp_mesh))
+def use_attention(model: torch.nn.Module, choice: str, device_type: str, cp_mesh: DeviceMesh | None,
+                  seq_len: int) -> None:
+    """Give the decoder the attention backend of this run (``select_backend``: the one place it is chosen).
+
+    On CPU the backend runs the eager-CPU kernels (ops/cpu_kernels.py). Under context parallelism it is
+    ``ContextParallel`` (all-gathered K/V, document masks from the whole sequence's positions), and a
+    forward that gets no positions is fed the rotary positions of this rank's load-balanced chunks.
+    """
+    decoder = cast(Decoder, model)
+    backend = select_backend(choice, decoder.args.attn_mask_type, device_type, cp_mesh=cp_mesh,
+                             cpu_kernels=device_type == "cpu")
+    decoder.use_attention_backend(backend)
+    if cp_mesh is None:
+        return
     cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
     cached: dict[torch.device, torch.Tensor] = {}
 
@@ -80,12 +94,17 @@ def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
     logger.info("Applied context parallel on %d ranks (all-gather K/V, load-balanced chunks)", cp_size)
 
 
-def apply_moe_decoder_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
-                         loss_parallel: bool) -> None:
-    """TP for ``MoEDecoder`` (models/common/moe_decoder.py): attention and dense SwiGLU as Llama 3's plan.
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Megatron-style TP of the decoder: column-parallel in-projections, row-parallel out-projections.
 
-    - Query/key norms act on this rank's heads: their weight becomes a replicated DTensor whose
-      input is sharded on the head dim, so its gradient (a sum over all heads) is reduced over TP.
+    With sequence parallelism the activations between the TP regions (norms and residual stream) stay
+    sharded along the sequence; the all-reduce of each row-parallel output becomes a reduce-scatter and
+    each region's input an all-gather. Without it they stay replicated. Every region's input layout is
+    stated, so nothing is replicated by accident. Each region's input becomes one DTensor before its
+    projections, so their input gradients (Partial) are summed first and reduced once per region.
+
+    - The attention module gives its own plan (``tp_plan``): grouped-query attention shards its heads
+      (gqa.py), MLA its heads with the latent path whole (deepseek_v3/mla.py).
     - A MoE feed-forward is replicated over TP: its input is gathered to the whole (sequence of the)
       batch, every TP rank routes the same tokens through the same experts, and under SP each keeps
       its sequence shard of the output. Router and experts then see and compute the same values on
@@ -97,17 +116,10 @@ def apply_moe_decoder_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_p
 
     seq = Shard(1) if sequence_parallel else Replicate()
     apply_tp_ends(model, tp_mesh, seq, loss_parallel)
-    for block in cast(Decoder, model).layers.values():
-        plan: dict[str, ParallelStyle] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
-        }
-        if cast(torch.nn.Module, block.attention).q_norm is not None:
-            plan.update({"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+    for block in cast(Decoder, model).blocks():
+        # The attention module's own plan (gqa.py, deepseek_v3/mla.py), its names relative to it.
+        plan: dict[str, ParallelStyle] = {f"attention.{name}" if name else "attention": style
+                                          for name, style in block.attention.tp_plan(seq, tp_mesh).items()}
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
@@ -122,12 +134,12 @@ def apply_moe_decoder_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_p
         if sequence_parallel:
             plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block, tp_mesh, plan)
-    logger.info("Applied tensor parallel on %d ranks (sequence parallel %s, loss parallel %s; experts replicated "
-                "over TP)", tp_mesh.size(), sequence_parallel, loss_parallel)
+    logger.info("Applied tensor parallel on %d ranks (sequence parallel %s, loss parallel %s)", tp_mesh.size(),
+                sequence_parallel, loss_parallel)
 
 
-def apply_moe_decoder_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Module]:
-    """Expert parallelism for every MoE layer of a ``MoEDecoder`` (or stage): experts ``Shard(0)`` over
+def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Module]:
+    """Expert parallelism for every MoE layer of the decoder (or a stage of it): experts ``Shard(0)`` over
     ``ep_mesh``, tokens exchanged by all-to-all. Returns the layers' expert modules, which FSDP then shards
     over ``efsdp`` apart from the rest of their block (distributed/fsdp.py)."""
     from torchtitan.models.moe import MoE
@@ -142,27 +154,40 @@ def apply_moe_decoder_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[to
     return [moe.experts for moe in moes]
 
 
-def check_decoder(args, tp: int, pp: int, flavor: str, ep: int = 1) -> list[str]:  # noqa: ANN001 - a DecoderArgs
-    """Preflight problems of a ``MoEDecoder``: widths TP must divide, experts EP must divide, tying under PP,
-    top_k, one line each."""
+def check_decoder(args: DecoderConfig, tp: int, pp: int, flavor: str, ep: int = 1) -> list[str]:
+    """Preflight problems of the decoder against a layout: widths TP must divide, experts EP must divide,
+    top_k, tying under PP; one line each."""
     problems: list[str] = []
-    if args.num_experts and ep > 1 and args.num_experts % ep:
-        problems.append(f"--parallelism.expert_parallel_degree={ep} does not divide the {args.num_experts} experts "
+    moe = args.moe_args() if args.num_experts else None
+    if moe is not None and ep > 1 and moe.num_experts % ep:
+        problems.append(f"--parallelism.expert_parallel_degree={ep} does not divide the {moe.num_experts} experts "
                         f"of --model.flavor={flavor}; use a degree that divides them (and dp_shard x cp)")
     if tp > 1:
-        widths = [("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("dim", args.dim),
-                  ("vocab size", args.vocab_size)]
+        widths = [*args.attention().tp_widths(), ("dim", args.dim)]
         if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
-            widths.append(("FFN hidden size", args.ffn_hidden_size))
+            widths.append(("FFN hidden size", args.dense_ffn_dim()))
         for what, value in widths:
             if value % tp:
                 problems.append(f"--parallelism.tensor_parallel_degree={tp}: the model's {what} ({value}) is not "
                                 f"divisible by it; pick a degree that divides {what}")
-    if args.num_experts and not 1 <= args.top_k <= args.num_experts:
-        problems.append(f"--model.flavor={flavor}: top_k={args.top_k} experts per token exceeds num_experts="
-                        f"{args.num_experts}; use a top_k between 1 and {args.num_experts}")
+        if args.vocab_size % tp:
+            # Padding the vocabulary would change the parameter shapes (and checkpoints) with the layout.
+            problems.append(f"--parallelism.tensor_parallel_degree={tp}: vocab size {args.vocab_size} is not divisible "
+                            f"by it (the vocabulary is not padded); pick a degree that divides {args.vocab_size}")
+    if moe is not None and not 1 <= moe.top_k <= moe.num_experts:
+        problems.append(f"--model.flavor={flavor}: top_k={moe.top_k} experts per token exceeds num_experts="
+                        f"{moe.num_experts}; use a top_k between 1 and {moe.num_experts}")
     if args.tie_word_embeddings and pp > 1:
+        # The embedding and the output live on the first and last stage; nothing keeps two copies equal.
         problems.append(f"--model.flavor={flavor} ties the output projection to the embedding, which pipeline "
                         "parallelism does not support (they live on different stages); use "
-                        "--parallelism.pipeline_parallel_degree=1")
+                        "--parallelism.pipeline_parallel_degree=1 (FSDP, HSDP, DDP, TP and CP all train it tied)")
     return problems
+
+
+def check(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig) -> list[str]:
+    """The model's preflight problems for this job: the layout's (``check_decoder``), and the attention
+    backend's capabilities against what the model's attention needs (one line per gap)."""
+    problems = check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor, ep=dims.ep)
+    needs = args.attention().needs(args.attn_mask_type)
+    return problems + backend_problems(cfg.model.attention_backend, needs, device_type(), dims.cp > 1)

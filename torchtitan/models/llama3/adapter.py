@@ -1,16 +1,17 @@
-"""Llama 3's ``StateDictAdapter``: its names and layouts in Hugging Face and Meta releases.
+"""Llama 3's release formats: its Hugging Face ``config.json`` (``LlamaConfig``) and Meta's own release.
 
-The mapping itself is ``convert.py`` (pure functions); this class is what the checkpoint formats
-(``torchtitan/checkpoint/formats.py``) reach through the family's spec.
+The Hugging Face weight names are the decoder's declarative map (``models/common/weight_map.py``);
+this module adds what only Llama 3 has: the ``config.json`` with Llama 3.1 rotary scaling, and Meta's
+``params.json`` with ``consolidated.*.pth`` shards, whose tensor names are ours.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container
-from typing import Any
 
 import torch
 
+from torchtitan.models.common.config import DecoderConfig, JsonObject
 from torchtitan.models.llama3 import convert
 from torchtitan.models.llama3.args import ModelArgs
 
@@ -19,55 +20,44 @@ _META_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, 
 _EMBEDDING, _OUTPUT = "tok_embeddings.weight", "output.weight"
 
 
-class Llama3StateDictAdapter:
-    """Hugging Face ``LlamaForCausalLM`` and Meta's ``consolidated.*.pth`` names and layouts."""
+def _llama(args: DecoderConfig) -> ModelArgs:
+    if not isinstance(args, ModelArgs):
+        raise TypeError(f"{type(args).__name__} is not Llama 3's arguments")
+    return args
 
-    def to_hf(self, state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-        return convert.state_dict_to_hf(state, args)
 
-    def from_hf(self, state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-        return convert.state_dict_from_hf(state, args)
+class LlamaConfigFormat:
+    """``HFConfigFormat`` of ``LlamaForCausalLM``."""
 
-    def hf_name(self, fqn: str, tied: bool) -> str:
-        if fqn == _OUTPUT and tied:
-            # Tied: the output projection is the embedding, as transformers reads it (an lm_head.weight
-            # some exports carry beside it is ignored there too).
-            return convert.to_hf_name(_EMBEDDING)
-        return convert.to_hf_name(fqn)
+    def write(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
+        return convert.hf_config(_llama(args), bos_id=bos_id, eos_id=eos_id, dtype=dtype)
 
-    def hf_expert_names(self, fqn: str, args: ModelArgs) -> list[str] | None:
-        return None  # a dense family
-
-    def hf_permuted_heads(self, fqn: str, args: ModelArgs) -> int | None:
-        return convert.rotary_heads(fqn, args)
-
-    def rows_from_hf(self, w: torch.Tensor, heads: int) -> torch.Tensor:
-        return convert.permute_from_hf(w, heads)
-
-    def hf_config(self, args: ModelArgs, *, bos_id: int | None, eos_id: int | None,
-                  dtype: torch.dtype) -> dict[str, Any]:
-        return convert.hf_config(args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
-
-    def hf_config_problems(self, args: ModelArgs, config: dict[str, Any], source: str) -> list[str]:
-        return convert.field_differences(convert.model_fields(args), convert.fields_from_hf_config(config), source)
-
-    def meta_params_problems(self, args: ModelArgs, params: dict[str, Any], source: str) -> list[str]:
-        return convert.field_differences(convert.model_fields(args), convert.fields_from_meta_params(params, args),
+    def problems(self, args: DecoderConfig, config: JsonObject, source: str) -> list[str]:
+        return convert.field_differences(convert.model_fields(_llama(args)), convert.fields_from_hf_config(config),
                                          source)
 
-    def meta_split_dim(self, fqn: str) -> int | None:
+
+class MetaReader:
+    """``MetaRelease`` of Llama 3: ``params.json`` and ``consolidated.NN.pth`` model-parallel shards."""
+
+    def params_problems(self, args: DecoderConfig, params: JsonObject, source: str) -> list[str]:
+        llama = _llama(args)
+        return convert.field_differences(convert.model_fields(llama), convert.fields_from_meta_params(params, llama),
+                                         source)
+
+    def split_dim(self, fqn: str) -> int | None:
         return _META_SPLIT_DIM.get(fqn.split(".")[-2])
 
-    def meta_name(self, fqn: str, args: ModelArgs, present: Container[str]) -> str:
+    def name(self, fqn: str, args: DecoderConfig, present: Container[str]) -> str:
         if fqn == _OUTPUT and (args.tie_word_embeddings or fqn not in present):
             return _EMBEDDING  # tied: one weight, whether the release stores it once or twice
         return fqn
 
-    def meta_shapes(self, shapes: dict[str, tuple[int, ...]], expected: Container[str],
-                    args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    def shapes(self, shapes: dict[str, tuple[int, ...]], expected: Container[str],
+               args: DecoderConfig) -> dict[str, tuple[int, ...]]:
         # Layer weights beyond the expected ones stay in, so that a release with more layers is named.
         saved = {k: v for k, v in shapes.items()
                  if k in expected or (k.startswith("layers.") and k.endswith(".weight"))}
         if args.tie_word_embeddings and _OUTPUT not in saved and _EMBEDDING in saved:
-            saved[_OUTPUT] = saved[_EMBEDDING]  # stored once; meta_name maps it
+            saved[_OUTPUT] = saved[_EMBEDDING]  # stored once; name() maps it
         return saved

@@ -1,9 +1,17 @@
-"""Hyper-parameters of the Llama 3 family and the named model sizes ("flavors")."""
+"""Hyper-parameters of the Llama 3 family and the named model sizes ("flavors").
+
+``ModelArgs`` is a ``DecoderConfig`` (models/common/config.py): Llama 3 is the shared decoder with
+grouped-query attention without a query/key norm, ``head_dim = dim / n_heads``, a SwiGLU width
+derived as Meta's ``params.json`` describes it, the Llama 3.1 rotary scaling, and no experts.
+"""
+
+from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan.models.attention import check_mask_type
+from torchtitan.models.attention import GQAConfig, check_mask_type
+from torchtitan.models.moe import MoEArgs
 
 
 @dataclass
@@ -60,12 +68,44 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def num_experts(self) -> int:
+        return 0  # a dense family
+
+    def attention(self) -> GQAConfig:
+        """Grouped-query attention, head_dim = dim / n_heads, no query/key norm."""
+        return GQAConfig(self.dim, self.n_heads, self.kv_heads, self.head_dim)
+
+    def dense_ffn_dim(self) -> int:
+        return ffn_hidden_dim(self)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return False
+
+    def moe_args(self) -> MoEArgs:
+        raise ValueError("Llama 3 has no experts")
+
     def rope_scaling_params(self) -> dict[str, float] | None:
         """The scaling rule's parameters (keyword arguments of ``rope_frequencies``), None when off."""
         if not self.rope_scaling:
             return None
         return {"factor": self.rope_scaling_factor, "low_freq_factor": self.rope_low_freq_factor,
                 "high_freq_factor": self.rope_high_freq_factor, "original_context": self.rope_original_max_seq_len}
+
+
+def ffn_hidden_dim(args: ModelArgs) -> int:
+    """SwiGLU width: as the release states it (``ffn_hidden_size``), else 2/3 of 4*dim (keeps
+    params equal to a 4x GELU MLP), optionally scaled, then rounded up to a multiple of `multiple_of`."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
 
 
 llama3_flavors: dict[str, ModelArgs] = {

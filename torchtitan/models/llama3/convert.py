@@ -1,116 +1,18 @@
-"""Llama 3 weights and configs in other formats: Hugging Face (``LlamaForCausalLM``) and Meta's release.
+"""Llama 3's hyper-parameters as a release spells them: Hugging Face's ``config.json`` and Meta's ``params.json``.
 
-Pure functions, no file I/O: parameter names, the rotary layout of the query/key
-projections, and the model hyper-parameters as ``config.json`` / ``params.json`` spell
-them. Reading and writing files is ``torchtitan/checkpoint/formats.py``.
-
-Rotary layout. This project rotates adjacent pairs (x[2i], x[2i+1]) of each head, as
-Meta's release does, so Meta's ``consolidated.*.pth`` loads unchanged. Hugging Face
-rotates the two halves of each head (x[i], x[i + head_dim/2]) instead and stores
-``q_proj``/``k_proj`` with their output rows permuted to match: within every head, row
-``c * head_dim/2 + i`` of Hugging Face's weight is row ``2i + c`` of ours (c in {0, 1}).
+Pure functions, no file I/O: the model fields a release must agree on, read from either file, and the
+``config.json`` written for ``LlamaForCausalLM``. The weight names and the rotary layout of q/k are the
+decoder's declarative map (``models/common/weight_map.py``); Meta's names are ours (``adapter.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Any
 
 import torch
 
-from torchtitan.models.llama3.args import ModelArgs
-from torchtitan.models.llama3.model import ffn_hidden_dim
-
-# Our FQN pattern -> Hugging Face's. ``{}`` is the layer index.
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_HF_TO_OURS_TOP = {v: k for k, v in _TOP_NAMES.items()}
-
-
-def to_hf_name(fqn: str) -> str:
-    """Our parameter FQN -> the Hugging Face ``LlamaForCausalLM`` name."""
-    if fqn in _TOP_NAMES:
-        return _TOP_NAMES[fqn]
-    m = _OURS_LAYER.match(fqn)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise KeyError(f"no Hugging Face name for parameter {fqn!r}")
-
-
-def from_hf_name(name: str) -> str | None:
-    """A Hugging Face ``LlamaForCausalLM`` tensor name -> our FQN (None: not a parameter of ours)."""
-    if name in _HF_TO_OURS_TOP:
-        return _HF_TO_OURS_TOP[name]
-    m = _HF_LAYER.match(name)
-    if m and m.group(2) in _HF_TO_OURS_LAYER:
-        return f"layers.{m.group(1)}.{_HF_TO_OURS_LAYER[m.group(2)]}"
-    return None
-
-
-def rotary_heads(fqn: str, args: ModelArgs) -> int | None:
-    """Number of heads whose rows Hugging Face permutes in this parameter (None: stored alike)."""
-    if fqn.endswith("attention.wq.weight"):
-        return args.n_heads
-    if fqn.endswith("attention.wk.weight"):
-        return args.n_kv_heads
-    return None
-
-
-def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of each head from adjacent pairs (ours) to halves (Hugging Face's); see the module docstring."""
-    rows, cols = w.shape
-    hd = rows // n_heads
-    return w.view(n_heads, hd // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of ``permute_to_hf``."""
-    rows, cols = w.shape
-    hd = rows // n_heads
-    return w.view(n_heads, 2, hd // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def state_dict_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names and layout (no copies beyond the q/k permutation).
-
-    A tied model writes no ``lm_head.weight``."""
-    out = {}
-    for fqn, t in state.items():
-        if fqn == "output.weight" and args.tie_word_embeddings:
-            continue  # tied: the release holds the embedding only (tie_word_embeddings in config.json)
-        heads = rotary_heads(fqn, args)
-        out[to_hf_name(fqn)] = permute_to_hf(t, heads).contiguous() if heads else t
-    return out
-
-
-def state_dict_from_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Hugging Face names and layout -> ours. A missing ``lm_head`` means tied embeddings: it copies the embedding."""
-    out = {}
-    for name, t in state.items():
-        fqn = from_hf_name(name)
-        if fqn is None:
-            continue
-        heads = rotary_heads(fqn, args)
-        out[fqn] = permute_from_hf(t, heads).contiguous() if heads else t
-    if "output.weight" not in out and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"].clone()
-    return out
-
+from torchtitan.models.common.config import JsonObject
+from torchtitan.models.llama3.args import ModelArgs, ffn_hidden_dim
 
 # ---------------------------------------------------------------- hyper-parameters
 
@@ -126,7 +28,7 @@ FIELD_HELP = {
 _LLAMA32_SHAPES = {(2048, 16), (3072, 28)}
 
 
-def model_fields(args: ModelArgs) -> dict[str, Any]:
+def model_fields(args: ModelArgs) -> JsonObject:
     """What a weights release must agree on with ``args`` (see ``FIELD_HELP``)."""
     scaling = args.rope_scaling_params()
     return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
@@ -136,7 +38,7 @@ def model_fields(args: ModelArgs) -> dict[str, Any]:
             "tie_word_embeddings": args.tie_word_embeddings}
 
 
-def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
+def _hf_rope(config: JsonObject) -> tuple[float, dict[str, float] | None]:
     """(theta, scaling) from a ``config.json``: the released layout (``rope_theta`` + ``rope_scaling``)
     or the newer ``rope_parameters``."""
     params = config.get("rope_parameters") or {}
@@ -153,7 +55,7 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
                           "original_context": float(scaling["original_max_position_embeddings"])}
 
 
-def fields_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+def fields_from_hf_config(config: JsonObject) -> JsonObject:
     """``model_fields`` as a Hugging Face ``config.json`` states them."""
     theta, scaling = _hf_rope(config)
     n_heads = config["num_attention_heads"]
@@ -168,7 +70,7 @@ def fields_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
 
 
-def fields_from_meta_params(params: dict[str, Any], flavor: ModelArgs | None = None) -> dict[str, Any]:
+def fields_from_meta_params(params: JsonObject, flavor: ModelArgs | None = None) -> JsonObject:
     """``model_fields`` as Meta's ``params.json`` states them.
 
     params.json says only whether scaling is on (``use_scaled_rope``), and nothing about
@@ -199,13 +101,13 @@ def fields_from_meta_params(params: dict[str, Any], flavor: ModelArgs | None = N
             "tie_word_embeddings": bool(params.get("tie_word_embeddings", flavor.tie_word_embeddings))}
 
 
-def field_differences(expected: dict[str, Any], found: dict[str, Any], source: str) -> list[str]:
+def field_differences(expected: JsonObject, found: JsonObject, source: str) -> list[str]:
     """One line per field that differs, naming both values."""
     return [f"{source}: {FIELD_HELP[k]} ({k}) is {found[k]!r} there, {expected[k]!r} in the configured model"
             for k in FIELD_HELP if found.get(k) != expected[k]]
 
 
-def hf_config(args: ModelArgs, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(args: ModelArgs, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
     """A ``config.json`` for ``LlamaForCausalLM`` describing ``args`` (the released key layout)."""
     scaling = args.rope_scaling_params()
     return {
@@ -224,7 +126,7 @@ def hf_config(args: ModelArgs, *, bos_id: int | None, eos_id: int | None, dtype:
     }
 
 
-def args_with_fields(base: ModelArgs, fields: dict[str, Any]) -> ModelArgs:
+def args_with_fields(base: ModelArgs, fields: JsonObject) -> ModelArgs:
     """``base`` with the shapes of ``fields`` (a flavor read from a release; tests)."""
     if fields["head_dim"] * fields["n_heads"] != fields["dim"]:
         raise ValueError(f"head width {fields['head_dim']} x {fields['n_heads']} heads differs from the model width "

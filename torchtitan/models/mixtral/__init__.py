@@ -1,2 +1,2 @@
 """The Mixtral family (``--model.name=mixtral``): Llama attention and 8 SwiGLU experts, top-2, on the shared
-decoder (``models/common/moe_decoder.py``). ``spec.py`` registers it."""
+decoder (``models/common/decoder.py``). ``spec.py`` registers it."""

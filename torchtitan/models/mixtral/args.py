@@ -7,7 +7,7 @@ rope_theta 1e6, rms_norm_eps 1e-5, untied.
 
 from dataclasses import dataclass
 
-from torchtitan.models.common.moe_decoder import DecoderArgs
+from torchtitan.models.common.args import DecoderArgs
 
 
 @dataclass

@@ -1,27 +1,18 @@
-"""Mixtral's ``ModelSpec`` (``--model.name=mixtral``). A Mixtral Hugging Face folder works as
-``--model.flavor DIR``."""
+"""Mixtral's ``ModelSpec`` (``--model.name=mixtral``), a configuration of the decoder. A Mixtral Hugging Face
+folder works as ``--model.flavor DIR``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from torchtitan.models.common import hf_config
-from torchtitan.models.common.decoder_spec import decoder_model_spec
-from torchtitan.models.common.hf import MIXTRAL_NAMING
+from torchtitan.models.common.decoder_spec import decoder_spec
+from torchtitan.models.common.hf import DecoderHFAdapter
+from torchtitan.models.common.hf_config import MIXTRAL_EXPERTS, HFDecoderConfig
+from torchtitan.models.common.weight_map import WeightMap, decoder_templates
 from torchtitan.models.mixtral.args import MixtralArgs, mixtral_flavors
 from torchtitan.models.registry import register_model_spec
 
-ARCHITECTURES = ("MixtralForCausalLM",)
+CONFIG = HFDecoderConfig(MixtralArgs, ("MixtralForCausalLM",), ("mixtral",), MIXTRAL_EXPERTS)
+WEIGHTS = WeightMap(decoder_templates("block_sparse_moe", ("w1", "w2", "w3")))
 
-
-def read_release(path: str | Path) -> MixtralArgs:
-    return hf_config.args_from_release(path, MixtralArgs, ARCHITECTURES, ("mixtral",), qwen=False)
-
-
-def _hf_config(args: MixtralArgs, **kw) -> dict:  # noqa: ANN003 - bos_id, eos_id, dtype
-    return hf_config.hf_config(args, architecture=ARCHITECTURES[0], model_type="mixtral", qwen=False, **kw)
-
-
-SPEC = decoder_model_spec("mixtral", MixtralArgs, mixtral_flavors, read_release, MIXTRAL_NAMING, _hf_config,
-                          qwen=False)
+SPEC = decoder_spec("mixtral", MixtralArgs, mixtral_flavors, CONFIG.read, DecoderHFAdapter(WEIGHTS, CONFIG),
+                    experts=True)
 register_model_spec(SPEC)

@@ -9,7 +9,7 @@ All have vocab_size 151936, rope_theta 1e6, rms_norm_eps 1e-6; 0.6B, 1.7B and 4B
 
 from dataclasses import dataclass
 
-from torchtitan.models.common.moe_decoder import DecoderArgs
+from torchtitan.models.common.args import DecoderArgs
 
 
 @dataclass

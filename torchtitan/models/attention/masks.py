@@ -1,4 +1,4 @@
-"""Attention masks of the language models, and the kernels that apply them.
+"""Attention masks of the language models, and the score kernels that apply them.
 
 Two masks (``ModelArgs.attn_mask_type``):
 
@@ -27,28 +27,23 @@ all-gathers the positions of the whole sequence once per forward (``cp_document_
 so a document that crosses a chunk boundary, or starts in one rank's chunk and
 continues in another's, is masked exactly as in one process.
 
-Context parallelism reaches a model through one backend, ``ContextParallelAttention``: a
-model's attention layers run their own (local) kernels unless a backend is set, and context
-parallelism sets this one. It holds everything attention does differently under CP (both
-masks' kernels and the global document mask), so nothing in the model is patched.
+Which of these kernels a run uses is the attention backend's choice (``backends.py``); this
+module holds the masks and the kernels themselves.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.distributed.context_parallel import chunk_ids, cp_attention, gather_sequence
+from torchtitan.distributed.context_parallel import attend_chunks, chunk_ids, gather_sequence
 
 __all__ = [
     "MASK_TYPES",
-    "AttentionBackend",
-    "ContextParallelAttention",
     "DocumentMask",
     "block_causal_attention",
     "build_document_mask",
@@ -56,7 +51,6 @@ __all__ = [
     "cp_block_causal_attention",
     "cp_document_mask",
     "dense_mask",
-    "describe_kernel",
     "document_causal_mask_mod",
     "document_ids",
 ]
@@ -189,27 +183,28 @@ def _runs(segments: list[int], seq: int) -> list[tuple[int, int]]:
 
 
 def per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
-    """One causal SDPA per document: q [B, H, L, D], k/v [B, H_kv, L, D] -> [B, H, L, D].
+    """One causal SDPA per document: q, k [B, H(_kv), L, D], v [B, H_kv, L, Dv] -> [B, H, L, Dv].
 
     The rows are laid end to end as [B*L, heads, D] (free when the tensors are head-transposed
     views of [B, L, heads, D], as in the model) and cut with one ``split``, so backward gathers
     the pieces' gradients with one concatenation instead of a full-size buffer per piece.
     Consecutive rows that hold one document each go through one batched call.
     """
-    batch, heads, seq, dim = q.shape
+    batch, heads, seq, _ = q.shape
     runs = _runs(segments, seq)
     sizes = [rows * length for rows, length in runs]
 
     def pieces(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim).split(sizes)
+        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]).split(sizes)
 
     gqa = heads != k.shape[1]
+    v_dim = v.shape[-1]  # may differ from the query/key head (MLA)
     outs = []
     for (rows, length), a, b, c in zip(runs, pieces(q), pieces(k), pieces(v)):
-        a, b, c = (t.reshape(rows, length, t.shape[1], dim).transpose(1, 2) for t in (a, b, c))
+        a, b, c = (t.reshape(rows, length, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (a, b, c))
         out = F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
-        outs.append(out.transpose(1, 2).reshape(rows * length, heads, dim))
-    return torch.cat(outs).view(batch, seq, heads, dim).transpose(1, 2)
+        outs.append(out.transpose(1, 2).reshape(rows * length, heads, v_dim))
+    return torch.cat(outs).view(batch, seq, heads, v_dim).transpose(1, 2)
 
 
 def _dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -231,75 +226,18 @@ def cp_block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``block_causal_attention`` of this CP rank's two load-balanced chunks against the whole sequence's keys.
 
     Keys and values are all-gathered (backward: reduce-scatter), as for causal CP; each local
-    query chunk ``g`` attends to the keys up to its own end, under the mask_mod shifted by the
-    chunk's global offset.
+    query chunk ``g`` attends to the keys up to its own end (``attend_chunks``, the one CP loop),
+    under the mask_mod shifted by the chunk's global offset.
     """
-    cp_size, cp_rank = mesh.size(), mesh.get_local_rank()
-    chunk = q.shape[2] // 2
     k_all = gather_sequence(k.contiguous(), mesh, dim=2)
     v_all = gather_sequence(v.contiguous(), mesh, dim=2)
-    outs = []
-    for local, g in enumerate(chunk_ids(cp_rank, cp_size)):
-        q_chunk = q[:, :, local * chunk : (local + 1) * chunk]
-        offset, n_kv = g * chunk, (g + 1) * chunk
-        k_g, v_g = k_all[:, :, :n_kv], v_all[:, :, :n_kv]
-        if q.is_cuda:
-            outs.append(_flex(q_chunk, k_g, v_g, mask.block_masks[(offset, chunk, n_kv)]))
-        else:
-            allowed = dense_mask(document_causal_mask_mod(mask.docs, offset), q.shape[0], chunk, n_kv, q.device)
-            outs.append(_dense_sdpa(q_chunk, k_g, v_g, allowed))
-    return torch.cat(outs, dim=2)
 
+    def score(q_chunk: torch.Tensor, g: int, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
+        chunk, n_kv = q_chunk.shape[2], k_g.shape[2]
+        offset = g * chunk
+        if q_chunk.is_cuda:
+            return _flex(q_chunk, k_g, v_g, mask.block_masks[(offset, chunk, n_kv)])
+        allowed = dense_mask(document_causal_mask_mod(mask.docs, offset), q.shape[0], chunk, n_kv, q.device)
+        return _dense_sdpa(q_chunk, k_g, v_g, allowed)
 
-def describe_kernel(mask_type: str, device_type: str, *, compiled: bool, context_parallel: bool) -> str:
-    """The log line naming the mask and the kernel a run uses."""
-    if mask_type == "causal":
-        return "attention mask: causal (across documents); kernel: causal SDPA"
-    if device_type == "cuda":
-        kernel = "FlexAttention with a block mask"
-    elif context_parallel or compiled:
-        kernel = "SDPA with the dense document mask" + (" (context parallel chunks)" if context_parallel else "")
-    else:
-        kernel = "one causal SDPA per document"
-    return f"attention mask: block_causal (documents from the data's positions); kernel: {kernel}"
-
-
-# ---------------------------------------------------------------- the backend context parallelism selects
-
-
-class AttentionBackend(Protocol):
-    """What an attention layer calls in place of its own kernels when a backend is set.
-
-    q: [B, H, L, D]; k, v: [B, H_kv, L, D] (grouped-query heads); ``documents`` comes from the
-    same backend's ``document_mask``, built once per forward and shared by the layers.
-    """
-
-    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-    def block_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     documents: DocumentMask) -> torch.Tensor: ...
-
-    def document_mask(self, positions: torch.Tensor, batch: int | None) -> DocumentMask: ...
-
-
-class ContextParallelAttention:
-    """The ``AttentionBackend`` of context parallelism: each ``cp`` rank holds two load-balanced chunks
-    of every sequence (torchtitan/distributed/context_parallel.py) and attends to the whole sequence's
-    keys, all-gathered over ``mesh``.
-
-    - ``causal``: ``cp_attention``;
-    - ``block_causal``: ``cp_block_causal_attention``;
-    - ``document_mask``: ``cp_document_mask`` (the documents of the whole sequence's positions).
-    """
-
-    def __init__(self, mesh: DeviceMesh):
-        self.mesh = mesh
-
-    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_attention(q, k, v, mesh=self.mesh)
-
-    def block_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask) -> torch.Tensor:
-        return cp_block_causal_attention(q, k, v, documents, mesh=self.mesh)
-
-    def document_mask(self, positions: torch.Tensor, batch: int | None) -> DocumentMask:
-        return cp_document_mask(positions, batch, mesh=self.mesh)
+    return attend_chunks(q, k_all, v_all, mesh, score)

@@ -1,0 +1,142 @@
+"""Every layout trains the one-process DeepSeek-V3 debug model (MLA with a query LoRA and YaRN, 8 experts in
+2 groups, one shared, the first layer dense), through torchrun on CPU, float32, block-causal masks,
+``training.deterministic``, the same global batch of 4 sequences everywhere, the routing bias moving.
+
+All 4-rank layouts train in one launch (tests/distributed/moe_entry.py); one process is the control. Each
+layout starts from bitwise the one-process weights (not checked under PP, whose ranks hold different
+layers), its step-1 loss is within 1e-5 and 10 steps within 1e-4 of the control's, and so is the global
+gradient norm (a gradient summed twice, or once too few, over TP shows there: Adam would hide it from
+the losses). TP 2 runs with sequence parallelism: MLA shards its heads and keeps the latent path whole.
+Multi-token prediction (one depth) runs under EP 2 x FSDP 4 against a one-process control with it on. A
+DeepSeek-V3 config made with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4,
+its step-1 loss transformers' own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from layout_entry import launch
+
+pytestmark = pytest.mark.slow
+STEPS, SEQ, BATCH = 10, 32, 4
+MTP = "--model.mtp_layers=1"
+RELEASE = "transformers release, EP2 x FSDP4"
+COMMON = ["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"), f"--training.steps={STEPS}",
+          f"--training.seq_len={SEQ}", "--job.print_args=false", "--metrics.enable_tensorboard=false",
+          f"--metrics.log_freq={STEPS}", "--training.deterministic", "--moe.load_balance_coeff=0.001",
+          "--training.mixed_precision_param=float32"]
+
+
+def _dims(shard: int, batch: int, ep: int = 1, **more: int) -> list[str]:
+    names = {"rep": "data_parallel_replicate_degree", "tp": "tensor_parallel_degree", "cp": "context_parallel_degree",
+             "pp": "pipeline_parallel_degree"}
+    return [f"--parallelism.data_parallel_shard_degree={shard}", f"--parallelism.expert_parallel_degree={ep}",
+            f"--training.batch_size={batch}", *(f"--parallelism.{names[k]}={v}" for k, v in more.items())]
+
+
+PARITY = {
+    "FSDP4": _dims(4, 1),
+    "HSDP2 x FSDP2": _dims(2, 1, rep=2),
+    "TP2 (SP) x FSDP2": _dims(2, 2, tp=2),
+    "CP2 x FSDP2": _dims(2, 2, cp=2),
+    "PP2 x FSDP2": _dims(2, 2, pp=2) + ["--parallelism.pipeline_parallel_microbatches=2"],
+    "EP2 x FSDP4": _dims(4, 1, ep=2),
+    "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
+    # multi-token prediction (one depth; its MoE block's experts EP-sharded too), against its own control
+    "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP],
+}
+
+
+def _release(folder: Path) -> Path:
+    """A DeepSeek-V3 config made with transformers (the shipped tokenizer's vocabulary), random weights, saved."""
+    import torch
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=2048, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, max_position_embeddings=SEQ, num_mtp_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 8})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    model.save_pretrained(folder)
+    return folder
+
+
+def _transformers_loss(folder: Path) -> float:
+    """transformers' loss on the first global batch the trainer sees (the stream does not depend on the layout)."""
+    import torch
+    import transformers
+    from conftest import SHIPPED_TOKENIZER
+
+    from torchtitan.datasets import build_dataloader, build_tokenizer
+
+    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
+                              seq_len=SEQ, local_batch_size=BATCH, dp_rank=0, dp_degree=1)
+    inputs, labels = next(iter(loader))
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()))
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Path:
+    return _release(tmp_path_factory.mktemp("dsv3_release"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, release) -> dict:
+    entry = Path(__file__).with_name("moe_entry.py")
+    one = {"control": {"overrides": _dims(1, BATCH)}, "control MTP": {"overrides": [*_dims(1, BATCH), MTP]}}
+    control = launch(entry, tmp_path_factory.mktemp("dsv3_control"), COMMON, one, nproc=1, timeout=1200,
+                     env={"OMP_NUM_THREADS": "1"})
+    layouts = {name: {"overrides": o} for name, o in PARITY.items()}
+    load = [f"--model.flavor={release}", f"--checkpoint.initial_load_path={release}",
+            "--checkpoint.initial_load_format=hf", "--model.attn_mask_type=causal"]
+    layouts[RELEASE] = {"overrides": [*_dims(4, 1, ep=2), *load]}
+    return {**control, **launch(entry, tmp_path_factory.mktemp("dsv3_layouts"), COMMON, layouts, nproc=4,
+                                timeout=2400, env={"OMP_NUM_THREADS": "1"})}
+
+
+def _rel(a: list[float], b: list[float]) -> list[float]:
+    assert len(a) == len(b), (a, b)
+    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_layout_trains_the_one_process_model(name, runs):
+    control, run = runs["control MTP" if MTP in PARITY[name] else "control"], runs[name]
+    if run["init"]:
+        assert run["init"] == control["init"]
+    rel, norms = _rel(run["losses"], control["losses"]), _rel(run["grad_norms"], control["grad_norms"])
+    print(f"{name}: step-1 rel {rel[0]:.1e}, max rel over {STEPS} steps {max(rel):.1e}; grad norm {max(norms):.1e}")
+    assert rel[0] <= 1e-5 and max(rel) <= 1e-4, (name, rel)
+    # the MoE layouts' bound (test_moe_layouts.py): the norm moves by up to ~1e-4 where losses agree to 1e-7
+    assert norms[0] <= 1e-4 and max(norms) <= 1e-3, (name, norms)
+    assert run["biases"], "the routing bias is on"
+    assert control["losses"][-1] < control["losses"][0]  # and the model learns
+
+
+def test_a_transformers_release_gives_transformers_step1_loss(runs, release):
+    """``--model.flavor DIR`` of a config made with transformers, its weights loaded, EP 2 x FSDP 4 through the
+    launcher: the step-1 loss is transformers' on the same batch (causal mask, as transformers attends)."""
+    losses = runs[RELEASE]["losses"]
+    assert losses[0] == pytest.approx(_transformers_loss(release), rel=1e-5)
+    assert losses[1] != losses[0]
+
+
+def test_mtp_trains_another_model(runs):
+    """The main loss is what is logged: with MTP it starts the same (same init of the shared weights) and then
+    moves apart, as the MTP loss's gradient reaches the shared embedding, blocks and output."""
+    plain, mtp = runs["control"]["losses"], runs["control MTP"]["losses"]
+    assert abs(mtp[0] - plain[0]) <= 1e-6 * plain[0] and max(_rel(mtp, plain)[1:]) > 1e-4

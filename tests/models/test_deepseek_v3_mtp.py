@@ -1,0 +1,116 @@
+"""Multi-token prediction (DeepSeek-V3 report §2.2): the step's MTP loss against a direct computation from the
+report's definition, and the layouts it cannot run in yet refused in one line before any process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO
+
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.loss import IGNORE_INDEX, cross_entropy_sum
+from torchtitan.metrics.logger import format_step_line
+from torchtitan.models import model_args
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.preflight import preflight
+from torchtitan.train_step.mtp import MTPLoss, mtp_settings
+
+VOCAB, L, B, D, LAMBDA = 64, 24, 2, 2, 0.3
+
+
+def _model() -> DeepSeekV3Model:
+    args = dataclasses.replace(model_args("deepseek_v3", "debugmodel"), n_layers=2, vocab_size=VOCAB, max_seq_len=L,
+                               num_mtp_layers=D, mtp_loss_weight=LAMBDA, attn_mask_type="causal")
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    return model
+
+
+def _report_mtp_loss(model: DeepSeekV3Model, t: torch.Tensor) -> torch.Tensor:
+    """lambda / D * sum_k L^k, L^k = -1/T sum_{i=2+k}^{T+1} log P^k_i[t_i] on a sequence t_1..t_{T+1} (1-based);
+    each depth's sequence shortened by one: h^k_{1:T-k} = TRM_k(M_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))])."""
+    assert model.tok_embeddings is not None and model.output is not None and model.mtp is not None
+    inputs, T = t[:, :-1], t.shape[1] - 1
+    backend = model.backend_for(t.device)  # causal SDPA: scores and rotation only
+    h = model.tok_embeddings(inputs)
+    for layer in model.layers.values():
+        h = layer(h, model.rope_cache, backend=backend)
+    total = torch.zeros(())
+    for k, module in enumerate(model.mtp.values(), start=1):  # h^{k-1} covers positions 1..T-k+1
+        emb = model.tok_embeddings(t[:, k:T])  # t_{i+k} for i = 1..T-k
+        h = module.block(module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h[:, :T - k])], -1)),
+                         model.rope_cache, backend=backend)
+        logits = model.output(module.norm(h))  # P^k_{i+k+1}, i = 1..T-k
+        total = total + F.cross_entropy(logits.flatten(0, 1), t[:, k + 1:].flatten(), reduction="sum") / (B * T)
+    return LAMBDA / D * total
+
+
+def test_mtp_loss_is_the_reports_definition():
+    model = _model()
+    t = torch.randint(0, VOCAB, (B, L + 1), generator=torch.Generator().manual_seed(3))
+    tokens, labels = t[:, :-1], t[:, 1:]
+    assert mtp_settings(model) == (D, LAMBDA)
+    loss = MTPLoss(D, LAMBDA)
+    with torch.no_grad():
+        main = model(tokens, labels=labels)
+        got = loss.objective(model, labels, cross_entropy_sum) / labels.numel()  # the step's 1/T (its loss scale)
+        expected = _report_mtp_loss(model, t)
+        plain = model(tokens)  # without labels: the main logits alone, as with MTP off
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    assert expected > 0.1 and torch.equal(main, plain)
+    metrics = loss.metrics(None)  # the logged value: the depths' mean of sum / T
+    assert metrics["mtp/loss"] == pytest.approx(float(expected) / LAMBDA, rel=1e-5)
+    assert "mtp_loss: " in format_step_line(1, {"loss": 3.0, **metrics})
+
+
+def test_the_last_positions_of_each_depth_are_not_scored():
+    from torchtitan.models.deepseek_v3.mtp import depth_inputs
+
+    tokens, labels = torch.arange(6)[None], torch.arange(1, 7)[None]
+    ids, targets = depth_inputs(tokens, labels, 2)
+    assert ids.tolist() == [[2, 3, 4, 5, 0, 1]] and targets.tolist() == [[3, 4, 5, 6, IGNORE_INDEX, IGNORE_INDEX]]
+
+
+def test_mtp_gradients_reach_the_shared_weights_and_its_own():
+    model = _model()
+    tokens = torch.randint(0, VOCAB, (B, L))
+    model(tokens, labels=torch.roll(tokens, -1, 1))
+    MTPLoss(D, LAMBDA).objective(model, torch.roll(tokens, -1, 1), cross_entropy_sum).backward()
+    assert model.mtp is not None and model.tok_embeddings is not None and model.output is not None
+    for p in (model.tok_embeddings.weight, model.output.weight, model.layers["1"].attention.wkv_a.weight,
+              *model.mtp.parameters()):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def _problems(world: int, *overrides: str) -> list[str]:
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"),
+                                      "--training.seq_len=64", *overrides])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, world)
+    return info.value.problems
+
+
+@pytest.mark.parametrize("flag", ["pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree"])
+def test_mtp_where_no_schedule_places_it_is_refused_in_one_line(flag):
+    problems = _problems(2, "--model.mtp_layers=1", f"--parallelism.{flag}=2",
+                         "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")
+    assert problems == [f"--model.mtp_layers=1 with --parallelism.{flag}=2: no schedule places the multi-token "
+                        f"prediction modules there yet; use --parallelism.{flag}=1 or --model.mtp_layers=0"]
+
+
+def test_mtp_on_a_family_without_it_is_refused_in_one_line():
+    cfg = ConfigManager().parse_args(["--model.mtp_layers=2"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, 1)
+    assert info.value.problems == ["--model.mtp_layers=2: model family llama3 has no multi-token prediction; use "
+                                   "--model.name=deepseek_v3 or --model.mtp_layers=0"]
+
+
+def test_tp_must_divide_the_heads():
+    problems = _problems(3, "--parallelism.tensor_parallel_degree=3", "--parallelism.data_parallel_shard_degree=1",
+                         "--training.seq_len=66")
+    assert any("n_heads (8) is not divisible by it" in p for p in problems) and all("\n" not in p for p in problems)

@@ -1,0 +1,44 @@
+"""Attention: masks and score kernels (``masks``), the backends that apply them with their capabilities
+(``backends``), and the attention modules a block is given (``gqa``). docs/models.md and
+docs/attention_masks.md describe them."""
+
+from torchtitan.models.attention.backends import (
+    BACKEND_CHOICES,
+    BACKENDS,
+    KV_CACHE_DECODE,
+    NO_EXTRAS,
+    AttentionBackend,
+    AttentionNeeds,
+    Capabilities,
+    ContextParallel,
+    DocumentSDPA,
+    FlexDocument,
+    KVCacheDecode,
+    ScoreExtras,
+    SDPACausal,
+    backend_name,
+    backend_problems,
+    describe_backend,
+    select_backend,
+)
+from torchtitan.models.attention.gqa import GQAConfig, GroupedQueryAttention
+from torchtitan.models.attention.masks import (
+    MASK_TYPES,
+    DocumentMask,
+    block_causal_attention,
+    build_document_mask,
+    check_mask_type,
+    cp_block_causal_attention,
+    cp_document_mask,
+    dense_mask,
+    document_causal_mask_mod,
+    document_ids,
+    per_document_sdpa,
+)
+
+__all__ = ["BACKENDS", "BACKEND_CHOICES", "KV_CACHE_DECODE", "MASK_TYPES", "NO_EXTRAS", "AttentionBackend",
+           "AttentionNeeds", "Capabilities", "ContextParallel", "DocumentMask", "DocumentSDPA", "FlexDocument",
+           "GQAConfig", "GroupedQueryAttention", "KVCacheDecode", "SDPACausal", "ScoreExtras", "backend_name",
+           "backend_problems", "block_causal_attention", "describe_backend", "build_document_mask", "check_mask_type",
+           "cp_block_causal_attention", "cp_document_mask", "dense_mask", "document_causal_mask_mod", "document_ids",
+           "per_document_sdpa", "select_backend"]

@@ -1,0 +1,171 @@
+"""Multi-head latent attention (DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1): ``MLAConfig`` and the module it builds,
+the attention a DeepSeek-V3 block is given (as a Llama block is given ``attention/gqa.py``'s).
+
+Keys and values come from one compressed latent per token: ``wkv_a`` projects x to the latent
+(``kv_lora_rank``) and one rotary key (``qk_rope_head_dim``, shared by every head); the latent is
+normalised (``kv_norm``) and ``wkv_b`` expands it to every head's key part without positions
+(``qk_nope_head_dim``) and value (``v_head_dim``). Queries come from one projection ``wq``, or a
+low-rank path ``wq_a -> q_norm -> wq_b`` when ``q_lora_rank > 0``; their last ``qk_rope_head_dim``
+entries are rotated. The score of a head is ``q_nope . k_nope + q_rope . k_rope``, softmax-scaled by
+``softmax_scale`` (YaRN's mscale included).
+
+Rotation and scores are the backend's (``models/attention/backends.py``); the backends scale by
+``1/sqrt(head)``, so the queries are multiplied by ``softmax_scale * sqrt(head)`` first. Under tensor
+parallelism the heads are sharded (``tp_plan``: ``wq``/``wq_b`` and ``wkv_b`` column-parallel, ``wo``
+row-parallel) and the latent path is whole on every rank: the shared rotary key's gradient is then a sum
+over each rank's heads, which ``tp_group`` completes.
+
+Decoding caches the normalised latent and the rotated shared key (``kv_lora_rank + qk_rope_head_dim``
+values per token and layer, whatever the head count or TP degree) and expands them for every step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+
+from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
+from torchtitan.models.attention.masks import DocumentMask
+from torchtitan.models.kv_cache import LayerCache
+from torchtitan.models.layers import RMSNorm
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """MLA's shape (Hugging Face's names: ``q_lora_rank`` 0 is their None) and its softmax scale."""
+
+    dim: int
+    n_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    norm_eps: float
+    softmax_scale: float
+
+    @property
+    def head_dim(self) -> int:
+        """The query/key head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def build(self) -> MultiHeadLatentAttention:
+        return MultiHeadLatentAttention(self)
+
+    def needs(self, mask_type: str) -> AttentionNeeds:
+        return AttentionNeeds(mask=mask_type, head_dim=self.head_dim, v_head_dim=self.v_head_dim)
+
+    def num_params(self) -> int:
+        """Projections and norms of one layer."""
+        heads, q = self.n_heads, self.q_lora_rank
+        query = self.dim * q + q + q * heads * self.head_dim if q else self.dim * heads * self.head_dim
+        kv = self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return query + kv + heads * self.v_head_dim * self.dim
+
+    def tp_widths(self) -> list[tuple[str, int]]:
+        """TP shards the heads; the latent path is whole on every rank."""
+        return [("n_heads", self.n_heads)]
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over ``group`` (the heads of every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """``forward(x [B, L, dim], rope_cache, *, backend, documents=None, cache=None) -> [B, L, dim]``."""
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        c = config
+        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.head_dim, self.kv_lora_rank = c.head_dim, c.kv_lora_rank
+        self.wq: nn.Linear | None = None
+        self.wq_a: nn.Linear | None = None
+        self.q_norm: RMSNorm | None = None
+        self.wq_b: nn.Linear | None = None
+        if c.q_lora_rank:
+            self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+            self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.wkv_a = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps)
+        self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
+        # the backends scale by 1/sqrt(head_dim): the queries carry the rest of the softmax scale
+        self.query_scale = c.softmax_scale * math.sqrt(c.head_dim)
+        self.tp_group: dist.ProcessGroup | None = None  # set by tp_plan
+
+    def in_projections(self) -> list[nn.Linear]:
+        """The projections into the heads and the latent (init treats them alike)."""
+        return [lin for lin in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b) if lin is not None]
+
+    def out_projections(self) -> list[nn.Linear]:
+        return [self.wo]
+
+    def tp_plan(self, seq: Shard | Replicate, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+        """This module's TP plan (names relative to it): heads sharded, the latent path whole. The input is
+        gathered to the whole sequence and handed in as a plain tensor; each column-parallel projection sums
+        its input's gradient over TP (its input is Replicate), and the shared rotary key's sum is ours."""
+        self.tp_group = tp_mesh.get_group()
+        return {"": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
+                                       use_local_output=True),
+                "wq" if self.wq is not None else "wq_b": ColwiseParallel(), "wkv_b": ColwiseParallel(),
+                "wo": RowwiseParallel(output_layouts=seq)}
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wq is not None:
+            return self.wq(x)
+        assert self.wq_a is not None and self.q_norm is not None and self.wq_b is not None
+        return self.wq_b(self.q_norm(self.wq_a(x)))
+
+    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, T, H, head_dim] and values [B, T, H, v_head_dim] of this rank's heads from the
+        normalised latent [B, T, kv_lora_rank] and the rotated shared key [B, T, 1, rope]."""
+        bs, length, _ = latent.shape
+        kv = self.wkv_b(latent).view(bs, length, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        return k, v
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, backend: AttentionBackend,
+                documents: DocumentMask | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.queries(x).view(bs, seqlen, -1, self.head_dim)  # -1: this rank's heads under TP
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = self.kv_norm(latent)
+        q_rope, k_rope = backend.rotate(q_rope, k_rope.unsqueeze(2), rope_cache[..., :seqlen, :])
+        if self.tp_group is not None:
+            k_rope = _SumGradOverGroup.apply(k_rope, self.tp_group)
+        q = torch.cat([q_nope, q_rope], dim=-1) * self.query_scale
+        if cache is not None:  # the latent and the shared key are what a decoding step keeps
+            latent_all, k_rope_all = cache.update(latent.unsqueeze(1), k_rope.transpose(1, 2))
+            k, v = self.expand(latent_all.squeeze(1), k_rope_all.transpose(1, 2))
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=cache.mask)
+        else:
+            k, v = self.expand(latent, k_rope)
+            out = backend.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))

@@ -1,0 +1,95 @@
+"""DeepSeek-V3's model: the one decoder (``models/common/decoder.py``) with MLA as its blocks' attention
+(``args.attention()``), the rotary cache over ``qk_rope_head_dim`` (YaRN-scaled), and the multi-token
+prediction modules (``mtp.py``) after the blocks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
+from torchtitan.models.common.decoder import Decoder, DecoderBlock
+from torchtitan.models.common.flops import param_counts
+from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.mtp import MTPModule, depth_inputs
+from torchtitan.models.kv_cache import KVCache
+from torchtitan.models.layers import precompute_rope_cache
+from torchtitan.models.moe import MoE
+
+__all__ = ["DeepSeekV3Model", "flops_per_token", "param_counts"]
+
+
+class DeepSeekV3Model(Decoder):
+    """``Decoder`` of MLA blocks, with ``mtp`` (None when off): depth k's block is layer ``n_layers + k - 1``,
+    as releases number it."""
+
+    args: DeepSeekV3Args
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__(args)
+        self.mtp: nn.ModuleDict | None = None
+        if args.num_mtp_layers:
+            self.mtp = nn.ModuleDict({str(k): MTPModule(DecoderBlock(args.n_layers + k, args), args)
+                                      for k in range(args.num_mtp_layers)})
+        self._mtp_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
+        a = self.args
+        return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.yarn, device)
+
+    def extra_blocks(self) -> list[nn.Module]:
+        """The MTP modules' blocks run after ``layers``: each its own FSDP unit, with the TP plan of a block."""
+        return [m.block for m in self._mtp_modules()]
+
+    def _mtp_modules(self) -> list[MTPModule]:
+        return [m for m in (self.mtp or {}).values() if isinstance(m, MTPModule)]
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """Layer key -> MoE, the MTP modules' included (``mtp.k``): balancing and EP go through them all."""
+        layers = super().moe_layers()
+        for k, module in enumerate(self._mtp_modules()):
+            if isinstance(module.block.feed_forward, MoE):
+                layers[f"mtp.{k}"] = module.block.feed_forward
+        return layers
+
+    def extra_init_specs(self) -> dict[int, InitSpec]:
+        """The MTP modules' ``eh_proj`` trunc_normal(0.02); their blocks and norms follow the decoder's rules."""
+        return {id(m.eh_proj.weight): trunc_normal_spec(0.02, 2.0) for m in self._mtp_modules()}
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's forward; with ``labels`` (training with multi-token prediction) it also keeps each
+        depth's (logits, labels) for ``pop_mtp_outputs``. Returns the main logits either way."""
+        if labels is None or self.mtp is None or cache is not None:
+            return super().forward(tokens, positions, cache)
+        assert self.tok_embeddings is not None and self.norm is not None and self.output is not None, (
+            "multi-token prediction needs the whole model (preflight refuses it under pipeline parallelism)")
+        backend = self.backend_for(tokens.device)
+        h = self.tok_embeddings(tokens)
+        rope = self.rope_cache if positions is None else self.rope_cache[positions]
+        documents = None
+        if self.args.attn_mask_type == "block_causal" and positions is not None:
+            documents = backend.document_mask(positions, tokens.shape[0])
+        for layer in self.layers.values():
+            h = layer(h, rope, backend=backend, documents=documents)
+        self._mtp_outputs = []
+        previous = h
+        for k, module in enumerate(self._mtp_modules(), start=1):
+            ids, targets = depth_inputs(tokens, labels, k)
+            previous = module(previous, self.tok_embeddings(ids), rope, backend=backend, documents=documents)
+            self._mtp_outputs.append((self.output(module.norm(previous)), targets))
+        return self.output(self.norm(h))
+
+    def pop_mtp_outputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each depth's (logits [B, L, vocab], labels [B, L]) of the last forward given labels; cleared."""
+        out, self._mtp_outputs = self._mtp_outputs, []
+        return out
+
+
+def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_active (the lookup apart) + 6 * n_layers * n_heads * (head_dim +
+    v_head_dim) * seq_len, the scores QK^T (query/key head) and AV (value head) forward and backward:
+    Llama 3's 12 * n_layers * n_heads * head_dim * seq_len when the two heads are equal."""
+    _, active = param_counts(args)
+    n = active - args.vocab_size * args.dim
+    return 6.0 * n + 6.0 * args.n_layers * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len

@@ -1,0 +1,50 @@
+"""Multi-token prediction (DeepSeek-V3 report, §2.2).
+
+Depth k (1..D) predicts the token k + 1 places ahead of each position. Its module combines the
+previous depth's hidden state h^{k-1}_i (the main model's last block output for k = 1) with the
+embedding of token t_{i+k}: ``h'_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])``, runs its own
+transformer block on it, and scores ``output(norm(h^k_i))`` against t_{i+k+1}. The embedding and the
+output projection are the main model's (shared); ``norm`` is the module's own (a release's
+``shared_head.norm``). The loss is ``lambda / D * sum_k L^k``, each ``L^k`` a sum of token
+cross-entropies over the main loss's token count T (the report's ``-1/T sum log P``).
+
+Positions are not shortened: depth k's inputs are the tokens rolled k places left, and its last k
+positions (whose t_{i+k+1} lies beyond the labels) are not scored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtitan.models.attention import AttentionBackend, DocumentMask
+from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.layers import RMSNorm
+
+IGNORE_INDEX = -100  # torchtitan/loss.py's: a position that is not scored
+
+
+class MTPModule(nn.Module):
+    """One depth: ``forward(h [B, L, dim], emb [B, L, dim], rope_cache, *, backend, documents) -> h^k``."""
+
+    def __init__(self, block: nn.Module, args: DeepSeekV3Args):
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = block
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope_cache: torch.Tensor, *, backend: AttentionBackend,
+                documents: DocumentMask | None = None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        return self.block(x, rope_cache, backend=backend, documents=documents)
+
+
+def depth_inputs(tokens: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B, L] whose embeddings depth ``k`` reads, its labels [B, L]): both rolled ``k`` left, the
+    last ``k`` labels unscored. ``labels`` are the main loss's (labels[i] = t_{i+1})."""
+    ids = torch.roll(tokens, -k, dims=1)
+    targets = torch.roll(labels, -k, dims=1).clone()
+    targets[:, -k:] = IGNORE_INDEX
+    return ids, targets
