@@ -21,16 +21,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan import compat
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (grouped_mm's backward refuses stride 0)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - autograd's signature
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return grad.contiguous()
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -64,7 +56,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     if use_grouped_mm and grouped_mm_fits(x, weight):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         out = compat.grouped_mm(x.contiguous(), weight.transpose(-2, -1), offsets)
-        return _ContiguousGrad.apply(out)
+        if out.requires_grad:
+            # grouped_mm's backward refuses a stride-0 gradient (``y.sum().backward()``). A tensor hook
+            # hands it a contiguous one and leaves ``out`` its own tensor: an identity autograd function
+            # would return a view, on which FSDP cannot rely to hook the experts' backward (it warns).
+            out.register_hook(_contiguous)
+        return out
     return per_group_linear(x, weight, counts)
 
 
