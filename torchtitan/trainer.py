@@ -183,13 +183,13 @@ class Trainer:
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
         start_data_at(self.dataloader, self.step * self.grad_accum * cfg.training.batch_size * self.data_degree)
         self.metrics_logger.start(self.step)  # a resumed job continues its W&B run
-        data_iter = self.step_strategy.start(self.step)
+        self.step_strategy.begin(self.step, self.grad_accum)
         logger.info(format_batch_line(cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len,
                                       self.grad_accum, self.dims.degree("dp")))
         trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
         with maybe_profile(cfg.profiling.enable_profiling, trace_dir, cfg.profiling.profile_freq, self.rank) as prof:
             while self.step < cfg.training.steps:
-                self._run_step(data_iter)
+                self._run_step()
                 if prof is not None:
                     prof.step()
                 if self.checkpointer.maybe_save(self.step):
@@ -213,7 +213,7 @@ class Trainer:
             if metrics_logger is not None:
                 metrics_logger.close()
 
-    def _run_step(self, data_iter) -> None:
+    def _run_step(self) -> None:
         """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps.
 
         The step's loss and grad norm stay on the device; they are read on the host (and the
@@ -222,9 +222,7 @@ class Trainer:
         cfg = self.cfg
         self.step += 1
         self.throughput.step_begin()
-        batches = [Batch.of(next(data_iter)) for _ in range(self.grad_accum)]
-        self.throughput.data_loaded()
-        out = self.train_step(batches)
+        out = self.step_strategy.next_step(self.step, loaded=self.throughput.data_loaded)
         self.step = out.step  # a fault-tolerant step that healed took a live peer's step
         self.readout.add(out)
         if self.readout.steps_taken == 1:
@@ -243,7 +241,7 @@ class Trainer:
         # before the read, it counted only the host's (benchmarks/README.md section 21).
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
-        self.throughput.step_end(tokens=sum(b.inputs.numel() for b in batches) / self.dims.non_data_parallel_size)
+        self.throughput.step_end(tokens=out.tokens / self.dims.non_data_parallel_size)
         scores = self._evaluate() if evaluate else {}
         if log:
             self._log(loss, grad_norm, out.lr, scores)

@@ -2,13 +2,17 @@
 
 A step: batches to the device -> forward/backward over the micro-batches (``ModelRunner``) -> the
 tail, in this order: give gradients their parameters' placements -> clip by the global norm
-(summed over the pipeline stages too) -> [``commit``: fault tolerance's vote] -> optimizer step
-[around it ``before_optimizer_step`` / ``after_optimizer_step``: semi-sync's bookkeeping] -> LR
-step -> zero_grad -> [``after_step``: the replica check] -> the global loss. A strategy writes
+(summed over the pipeline stages too) -> [``commit``: fault tolerance's vote] -> [``before_optimizer_step``:
+semi-sync's bookkeeping] -> ``balance_experts`` (a model with MoE layers: the routing biases move
+from the step's token counts) -> optimizer step -> [``after_optimizer_step``: did semi-sync's sync
+commit?] -> LR step -> zero_grad -> [``after_step``: the replica check] -> the global loss. A strategy writes
 only what comes before the tail (how the loss is scaled and summed, what happens around the
 forward) and overrides the hooks; the order above is ``finish``'s alone.
 
 The step's callbacks (``train_step/callbacks.py``) are called at its named points.
+
+The strategy reads its own micro-batches (``begin``, then ``next_step``): a batch goes from the data
+loader to the device without passing through the trainer, which gets the step's token count back.
 
 Nothing here reads a device value on the host: the loss and the grad norm are returned as
 device tensors, and the trainer reads them only on the steps that need them.
@@ -73,6 +77,7 @@ class StepOutput:
     loss: torch.Tensor  # the global mean token loss (float64, 0-dim)
     grad_norm: torch.Tensor  # the global gradient norm before clipping (0-dim)
     lr: float  # the learning rate the optimizer step ran at
+    tokens: int = 0  # input positions of this rank's micro-batches (before any context-parallel split)
 
 
 class StepStrategy:
@@ -80,6 +85,8 @@ class StepStrategy:
 
     def __init__(self, parts: StepParts):
         self.parts = parts
+        self._data: Iterator[Batch | tuple[torch.Tensor, ...]] | None = None
+        self._micro_batches = 1
 
     # ---- the trainer's interface -----------------------------------------------
     def start(self, step: int) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
@@ -87,12 +94,27 @@ class StepStrategy:
         assert self.parts.dataloader is not None, "only the planner's dry run has none, and it feeds its own batches"
         return iter(self.parts.dataloader)
 
+    def begin(self, step: int, micro_batches: int) -> None:
+        """Begin training after ``step``: from now on ``next_step`` reads ``micro_batches`` batches a step."""
+        self._data, self._micro_batches = self.start(step), micro_batches
+
+    def next_step(self, step: int, loaded: Callable[[], None] | None = None) -> StepOutput:
+        """Take optimizer step number ``step`` over the next micro-batches of the data (``begin`` first);
+        ``loaded()`` is called once they are read (the trainer times the data loading)."""
+        assert self._data is not None, "begin() first"
+        batches = [next(self._data) for _ in range(self._micro_batches)]
+        if loaded is not None:
+            loaded()
+        return self.run(batches, step)
+
     def run(self, batches: Sequence[Batch | Sequence[torch.Tensor]], step: int) -> StepOutput:
         """Take optimizer step number ``step`` over ``batches`` (the micro-batches: ``Batch``es, or a loader's
-        tuples, which the runner names)."""
+        tuples, named here)."""
         callbacks = self.parts.callbacks
         callbacks.begin(self, step)
-        out = self._run(self.parts.runner.prepare(batches), step)
+        named = [Batch.of(batch) for batch in batches]
+        out = self._run(self.parts.runner.prepare(named), step)
+        out.tokens = sum(batch.inputs.numel() for batch in named)
         callbacks.emit(StepPoint.STEP_END, output=out)
         return out
 
@@ -137,6 +159,7 @@ class StepStrategy:
         lr = self.current_lr()  # after the vote: a step that healed runs at its peer's learning rate
         parts.callbacks.emit(StepPoint.OPTIMIZER_STEP)
         self.before_optimizer_step()
+        self.balance_experts()
         parts.optimizer.step()
         self.after_optimizer_step()
         parts.lr_scheduler.step()
@@ -169,6 +192,12 @@ class StepStrategy:
         params = self.parts.runner.parameters()
         match_grad_placements(params)
         return clip_grad_norm_(params, self.parts.max_norm, pp_mesh=self.parts.pp_mesh)
+
+    def balance_experts(self) -> None:
+        """The routing biases move from the step's token counts (a model with MoE layers; else nothing)."""
+        experts = self.parts.runner.experts
+        if experts is not None:
+            experts.update()
 
     def current_lr(self) -> float:
         """The learning rate the next optimizer step runs at."""

@@ -63,7 +63,7 @@ class ModelRunner:
         return batch.map(lambda t: t.to(self.device))
 
     def prepare(self, batches: Sequence[Batch | Sequence[torch.Tensor]]) -> list[Batch]:
-        """``shard_batch`` of every micro-batch of a step."""
+        """``shard_batch`` of every micro-batch of a step (the step strategy has named them already)."""
         return [self.shard_batch(batch) for batch in batches]
 
     def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor],
