@@ -119,10 +119,10 @@ class Training:
         "float32", "Gradient reduction dtype", choices=("float32", "bfloat16"))
     compile: bool = field_with_help(False, "torch.compile each transformer block")
     cpu_matmul: str = field_with_help(
-        "onednn", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU; "
-        "faster than MKL on AMD CPUs, where MKL keeps to AVX2: benchmarks/README.md section 11); aten = torch's "
-        "default (MKL on x86). TP linears use aten",
-        choices=("onednn", "aten"),
+        "auto", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU); aten = "
+        "torch's default (MKL on x86, which keeps to AVX2 on AMD CPUs); auto = onednn on AMD/Hygon CPUs with "
+        "AVX-512, aten elsewhere (benchmarks/README.md section 11). TP linears use aten",
+        choices=("auto", "onednn", "aten"),
     )
     seed: int | None = field_with_help(None, "Base random seed; unset means no seeding (stated in the log)")
     deterministic: bool = field_with_help(False, "Use deterministic algorithms (slower)")
