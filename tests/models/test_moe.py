@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from torchtitan import compat
+from torchtitan.compat import kernels as compat_kernels
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.models.expert_balance import imbalance, update_expert_bias
 from torchtitan.models.moe import MoE, MoEArgs
@@ -256,11 +257,11 @@ def test_counts_are_not_doubled_by_activation_checkpointing(reentrant):
 def test_the_first_grouped_gemm_inside_a_checkpoint_recomputes_the_same(monkeypatch):
     """torch._grouped_mm's support is probed on first use: here inside a checkpointed forward, whose
     recompute (probe cached) must save the same tensors, or the backward raises CheckpointError."""
-    monkeypatch.setattr(compat, "_GROUPED_MM_PROBED", {})
+    monkeypatch.setattr(compat_kernels, "_GROUPED_MM_PROBED", {})
     moe = make_moe()
     y = checkpoint(moe, torch.randn(2, 8, 16, requires_grad=True), use_reentrant=False)
     y.sum().backward()
-    assert compat._GROUPED_MM_PROBED and moe.experts.w1.grad is not None
+    assert compat_kernels._GROUPED_MM_PROBED and moe.experts.w1.grad is not None
 
 
 def test_counts_add_up_over_micro_batches_and_skip_evaluation():

@@ -14,7 +14,7 @@ for one that assumes the counts and runs everything else as the real one does:
   own tokens still go out evenly. Memory, expert FLOPs and the all-to-all bytes of that rank all follow.
 
 Under EP 1 every expert is local and the factor changes no total (the grouped GEMM is priced by its FLOPs).
-``grouped_mm_as_on`` (``compat.py``) makes the experts choose as a GPU does: ``torch._grouped_mm`` in
+``grouped_mm_as_on`` (``compat/kernels.py``) makes the experts choose as a GPU does: ``torch._grouped_mm`` in
 bf16, the per-expert loop otherwise.
 """
 
