@@ -78,7 +78,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
                         cfg.training.cpu_matmul)
     if dims.tp_enabled:
         # TP parameters must share the root of the mesh FSDP goes on, one-rank FSDP included.
-        tp_mesh = dims.tp_mesh(fsdp_on_one_rank=one_rank)
+        tp_mesh = dims.tp_mesh()
         assert tp_mesh is not None, "TP is on"
         family.apply_tp(model, tp_mesh, cfg.parallelism.enable_sequence_parallel, dims.loss_parallel_enabled)
     cp_mesh = dims.get_mesh("cp") if dims.cp_enabled else None
