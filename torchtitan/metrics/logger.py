@@ -8,14 +8,19 @@ reads a run's batch arithmetic with ``BATCH_LINE``. Change a format and its patt
 tests/metrics/test_log_lines.py checks that they agree.
 """
 
+from __future__ import annotations
+
 import logging
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchtitan.logging_setup import LINE_PREFIX_RE
 from torchtitan.metrics.wandb_run import WandbRun
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +57,11 @@ class MetricsLogger:
         if self.enabled and log_dir is None:
             logger.warning("TensorBoard is enabled but no log_dir was given; not writing")
             self.enabled = False
-        self._writer: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self._writer: SummaryWriter | None = None
         self.wandb_run = wandb_run if rank == log_rank else None
         self._wandb_started = False
 
-    def _get_writer(self) -> Any:
+    def _get_writer(self) -> SummaryWriter:
         if self._writer is None:
             # Imported here: tensorboard is only needed when it is enabled.
             from torch.utils.tensorboard import SummaryWriter
@@ -88,7 +93,7 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.close()
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
