@@ -28,11 +28,12 @@ from torchtitan.distributed import init_distributed, manual_seed, set_determinis
 from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.downstream.build import build_downstream_evaluator
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
+from torchtitan.launch_plan import LaunchPlan
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.metrics.wandb_run import wandb_run_from_config
-from torchtitan.preflight import LaunchPlan, preflight
+from torchtitan.preflight import preflight
 from torchtitan.train_step.base import StepOutput, StepParts
 from torchtitan.train_step.build import build_runner
 from torchtitan.train_step.callbacks import StepCallback, StepCallbacks

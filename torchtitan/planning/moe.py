@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtitan.launch_plan import LaunchPlan
 from torchtitan.models.spec import ModelSpec
-from torchtitan.preflight import LaunchPlan
 
 # CUDA's grouped GEMM kernel (sm90) takes bf16 only; other dtypes run the loop on a GPU.
 GPU_GROUPED_MM_DTYPES = frozenset({torch.bfloat16})

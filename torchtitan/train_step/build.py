@@ -33,7 +33,7 @@ from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.runner import ModelRunner
 
 if TYPE_CHECKING:
-    from torchtitan.preflight import LaunchPlan
+    from torchtitan.launch_plan import LaunchPlan
 
 logger = logging.getLogger(__name__)
 
