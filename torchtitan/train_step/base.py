@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.lr_scheduler import LRScheduler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.batch import Batch
@@ -61,7 +62,7 @@ class StepParts:
         return self.runner.optimizer
 
     @property
-    def lr_scheduler(self) -> Any:
+    def lr_scheduler(self) -> LRScheduler:
         return self.runner.lr_scheduler
 
     @property

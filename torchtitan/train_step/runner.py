@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim.lr_scheduler import LRScheduler
 
 from torchtitan.batch import Batch
 from torchtitan.distributed import ParallelDims
@@ -34,7 +34,7 @@ class ModelRunner:
     """What a step runs: the model parts (one per pipeline stage held, else one), their optimizer and schedule."""
 
     def __init__(self, model_parts: list[torch.nn.Module], pp_runner: PipelineRunner | None,
-                 optimizer: torch.optim.Optimizer, lr_scheduler: Any, loss_fn: LossFn, dims: ParallelDims,
+                 optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler, loss_fn: LossFn, dims: ParallelDims,
                  device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
                  experts: ExpertBalance | None = None):
         self.model_parts, self.pp_runner = model_parts, pp_runner
