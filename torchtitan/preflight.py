@@ -47,6 +47,7 @@ from torchtitan.metrics.wandb_run import wandb_problems
 from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
+from torchtitan.stability.checks import stability_problems
 
 
 def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None,
@@ -150,7 +151,7 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     if check_data and t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
         problems.append(f"--training.dataset_path={t.dataset_path}: no such file or folder")
     problems += wandb_problems(cfg.metrics.enable_wandb)
-    return problems + _validation_problems(cfg)
+    return problems + _validation_problems(cfg) + stability_problems(cfg)
 
 
 def _schedule_problems(cfg: JobConfig) -> list[str]:

@@ -106,6 +106,16 @@ class CheckpointManager:
             self.saver.protected = {self.loader.loaded_step}  # never purged by this run's saves
         return step
 
+    def reload_latest(self) -> int | None:
+        """Mid-run: wait for a pending save, then load the latest checkpoint again; its step, or None when there is
+        none of this run's own to load (a rollback, stability/rollback.py)."""
+        if not self.enabled:
+            return None
+        self.saver.finish_pending(block=True)
+        self.loader.loaded_step = None
+        step = self.loader.load()
+        return step if self.loader.loaded_step is not None else None
+
     # ---- saving ----------------------------------------------------------------
     def save(self, step: int, *, kind: str = CheckpointKind.FULL, sync: bool = True) -> None:
         """Write a checkpoint of the current state (a collective: every rank calls it)."""

@@ -331,6 +331,43 @@ class FaultTolerance:
 
 
 @dataclass
+class Stability:
+    """Bad steps skipped on the device, a rollback after too many in a row, and z-loss (docs/stability.md)."""
+
+    skip_nonfinite_steps: bool = field_with_help(
+        False, "Skip the optimizer step (Adam moments and step count untouched) whose loss or gradient norm is not "
+        "finite, instead of stopping at the next logged loss")
+    skip_spikes: bool = field_with_help(
+        False, "Also skip a step whose loss or gradient norm exceeds its running mean by sigma_factor standard "
+        "deviations over the last rolling_interval_length accepted steps")
+    sigma_factor: float = field_with_help(6.0, "Spike threshold in standard deviations above the running mean",
+                                          min=0.0)
+    rolling_interval_length: int = field_with_help(
+        128, "Accepted steps whose loss and gradient norm make the running mean and standard deviation", min=2)
+    spike_warmup_steps: int = field_with_help(
+        64, "Accepted steps before the spike detector may skip one (at least 2, at most rolling_interval_length)",
+        min=2)
+    max_consecutive_skips: int = field_with_help(
+        0, "After this many skipped steps in a row, reload the last checkpoint and skip the data that followed it "
+        "(0 = never; needs checkpoint.enable_checkpoint)", min=0)
+    z_loss_multiplier: float = field_with_help(
+        0.0, "z-loss coefficient (PaLM, OLMo: 1e-4): adds multiplier * logsumexp(logits)^2 per token to the "
+        "trained loss; logged as z_loss apart from loss (0 = off)", min=0.0)
+
+    @property
+    def guards_steps(self) -> bool:
+        """Whether steps are checked before the optimizer step at all."""
+        return self.skip_nonfinite_steps or self.skip_spikes
+
+
+@dataclass
+class Debug:
+    inject_nonfinite_grad: list[int] = field_with_help(
+        [], "For tests and drills: make a gradient NaN on every rank at these steps (e.g. 5,9), after the "
+        "backward, so the bad-step handling of [stability] can be watched")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -347,6 +384,8 @@ class JobConfig:
     eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    stability: Stability = field(default_factory=Stability)
+    debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

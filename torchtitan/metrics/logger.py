@@ -142,7 +142,7 @@ def format_validation_line(step: int, loss: float, perplexity: float, tokens: in
 def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     """One console line for a log step; fields missing from ``metrics`` are left out.
 
-    Read keys: loss, grad_norm, lr, tps, tflops, mfu_pct, max_reserved_gib /
+    Read keys: loss, z_loss, grad_norm, lr, skipped_steps ([stability]), tps, tflops, mfu_pct, max_reserved_gib /
     max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s, and a mixture's
     ``data/tokens/<source>`` (tokens each source gave so far) as one compact field, and a model with
     experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another;
@@ -158,8 +158,10 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
 
     add("loss", "loss: {:.5g}")
     add("mtp/loss", "mtp_loss: {:.5g}")  # multi-token prediction's, apart from the main loss
+    add("z_loss", "z_loss: {:.4g}")
     add("grad_norm", "grad_norm: {:.4f}")
     add("lr", "lr: {:.1e}")
+    add("skipped_steps", "skipped: {:.0f}")
     add("tps", "tps: {:,.0f}")
     add("tflops", "tflops: {:.2f}")
     add("mfu_pct", "mfu: {:.2f}%")

@@ -2,10 +2,11 @@
 
 A step: batches to the device -> forward/backward over the micro-batches (``ModelRunner``) -> the
 tail, in this order: give gradients their parameters' placements -> clip by the global norm
-(summed over the pipeline stages too) -> [``commit``: fault tolerance's vote] -> [``before_optimizer_step``:
-semi-sync's bookkeeping] -> ``balance_experts`` (a model with MoE layers: the routing biases move
-from the step's token counts) -> optimizer step -> [``after_optimizer_step``: did semi-sync's sync
-commit?] -> LR step -> zero_grad -> [``after_step``: the replica check] -> the global loss. A strategy writes
+(summed over the pipeline stages too) -> [``commit``: fault tolerance's vote] -> [the bad-step guard:
+skip this step? (stability/guard.py)] -> [``before_optimizer_step``: semi-sync's bookkeeping] ->
+``balance_experts`` (a model with MoE layers: the routing biases move from the step's token counts) ->
+optimizer step -> [``after_optimizer_step``: did semi-sync's sync commit?] -> LR step -> zero_grad ->
+[``after_step``: the replica check] -> the global loss. A strategy writes
 only what comes before the tail (how the loss is scaled and summed, what happens around the
 forward) and overrides the hooks; the order above is ``finish``'s alone.
 
@@ -30,8 +31,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.batch import Batch
+from torchtitan.distributed.collectives import start_sum
 from torchtitan.distributed.grads import clip_grad_norm_, match_grad_placements
 from torchtitan.loss import LossScale
+from torchtitan.stability.guard import BadStepGuard
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.runner import ModelRunner
 
@@ -52,6 +55,7 @@ class StepParts:
     pp_mesh: DeviceMesh | None  # the pipeline stages, whose gradient norms add up
     max_norm: float
     dataloader: StatefulDataLoader | None  # None in the planner's dry run, which makes its own batches
+    guard: BadStepGuard | None = None  # [stability]: skips bad steps before the optimizer step
 
     @property
     def model_parts(self) -> list[torch.nn.Module]:
@@ -79,6 +83,8 @@ class StepOutput:
     grad_norm: torch.Tensor  # the global gradient norm before clipping (0-dim)
     lr: float  # the learning rate the optimizer step ran at
     tokens: int = 0  # input positions of this rank's micro-batches (before any context-parallel split)
+    skipped: torch.Tensor | None = None  # [stability]: whether the guard skipped the step (0-dim bool)
+    z_loss: torch.Tensor | None = None  # the mean z-loss per token, when z-loss is on (float64, 0-dim)
 
 
 class StepStrategy:
@@ -95,9 +101,10 @@ class StepStrategy:
         assert self.parts.dataloader is not None, "only the planner's dry run has none, and it feeds its own batches"
         return iter(self.parts.dataloader)
 
-    def begin(self, step: int, micro_batches: int) -> None:
-        """Begin training after ``step``: from now on ``next_step`` reads ``micro_batches`` batches a step."""
-        self._data, self._micro_batches = self.start(step), micro_batches
+    def begin(self, step: int, micro_batches: int, data: Iterator | None = None) -> None:
+        """Begin training after ``step``: from now on ``next_step`` reads ``micro_batches`` batches a step, from
+        ``data`` (a rollback's, already past the skipped window) or the loader's position (``start``)."""
+        self._data, self._micro_batches = self.start(step) if data is None else data, micro_batches
 
     def next_step(self, step: int, loaded: Callable[[], None] | None = None) -> StepOutput:
         """Take optimizer step number ``step`` over the next micro-batches of the data (``begin`` first);
@@ -147,17 +154,23 @@ class StepStrategy:
         return local_loss_sum
 
     def finish(self, step: int, loss_sum: Callable[[], torch.Tensor], scale: TokenCount) -> StepOutput | None:
-        """The tail of every step: clip -> commit? -> optimizer step -> LR step -> zero_grad -> the global loss.
+        """The tail of every step: clip -> commit? -> guard? -> optimizer step -> LR step -> zero_grad -> the loss.
 
-        ``loss_sum()`` gives the step's global loss sum, waited for only after the optimizer step.
-        None when ``commit`` voted the step away (its gradients are dropped).
+        ``loss_sum()`` gives the step's global loss sum, waited for only after the optimizer step (before it
+        when the bad-step guard judges the loss). None when ``commit`` voted the step away (its gradients
+        are dropped).
         """
         parts = self.parts
+        z_loss_sum = parts.runner.take_z_loss_sum()
+        z_total = None if z_loss_sum is None else self.global_sum(z_loss_sum)
         grad_norm = self.clip()
         if not self.commit():
             self.zero_grad()
             return None
         lr = self.current_lr()  # after the vote: a step that healed runs at its peer's learning rate
+        skipped = None
+        if parts.guard is not None:
+            skipped = parts.guard.decide(parts.optimizer, loss_sum() / scale.global_tokens, grad_norm)
         parts.callbacks.emit(StepPoint.OPTIMIZER_STEP)
         self.before_optimizer_step()
         self.balance_experts()
@@ -166,8 +179,14 @@ class StepStrategy:
         parts.lr_scheduler.step()
         self.zero_grad()
         self.after_step()
-        return StepOutput(step=self.step_taken(step), loss=loss_sum() / scale.global_tokens, grad_norm=grad_norm,
-                          lr=lr)
+        tokens = scale.global_tokens
+        return StepOutput(step=self.step_taken(step), loss=loss_sum() / tokens, grad_norm=grad_norm, lr=lr,
+                          skipped=skipped, z_loss=None if z_total is None else z_total() / tokens)
+
+    def global_sum(self, local: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing a rank's share of a step total over the ranks that see different tokens (and, under
+        fault tolerance, the live groups); the returned function waits for the sum."""
+        return start_sum(local, self.parts.loss_mesh)
 
     # ---- the tail's hooks (fault tolerance, semi-sync) ------------------------------
     def commit(self) -> bool:

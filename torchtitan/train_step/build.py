@@ -28,6 +28,7 @@ from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_backend
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.stability.z_loss import WithZLoss
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.runner import ModelRunner
@@ -55,6 +56,8 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     over them when PP is on, the optimizer and the LR schedule."""
     device_type = options.device_type or device.type
     loss_fn = training_loss(device_type)
+    multiplier = cfg.stability.z_loss_multiplier
+    z_loss = WithZLoss(loss_fn, multiplier) if multiplier > 0 else None
     spec = plan.model_spec
     with torch.device("meta"):
         model = spec.build(plan.model_args)
@@ -71,8 +74,9 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     else:
         pp_mesh = dims.get_mesh("pp")
         assert pp_mesh is not None, "a pipeline plan means PP is on"
+        train_loss = z_loss if z_loss is not None else loss_fn  # what the last stage back-propagates
         pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize,
-                                                loss_fn, spec.prune_stage, stage_io=options.stage_io)
+                                                train_loss, spec.prune_stage, stage_io=options.stage_io)
     o, s = cfg.optimizer, cfg.lr_scheduler
     with options.allocate():
         optimizer = build_optimizer(
@@ -86,7 +90,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff, dims,
                                plan.pipeline.microbatches if plan.pipeline is not None else 1)
     return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
-                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts)
+                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss)
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,
