@@ -211,7 +211,8 @@ class Trainer:
         trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
         with maybe_profile(cfg.profiling.enable_profiling, trace_dir, cfg.profiling.profile_freq, self.rank) as prof:
             while self.step < cfg.training.steps:
-                self._run_step()
+                if not self._run_step():
+                    continue  # rolled back to a checkpoint: nothing of this step to save
                 if prof is not None:
                     prof.step()
                 if self.checkpointer.maybe_save(self.step):
@@ -235,8 +236,9 @@ class Trainer:
             if metrics_logger is not None:
                 metrics_logger.close()
 
-    def _run_step(self) -> None:
-        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps.
+    def _run_step(self) -> bool:
+        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps; False when
+        the step's read found a rollback due ([stability]) and the run went back to its last checkpoint.
 
         The step's loss and grad norm stay on the device; they are read on the host (and the
         losses checked for finiteness) only on a step that logs, validates or may checkpoint.
@@ -261,7 +263,7 @@ class Trainer:
             loss, now = self.readout.read(self._read_now(out))
             if now.get("rollback_due"):
                 self._roll_back()
-                return
+                return False
         # The step ends after the read: on a GPU the host runs ahead of the device until something waits for
         # it, and the read is that wait. So a log window's time is the device's time for its steps; ended
         # before the read, it counted only the host's (benchmarks/README.md section 21).
@@ -273,6 +275,7 @@ class Trainer:
             self._log(loss, now, out.lr, scores)
         if validate:
             self.validate()
+        return True
 
     def validate(self) -> ValidationResult:
         """Evaluate on the validation data now; log and record the result at the current step."""

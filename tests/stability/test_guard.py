@@ -18,7 +18,7 @@ def _guard(**options) -> BadStepGuard:
 def _decide(guard: BadStepGuard, loss: float, norm: float) -> bool:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
     bad = guard.decide(opt, torch.tensor(loss, dtype=torch.float64), torch.tensor(norm))
-    assert float(getattr(opt, "found_inf")) == float(bad)  # what the kernel is told
+    assert float(opt.found_inf) == float(bad)  # what the kernel is told
     return bool(bad)
 
 

@@ -59,9 +59,8 @@ class Rollback:
         if self.rank == 0:
             logger.warning(
                 "Rollback: %d steps in a row skipped (noticed at step %d); reloaded the checkpoint of step %d and "
-                "skip the data of steps %d-%d (global samples %d-%d of the run's stream, %d steps' worth)",
-                skips, noticed_at, step, step + 1, noticed_at, first, first + window * self.samples_per_step - 1,
-                window)
+                "skip the data of steps %d-%d (the run's global samples %d-%d, counted from 0)",
+                skips, noticed_at, step, step + 1, noticed_at, first, first + window * self.samples_per_step - 1)
         self.guard.after_rollback(window)
         self.guard.skipped.copy_(skipped)
         data = start_data(step)

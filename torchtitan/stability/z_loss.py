@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.loss import IGNORE_INDEX
 
@@ -46,7 +47,8 @@ class WithZLoss:
     """A training loss plus z-loss; keeps the detached sums of both parts since the last ``pop``.
 
     The step back-propagates ``loss_fn + z_loss`` and logs the two sums apart. Through the pipeline it runs
-    on the last stage only (inside the schedule); the other stages' sums stay 0.
+    on the last stage only (inside the schedule), where the schedule's shape inference also calls it on
+    stand-in tensors (not counted); the other stages' sums stay 0.
     """
 
     def __init__(self, loss_fn: LossFn, multiplier: float):
@@ -56,6 +58,8 @@ class WithZLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, labels)
         z = z_loss_sum(logits, labels, self.multiplier)
+        if in_pipeline_shape_inference():  # a schedule's first step learns shapes on stand-in tensors: not counted
+            return loss + z
         parts = (local_value(loss).detach().double(), local_value(z).detach().double())
         self._sums = parts if self._sums is None else (self._sums[0] + parts[0], self._sums[1] + parts[1])
         return loss + z
