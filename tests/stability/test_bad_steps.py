@@ -38,7 +38,8 @@ TP2 = ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_sh
        "--training.batch_size=2"]
 SPIKES = ["--stability.skip_spikes", "--stability.spike_warmup_steps=2", "--stability.rolling_interval_length=4"]
 GUARD = ["--stability.skip_nonfinite_steps", *SPIKES]
-NAN_AT_5 = [*GUARD, f"--debug.inject_nonfinite_grad={BAD}", "--stability.z_loss_multiplier=0.05"]  # large: its gradient shows
+# z-loss large enough that a wrong gradient of it would show in the next steps' losses.
+NAN_AT_5 = [*GUARD, f"--debug.inject_nonfinite_grad={BAD}", "--stability.z_loss_multiplier=0.05"]
 ROLLBACK = ["--stability.skip_nonfinite_steps", "--stability.max_consecutive_skips=2",
             f"--debug.inject_nonfinite_grad={BAD},{BAD + 1}", "--checkpoint.enable_checkpoint",
             "--checkpoint.interval=1", f"--training.steps={STEPS + 1}"]

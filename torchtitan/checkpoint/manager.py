@@ -19,6 +19,7 @@ A ``weights_only`` checkpoint (the final save with ``model_weights_only``) holds
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -112,6 +113,9 @@ class CheckpointManager:
         if not self.enabled:
             return None
         self.saver.finish_pending(block=True)
+        # The latest and all of it: --checkpoint.load_step and exclude_from_loading were for the run's start.
+        ck = dataclasses.replace(self.cfg.checkpoint, load_step=-1, exclude_from_loading=[])
+        self.loader.cfg, self.loader.ck = dataclasses.replace(self.cfg, checkpoint=ck), ck
         self.loader.loaded_step = None
         step = self.loader.load()
         return step if self.loader.loaded_step is not None else None
