@@ -8,8 +8,9 @@ the first, a wrapper the second, on the training thread of a real 2-rank FSDP ru
 make none; step 10 logs, saves and checks for preemption, and must make some (so the
 counter sees real reads). The run has [stability] on (docs/stability.md): the bad-step guard with
 its spike detector and rollback flag, z-loss, and a NaN gradient at step 4 that the guard skips, so
-judging and skipping a step read nothing either (the plain step runs the same code without them). Adam's ``step`` counters are excluded: optimizers keep them on
-the host (not fused, not capturable), where reading them waits for nothing.
+judging and skipping a step read nothing either (the plain step runs the same code without them).
+Adam's ``step`` counters are excluded: optimizers keep them on the host (not fused, not
+capturable), where reading them waits for nothing.
 
 The run trains ``causal``: under ``block_causal`` the eager-CPU kernel splits each row at its
 document boundaries, which it reads from host memory (a CPU tensor, so nothing waits); the
