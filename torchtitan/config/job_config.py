@@ -338,7 +338,7 @@ class Stability:
         False, "Skip the optimizer step (Adam moments and step count untouched) whose loss or gradient norm is not "
         "finite, instead of stopping at the next logged loss")
     skip_spikes: bool = field_with_help(
-        False, "Also skip a step whose loss or gradient norm exceeds its running mean by sigma_factor standard "
+        False, "Skip a step whose loss or gradient norm exceeds its running mean by sigma_factor standard "
         "deviations over the last rolling_interval_length accepted steps")
     sigma_factor: float = field_with_help(6.0, "Spike threshold in standard deviations above the running mean",
                                           min=0.0)
