@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     trainers = {mask: build_trainer(f"{args.dump}/{mask}", [*common, f"--model.attn_mask_type={mask}"])
                 for mask in MASKS}
     for t in trainers.values():
-        t.data_iter = iter(t.dataloader)  # what Trainer.train starts; _run_step reads its batches from it
+        t.step_strategy.begin(t.step, t.grad_accum)  # what Trainer.train starts; _run_step reads its batches then
     times: dict[str, list[float]] = {mask: [] for mask in MASKS}
     for i in range(total):
         for mask in (MASKS if i % 2 == 0 else MASKS[::-1]):  # ABBA

@@ -152,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
 
     trainer = build_trainer(args.dump, ["--metrics.enable_tensorboard=false", "--metrics.log_freq=1000",
                                         f"--training.steps={WARMUP_STEPS + args.steps + 1}", *args.overrides])
-    trainer.data_iter = iter(trainer.dataloader)  # what Trainer.train starts; _run_step reads its batches from it
+    trainer.step_strategy.begin(trainer.step, trainer.grad_accum)  # what Trainer.train starts, before _run_step
     for _ in range(WARMUP_STEPS):
         trainer._run_step()
     # PyTorch's CommDebugMode would count calls only, and on torch 2.13 its module tracker

@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     total = args.warmup + args.steps
     trainer = build_trainer(args.dump, [f"--training.steps={total}", *args.overrides])
     reference = ReferenceLoop(trainer)
-    trainer.data_iter = iter(trainer.dataloader)  # what Trainer.train starts; _run_step reads its batches from it
+    trainer.step_strategy.begin(trainer.step, trainer.grad_accum)  # what Trainer.train starts, before _run_step
     steps = {"trainer": lambda: trainer._run_step(), "reference": reference.step}
     profiles = {name: cProfile.Profile() for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
