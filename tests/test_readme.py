@@ -74,7 +74,7 @@ def test_the_layout_section_matches_the_tree():
     (lambda t: t.replace("torchtitan/planning/clusters/", "torchtitan/planning/"), "no line for "
                                                                                    "torchtitan/planning/clusters/"),
     (lambda t: re.sub(r"\ntorchtitan/batch\.py[^\n]*", "", t), "no line for torchtitan/batch.py"),
-    (lambda t: t.replace("(moe_decoder.py)", "(moe_decoderx.py)"), "names moe_decoderx.py"),
+    (lambda t: t.replace("(weight_map.py)", "(weight_mapx.py)"), "names weight_mapx.py"),
 ])
 def test_the_check_fails_on_a_stale_or_missing_line(edit, expected):
     problems = layout_problems(edit((REPO / "README.md").read_text()), REPO)
