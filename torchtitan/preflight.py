@@ -47,6 +47,8 @@ from torchtitan.metrics.wandb_run import wandb_problems
 from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
+from torchtitan.quantization import converter_problems
+from torchtitan.quantization.converters import device_problems as converter_device_problems
 from torchtitan.stability.checks import stability_problems
 
 
@@ -91,6 +93,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
         return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
     # The installed torch's known failures: a planner plans for the cluster's torch, so only a launch checks them.
     problems += check_installed_torch(cfg, dims)
+    problems += converter_device_problems(cfg)  # FP8 on a GPU without FP8 tensor cores
     _raise_if(problems)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     problems += check_eval_tasks(cfg, tokenizer)
@@ -151,6 +154,7 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     if check_data and t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
         problems.append(f"--training.dataset_path={t.dataset_path}: no such file or folder")
     problems += wandb_problems(cfg.metrics.enable_wandb)
+    problems += converter_problems(cfg)  # torchao installed and in range, [float8] options that contradict
     return problems + _validation_problems(cfg) + stability_problems(cfg)
 
 

@@ -41,11 +41,14 @@ from torchtitan.compat.compile import wait_async_collective
 from torchtitan.compat.errors import CompatError, missing
 from torchtitan.compat.fsdp import fsdp_hooked_parameters, fsdp_param_groups, fsdp_storage_hooks
 from torchtitan.compat.kernels import (
+    cuda_capability,
     fused_kernel_devices,
     grouped_mm,
     grouped_mm_as_on,
     grouped_mm_supported,
     lower_right_causal_bias,
+    scaled_grouped_mm_available,
+    scaled_mm_supported,
 )
 from torchtitan.compat.mesh import (
     REDISTRIBUTE_LOGGER,
@@ -82,7 +85,7 @@ __all__ = [
     "grouped_mm", "grouped_mm_as_on", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
     "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step", "unflatten_mesh",
-    "wait_async_collective",
+    "wait_async_collective", "cuda_capability", "scaled_grouped_mm_available", "scaled_mm_supported",
 ]
 
 # Private classes and functions used as they are (a base class, a mode), read on first use: where one is

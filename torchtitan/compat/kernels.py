@@ -102,3 +102,38 @@ def fused_kernel_devices() -> tuple[str, ...]:
     except ImportError:
         return ("cuda",)  # every version has the CUDA kernels; only the list of the others is private
     return tuple(_get_fused_kernels_supported_devices())
+
+
+_SCALED_MM_PROBED: dict[str, bool] = {}
+
+
+def scaled_mm_supported(device_type: str) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies float8 tensors on ``device_type`` (probed once per type).
+
+    torch 2.13's CPU build has the kernel; older CPU builds may not, and then Float8 runs emulated
+    there. On CUDA the kernel exists and the GPU's generation decides (``cuda_capability``).
+    """
+    if device_type != "cpu":
+        return hasattr(torch, "_scaled_mm")
+    if device_type not in _SCALED_MM_PROBED:
+        try:
+            a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+            one = torch.ones((), dtype=torch.float32)
+            scaled_mm = getattr(torch, "_scaled_mm")  # noqa: B009 - private in torch's stubs (pyright)
+            scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            _SCALED_MM_PROBED[device_type] = True
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            _SCALED_MM_PROBED[device_type] = False
+    return _SCALED_MM_PROBED[device_type]
+
+
+def scaled_grouped_mm_available() -> bool:
+    """Whether this torch has ``torch._scaled_grouped_mm`` (the FP8 grouped GEMM, CUDA only)."""
+    return hasattr(torch, "_scaled_grouped_mm")
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """The first visible GPU's compute capability (major, minor); None without a CUDA device."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(0)

@@ -63,6 +63,9 @@ class Model:
     mtp_loss_weight: float = field_with_help(
         0.3, "Weight lambda of the multi-token prediction loss: lambda / depths times the sum of the depths' "
         "losses is added to the main loss", min=0.0)
+    converters: list[str] = field_with_help(
+        [], "Model converters applied between build and parallelize: float8 (Float8 linears with torchao, "
+        "configured by [float8]; docs/float8.md)")
 
 
 @dataclass
@@ -182,6 +185,26 @@ class Moe:
         "none", "Auxiliary balance loss added to the training loss: none, switch (as Hugging Face's Qwen3-MoE and "
         "Mixtral) or sequence (DeepSeek-V3's sequence-wise loss)", choices=("none", "switch", "sequence"))
     aux_loss_coeff: float = field_with_help(1e-3, "Weight of the auxiliary balance loss", min=0.0)
+
+
+@dataclass
+class Float8:
+    """Float8 training (``--model.converters float8``); the names are TorchTitan's (docs/float8.md)."""
+
+    recipe_name: str = field_with_help(
+        "tensorwise", "Scaling recipe: tensorwise (one scale per tensor; FP8 all-gather possible), rowwise (a scale "
+        "per row), rowwise_with_gw_hp (rowwise, weight gradient in high precision)",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    filter_fqns: list[str] = field_with_help(
+        ["output", "router.gate"], "Linears whose FQN contains one of these stay in high precision (also any whose "
+        "dims are not multiples of 16)")
+    enable_fsdp_float8_all_gather: bool = field_with_help(
+        False, "FSDP all-gathers the weights in Float8 (tensorwise only): half the bytes of bf16")
+    precompute_float8_dynamic_scale_for_fsdp: bool = field_with_help(
+        False, "With the FP8 all-gather: compute every weight's scale in one all-reduce after the optimizer step "
+        "instead of one per weight in forward")
+    emulate: bool = field_with_help(
+        False, "Emulate the FP8 products in high precision (for GPUs older than SM 8.9; the casts stay real)")
 
 
 @dataclass
@@ -376,6 +399,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: Moe = field(default_factory=Moe)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)

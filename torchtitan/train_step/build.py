@@ -1,7 +1,7 @@
 """``build_runner``: the one way a job's model runner is built, by the trainer and by the planner's dry run.
 
-    model on meta -> (pipeline: prune to this rank's stages) -> parallelize -> allocate -> initialize
-    -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
+    model on meta -> model converters (Float8) -> (pipeline: prune to this rank's stages) -> parallelize
+    -> allocate -> initialize -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
 
 The dry run builds what the trainer builds through this same function, with ``BuildOptions`` saying
 where it differs: it parallelizes for the GPU it plans for (``device_type="cuda"``), allocates under
@@ -28,6 +28,8 @@ from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_backend
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.quantization import apply_converters
+from torchtitan.quantization.float8 import install_after_step
 from torchtitan.stability.z_loss import WithZLoss
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.experts import ExpertBalance
@@ -61,6 +63,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     spec = plan.model_spec
     with torch.device("meta"):
         model = spec.build(plan.model_args)
+        apply_converters(model, cfg, device_type)  # before the pipeline split and TP: they see the new classes
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
     if options.describe:
         _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
@@ -83,6 +86,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
             [p for part in model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
             weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type,
         )
+    install_after_step(optimizer, model_parts, cfg)
     lr_scheduler = build_lr_scheduler(
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
         lr_min=s.lr_min, total_steps=cfg.training.steps,
