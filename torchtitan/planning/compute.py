@@ -20,6 +20,11 @@ aten = torch.ops.aten
 _MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
 if hasattr(aten, "_grouped_mm"):  # the experts' grouped GEMM (torch >= 2.8); its backward is two more of it
     _MATMULS[aten._grouped_mm.default] = "grouped_mm"
+# Float8 products (torchao's Float8 linears, and the experts' FP8 grouped GEMM on CUDA): priced at the FP8 peak.
+# Their operands' casts (amax, scale, convert) are memory-bound kernels, priced by their bytes like the rest.
+_FP8_MATMULS = {aten._scaled_mm.default: "mm"} if hasattr(aten, "_scaled_mm") else {}
+if hasattr(aten, "_scaled_grouped_mm"):
+    _FP8_MATMULS[aten._scaled_grouped_mm.default] = "grouped_mm"
 # Ops that move no data (views, metadata, bookkeeping): no kernel on a GPU.
 _FREE = {"view", "_unsafe_view", "t", "transpose", "detach", "as_strided", "alias", "expand", "unsqueeze",
          "squeeze", "permute", "split", "split_with_sizes", "slice", "select", "unbind", "view_as_real",
@@ -38,7 +43,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def matmul_flops(func, args) -> int:
-    kind = _MATMULS[func]
+    kind = _MATMULS[func] if func in _MATMULS else _FP8_MATMULS[func]
     if kind == "addmm":
         args = args[1:]
     a, b = _shape(args[0]), _shape(args[1])
@@ -104,6 +109,7 @@ def moved_bytes(func, args, kwargs, out) -> int:
 @dataclass
 class PhaseWork:
     matmul_flops: int = 0
+    fp8_matmul_flops: int = 0  # of them, the FP8 products (Float8 training)
     attention_flops: int = 0
     causal_attention_flops: int = 0
     memory_bytes: int = 0  # read + written by the memory-bound kernels
@@ -128,6 +134,11 @@ class ComputeLedger:
         w.kernels += 1
         if func in _MATMULS:
             w.matmul_flops += matmul_flops(func, args)
+            return
+        if func in _FP8_MATMULS:
+            flops = matmul_flops(func, args)
+            w.matmul_flops += flops
+            w.fp8_matmul_flops += flops
             return
         if "scaled_dot_product" in name:
             flops, causal = attention_flops(name, args)
