@@ -106,6 +106,16 @@ def moved_bytes(func, args, kwargs, out) -> int:
     return sum(t.numel() * t.element_size() for t in [*read.values(), *written.values()])
 
 
+_FLOAT8_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n)}
+
+
+def _float8_operands(args) -> bool:
+    """Whether a matmul's operands are float8: torchao's Float8 training tensors (which a dispatch mode sees
+    before they run ``_scaled_mm``) or float8 data."""
+    operands = [local_tensor(a) for a in args[:3] if isinstance(a, torch.Tensor)]
+    return any(type(t).__name__ == "Float8TrainingTensor" or t.dtype in _FLOAT8_DTYPES for t in operands)
+
+
 @dataclass
 class PhaseWork:
     matmul_flops: int = 0
@@ -132,10 +142,10 @@ class ComputeLedger:
             return
         w = self.work[self.phase]
         w.kernels += 1
-        if func in _MATMULS:
+        if func in _MATMULS and not _float8_operands(args):
             w.matmul_flops += matmul_flops(func, args)
             return
-        if func in _FP8_MATMULS:
+        if func in _FP8_MATMULS or func in _MATMULS:
             flops = matmul_flops(func, args)
             w.matmul_flops += flops
             w.fp8_matmul_flops += flops
