@@ -138,3 +138,16 @@ def test_padded_grouped_mm_equals_the_per_group_product_forward_and_backward():
     ref.square().sum().backward()
     torch.testing.assert_close(x.grad, ref_x.grad)
     torch.testing.assert_close(w.grad, ref_w.grad)
+
+
+def test_declared_torchao_range_is_the_checked_one():
+    import tomllib
+
+    from conftest import REPO
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for extra in ("float8", "dev", "test"):  # scripts/install.sh installs dev
+        assert checks.TORCHAO_PIN in extras[extra], extra
+    low, high = checks.TORCHAO_TESTED
+    assert checks.TORCHAO_PIN == f"torchao>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
