@@ -30,6 +30,7 @@ def _digests(model) -> dict[str, str]:  # noqa: ANN001 - an nn.Module
 
 def train(layout: Layout) -> dict:
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from torchtitan.config import ConfigManager
     from torchtitan.train_step.callbacks import StepEvent, StepPoint
@@ -56,8 +57,10 @@ def train(layout: Layout) -> dict:
     trainer = Trainer(ConfigManager().parse_args([*layout.overrides, f"--job.dump_folder={dump}"]), callbacks=[record])
     init = _digests(trainer.model_parts[0]) if trainer.pipeline is None else {}
     classes = sorted({type(m).__name__ for part in trainer.model_parts for m in part.modules()})
+    gathered = sum(type(p.to_local() if isinstance(p, DTensor) else p).__name__ == "WeightWithDynamicFloat8CastTensor"
+                   for part in trainer.model_parts for p in part.parameters())
     losses = trainer.train()
-    return {"losses": losses, "init": init, "classes": classes, **seen}
+    return {"losses": losses, "init": init, "classes": classes, "fp8_gathered_weights": gathered, **seen}
 
 
 if __name__ == "__main__":

@@ -142,7 +142,6 @@ def test_padded_grouped_mm_equals_the_per_group_product_forward_and_backward():
 
 def test_declared_torchao_range_is_the_checked_one():
     import tomllib
-
     from conftest import REPO
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

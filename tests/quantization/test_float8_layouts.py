@@ -98,9 +98,10 @@ def test_layout_tracks_the_one_process_float8_run(name, runs):
     assert rel <= FP8_LAYOUT_BOUND, (name, rel)
 
 
-def test_tp_tensorwise_uses_float8_styles_and_fsdp_gathers_float8(runs):
-    # The FP8 all-gather wraps each weight; the styles are checked by the TP run's loss (above) and here by name.
-    assert "WeightWithDynamicFloat8CastTensor" not in runs["FSDP 2 (FP8 all-gather)"]["classes"]  # a tensor, not a module
+@pytest.mark.parametrize("name", [*LAYOUTS_2, *LAYOUTS_4])
+def test_fp8_all_gather_wraps_every_converted_weight_where_asked(name, runs):
+    # FSDP gathers a weight in FP8 when it is torchao's cast-on-gather tensor: all 42 converted ones, or none.
+    assert runs[name]["fp8_gathered_weights"] == (42 if "FP8 all-gather" in name else 0), name
 
 
 @pytest.mark.parametrize(("resumed", "source"), [("Float8 resumed from high precision", "high precision"),

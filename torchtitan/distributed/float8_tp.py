@@ -24,8 +24,10 @@ def float8_tensorwise(module: nn.Module) -> bool:
     if type(module).__name__ != "Float8Linear":  # no torchao import for a model without Float8
         return False
     from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
 
-    config = module.config  # type: ignore[attr-defined]
+    assert isinstance(module, Float8Linear)
+    config = module.config
     casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)
     return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
                for c in casts)
