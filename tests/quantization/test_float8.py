@@ -90,6 +90,8 @@ def test_option_checks():
     assert len(rowwise) == 1 and "needs one scale per tensor" in rowwise[0]
     precompute = converter_problems(debug_config(FP8, "--float8.precompute_float8_dynamic_scale_for_fsdp"))
     assert len(precompute) == 1 and "also set --float8.enable_fsdp_float8_all_gather" in precompute[0]
+    assert converter_problems(debug_config("--model.converters=int4")) == [
+        "--model.converters: unknown converter 'int4'; choose from float8"]
     assert converter_problems(debug_config("--model.converters=float8,float8")) == [
         "--model.converters=float8,float8: a converter is named twice"]
     # Without the converter the [float8] section is not looked at.

@@ -66,7 +66,6 @@ def _shadow(root: Path, init: str, version: str | None = None) -> Path:
     ("rowwise all-gather", [FP8, "--float8.recipe_name=rowwise", "--float8.enable_fsdp_float8_all_gather"],
      "--float8.enable_fsdp_float8_all_gather with --float8.recipe_name=rowwise: the FP8 all-gather needs one scale "
      "per tensor"),
-    ("unknown converter", ["--model.converters=int4"], "--model.converters: unknown converter 'int4'"),
 ])
 def test_bad_float8_inputs_stop_in_the_launcher_with_one_line(tmp_path, case, overrides, expected):
     shadow = None
