@@ -30,7 +30,7 @@ def test_fp8_grouped_experts_track_the_bf16_product_forward_and_backward() -> No
     """Uneven routing (an idle expert, groups not multiples of 16): FP8 within FP8's error of bf16, both passes."""
     if not _fp8_gpu():
         pytest.fail(f"this GPU (capability {compat.cuda_capability()}) has no FP8 grouped GEMM; the tier needs SM 8.9+")
-    from torchtitan.quantization.float8_experts import Float8GroupedExperts
+    from torchtitan.models.moe.float8_experts import Float8GroupedExperts
 
     torch.manual_seed(0)
     dim, hidden, experts = 256, 512, 8

@@ -11,9 +11,9 @@ from torch import nn
 
 from torchtitan import compat
 from torchtitan.models import get_model_spec, model_args
+from torchtitan.models.moe.float8_experts import ALIGN, Float8GroupedExperts, aligned_rows, padded_grouped_mm
 from torchtitan.quantization import checks, converter_problems
 from torchtitan.quantization.float8 import convert_to_float8, skip_reason
-from torchtitan.quantization.float8_experts import ALIGN, Float8GroupedExperts, aligned_rows, padded_grouped_mm
 
 FP8 = "--model.converters=float8"
 
