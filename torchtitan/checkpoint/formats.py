@@ -36,7 +36,7 @@ import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 from torchtitan.checkpoint.store import read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
-from torchtitan.models.spec import StateDictAdapter
+from torchtitan.models.spec import HFConversion, StateDictAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +119,16 @@ class HFSource:
                                  "is incomplete or has fewer experts than the configured model")
         return names
 
+    def conversion(self, fqn: str, args: Any) -> HFConversion | None:
+        """The family's conversion of our ``fqn`` from this folder's tensors (None: renamed, stacked or permuted)."""
+        assert self.adapter is not None, "reading tensors needs the family's adapter"
+        return self.adapter.hf_conversion(fqn, args, self.shapes, lambda name: self._read_one(name, None))
+
     def shape_of(self, fqn: str, args: Any) -> tuple[int, ...] | None:
         """Our ``fqn``'s shape as the folder holds it (stacked experts: [E, ...]); None: absent."""
+        converted = self.conversion(fqn, args)
+        if converted is not None:
+            return converted.shape
         experts = self.expert_names(fqn, args)
         if experts is not None:
             return (len(experts), *self.shapes[experts[0]])
@@ -144,6 +152,9 @@ class HFSource:
         """
         from safetensors import safe_open
 
+        converted = self.conversion(fqn, args)
+        if converted is not None:  # made from other tensors: convert all of it, cut the region
+            return converted.read()[tuple(slice(a, b) for a, b in region or ())]
         experts = self.expert_names(fqn, args)
         if experts is not None:  # stacked here, one tensor per expert there: read the region's experts
             (e0, e1), rest = (region or ((0, len(experts)),))[0], (region or ())[1:]

@@ -52,6 +52,7 @@ __all__ = [
     "DocumentMask",
     "block_causal_attention",
     "build_document_mask",
+    "causal_mask_mod",
     "check_mask_type",
     "cp_block_causal_attention",
     "cp_document_mask",
@@ -59,6 +60,7 @@ __all__ = [
     "describe_kernel",
     "document_causal_mask_mod",
     "document_ids",
+    "sliding_window_mask_mod",
 ]
 
 MASK_TYPES = ("block_causal", "causal")
@@ -91,6 +93,27 @@ def document_causal_mask_mod(docs: torch.Tensor, q_offset: int = 0) -> MaskMod:
     return mask_mod
 
 
+def causal_mask_mod(q_offset: int = 0) -> MaskMod:
+    """The causal rule across documents (``attn_mask_type=causal``): query ``q_offset + q_idx`` sees every
+    key that is not later."""
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return q_idx + q_offset >= kv_idx
+
+    return mask_mod
+
+
+def sliding_window_mask_mod(mask_mod: MaskMod, window: int, q_offset: int = 0) -> MaskMod:
+    """``mask_mod`` (causal or block-causal, shifted by the same ``q_offset``) further limited to the
+    ``window`` latest keys, the query's own included: key ``kv`` stays when ``q - kv < window``
+    (GPT-OSS's sliding-window layers, as Hugging Face's ``sliding_window_overlay``)."""
+
+    def windowed(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return mask_mod(b, h, q_idx, kv_idx) & (q_idx + q_offset - kv_idx < window)
+
+    return windowed
+
+
 def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """The mask_mod evaluated on every (row, query, key): bool [B, 1, q_len, kv_len] (broadcast over heads)."""
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
@@ -105,11 +128,14 @@ class DocumentMask:
 
     ``docs`` [B, L]: document numbers of the whole sequence (under CP too). ``block_masks``
     (CUDA only): FlexAttention masks keyed by (q_offset, q_len, kv_len), built once per forward.
+    ``dense_masks``: dense forms a family's kernel builds on first use and its other layers reuse
+    (GPT-OSS: keyed by window, rows, q_offset, q_len, kv_len).
     """
 
     def __init__(self, docs: torch.Tensor, block_masks: dict | None = None):
         self.docs = docs
         self.block_masks = block_masks or {}
+        self.dense_masks: dict[tuple[int | None, int, int, int, int], torch.Tensor] = {}
         self._segments: list[int] | None = None
 
     def segment_lengths(self) -> list[int]:

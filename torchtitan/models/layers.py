@@ -102,16 +102,18 @@ class Attention(nn.Module):
     """Grouped-query attention with rotary positions.
 
     ``qk_norm_eps``: Qwen3's query/key norm, an RMSNorm over each head's ``head_dim`` applied to q and
-    k before the rotation (None: none, as Llama). ``head_dim`` need not be ``dim / n_heads``.
+    k before the rotation (None: none, as Llama). ``head_dim`` need not be ``dim / n_heads``. ``bias``: the
+    four projections have biases (GPT-OSS).
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None,
+                 bias: bool = False):
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm: RMSNorm | None = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
         self.k_norm: RMSNorm | None = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
         # None: this layer's own kernels (``sdpa``, ``masked_sdpa``); context parallelism sets its backend

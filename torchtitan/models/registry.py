@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torchtitan.models.spec import ModelSpec
 
-_FAMILY_MODULES = ("torchtitan.models.llama3.spec", "torchtitan.models.qwen3.spec", "torchtitan.models.mixtral.spec")
+_FAMILY_MODULES = ("torchtitan.models.llama3.spec", "torchtitan.models.qwen3.spec", "torchtitan.models.mixtral.spec",
+                   "torchtitan.models.gpt_oss.spec")
 _SPECS: dict[str, ModelSpec] = {}
 
 

@@ -57,6 +57,15 @@ class FamilyModel(Protocol):
     # args' ``max_seq_len`` is the longest sequence it takes.
 
 
+@dataclass(frozen=True)
+class HFConversion:
+    """One of our parameters made from a release's tensors by more than renaming and stacking (GPT-OSS's
+    transposed, interleaved or MXFP4-packed experts): its full shape, and a reader of its full value."""
+
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
 class StateDictAdapter(Protocol):
     """A family's names and layouts in Hugging Face and Meta releases (checkpoint/formats.py does the I/O)."""
 
@@ -82,6 +91,12 @@ class StateDictAdapter(Protocol):
 
     def rows_from_hf(self, w: torch.Tensor, heads: int) -> torch.Tensor:
         """Whole heads' rows from Hugging Face's order into ours."""
+        ...
+
+    def hf_conversion(self, fqn: str, args: Any, shapes: Mapping[str, tuple[int, ...]],
+                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
+        """How our ``fqn`` is made from the release's tensors (``shapes`` by name; ``read`` one whole) when
+        renaming, stacking and ``rows_from_hf`` do not say it; None: they do."""
         ...
 
     def hf_config(self, args: Any, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:

@@ -38,7 +38,8 @@ def _hidden_width(args: Any) -> int:
     return args.dim  # the residual stream
 
 
-def _check(args: Any, dims: ParallelDims, cfg: JobConfig) -> list[str]:
+def check(args: Any, dims: ParallelDims, cfg: JobConfig) -> list[str]:
+    """The shared decoder's preflight problems (``parallel.check_decoder``) for the job's layout."""
     return parallel.check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor,
                                   ep=dims.ep)
 
@@ -92,7 +93,12 @@ def decoder_model_spec(name: str, args_type: type, flavors: dict[str, Any],
                                hf_config.fields_of_args)
     spec = decoder_spec(name, args_type, flavors, read_release, build=MoEDecoder, flops_per_token=flops_per_token,
                         attention=Attention, apply_tp=parallel.apply_moe_decoder_tp, apply_cp=parallel.apply_cp,
-                        check=_check, state_dict_adapter=adapter)
+                        check=check, state_dict_adapter=adapter)
+    return with_experts(spec)
+
+
+def with_experts(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the shared MoE's expert functions: counts, the [moe] options, EP, balancing, the dry run."""
     return dataclasses.replace(spec, num_experts=_num_experts, with_moe_options=_with_moe_options,
                                apply_ep=parallel.apply_moe_decoder_ep, expert_layers=moe_layers,
                                assume_routing=assume_routing)

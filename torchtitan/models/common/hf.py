@@ -10,11 +10,14 @@ entries follow those rows.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torchtitan.models.spec import HFConversion
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -109,6 +112,10 @@ class DecoderHFAdapter:
         if fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
             return 1
         return None
+
+    def hf_conversion(self, fqn: str, args: Any, shapes: Mapping[str, tuple[int, ...]],
+                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
+        return None  # every tensor is renamed, stacked or permuted by rows
 
     def rows_from_hf(self, w: torch.Tensor, heads: int) -> torch.Tensor:
         return permute_from_hf(w, heads)

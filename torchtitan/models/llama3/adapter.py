@@ -6,13 +6,16 @@ The mapping itself is ``convert.py`` (pure functions); this class is what the ch
 
 from __future__ import annotations
 
-from collections.abc import Container
-from typing import Any
+from collections.abc import Callable, Container, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan.models.llama3 import convert
 from torchtitan.models.llama3.args import ModelArgs
+
+if TYPE_CHECKING:
+    from torchtitan.models.spec import HFConversion
 
 # Meta's model-parallel shards: the dim each parameter is split along (absent: replicated).
 _META_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
@@ -40,6 +43,10 @@ class Llama3StateDictAdapter:
 
     def hf_permuted_heads(self, fqn: str, args: ModelArgs) -> int | None:
         return convert.rotary_heads(fqn, args)
+
+    def hf_conversion(self, fqn: str, args: ModelArgs, shapes: Mapping[str, tuple[int, ...]],
+                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
+        return None  # every tensor is renamed, stacked or permuted by rows
 
     def rows_from_hf(self, w: torch.Tensor, heads: int) -> torch.Tensor:
         return convert.permute_from_hf(w, heads)
