@@ -9,9 +9,10 @@ put weight on no key at all. The masks are the one definition of ``models/attent
 
 Kernels: the scores of one (row, head) block computed explicitly with the sink column, under the
 dense mask the mask_mod gives (``sink_attention``). The mask is evaluated once per forward for
-each window the model has and shared by the layers (``layer_mask``, kept on the ``DocumentMask``). Under context parallelism
-(``ContextParallelAttention``) keys and values are all-gathered and each of the rank's two query
-chunks is masked by the mask_mod shifted to its global offset, as ``cp_block_causal_attention`` does.
+each window the model has and shared by the layers (``layer_mask``, kept on the ``DocumentMask``).
+Under context parallelism (``ContextParallelAttention``) keys and values are all-gathered and each of
+the rank's two query chunks is masked by the mask_mod shifted to its global offset, as
+``cp_block_causal_attention`` does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from torchtitan.models import layers
 from torchtitan.models.attention import (
     ContextParallelAttention,
     DocumentMask,
-    MaskMod,
     causal_mask_mod,
     dense_mask,
     document_causal_mask_mod,
@@ -68,7 +68,8 @@ def layer_mask(documents: DocumentMask | None, window: int | None, batch: int, q
 
 
 def cp_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                      documents: DocumentMask | None, window: int | None, backend: ContextParallelAttention) -> torch.Tensor:
+                      documents: DocumentMask | None, window: int | None,
+                      backend: ContextParallelAttention) -> torch.Tensor:
     """``sink_attention`` of this CP rank's two load-balanced query chunks against the whole sequence's keys
     (all-gathered; backward: reduce-scattered), each chunk masked at its global offset."""
     mesh = backend.mesh
@@ -111,7 +112,8 @@ class SinkAttention(layers.Attention):
             allowed = allowed & (slots[:, None] - keys[None, :] < self.window)
         return sink_attention(q, k, v, allowed, _local(self.sinks))
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, documents: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism these are the local heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)

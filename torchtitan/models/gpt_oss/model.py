@@ -4,6 +4,7 @@ router has a bias and whose experts are ``ClampedSwiGLUExperts``."""
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ class GptOssModel(Decoder):
         super().__init__(args, GptOssBlock)
 
     def moe_layers(self) -> dict[str, MoE]:
-        return {k: b.feed_forward for k, b in self.layers.items()}
+        return {k: cast(GptOssBlock, b).feed_forward for k, b in self.layers.items()}
 
     def param_init_specs(self) -> dict[str, InitSpec]:
         """The shared MoE decoder's scheme (``MoEDecoder.param_init_specs``) with the attention's biases
