@@ -376,18 +376,31 @@ def check_export_target(out_dir: Path) -> str | None:
     return None
 
 
+def routing_bias_problem(state: dict[str, torch.Tensor], args: Any) -> str | None:
+    """Why ``state`` cannot be exported faithfully: a trained routing bias its family's format has no place for."""
+    spec = spec_for_args(args)
+    moved = [k for k, t in state.items() if k.endswith("router.expert_bias") and bool(t.abs().max() > 0)]
+    if not moved or spec.release_holds_routing_bias:
+        return None
+    return (f"the checkpoint's routing bias (--moe.load_balance_coeff, e.g. {moved[0]}) has no place in a Hugging "
+            f"Face {spec.name} folder, which would route tokens otherwise than the trained model; pass "
+            "--drop_routing_bias to export without it (docs/moe.md), or train with --moe.load_balance_coeff=0")
+
+
 def export_hf(state: dict[str, torch.Tensor], args: Any, out_dir: str | Path, *, tokenizer=None,
-              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[Path]:
+              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+              drop_routing_bias: bool = False) -> list[Path]:
     """Write ``state`` (our FQNs, full tensors) as a Hugging Face folder of the model's family (for Llama 3,
     ``LlamaForCausalLM``); returns the files.
 
     ``dtype``: of the written weights (None: as ``state`` holds them). A tied model writes the
-    embedding only. ``generation_config.json`` carries the tokenizer's BOS/EOS.
+    embedding only. A trained routing bias the format cannot hold is refused (``routing_bias_problem``)
+    unless ``drop_routing_bias``. ``generation_config.json`` carries the tokenizer's BOS/EOS.
     """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    problem = check_export_target(out)
+    problem = check_export_target(out) or (None if drop_routing_bias else routing_bias_problem(state, args))
     if problem:
         raise ValueError(problem)
     adapter = spec_for_args(args).state_dict_adapter

@@ -125,6 +125,9 @@ class StateDictAdapter(Protocol):
         ...
 
 
+DEFAULT_LOAD_BALANCE_COEFF = 1e-3  # DeepSeek-V3's bias update speed (its report's gamma)
+
+
 def _no_experts(args: Any) -> int:
     return 0
 
@@ -180,3 +183,11 @@ class ModelSpec:
     # the planner's dry run (planning/moe.py): (model part, imbalance factor) -> the MoE layers made to
     # assume their token counts, which fake tensors do not hold
     assume_routing: Callable[[nn.Module, float], int] = _no_routing
+    # whether the family's Hugging Face format has a place for the auxiliary-loss-free routing bias
+    # (DeepSeek-V3's e_score_correction_bias): the bias is then its default balancing, else off by default
+    # and an export of a model trained with it is refused (checkpoint/formats.export_hf)
+    release_holds_routing_bias: bool = False
+
+    def default_load_balance_coeff(self) -> float:
+        """``--moe.load_balance_coeff`` when unset: the bias only where the release format can hold it."""
+        return DEFAULT_LOAD_BALANCE_COEFF if self.release_holds_routing_bias else 0.0

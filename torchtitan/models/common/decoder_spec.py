@@ -53,7 +53,7 @@ def _with_moe_options(args: Any, cfg: JobConfig) -> Any:
     if not args.num_experts:
         return args
     m = cfg.moe
-    return dataclasses.replace(args, load_balance_coeff=m.load_balance_coeff, aux_loss=m.aux_loss,
+    return dataclasses.replace(args, load_balance_coeff=m.load_balance_coeff or 0.0, aux_loss=m.aux_loss,
                                aux_loss_coeff=m.aux_loss_coeff if m.aux_loss != "none" else 0.0)
 
 

@@ -218,8 +218,8 @@ class GptOssHFAdapter:
         out: dict[str, torch.Tensor] = {}
         experts: dict[str, dict[str, torch.Tensor]] = {}
         for fqn, t in state.items():
-            if fqn == "output.weight" and args.tie_word_embeddings:
-                continue
+            if fqn == "output.weight" and args.tie_word_embeddings or fqn.endswith("router.expert_bias"):
+                continue  # a tied output has no tensor of its own; the format has no routing bias (export_hf)
             m = _LAYER.match(fqn)
             expert = _EXPERT.match(m.group(2)) if m else None
             if m is not None and expert is not None:
