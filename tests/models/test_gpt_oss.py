@@ -169,3 +169,52 @@ def test_flavors_build_and_the_debug_model_has_an_init_spec_per_parameter():
     model.init_weights()
     assert set(model.param_init_specs()) == {n for n, _ in model.named_parameters()}
     assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith(("bias", "sinks")))
+
+
+GPT_OSS_CONFIG = "train_configs/gpt_oss_debug.toml"
+
+
+@pytest.mark.parametrize("overrides, world, needle", [
+    (["--parallelism.tensor_parallel_degree=3", "--parallelism.data_parallel_shard_degree=1"], 3,
+     "--parallelism.tensor_parallel_degree=3: the model's n_heads (8) is not divisible by it"),
+    (["--parallelism.expert_parallel_degree=3", "--parallelism.data_parallel_shard_degree=3"], 3,
+     "--parallelism.expert_parallel_degree=3 does not divide the 8 experts"),
+])
+def test_bad_layouts_are_one_line_each_before_any_process_group(overrides, world, needle):
+    from conftest import REPO, debug_config
+
+    from torchtitan.config import ConfigError
+    from torchtitan.preflight import preflight
+
+    with pytest.raises(ConfigError) as e:
+        preflight(debug_config(*overrides, config=str(REPO / GPT_OSS_CONFIG)), world)
+    assert any(needle in p for p in e.value.problems), e.value.problems
+    assert all("\n" not in p for p in e.value.problems)
+
+
+def test_windows_with_context_parallelism_pass_the_preflight():
+    """Sliding windows and sinks run under CP (the all-gathered keys, masked per chunk): nothing to refuse; the
+    layout is trained against one process in tests/distributed/test_gpt_oss_layouts.py."""
+    from conftest import REPO, debug_config
+
+    from torchtitan.preflight import preflight
+
+    plan = preflight(debug_config("--parallelism.context_parallel_degree=2",
+                                  "--parallelism.data_parallel_shard_degree=1", config=str(REPO / GPT_OSS_CONFIG)), 2)
+    assert plan.dims.cp == 2 and plan.model_args.window(0) == 16
+
+
+def test_an_unknown_quantization_is_a_config_error_before_any_process_group(tmp_path):
+    from conftest import REPO, debug_config
+
+    from torchtitan.config import ConfigError
+    from torchtitan.preflight import preflight
+
+    saved(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        preflight(debug_config(f"--model.flavor={tmp_path / 'hf'}", config=str(REPO / GPT_OSS_CONFIG)), 1)
+    (problem,) = [p for p in e.value.problems if "quant_method" in p]
+    assert "quant_method='bitsandbytes' is not supported" in problem and "\n" not in problem
