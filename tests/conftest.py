@@ -147,5 +147,19 @@ def torchrun() -> Callable[..., subprocess.CompletedProcess]:
     return run_torchrun
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``gpu`` tier needs CUDA: on a machine without it those tests are reported as skipped, with the
+    command that runs them where a GPU is (they check CUDA kernels that have no CPU path)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: `python -m pytest -m gpu` on a GPU machine "
+                                   "(benchmarks/gpu_frontier.sh)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 # The fast tier's check: a test that starts a process without the slow mark fails there.
 from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: E402,F401 - pytest finds hooks by name
