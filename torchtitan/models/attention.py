@@ -60,6 +60,8 @@ __all__ = [
     "describe_kernel",
     "document_causal_mask_mod",
     "document_ids",
+    "flex_attention_with_lse",
+    "flex_block_mask",
     "sliding_window_mask_mod",
 ]
 
@@ -201,6 +203,23 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torc
     # (the uncompiled one materializes the scores).
     fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            block_mask) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 - a BlockMask
+    """FlexAttention's output [B, H, L, D] and log-sum-exp of the scores [B, H, L] (float32), both differentiable:
+    what a kernel that rescales the output afterwards needs (GPT-OSS's sinks)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+
+
+def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):  # noqa: ANN201
+    """The FlexAttention ``BlockMask`` of ``mask_mod`` (heads broadcast)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
 def _runs(segments: list[int], seq: int) -> list[tuple[int, int]]:

@@ -7,8 +7,10 @@ put weight on no key at all. The masks are the one definition of ``models/attent
 ``document_causal_mask_mod`` (``block_causal``) or ``causal_mask_mod``, limited by
 ``sliding_window_mask_mod`` on a windowed layer.
 
-Kernels: the scores of one (row, head) block computed explicitly with the sink column, under the
-dense mask the mask_mod gives (``sink_attention``). The mask is evaluated once per forward for
+Kernels: on CUDA, FlexAttention under the block mask of the mask_mod, its output rescaled by the sink
+through the log-sum-exp it returns (``flex_sink_attention``). Elsewhere, and under context parallelism
+and in decoding, the scores computed explicitly with the sink column, under the dense mask the
+mask_mod gives (``sink_attention``). The mask is evaluated once per forward for
 each window the model has and shared by the layers (``layer_mask``, kept on the ``DocumentMask``).
 Under context parallelism (``ContextParallelAttention``) keys and values are all-gathered and each of
 the rank's two query chunks is masked by the mask_mod shifted to its global offset, as
@@ -29,6 +31,8 @@ from torchtitan.models.attention import (
     causal_mask_mod,
     dense_mask,
     document_causal_mask_mod,
+    flex_attention_with_lse,
+    flex_block_mask,
     sliding_window_mask_mod,
 )
 from torchtitan.models.kv_cache import LayerCache
@@ -49,6 +53,30 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     sink = sinks.float().view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
+
+
+def flex_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask,  # noqa: ANN001
+                        sinks: torch.Tensor) -> torch.Tensor:
+    """``sink_attention`` on CUDA: FlexAttention under the layer's ``BlockMask``, its output rescaled by the
+    share the keys keep beside the sink, ``sigmoid(lse - sink)`` (the softmax over keys and sink, summed over
+    the keys, is ``exp(lse) / (exp(lse) + exp(sink))``)."""
+    out, lse = flex_attention_with_lse(q, k, v, block_mask)
+    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * keep.unsqueeze(-1)).to(out.dtype)
+
+
+def layer_block_mask(documents: DocumentMask | None, window: int | None, batch: int, seq: int,
+                     device: torch.device):  # noqa: ANN201 - a BlockMask
+    """``layer_mask`` as FlexAttention's ``BlockMask`` (CUDA), kept on ``documents`` for the other layers."""
+    key = ("sink", window, seq)
+    if documents is not None and key in documents.block_masks:
+        return documents.block_masks[key]
+    base = causal_mask_mod() if documents is None else document_causal_mask_mod(documents.docs)
+    block_mask = flex_block_mask(base if window is None else sliding_window_mask_mod(base, window), batch, seq, seq,
+                                 device)
+    if documents is not None:
+        documents.block_masks[key] = block_mask
+    return block_mask
 
 
 def layer_mask(documents: DocumentMask | None, window: int | None, batch: int, q_offset: int, q_len: int,
@@ -128,6 +156,8 @@ class SinkAttention(layers.Attention):
             out = cp_sink_attention(q, k, v, sinks, documents, self.window, self.backend)
         elif self.backend is not None:
             raise NotImplementedError(f"GPT-OSS attention has no kernel for the backend {type(self.backend).__name__}")
+        elif q.is_cuda:
+            out = flex_sink_attention(q, k, v, layer_block_mask(documents, self.window, bs, seqlen, q.device), sinks)
         else:
             out = sink_attention(q, k, v, layer_mask(documents, self.window, bs, 0, seqlen, seqlen, q.device), sinks)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
