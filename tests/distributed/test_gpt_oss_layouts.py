@@ -8,8 +8,8 @@ sequences in every layout. All 4-rank layouts train in one torchrun launch (test
 process is the control. Each layout starts bitwise from the control's weights (not under PP, whose ranks hold
 different layers), and its step-1 loss is within 1e-5 and 10 steps within 1e-4 of the control's.
 
-TP 2 would see an output bias added once per TP rank (the attention's ``wo``, replicated beside a row-parallel
-weight; the experts', replicated over TP): its losses would leave the control's from step 1.
+TP 2 and TP 4 would see an output bias added once per TP rank (the attention's ``wo``, replicated beside a
+row-parallel weight; the experts', replicated over TP): their losses would leave the control's from step 1.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ LAYOUTS = {
     "FSDP4": _dims(4, 1),
     "HSDP2 x FSDP2": _dims(2, 1, rep=2),
     "TP2 (SP) x FSDP2": _dims(2, 2, tp=2),
+    "TP4 (SP)": _dims(1, 4, tp=4),  # the biases added once at any degree
     "CP2 x FSDP2": _dims(2, 2, cp=2),
     "PP2 x FSDP2": _dims(2, 2, pp=2),
     "EP2 x FSDP4": _dims(4, 1, ep=2),  # experts: 2 EP ranks x 2 efsdp ranks
