@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                              "to a format without a place for it, accepting that the export routes otherwise")
     parser.add_argument("--max_shard_gib", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
+    from torchtitan.checkpoint.location import is_remote
+
+    if is_remote(args.checkpoint) or is_remote(args.output):
+        print(f"error: {args.checkpoint if is_remote(args.checkpoint) else args.output} is an object-store URI; "
+              "the export reads and writes local folders only: copy the step folder to a local disk first "
+              "(e.g. aws s3 cp --recursive)", file=sys.stderr)
+        return 2
     try:
         if args.format == "hf":
             print(export_hf(Path(args.checkpoint), Path(args.output), args.config, args.tokenizer,

@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -145,6 +145,58 @@ def trainer_factory() -> Callable[..., Trainer]:
 def torchrun() -> Callable[..., subprocess.CompletedProcess]:
     """``torchrun(script, *args, nproc=2, ...)``: the script under torchrun, its output captured (``run_torchrun``)."""
     return run_torchrun
+
+
+# ---- object storage: a real S3 server (moto's) on the loopback, for the checkpoint tests ----------------
+class S3Bucket:
+    """A fresh bucket on the session's S3 server: ``url`` (``s3://<name>``) and ``fs`` (an s3fs file system)."""
+
+    def __init__(self, name: str, fs) -> None:
+        self.name, self.url, self.fs = name, f"s3://{name}", fs
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1 (a free port), with dummy credentials in this process' environment (and so
+    in every rank and torchrun it starts); yields the endpoint, stops the server and restores the environment."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    assert host == "127.0.0.1", endpoint  # never a real store
+    saved = {k: os.environ.get(k) for k in _S3_ENV}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_REQUEST_CHECKSUM_CALCULATION="when_required",
+                      AWS_RESPONSE_CHECKSUM_VALIDATION="when_required", NO_PROXY="127.0.0.1")
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        os.environ.pop(var, None)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+           "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION", "NO_PROXY", "AWS_PROFILE",
+           "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str, request) -> S3Bucket:
+    """A new, empty bucket on the session's S3 server, named after the test."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server, use_listings_cache=False)
+    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
+    fs.mkdir(name)
+    return S3Bucket(name, fs)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

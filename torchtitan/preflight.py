@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.checkpoint.location import is_remote, store_problems
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint, model_shapes, own_checkpoint_exists
 from torchtitan.checkpoint.store import STATE_KEYS, scan
 from torchtitan.config import ConfigError, JobConfig
@@ -298,6 +299,9 @@ def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[]
     since that one wins.
     """
     ck = cfg.checkpoint
+    remote = _check_object_store(cfg)
+    if remote:
+        return remote  # the folder cannot be listed: nothing more to check there
     problems = _check_initial_load(cfg, model_args) if model_args is not None else []
     unknown = [k for k in ck.exclude_from_loading if k not in STATE_KEYS]
     if unknown:
@@ -319,6 +323,20 @@ def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[]
         listing = scan(checkpoint_folder(cfg))
         shapes = model_shapes(model_factory) if listing.committed else None
         problems += choose_checkpoint(cfg, shapes)[2]
+    return problems
+
+
+def _check_object_store(cfg: JobConfig) -> list[str]:
+    """Object-store URIs in ``checkpoint.folder`` / ``initial_load_path``: their driver, and what cannot use them."""
+    ck = cfg.checkpoint
+    problems = []
+    for flag, uri in (("--checkpoint.folder", ck.folder), ("--checkpoint.initial_load_path", ck.initial_load_path)):
+        if uri and is_remote(uri):
+            problems += [f"{flag}={uri}: {line}" for line in store_problems(uri)]
+    if is_remote(ck.folder) and ck.enable_checkpoint and cfg.fault_tolerance.enable:
+        problems.append(f"--checkpoint.folder={ck.folder}: fault-tolerant replica groups each commit a folder of "
+                        "their own by a rename, which an object store lacks; with --fault_tolerance.enable use a "
+                        "shared file system path")
     return problems
 
 

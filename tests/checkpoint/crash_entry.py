@@ -1,7 +1,8 @@
 """``train.py`` in which rank 0 dies by SIGKILL in the middle of saving step ``$CRASH_AT_STEP``.
 
 It dies after writing its own data files and before the save is complete, the
-moment a real crash would leave a half-written checkpoint behind.
+moment a real crash would leave a half-written checkpoint behind. A save into an object
+store is written straight into ``step-N`` (no ``.tmp``): ``CRASH_IN_FOLDER`` names it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-_CRASH_DIR = f"step-{os.environ['CRASH_AT_STEP']}.tmp"
+_CRASH_DIR = os.environ.get("CRASH_IN_FOLDER", f"step-{os.environ['CRASH_AT_STEP']}.tmp")
 _write_data = dcp.FileSystemWriter.write_data
 
 

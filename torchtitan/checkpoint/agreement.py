@@ -13,17 +13,18 @@ async save then.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from torchtitan.checkpoint.location import Location
+
 
 class Agreement:
     """Gathers one outcome per rank of ``group`` (None: this process alone) and raises alike on every rank."""
 
-    def __init__(self, group: dist.ProcessGroup | None, folder: Path) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, folder: Location) -> None:
         self.group = group
         self.folder = folder  # the checkpoint folder, named when ranks see it differently
 

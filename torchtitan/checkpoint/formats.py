@@ -33,7 +33,9 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 
-from torchtitan.checkpoint.store import read_dcp_metadata
+from torchtitan.checkpoint.location import Location, RemotePath, location
+from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
+from torchtitan.checkpoint.store import dcp_reader, read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
 from torchtitan.models.spec import HFConversion, StateDictAdapter
@@ -229,7 +231,7 @@ def find_run_config(checkpoint: Path) -> Path | None:
     return None
 
 
-def dcp_checkpoint_path(path: Path) -> Path:
+def dcp_checkpoint_path(path: Location) -> Location:
     """A committed step folder as given, or the latest one of a checkpoint folder."""
     from torchtitan.checkpoint.store import scan
 
@@ -257,8 +259,11 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
     """Problems with ``--checkpoint.initial_load_path`` for the configured model; reads headers only."""
     from torchtitan.checkpoint.store import shape_problems, verify
 
-    where = Path(path).expanduser()
+    where = location(path)
     flag = f"--checkpoint.initial_load_path={path}"
+    if isinstance(where, RemotePath) and fmt != "dcp":
+        return [f"{flag}: {fmt} weights are read from a local folder only; download them first (an object-store "
+                "URI takes --checkpoint.initial_load_format=dcp, a checkpoint of this project)"]
     if not where.is_dir():
         return [f"{flag}: no such folder"]
     expected = _expected_shapes(args)
@@ -268,6 +273,7 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
             if not (where / "config.json").is_file():
                 return [f"{flag}: no config.json there; --checkpoint.initial_load_format=hf wants a Hugging Face "
                         "folder (config.json + *.safetensors)"]
+            assert isinstance(where, Path)  # a remote source is dcp, above
             source = HFSource(where, adapter)
             problems = adapter.hf_config_problems(args, source.config, f"{flag}/config.json")
             if problems:
@@ -282,6 +288,7 @@ def check_source(path: str, fmt: str, args: Any) -> list[str]:
             if not (where / "params.json").is_file():
                 return [f"{flag}: no params.json there; --checkpoint.initial_load_format=meta wants Meta's release "
                         "folder (params.json + consolidated.*.pth)"]
+            assert isinstance(where, Path)
             source = MetaSource(where, adapter)
             problems = adapter.meta_params_problems(args, source.params, f"{flag}/params.json")
             if problems:
@@ -322,12 +329,14 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: Any, process_gr
 
     # A model's state dict holds tensors only (torch types it for any state dict).
     state = cast(dict[str, torch.Tensor], get_model_state_dict(model))
-    where = Path(path).expanduser()
+    where = location(path)
     if fmt == "dcp":
         wrapped: dict[str, Any] = {"model": state}
-        dcp_loader.load(wrapped, checkpoint_id=str(dcp_checkpoint_path(where)), process_group=process_group)
+        dcp_loader.load(wrapped, storage_reader=dcp_reader(dcp_checkpoint_path(where)),
+                        planner=NoPickleLoadPlanner(), process_group=process_group)
         set_model_state_dict(model, wrapped["model"])
         return len(state)
+    assert isinstance(where, Path)  # preflight refuses a remote hf or meta source
     adapter = spec_for_args(args).state_dict_adapter
     source = HFSource(where, adapter) if fmt == "hf" else MetaSource(where, adapter)
     filled: dict[str, Any] = {}

@@ -14,6 +14,9 @@ error into "unexpected pos ..." which no longer says "disk full", so ``write_dat
 raises the remembered error in its place, and every rank learns of it through DCP's
 exception gathering (``torchtitan/checkpoint/space.py`` names it).
 
+In an object store (``RemoteChecksummingWriter``) the same streams wrap fsspec's upload
+streams: the hashes are those of the bytes sent, and the side files are objects.
+
 Reading: ``files_read`` asks DCP's load planner which files this rank's load will
 touch (plus ``.metadata``, which every rank reads); ``bad_files`` hashes those and
 names every one that differs from the manifest.
@@ -29,10 +32,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import xxhash
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+
+from torchtitan.checkpoint.location import Location, RemotePath, location
 
 ALGORITHM = "xxh3_64"
 SIDECAR_SUFFIX = ".checksums.json"
@@ -41,10 +48,10 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _CHUNK = 8 << 20
 
 
-def file_checksum(path: Path) -> str:
-    """The checksum of a file on disk (one sequential read)."""
+def file_checksum(path: Location) -> str:
+    """The checksum of a file on disk or in an object store (one sequential read)."""
     h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -53,9 +60,9 @@ def file_checksum(path: Path) -> str:
 class _HashingStream(io.RawIOBase):
     """A write stream that hashes what passes through it and remembers a full disk."""
 
-    def __init__(self, raw: IO[bytes], path: Path, fs: _HashingFileSystem) -> None:
+    def __init__(self, raw: IO[bytes], path: Location, hashes: _Hashes) -> None:
         super().__init__()
-        self.raw, self.path, self.fs = raw, path, fs
+        self.raw, self.path, self.hashes = raw, path, hashes
         self.hash, self.hashed = xxhash.xxh3_64(), 0
 
     def _guard(self, call, *args):
@@ -63,7 +70,7 @@ class _HashingStream(io.RawIOBase):
             return call(*args)
         except OSError as e:
             if e.errno in _DISK_FULL:
-                self.fs.note_disk_full(e)
+                self.hashes.note_disk_full(e)
             raise
 
     def writable(self) -> bool:
@@ -95,25 +102,55 @@ class _HashingStream(io.RawIOBase):
         finally:
             super().close()
         # Written front to back, the running hash is the file's; otherwise read it back once.
-        self.fs.record(self.path, self.hash.hexdigest() if end == self.hashed else file_checksum(self.path))
+        self.hashes.record(self.path, self.hash.hexdigest() if end == self.hashed else file_checksum(self.path))
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system whose write streams hash as they write (thread-safe: DCP may use threads)."""
+class _Hashes:
+    """What the write streams of one writer recorded (thread-safe: DCP may use threads)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.checksums: dict[str, str] = {}
         self.disk_full: OSError | None = None
         self._lock = threading.Lock()
 
-    def record(self, path: Path, digest: str) -> None:
+    def record(self, path: Location, digest: str) -> None:
         with self._lock:
-            self.checksums[Path(path).name] = digest
+            self.checksums[path.name] = digest
 
     def note_disk_full(self, error: OSError) -> None:
         with self._lock:
             self.disk_full = self.disk_full or error
+
+    def renamed(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        old, new = os.fspath(path).rsplit("/", 1)[-1], os.fspath(new_path).rsplit("/", 1)[-1]
+        with self._lock:
+            if old in self.checksums:
+                self.checksums[new] = self.checksums.pop(old)
+
+    def of_data_files(self) -> dict[str, str]:
+        with self._lock:
+            return {name: digest for name, digest in self.checksums.items() if name != DCP_METADATA}
+
+    def of(self, name: str) -> str | None:
+        with self._lock:
+            return self.checksums.get(name)
+
+
+@contextmanager
+def _hashed(raw: IO[bytes], path: Location, hashes: _Hashes) -> Iterator[io.IOBase]:
+    stream = _HashingStream(raw, path, hashes)
+    try:
+        yield stream
+    finally:
+        stream.close()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system whose write streams hash as they write."""
+
+    def __init__(self, hashes: _Hashes) -> None:
+        super().__init__()
+        self.hashes = hashes
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
@@ -125,19 +162,37 @@ class _HashingFileSystem(FileSystem):
             raw = open(path, mode)
         except OSError as e:
             if e.errno in _DISK_FULL:
-                self.note_disk_full(e)
+                self.hashes.note_disk_full(e)
             raise
-        stream = _HashingStream(raw, Path(path), self)
-        try:
+        with _hashed(raw, Path(path), self.hashes) as stream:
             yield stream
-        finally:
-            stream.close()
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
-        with self._lock:
-            if Path(path).name in self.checksums:
-                self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
+        self.hashes.renamed(path, new_path)
+
+
+class _HashingFsspecFileSystem(FsspecFileSystem):
+    """DCP's fsspec file system (object stores) whose upload streams hash what they send."""
+
+    def __init__(self, inner: FsspecFileSystem, hashes: _Hashes) -> None:
+        super().__init__()
+        self.fs, self.hashes = inner.fs, hashes
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        assert self.fs is not None  # set from the writer's own file system
+        raw = cast(IO[bytes], self.fs.open(os.fspath(path), mode))
+        with _hashed(raw, location(os.fspath(path)), self.hashes) as stream:
+            yield stream
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)  # a copy and a delete in an object store; only .metadata is renamed
+        self.hashes.renamed(path, new_path)
 
 
 class ChecksummingWriter(FileSystemWriter):
@@ -145,43 +200,60 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _HashingFileSystem()
+        self.hashes = _Hashes()
+        self.fs = self._hashing_file_system()
+
+    def _hashing_file_system(self) -> FileSystem | FsspecFileSystem:
+        return _HashingFileSystem(self.hashes)
 
     @property
     def disk_full(self) -> OSError | None:
-        return self.fs.disk_full
+        return self.hashes.disk_full
 
     def write_data(self, plan, planner):
         try:
             future = super().write_data(plan, planner)
             future.wait()
         except Exception as e:
-            if self.fs.disk_full is not None and self.fs.disk_full is not e:
-                raise self.fs.disk_full from e
+            if self.disk_full is not None and self.disk_full is not e:
+                raise self.disk_full from e
             raise
-        with self.fs._lock:
-            mine = {name: digest for name, digest in self.fs.checksums.items() if name != DCP_METADATA}
-        sidecar = Path(self.path) / f"__{plan.storage_data.prefix.strip('_')}{SIDECAR_SUFFIX}"
-        sidecar.write_text(json.dumps(mine, sort_keys=True))
+        sidecar = location(os.fspath(self.path)) / f"__{plan.storage_data.prefix.strip('_')}{SIDECAR_SUFFIX}"
+        sidecar.write_text(json.dumps(self.hashes.of_data_files(), sort_keys=True))
         return future
 
     def finish(self, metadata, results) -> None:
         try:
             super().finish(metadata, results)
         except Exception as e:
-            if self.fs.disk_full is not None and self.fs.disk_full is not e:
-                raise self.fs.disk_full from e
+            if self.disk_full is not None and self.disk_full is not e:
+                raise self.disk_full from e
             raise
 
     def metadata_checksum(self) -> str | None:
-        with self.fs._lock:
-            return self.fs.checksums.get(DCP_METADATA)
+        return self.hashes.of(DCP_METADATA)
 
 
-def collect(tmp: Path, metadata_checksum: str | None) -> dict[str, Any]:
+class RemoteChecksummingWriter(ChecksummingWriter, FsspecWriter):
+    """``ChecksummingWriter`` into an object store: DCP's ``FsspecWriter`` with hashing upload streams."""
+
+    def _hashing_file_system(self) -> FileSystem | FsspecFileSystem:
+        assert isinstance(self.fs, FsspecFileSystem)  # FsspecWriter's, holding the store's fsspec instance
+        return _HashingFsspecFileSystem(self.fs, self.hashes)
+
+
+def checkpoint_writer(path: Location, checksums: bool) -> FileSystemWriter:
+    """DCP's writer into ``path``: hashing or not, local or into an object store (where fsync means nothing)."""
+    if isinstance(path, RemotePath):
+        return RemoteChecksummingWriter(str(path), sync_files=False) if checksums else \
+            FsspecWriter(str(path), sync_files=False)
+    return ChecksummingWriter(str(path)) if checksums else FileSystemWriter(str(path))
+
+
+def collect(tmp: Location, metadata_checksum: str | None) -> dict[str, Any]:
     """Rank 0 at commit: every rank's checksums (their side files removed) for the manifest."""
     files: dict[str, str] = {}
-    for sidecar in sorted(tmp.glob(f"*{SIDECAR_SUFFIX}")):
+    for sidecar in sorted(tmp.glob(f"*{SIDECAR_SUFFIX}"), key=lambda p: p.name):
         files.update(json.loads(sidecar.read_text()))
         sidecar.unlink()
     # .metadata is written by rank 0 in this process; an async save's writer may be gone: hash it here.
@@ -199,7 +271,7 @@ def files_read(state: dict[str, Any], metadata) -> set[str]:
     return {metadata.storage_data[item.storage_index].relative_path for item in plan.items} | {DCP_METADATA}
 
 
-def bad_files(path: Path, checksums: dict[str, Any], names: set[str]) -> list[str]:
+def bad_files(path: Location, checksums: dict[str, Any], names: set[str]) -> list[str]:
     """One line per file of ``names`` whose bytes differ from the checksum the manifest recorded."""
     if checksums.get("algorithm") != ALGORITHM:
         return [f"checkpoint {path}: unknown checksum algorithm {checksums.get('algorithm')!r} (expected {ALGORITHM})"]

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.agreement import Agreement
+from torchtitan.checkpoint.location import Location
+from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
 from torchtitan.checkpoint.selection import choose_checkpoint
 from torchtitan.checkpoint.states import StateRegistry
-from torchtitan.checkpoint.store import CheckpointKind, read_dcp_metadata, scan, verify
+from torchtitan.checkpoint.store import CheckpointKind, dcp_reader, read_dcp_metadata, scan, verify
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import same_layout
@@ -28,10 +30,18 @@ from torchtitan.distributed.parallel_dims import same_layout
 logger = logging.getLogger(__name__)
 
 
+def _one_line(error: BaseException) -> str:
+    """An error as one line: DCP's exception (a traceback per rank) gives its first rank's error alone."""
+    if isinstance(error, CheckpointException) and error.failures:
+        first, _trace = next(iter(error.failures.values()))
+        error = first
+    return f"{type(error).__name__}: {error}"
+
+
 class Loader:
     """Loads this run's checkpoint, or its ``initial_load_path``; every method is called on every rank."""
 
-    def __init__(self, cfg: JobConfig, folder: Path, states: StateRegistry, agreement: Agreement, *, rank: int,
+    def __init__(self, cfg: JobConfig, folder: Location, states: StateRegistry, agreement: Agreement, *, rank: int,
                  layout: dict[str, int], model_args: Any = None) -> None:
         self.cfg, self.ck = cfg, cfg.checkpoint
         self.folder, self.states, self.agreement = folder, states, agreement
@@ -72,7 +82,7 @@ class Loader:
                         manifest["kind"], ", ".join(wanted), time.monotonic() - started, resumed)
         return resumed
 
-    def _choose(self) -> tuple[Path | None, dict[str, Any]]:
+    def _choose(self) -> tuple[Location | None, dict[str, Any]]:
         """The checkpoint to resume from (None: none), chosen alike on every rank; warns of interrupted saves."""
         try:
             listing = scan(self.folder)
@@ -89,7 +99,7 @@ class Loader:
                                    "written)", leftover)
         return path, manifest
 
-    def _states_to_load(self, manifest: dict[str, Any], path: Path) -> list[str]:
+    def _states_to_load(self, manifest: dict[str, Any], path: Location) -> list[str]:
         """The checkpoint's states this run takes: not the excluded ones, nor the RNG states of another layout."""
         if manifest["kind"] != CheckpointKind.FULL and self.rank == 0:
             logger.warning("Checkpoint %s is a %s checkpoint: it holds the model only, so the optimizer, LR "
@@ -124,7 +134,7 @@ class Loader:
         if warning:
             logger.warning("%s", warning)
 
-    def _verified(self, path: Path, manifest: dict[str, Any]) -> tuple[Path, dict[str, Any], list[str], dict]:
+    def _verified(self, path: Location, manifest: dict[str, Any]) -> tuple[Location, dict[str, Any], list[str], dict]:
         """The checkpoint to load, its manifest, the states wanted and their template, after the checksums.
 
         Each rank hashes the files its own load will read; one gather per candidate then
@@ -162,7 +172,7 @@ class Loader:
         raise RuntimeError(f"checkpoint: no checkpoint in {self.folder} verifies (see the lines above); nothing was "
                            "loaded or deleted: move the damaged ones away to start from scratch")
 
-    def _bad_files(self, path: Path, manifest: dict[str, Any], state: dict[str, Any] | None) -> list[str]:
+    def _bad_files(self, path: Location, manifest: dict[str, Any], state: dict[str, Any] | None) -> list[str]:
         """Lines naming the files this rank reads (``.metadata`` alone when ``state`` is None) that fail their check."""
         checksums = manifest.get("checksums")
         if not self.ck.checksums:
@@ -177,13 +187,15 @@ class Loader:
         names = integrity.files_read(state, read_dcp_metadata(path)) - {integrity.DCP_METADATA}
         return integrity.bad_files(path, checksums, names)
 
-    def _read_and_apply(self, path: Path, state: dict[str, Any]) -> None:
+    def _read_and_apply(self, path: Location, state: dict[str, Any]) -> None:
         """Read ``state``'s entries from ``path`` into this layout, then set them; a failure on any rank fails all."""
         error = None
         try:
-            dcp_loader.load(state, checkpoint_id=str(path), process_group=self.agreement.group)
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
-            error = f"{type(e).__name__}: {e}"
+            # Byte values through the restricted unpickler: a checkpoint from a shared bucket runs no code of its own.
+            dcp_loader.load(state, storage_reader=dcp_reader(path), planner=NoPickleLoadPlanner(),
+                            process_group=self.agreement.group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - shared with the other ranks below, then raised
+            error = _one_line(e)
         self.agreement.outcomes(error, f"loading {path}")
         refusal = None
         try:

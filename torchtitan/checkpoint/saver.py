@@ -5,16 +5,16 @@ A save writes into ``step-N.tmp`` and rank 0 commits it (manifest, checksums, re
 partial checkpoint. A save that cannot fit, or fills the disk midway, ends the job with
 one ``DiskFullError`` line on every rank (``space.py``). An async save runs DCP's writes
 in the background and is committed later, at the next save, ``maybe_save`` or ``close``.
+In an object store (``location.py``) the save is written straight into ``step-N/`` and its
+manifest, put only if absent, commits it; there is no free space to measure, so that check is skipped.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.agreement import Agreement
+from torchtitan.checkpoint.location import Location, RemotePath, remove_tree
 from torchtitan.checkpoint.states import StateRegistry
-from torchtitan.checkpoint.store import CheckpointKind, commit, purge, tmp_dir
+from torchtitan.checkpoint.store import CheckpointKind, commit, purge, tmp_dir, uncommit
 from torchtitan.config.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class _PendingSave:
 class Saver:
     """Writes and commits this run's checkpoints into ``folder``; every method is called on every rank."""
 
-    def __init__(self, ck: Any, folder: Path, states: StateRegistry, agreement: Agreement, *, rank: int,
+    def __init__(self, ck: Any, folder: Location, states: StateRegistry, agreement: Agreement, *, rank: int,
                  layout: dict[str, int], tmp_tag: str = "") -> None:
         self.ck, self.folder, self.states, self.agreement = ck, folder, states, agreement
         self.rank, self.layout = rank, layout
@@ -70,11 +71,12 @@ class Saver:
         self.finish_pending()
         tmp = tmp_dir(self.folder, step, self.tmp_tag)
         if self.rank == 0 and tmp.exists():
-            # An earlier attempt at this step was interrupted; it was never visible.
-            shutil.rmtree(tmp)
+            # An earlier attempt at this step was interrupted; it was never visible. In an object store this
+            # is also a step an older run committed beyond the one this run resumed from: it is replaced.
+            uncommit(tmp)
         self.barrier()  # nobody measures the free space, nor creates files in tmp, before rank 0 cleared it
         needed = self._check_space(step, kind, state)
-        writer = integrity.ChecksummingWriter(str(tmp)) if self.ck.checksums else FileSystemWriter(str(tmp))
+        writer = integrity.checkpoint_writer(tmp, self.ck.checksums)
         started = time.monotonic()
         group = self.agreement.group
         if sync:
@@ -101,8 +103,11 @@ class Saver:
         The ranks agree (one gather of each one's free space and state sizes) because their
         measures of a shared file system may differ by what others wrote meanwhile, and a
         rank that raised alone would leave the others waiting in DCP's collectives; the
-        union of the state sizes is also the whole save's under pipeline parallelism.
+        union of the state sizes is also the whole save's under pipeline parallelism. An object
+        store has no free space to measure (every rank sees the same folder, so all skip alike).
         """
+        if isinstance(self.folder, RemotePath):
+            return 0
         previous = space.previous_size(self.folder, kind)
         sizes = {} if previous else space.state_sizes(state)
         outcomes = self.agreement.gather((space.free_bytes(self.folder), sizes))
@@ -120,11 +125,11 @@ class Saver:
         once, or an async one met at the next save or at close); the ranks then measure the free
         space after the removal, and print the same line.
         """
-        if not space.is_disk_full(error):
+        if not space.is_disk_full(error) or isinstance(self.folder, RemotePath):
             return
         tmp = tmp_dir(self.folder, step, self.tmp_tag)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes: DCP failed them together
+            remove_tree(tmp)  # every rank is past its writes: DCP failed them together
         if together:
             self.barrier()
         raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, space.free_bytes(self.folder),

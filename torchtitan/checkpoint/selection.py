@@ -14,11 +14,15 @@ from typing import Any
 
 import torch
 
+from torchtitan.checkpoint.location import Location, is_remote, location
 from torchtitan.checkpoint.store import scan, verify
 from torchtitan.config import JobConfig
 
 
-def checkpoint_folder(cfg: JobConfig) -> Path:
+def checkpoint_folder(cfg: JobConfig) -> Location:
+    """``<dump_folder>/<checkpoint.folder>``, or ``checkpoint.folder`` itself when it is an object-store URI."""
+    if is_remote(cfg.checkpoint.folder):
+        return location(cfg.checkpoint.folder)
     return Path(cfg.job.dump_folder) / cfg.checkpoint.folder
 
 
@@ -33,7 +37,7 @@ def model_shapes(model_factory: Callable[[], torch.nn.Module]) -> dict[str, tupl
 
 def choose_checkpoint(
     cfg: JobConfig, expected_shapes: dict[str, tuple[int, ...]] | None
-) -> tuple[Path | None, dict[str, Any], list[str]]:
+) -> tuple[Location | None, dict[str, Any], list[str]]:
     """The committed checkpoint this run loads (None: start from scratch), its manifest, and problems."""
     ck, folder = cfg.checkpoint, checkpoint_folder(cfg)
     listing = scan(folder)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.checkpoint.location import Location, RemotePath
 from torchtitan.checkpoint.store import read_manifest, scan
 
 # sysexits.h's EX_IOERR: distinct from 1 (a failure) and 2 (a config error); see docs/checkpoint_integrity.md.
@@ -64,7 +65,7 @@ def state_sizes(state: dict[str, Any], prefix: str = "") -> dict[str, int]:
     return sizes
 
 
-def checkpoint_bytes(path: Path) -> int | None:
+def checkpoint_bytes(path: Location) -> int | None:
     """The bytes of a committed checkpoint, from its manifest; None when unreadable."""
     try:
         return sum(read_manifest(path).get("files", {}).values())
@@ -72,7 +73,7 @@ def checkpoint_bytes(path: Path) -> int | None:
         return None
 
 
-def previous_size(folder: Path, kind: str) -> int | None:
+def previous_size(folder: Location, kind: str) -> int | None:
     """The size of the newest committed checkpoint of ``kind`` in ``folder``: what the next such save writes."""
     for _step, path in sorted(scan(folder).committed.items(), reverse=True):
         try:
@@ -83,7 +84,7 @@ def previous_size(folder: Path, kind: str) -> int | None:
     return None
 
 
-def last_good(folder: Path) -> str:
+def last_good(folder: Location) -> str:
     latest = scan(folder).latest()
     return str(scan(folder).committed[latest]) if latest is not None else "none"
 
@@ -109,7 +110,7 @@ def is_disk_full(error: BaseException) -> bool:
     return False
 
 
-def disk_full_line(folder: Path, step: int, needed: int, free: int, midway: bool) -> str:
+def disk_full_line(folder: Location, step: int, needed: int, free: int, midway: bool) -> str:
     """The one line a full disk ends the job with (``midway``: the save had started, and its folder is removed)."""
     what = ("filled the disk while writing; its partial folder was removed" if midway
             else "does not fit; nothing was written")
@@ -118,8 +119,13 @@ def disk_full_line(folder: Path, step: int, needed: int, free: int, midway: bool
             "--checkpoint.keep_latest_k, or point --job.dump_folder at a larger disk")
 
 
-def room_warning(folder: Path, keep_latest_k: int, per_checkpoint: int) -> str | None:
-    """A warning when ``folder`` cannot hold ``keep_latest_k`` checkpoints plus the one being written."""
+def room_warning(folder: Location, keep_latest_k: int, per_checkpoint: int) -> str | None:
+    """A warning when ``folder`` cannot hold ``keep_latest_k`` checkpoints plus the one being written.
+
+    None for an object store: a bucket reports no free space (a quota shows as the store's error).
+    """
+    if isinstance(folder, RemotePath):
+        return None
     listing = scan(folder)
     held = sum(checkpoint_bytes(p) or 0 for p in listing.committed.values())
     free = free_bytes(folder)

@@ -12,22 +12,25 @@ outer momentum and counters) join them through ``extra_state``.
   shapes, so any other layout can load it: that is the resharding resume.
 - ``optimizer``: ``get_optimizer_state_dict``'s flattened form (one key per parameter
   and state), sharded like the model.
-- ``lr_scheduler``: the scheduler's state, pickled (a few numbers; identical on all ranks).
+- ``lr_scheduler``: the scheduler's state as JSON text (a few numbers; identical on all ranks).
 - ``dataloader``: the *global* position of the sample stream (epoch, next window),
   which is the same on every rank and independent of the DP degree; see
   ``torchtitan/datasets/loaders.py``. A run with another DP degree continues the
   same global stream from there.
 - ``train_state``: the step.
-- ``rng``: each rank's Python/NumPy/torch generator states, under ``rank<r>``. They are
+- ``rng``: each rank's Python/NumPy/torch generator states, as JSON text under ``rank<r>``. They are
   restored only when the layout is unchanged; with another layout ranks do not
   correspond, and every rank keeps the seed that ``training.seed`` gave it.
+
+Nothing here is pickled: a checkpoint read from a shared bucket must not run code
+(``no_pickle.py``); a checkpoint that still holds the old pickled blobs is refused in one line.
 
 Nothing here communicates or touches the checkpoint folder: the saver and the loader do.
 """
 
 from __future__ import annotations
 
-import pickle
+import base64
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from torchtitan.checkpoint.no_pickle import from_json, to_json
 
 # Optimizer state keyed per parameter ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"). The
 # nested form keeps each param group as one list of FQNs, which differs between pipeline
@@ -85,29 +90,42 @@ class StateSpec:
     when_missing: str = FRESH
 
 
-def _rng_state() -> bytes:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+def _tensor_text(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _text_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _rng_state() -> str:
+    """This rank's generator states as JSON (torch's byte states in base64)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": _tensor_text(torch.get_rng_state())}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # pyright: ignore[reportGeneralTypeIssues]
+        state["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return pickle.dumps(state)
+        state["cuda"] = _tensor_text(torch.cuda.get_rng_state())
+    return to_json(state)
 
 
-def _set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+def _set_rng_state(text: object) -> None:
+    state = from_json(text, "the RNG state (rng)")
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(_text_tensor(state["torch"]))
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(_text_tensor(state["cuda"]))
 
 
 def saved_data_position(metadata: Any) -> dict[str, Any]:
@@ -145,17 +163,17 @@ BUILTIN: tuple[StateSpec, ...] = (
               apply=lambda h, value: set_model_state_dict(h.model, value), model_only=True),
     StateSpec("optimizer", save=lambda h, step: _optimizer_state(h), template=lambda h, saved: _optimizer_state(h),
               apply=lambda h, value: set_optimizer_state_dict(h.model, h.optimizer, value, options=OPTIM_OPTIONS)),
-    # Pickled into one value: DCP would otherwise flatten its nested lists and dicts.
-    StateSpec("lr_scheduler", save=lambda h, step: pickle.dumps(h.lr_scheduler.state_dict()),
-              template=lambda h, saved: b"",
-              apply=lambda h, value: h.lr_scheduler.load_state_dict(pickle.loads(value))),
+    # JSON text, one value: DCP would otherwise flatten its nested lists and dicts.
+    StateSpec("lr_scheduler", save=lambda h, step: to_json(h.lr_scheduler.state_dict()),
+              template=lambda h, saved: "",
+              apply=lambda h, value: h.lr_scheduler.load_state_dict(from_json(value, "the LR schedule"))),
     StateSpec("dataloader", save=lambda h, step: h.dataset.state_dict(),
               template=lambda h, saved: saved_data_position(saved()),
               apply=lambda h, value: h.dataset.load_state_dict(value)),
     StateSpec("train_state", save=lambda h, step: {"step": step}, template=lambda h, saved: {"step": 0},
               apply=_nothing, when_missing=FROM_STEP_0),
     StateSpec("rng", save=lambda h, step: {f"rank{h.rank}": _rng_state()},
-              template=lambda h, saved: {f"rank{h.rank}": b""},
+              template=lambda h, saved: {f"rank{h.rank}": ""},
               apply=lambda h, value: _set_rng_state(value[f"rank{h.rank}"]), same_layout_only=True),
 )
 # Every run's states, in saving order; ``--checkpoint.exclude_from_loading`` names a subset of these.

@@ -15,6 +15,12 @@ step, what the checkpoint holds, the layout, every file's size and, see ``integr
 every file's checksum) and rename the folder to ``step-N``. A rename within one folder is atomic on POSIX file
 systems, so a checkpoint is either visible and complete or not visible at all. Anything named
 ``step-N.<suffix>`` is an incomplete leftover and is skipped with a warning.
+
+In an object store (``checkpoint.folder = "s3://bucket/prefix"``, see ``location.py``) there is
+no rename: a save writes straight into ``step-N/`` and is committed by its manifest, the
+one object written last, with a conditional put that fails when the object exists, so two
+writers can never both commit a step. There a ``step-N/`` without ``checkpoint.json`` is
+the incomplete leftover.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from torchtitan.checkpoint.location import Location, RemotePath, put_if_absent, remove_tree
 
 # The names of the states every checkpoint may hold, from their registry (preflight checks
 # ``exclude_from_loading`` against them); states.py knows nothing of the folder, so no circle.
@@ -54,38 +62,43 @@ _PARTIAL = re.compile(r"^step-(\d+)\..+$")
 class Listing:
     """What the checkpoint folder holds: committed checkpoints and incomplete leftovers, by step."""
 
-    committed: dict[int, Path]
-    partial: dict[int, list[Path]]
+    committed: dict[int, Location]
+    partial: dict[int, list[Location]]
 
     def latest(self) -> int | None:
         return max(self.committed) if self.committed else None
 
 
-def step_dir(folder: Path, step: int) -> Path:
+def step_dir(folder: Location, step: int) -> Location:
     return folder / f"step-{step}"
 
 
-def tmp_dir(folder: Path, step: int, tag: str = "") -> Path:
+def tmp_dir(folder: Location, step: int, tag: str = "") -> Location:
     """Where a save of ``step`` is written before its commit; ``tag`` keeps concurrent writers apart
-    (fault-tolerant replica groups: ``step-N.tmp-group1``)."""
+    (fault-tolerant replica groups: ``step-N.tmp-group1``). In an object store: ``step-N`` itself."""
+    if isinstance(folder, RemotePath):
+        return step_dir(folder, step)
     return folder / f"step-{step}.tmp{tag}"
 
 
-def scan(folder: Path) -> Listing:
-    committed: dict[int, Path] = {}
-    partial: dict[int, list[Path]] = {}
-    if folder.is_dir():
-        for entry in sorted(folder.iterdir()):
-            if not entry.is_dir():
-                continue
-            if match := _COMMITTED.match(entry.name):
-                committed[int(match.group(1))] = entry
-            elif match := _PARTIAL.match(entry.name):
+def scan(folder: Location) -> Listing:
+    committed: dict[int, Location] = {}
+    partial: dict[int, list[Location]] = {}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name) if folder.is_dir() else []:
+        if not entry.is_dir():
+            continue
+        if match := _COMMITTED.match(entry.name):
+            # Locally only a rename makes ``step-N``; in an object store its manifest commits it.
+            if isinstance(entry, RemotePath) and not (entry / MANIFEST).is_file():
                 partial.setdefault(int(match.group(1)), []).append(entry)
+            else:
+                committed[int(match.group(1))] = entry
+        elif match := _PARTIAL.match(entry.name):
+            partial.setdefault(int(match.group(1)), []).append(entry)
     return Listing(committed, partial)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Location) -> dict[str, Any]:
     """The manifest of a committed checkpoint; ValueError naming the folder when unreadable."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -98,18 +111,27 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def read_dcp_metadata(path: Path):
-    """DCP's global metadata (tensor names, global shapes, dtypes); ValueError when unreadable."""
+def dcp_reader(path: Location):
+    """DCP's reader of a checkpoint folder: the local one, or the fsspec one for an object store."""
+    if isinstance(path, RemotePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(path))
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+    return FileSystemReader(str(path))
+
+
+def read_dcp_metadata(path: Location):
+    """DCP's global metadata (tensor names, global shapes, dtypes); ValueError when unreadable."""
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        return dcp_reader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - pickle, OS and truncation errors all mean the same here
         raise ValueError(f"checkpoint {path} is corrupt: {DCP_METADATA} is unreadable ({type(e).__name__}: {e})") \
             from None
 
 
-def verify(path: Path, expected_shapes: dict[str, tuple[int, ...]] | None) -> tuple[list[str], dict[str, Any]]:
+def verify(path: Location, expected_shapes: dict[str, tuple[int, ...]] | None) -> tuple[list[str], dict[str, Any]]:
     """Check a committed checkpoint without loading it: (problems, manifest).
 
     Detects a missing or unreadable manifest or DCP metadata, missing or truncated
@@ -122,12 +144,12 @@ def verify(path: Path, expected_shapes: dict[str, tuple[int, ...]] | None) -> tu
     except ValueError as e:
         return [str(e)], {}
     problems: list[str] = []
+    present = file_sizes(path)  # one listing, also of an object store
     for name, size in sorted(manifest.get("files", {}).items()):
-        file = path / name
-        if not file.is_file():
+        if name not in present:
             problems.append(f"checkpoint {path} is corrupt: data file {name} is missing")
-        elif file.stat().st_size != size:
-            problems.append(f"checkpoint {path} is corrupt: data file {name} has {file.stat().st_size} bytes, "
+        elif present[name] != size:
+            problems.append(f"checkpoint {path} is corrupt: data file {name} has {present[name]} bytes, "
                             f"{size} were written")
     if expected_shapes is not None and "model" in manifest.get("states", []):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -141,7 +163,8 @@ def verify(path: Path, expected_shapes: dict[str, tuple[int, ...]] | None) -> tu
     return problems, manifest
 
 
-def shape_problems(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
+def shape_problems(path: Location, saved: dict[str, tuple[int, ...]],
+                   expected: dict[str, tuple[int, ...]]) -> list[str]:
     """One line per parameter that is missing, unexpected or of another shape (at most 5 of each, then a count)."""
     def listed(kind: str, lines: list[str]) -> list[str]:
         shown = lines[:5] + ([f"... and {len(lines) - 5} more"] if len(lines) > 5 else [])
@@ -163,7 +186,7 @@ def _is_stacked_experts(fqn: str) -> bool:
     return fqn.rsplit(".", 2)[-2:-1] == ["experts"]  # every parameter of a MoE's routed experts is [E, ...]
 
 
-def _expert_count_problem(path: Path, saved: dict[str, tuple[int, ...]],
+def _expert_count_problem(path: Location, saved: dict[str, tuple[int, ...]],
                           expected: dict[str, tuple[int, ...]]) -> list[str]:
     """One line when the stacked experts ``[E, ...]`` differ in their count E alone (another MoE flavor)."""
     counts = {(saved[f][0], expected[f][0]) for f in saved
@@ -175,8 +198,9 @@ def _expert_count_problem(path: Path, saved: dict[str, tuple[int, ...]],
             "flavor it was saved with (--model.flavor), or start a new run"]
 
 
-def file_sizes(path: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != MANIFEST}
+def file_sizes(path: Location) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir(), key=lambda e: e.name)
+            if p.is_file() and p.name != MANIFEST}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -193,15 +217,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(folder: Path, step: int, manifest: dict[str, Any], tag: str = "") -> Path:
+class CommitRefused(RuntimeError):
+    """Another writer committed this step first (its manifest exists): this save is not the checkpoint."""
+
+
+def commit(folder: Location, step: int, manifest: dict[str, Any], tag: str = "") -> Location:
     """Rank 0, after every rank's files and DCP's metadata are written: manifest, then rename.
 
     A committed ``step-N`` that already exists (a run resumed from an older step saves
     step N again) is moved aside first and deleted only after the new one is in place.
+    In an object store the manifest, put only if absent, is the commit (see the module docstring).
     """
     tmp, final = tmp_dir(folder, step, tag), step_dir(folder, step)
     manifest = {**manifest, "format": FORMAT_VERSION, "step": step, "files": file_sizes(tmp),
                 "committed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if isinstance(final, RemotePath):
+        try:
+            put_if_absent(final / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        except FileExistsError:
+            raise CommitRefused(f"checkpoint {final} was committed by another writer while this one wrote it; "
+                                "two jobs are saving into one checkpoint folder: give each its own "
+                                "--checkpoint.folder") from None
+        return final
+    assert isinstance(folder, Path) and isinstance(tmp, Path)
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
@@ -218,7 +256,14 @@ def commit(folder: Path, step: int, manifest: dict[str, Any], tag: str = "") -> 
     return final
 
 
-def purge(folder: Path, keep_latest_k: int, protected: set[int]) -> list[Path]:
+def uncommit(path: Location) -> None:
+    """Remove a step's folder, manifest first: it is never seen committed with files missing."""
+    if isinstance(path, RemotePath):
+        (path / MANIFEST).unlink(missing_ok=True)
+    remove_tree(path)
+
+
+def purge(folder: Location, keep_latest_k: int, protected: set[int]) -> list[Location]:
     """Delete all but the newest ``keep_latest_k`` committed checkpoints, and leftovers older than the newest.
 
     Never deletes a step in ``protected`` (the checkpoint this run loaded, the one just
@@ -242,5 +287,5 @@ def purge(folder: Path, keep_latest_k: int, protected: set[int]) -> list[Path]:
     # newer leftover may be an async save still being written, so it stays.
     doomed += [path for step, paths in listing.partial.items() if step < newest for path in paths]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        uncommit(path)
     return doomed

@@ -176,7 +176,8 @@ class Moe:
 @dataclass
 class Checkpoint:
     enable_checkpoint: bool = field_with_help(False, "Save and load checkpoints")
-    folder: str = field_with_help("checkpoint", "Checkpoint folder, under the dump folder")
+    folder: str = field_with_help("checkpoint", "Checkpoint folder, under the dump folder; or an object-store URI "
+                                  "(s3://bucket/prefix, any fsspec URI), used as given (docs/object_storage.md)")
     interval: int = field_with_help(500, "Save every this many steps", min=1)
     keep_latest_k: int = field_with_help(0, "Keep only the newest k checkpoints (0 keeps all)", min=0)
     async_mode: str = field_with_help("disabled", "Checkpoint save mode", choices=("disabled", "async"))

@@ -185,8 +185,9 @@ class MixtureDataset(IterableDataset, Stateful):
         state: dict[str, Any] = {
             "mixture": {str(i): {"name": name, "weight": weight} for i, (name, weight) in enumerate(self.mixture)},
             "phase_start": self._phase_start if self._phase_start is not None else 0,
-            "taken": {str(i): t for i, t in enumerate(self._taken)},
-            "tokens": {str(i): tokens[s.name] for i, s in enumerate(self.sources)},
+            # Plain ints (the counts may be NumPy's): a checkpoint's values are read without pickle.
+            "taken": {str(i): int(t) for i, t in enumerate(self._taken)},
+            "tokens": {str(i): int(tokens[s.name]) for i, s in enumerate(self.sources)},
             "seq_len": self.seq_len,
             "local_batch_size": self.local_batch_size,
             "shuffle": self.seed if self.shuffle else None,

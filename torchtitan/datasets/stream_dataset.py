@@ -19,8 +19,8 @@ document, so a resume continues exactly.
 
 from __future__ import annotations
 
+import json
 import logging
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,8 +97,9 @@ class ShardedStreamDataset(IterableDataset, Stateful):
         return {
             "mode": "sharded_stream", "dp_degree": self.dp_degree, "seq_len": self.seq_len,
             "local_batch_size": self.local_batch_size,
-            # One entry per DP rank (ranks hold different positions); pickled so DCP keeps it as one value.
-            "ranks": {f"dp_rank{self.dp_rank}": pickle.dumps(mine)},
+            # One entry per DP rank (ranks hold different positions); JSON text, so DCP keeps it as one value
+            # and a checkpoint from elsewhere is never unpickled.
+            "ranks": {f"dp_rank{self.dp_rank}": json.dumps(mine, sort_keys=True)},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -112,6 +113,11 @@ class ShardedStreamDataset(IterableDataset, Stateful):
         if (state_dict["seq_len"], state_dict["local_batch_size"]) != (self.seq_len, self.local_batch_size):
             raise ValueError(f"{self.name}: streamed per DP rank, a checkpoint resumes only with its seq_len "
                              f"({state_dict['seq_len']}) and local batch size ({state_dict['local_batch_size']})")
-        mine = pickle.loads(state_dict["ranks"][f"dp_rank{self.dp_rank}"])
+        mine = state_dict["ranks"][f"dp_rank{self.dp_rank}"]
+        if not isinstance(mine, str):
+            raise ValueError(f"{self.name}: the checkpoint's stream position was written by an older version as a "
+                             "pickle, which is not loaded (a crafted checkpoint would run code); resume with "
+                             "--checkpoint.exclude_from_loading dataloader, or start a new run")
+        mine = json.loads(mine)
         self._epoch, self._buffer = mine["epoch"], list(mine["buffer"])
         self.source.load_state_dict(mine["source"])

@@ -1,0 +1,209 @@
+"""Where checkpoints live: a local folder (``pathlib.Path``) or an object store URI (``RemotePath``).
+
+``checkpoint.folder`` and ``checkpoint.initial_load_path`` may be fsspec URIs such as
+``s3://bucket/prefix`` (``memory://`` serves the fast tests). ``RemotePath`` gives such a URI
+the few ``pathlib`` operations the checkpoint code uses (join, list, stat, read, write, remove),
+so that code reads one way for both. What cannot be the same is the commit: an object store
+has no rename, so a remote save is written straight into ``step-N/`` and committed by its
+manifest, written last with a conditional put (``put_if_absent``; see ``store.py``).
+
+Credentials and the endpoint come from the usual AWS variables (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``),
+which botocore, under s3fs, reads itself. Listings are never served from s3fs's cache: another
+process (another rank, a killed writer, a second run) may have changed the prefix since.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+_LOCAL_PROTOCOLS = ("file", "local")
+
+
+def is_remote(spec: str | os.PathLike) -> bool:
+    """Whether ``spec`` names an object store (a URI with a protocol other than the local file system)."""
+    if isinstance(spec, RemotePath):
+        return True
+    text = os.fspath(spec)
+    return "://" in text and text.split("://", 1)[0] not in _LOCAL_PROTOCOLS
+
+
+def _file_system(url: str) -> AbstractFileSystem:
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise ImportError(f"{url}: object storage needs fsspec (pip install fsspec)") from None
+    try:
+        fs, _ = url_to_fs(url)
+    except ImportError as e:
+        raise ImportError(f"{url}: the driver for this storage is not installed ({e}); for s3:// run "
+                          "pip install s3fs") from None
+    return fs
+
+
+@dataclass(frozen=True)
+class RemoteStat:
+    st_size: int
+
+
+class RemotePath:
+    """A file or prefix in an fsspec file system, with the ``pathlib.Path`` subset the checkpoint code needs."""
+
+    def __init__(self, url: str, fs: AbstractFileSystem | None = None, info: dict | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.protocol = self.url.split("://", 1)[0]
+        self.fs = fs if fs is not None else _file_system(self.url)
+        self.path = str(self.fs._strip_protocol(self.url))
+        self._info = info  # from the listing that found this entry: saves one request per entry
+
+    def __truediv__(self, name: str) -> RemotePath:
+        return RemotePath(f"{self.url}/{name}", self.fs)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"RemotePath({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self.url.rsplit("/", 1)[0], self.fs)
+
+    def _fresh_info(self) -> dict | None:
+        self.fs.invalidate_cache(self.path)
+        try:
+            return self.fs.info(self.path)
+        except FileNotFoundError:
+            return None
+
+    def exists(self) -> bool:
+        return self._info is not None or self._fresh_info() is not None
+
+    def is_dir(self) -> bool:
+        info = self._info or self._fresh_info()
+        return info is not None and info.get("type") == "directory"
+
+    def is_file(self) -> bool:
+        info = self._info or self._fresh_info()
+        return info is not None and info.get("type") == "file"
+
+    def stat(self) -> RemoteStat:
+        info = self._info or self._fresh_info()
+        if info is None:
+            raise FileNotFoundError(self.url)
+        return RemoteStat(int(info.get("size") or 0))
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        """The entries directly under this prefix, listed now (never from a cache)."""
+        self.fs.invalidate_cache(self.path)
+        try:
+            entries = self.fs.ls(self.path, detail=True)
+        except FileNotFoundError:
+            return
+        for info in entries:
+            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if name:
+                yield RemotePath(f"{self.url}/{name}", self.fs, info)
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        return (entry for entry in self.iterdir() if fnmatch.fnmatch(entry.name, pattern))
+
+    def open(self, mode: str = "rb") -> IO[bytes]:
+        return cast(IO[bytes], self.fs.open(self.path, mode))
+
+    def read_bytes(self) -> bytes:
+        return cast(bytes, self.fs.cat_file(self.path))
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_text(self, text: str) -> int:
+        self.fs.pipe_file(self.path, text.encode())
+        return len(text)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.fs.rm_file(self.path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        self.fs.makedirs(self.path, exist_ok=True)  # prefixes exist by their objects; buckets must exist
+
+
+def store_problems(url: str) -> list[str]:
+    """Why ``url`` cannot be used (no driver, an S3 bucket that does not exist or cannot be reached); [] if it can.
+
+    Before any process group, so a missing bucket or missing credentials end the job with one line each
+    rank rather than at the first save.
+    """
+    try:
+        path = RemotePath(url)
+        if path.protocol in ("s3", "s3a"):
+            bucket = RemotePath(f"{path.protocol}://{path.path.split('/', 1)[0]}", path.fs)
+            if not bucket.exists():
+                return [f"the bucket {bucket} does not exist (or these credentials cannot see it); create it first"]
+    except ImportError as e:
+        return [str(e)]
+    except Exception as e:  # noqa: BLE001 - credentials, endpoint, network: all are this one problem
+        return [f"cannot reach the store ({type(e).__name__}: {e}); check AWS_ENDPOINT_URL and the credentials"]
+    return []
+
+
+# A local folder or an object-store prefix; both answer the same ``pathlib`` calls used here.
+Location = Path | RemotePath
+
+
+def location(spec: str | os.PathLike) -> Location:
+    """``spec`` as a ``RemotePath`` when it is an object-store URI, else as a ``Path``."""
+    if isinstance(spec, RemotePath):
+        return spec
+    return RemotePath(os.fspath(spec)) if is_remote(spec) else Path(spec).expanduser()
+
+
+def remove_tree(path: Location) -> None:
+    """Delete a folder or prefix and everything under it; a missing one is no error."""
+    if isinstance(path, RemotePath):
+        path.fs.invalidate_cache(path.path)
+        try:
+            path.fs.rm(path.path, recursive=True)
+        except FileNotFoundError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def put_if_absent(path: Location, data: bytes) -> None:
+    """Create ``path`` holding ``data``, or raise FileExistsError when it exists: one writer wins.
+
+    On S3 this is one PUT with ``If-None-Match: *``, which the store answers 412 when the
+    object exists (two writers can never both succeed); locally an exclusive create.
+    """
+    if isinstance(path, RemotePath):
+        path.fs.pipe_file(path.path, data, mode="create")
+        return
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
