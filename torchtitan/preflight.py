@@ -130,7 +130,10 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, li
     if cfg.model.mtp_layers and not hasattr(args, "num_mtp_layers"):
         problems.append(f"--model.mtp_layers={cfg.model.mtp_layers}: model family {cfg.model.name} has no "
                         "multi-token prediction; use --model.name=deepseek_v3 or --model.mtp_layers=0")
-    return get_model_spec(cfg.model.name).with_moe_options(args, cfg), problems
+    spec = get_model_spec(cfg.model.name)
+    if cfg.moe.load_balance_coeff is None:  # unset: the family's default, filled here for every later reader
+        cfg.moe.load_balance_coeff = spec.default_load_balance_coeff()
+    return spec.with_moe_options(args, cfg), problems
 
 
 def data_parallel_degree(cfg: JobConfig, dims: ParallelDims) -> int:
@@ -268,7 +271,7 @@ def _expert_problems(args: Any, dims: ParallelDims, cfg: JobConfig, spec: ModelS
     if dims.ep > 1 and not spec.num_experts(args):
         problems.append(f"--parallelism.expert_parallel_degree={dims.ep}: {model} has no experts; set it to 1, or "
                         "choose a flavor with experts (qwen3 debugmodel_moe, 30B-A3B; mixtral 8x7B)")
-    if spec.num_experts(args) and cfg.fault_tolerance.enable and cfg.moe.load_balance_coeff > 0:
+    if spec.num_experts(args) and cfg.fault_tolerance.enable and (cfg.moe.load_balance_coeff or 0.0) > 0:
         problems.append(f"--moe.load_balance_coeff={cfg.moe.load_balance_coeff} with --fault_tolerance.enable: the "
                         "routing bias would be updated from each replica group's tokens alone and drift apart "
                         "between groups; set --moe.load_balance_coeff=0 (an auxiliary loss, --moe.aux_loss, works)")
