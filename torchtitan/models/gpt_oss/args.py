@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan.models.common.moe_decoder import DecoderArgs
+from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.gpt_oss.attention import SinkAttentionConfig
 from torchtitan.models.layers import YarnScaling
 from torchtitan.models.moe import MoEArgs
 
@@ -61,6 +62,15 @@ class GptOssArgs(DecoderArgs):
 
     def rope_scaling_params(self) -> YarnScaling | None:  # pyright: ignore[reportIncompatibleMethodOverride]
         return self.rope_yarn
+
+    def attention(self) -> SinkAttentionConfig:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """The model's attention as preflight and the counts see it (the window of a layer: ``layer_attention``)."""
+        return SinkAttentionConfig(self.dim, self.n_heads, self.n_kv_heads, self.head_dim,
+                                   any_window="sliding_attention" in self.layer_types)
+
+    def layer_attention(self, layer: int) -> SinkAttentionConfig:
+        """Layer ``layer``'s attention: with its window when ``layer_types`` names it sliding."""
+        return dataclasses.replace(self.attention(), window=self.window(layer))
 
     def window(self, layer: int) -> int | None:
         """The keys a query of ``layer`` sees at most (None: the whole causal context)."""

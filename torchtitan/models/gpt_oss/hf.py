@@ -17,14 +17,16 @@ the shared decoder's adapter (``models/common/hf.py``):
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf import permute_from_hf, permute_to_hf
+from torchtitan.models.common.config import DecoderConfig, JsonObject
+from torchtitan.models.common.hf import DecoderHFAdapter
 from torchtitan.models.common.hf_config import read_config
+from torchtitan.models.common.weight_map import Permute, WeightMap, WeightTemplate
 from torchtitan.models.gpt_oss.args import GptOssArgs
 from torchtitan.models.gpt_oss.mxfp4 import dequantize_mxfp4
 from torchtitan.models.layers import YarnScaling
@@ -33,19 +35,38 @@ from torchtitan.models.spec import HFConversion
 ARCHITECTURE, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
 QUANT_METHODS = ("mxfp4",)
 
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_BLOCK = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-          "attention.sinks": "self_attn.sinks", "feed_forward.router.gate.weight": "mlp.router.weight",
-          "feed_forward.router.gate.bias": "mlp.router.bias"}
-for _ours, _theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-    for _kind in ("weight", "bias"):
-        _BLOCK[f"attention.{_ours}.{_kind}"] = f"self_attn.{_theirs}.{_kind}"
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^feed_forward\.experts\.(w[123])(_bias)?$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])(_bias)?$")
+
+
+def _templates() -> list[WeightTemplate]:
+    """GPT-OSS's rows of the declarative map (``models/common/weight_map.py``): every tensor but the experts,
+    whose layout differs by more than names (``hf_conversion``)."""
+    layer = "model.layers.{layer}."
+    rows = [
+        WeightTemplate("tok_embeddings.weight", "model.embed_tokens.weight"),
+        WeightTemplate("norm.weight", "model.norm.weight"),
+        WeightTemplate("output.weight", "lm_head.weight"),
+        WeightTemplate("layers.{layer}.attention_norm.weight", layer + "input_layernorm.weight"),
+        WeightTemplate("layers.{layer}.ffn_norm.weight", layer + "post_attention_layernorm.weight"),
+        WeightTemplate("layers.{layer}.attention.sinks", layer + "self_attn.sinks"),
+        WeightTemplate("layers.{layer}.feed_forward.router.gate.weight", layer + "mlp.router.weight"),
+        WeightTemplate("layers.{layer}.feed_forward.router.gate.bias", layer + "mlp.router.bias"),
+    ]
+    permute: dict[str, Permute | None] = {"wq": "query", "wk": "key", "wv": None, "wo": None}
+    for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        for kind in ("weight", "bias"):
+            rows.append(WeightTemplate(f"layers.{{layer}}.attention.{ours}.{kind}",
+                                       layer + f"self_attn.{theirs}.{kind}", permute=permute[ours]))
+    return rows
 
 
 # ---------------------------------------------------------------- config.json
+
+
+def _gpt_oss(args: DecoderConfig) -> GptOssArgs:
+    if not isinstance(args, GptOssArgs):
+        raise TypeError(f"{type(args).__name__} is not GPT-OSS's arguments")
+    return args
 
 
 def check_quantization(config: Mapping[str, Any], source: str) -> None:
@@ -175,106 +196,70 @@ def _expert_conversion(layer: str, ours: str, bias: bool, shapes: Mapping[str, t
     return None
 
 
-class GptOssHFAdapter:
-    """The ``StateDictAdapter`` (models/spec.py) of GPT-OSS; Hugging Face releases only."""
+class GptOssConfigFormat:
+    """``HFConfigFormat`` (models/common/hf.py) of ``GptOssForCausalLM``."""
 
-    def hf_name(self, fqn: str, tied: bool) -> str:
-        if fqn == "output.weight" and tied:
-            return _TOP["tok_embeddings.weight"]
-        if fqn in _TOP:
-            return _TOP[fqn]
-        m = _LAYER.match(fqn)
-        if m and m.group(2) in _BLOCK:
-            return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
-        raise KeyError(f"no Hugging Face tensor holds parameter {fqn!r} alone")
+    def write(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
+        return hf_config(_gpt_oss(args), bos_id=bos_id, eos_id=eos_id, dtype=dtype)
 
-    def hf_expert_names(self, fqn: str, args: GptOssArgs) -> list[str] | None:
-        return None  # stacked there too (hf_conversion)
-
-    def hf_permuted_heads(self, fqn: str, args: GptOssArgs) -> int | None:
-        if fqn.endswith(("attention.wq.weight", "attention.wq.bias")):
-            return args.n_heads
-        if fqn.endswith(("attention.wk.weight", "attention.wk.bias")):
-            return args.n_kv_heads
-        return None
-
-    def hf_conversion(self, fqn: str, args: GptOssArgs, shapes: Mapping[str, tuple[int, ...]],
-                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
-        m = _LAYER.match(fqn)
-        expert = _EXPERT.match(m.group(2)) if m else None
-        if m is None or expert is None:
-            return None
-        converted = _expert_conversion(m.group(1), expert.group(1), bool(expert.group(2)), shapes, read)
-        if converted is None:
-            raise ValueError(f"the Hugging Face weights lack the experts of layer {m.group(1)} (for our {fqn}); the "
-                             "folder is incomplete or of another shape")
-        return converted
-
-    def rows_from_hf(self, w: torch.Tensor, heads: int) -> torch.Tensor:
-        return permute_from_hf(w, heads)
-
-    def to_hf(self, state: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
-        """Ours -> Hugging Face's (unquantized): experts transposed and interleaved, q/k rows permuted."""
-        out: dict[str, torch.Tensor] = {}
-        experts: dict[str, dict[str, torch.Tensor]] = {}
-        for fqn, t in state.items():
-            if fqn == "output.weight" and args.tie_word_embeddings or fqn.endswith("router.expert_bias"):
-                continue  # a tied output has no tensor of its own; the format has no routing bias (export_hf)
-            m = _LAYER.match(fqn)
-            expert = _EXPERT.match(m.group(2)) if m else None
-            if m is not None and expert is not None:
-                experts.setdefault(m.group(1), {})[expert.group(1) + (expert.group(2) or "")] = t
-                continue
-            heads = self.hf_permuted_heads(fqn, args)
-            out[self.hf_name(fqn, tied=False)] = permute_to_hf(t, heads).contiguous() if heads else t
-        for layer, tensors in experts.items():
-            out.update(experts_to_hf(layer, tensors))
-        return out
-
-    def from_hf(self, state: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
-        """Hugging Face's -> ours, for every parameter of ``args``'s model (MXFP4 experts dequantized)."""
-        from torchtitan.models.gpt_oss.model import GptOssModel
-
-        with torch.device("meta"):
-            fqns = [fqn for fqn, _ in GptOssModel(args).named_parameters(remove_duplicate=False)]
-        shapes = {name: tuple(t.shape) for name, t in state.items()}
-        out: dict[str, torch.Tensor] = {}
-        for fqn in fqns:
-            converted = self.hf_conversion(fqn, args, shapes, state.__getitem__)
-            if converted is not None:
-                out[fqn] = converted.read()
-                continue
-            name = self.hf_name(fqn, tied=args.tie_word_embeddings)
-            if name not in state:
-                raise ValueError(f"the Hugging Face weights lack {name} (for our {fqn}); the folder is incomplete or "
-                                 "of another shape")
-            heads = self.hf_permuted_heads(fqn, args)
-            out[fqn] = permute_from_hf(state[name], heads).contiguous() if heads else state[name]
-        return out
-
-    def hf_config(self, args: GptOssArgs, *, bos_id: int | None, eos_id: int | None,
-                  dtype: torch.dtype) -> dict[str, Any]:
-        return hf_config(args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
-
-    def hf_config_problems(self, args: GptOssArgs, config: dict[str, Any], source: str) -> list[str]:
+    def problems(self, args: DecoderConfig, config: JsonObject, source: str) -> list[str]:
+        ours = _gpt_oss(args)
         try:
             check_quantization(config, source)
             theirs = args_from_config(config)
         except (KeyError, ValueError) as e:
             return [f"{source}: {e}" if isinstance(e, KeyError) else str(e)]
-        return [f"{source}: {k} is {getattr(theirs, k)!r} there, {getattr(args, k)!r} in the configured model"
-                for k in _COMPARED if getattr(theirs, k) != getattr(args, k)]
+        return [f"{source}: {k} is {getattr(theirs, k)!r} there, {getattr(ours, k)!r} in the configured model"
+                for k in _COMPARED if getattr(theirs, k) != getattr(ours, k)]
 
-    # ---- Meta's releases: none for this family
-    def meta_params_problems(self, args: GptOssArgs, params: dict[str, Any], source: str) -> list[str]:
-        return [f"{source}: GPT-OSS has no Meta-format release; use --checkpoint.initial_load_format=hf"]
 
-    def meta_split_dim(self, fqn: str) -> int | None:
-        return None
+class GptOssHFAdapter(DecoderHFAdapter):
+    """The decoder's adapter over GPT-OSS's map, with the experts converted by ``hf_conversion`` (stacked there
+    too, but transposed, gate and up interleaved, or MXFP4-packed)."""
 
-    def meta_name(self, fqn: str, args: GptOssArgs, present: Container[str]) -> str:
-        return fqn
+    def __init__(self) -> None:
+        super().__init__(WeightMap(_templates()), GptOssConfigFormat())
 
-    def meta_shapes(self, shapes: dict[str, tuple[int, ...]], expected: Container[str],
-                    args: GptOssArgs) -> dict[str, tuple[int, ...]]:
-        return shapes
+    def hf_expert_names(self, fqn: str, args: DecoderConfig) -> list[str] | None:
+        return None if _EXPERT.match(fqn) else super().hf_expert_names(fqn, args)
+
+    def hf_permuted_heads(self, fqn: str, args: DecoderConfig) -> int | None:
+        return None if _EXPERT.match(fqn) else super().hf_permuted_heads(fqn, args)
+
+    def hf_conversion(self, fqn: str, args: DecoderConfig, shapes: Mapping[str, tuple[int, ...]],
+                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
+        m = _EXPERT.match(fqn)
+        if m is None:
+            return None
+        converted = _expert_conversion(m.group(1), m.group(2), bool(m.group(3)), shapes, read)
+        if converted is None:
+            raise ValueError(f"the Hugging Face weights lack the experts of layer {m.group(1)} (for our {fqn}); the "
+                             "folder is incomplete or of another shape")
+        return converted
+
+    def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
+        """Ours -> Hugging Face's (unquantized): the map's tensors, then each layer's experts transposed and
+        interleaved."""
+        experts: dict[str, dict[str, torch.Tensor]] = {}
+        rest: dict[str, torch.Tensor] = {}
+        for fqn, t in state.items():
+            m = _EXPERT.match(fqn)
+            if m is None:
+                rest[fqn] = t
+            else:
+                experts.setdefault(m.group(1), {})[m.group(2) + (m.group(3) or "")] = t
+        out = self.weights.to_hf(rest, args)
+        for layer, tensors in experts.items():
+            out.update(experts_to_hf(layer, tensors))
+        return out
+
+    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
+        """Hugging Face's -> ours, for every parameter of ``args``'s model (MXFP4 experts dequantized)."""
+        from torchtitan.models.gpt_oss.model import GptOssModel
+
+        with torch.device("meta"):
+            fqns = [fqn for fqn, _ in GptOssModel(_gpt_oss(args)).named_parameters(remove_duplicate=False)]
+        shapes = {name: tuple(t.shape) for name, t in state.items()}
+        out = {fqn: c.read() for fqn in fqns if (c := self.hf_conversion(fqn, args, shapes, state.__getitem__))}
+        out.update(self.weights.from_hf(state, args, [fqn for fqn in fqns if fqn not in out]))
+        return out

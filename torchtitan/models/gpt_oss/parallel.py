@@ -1,9 +1,10 @@
-"""GPT-OSS's tensor-parallel plan: the shared MoE decoder's (``models/common/parallel.py``), and the sinks.
+"""GPT-OSS's tensor-parallel plan: the decoder's (``models/common/parallel.py``, with the attention module's
+own plan), then the sinks.
 
-Column-parallel q/k/v shard their biases with their rows; the row-parallel output projection
-keeps its bias replicated and DTensor adds it once to the reduced sum. The experts are replicated
-over TP (every TP rank computes the same tokens), so their output bias is added once too. The
-per-head ``sinks`` follow the heads: ``Shard(0)``, each rank keeps its heads' logits.
+Column-parallel q/k/v shard their biases with their rows; the row-parallel output projection keeps its
+bias replicated and DTensor adds it once to the reduced sum. The experts are replicated over TP (every
+TP rank computes the same tokens), so their output bias is added once too. The per-head ``sinks``
+follow the heads: ``Shard(0)``, each rank keeps its heads' logits.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan.models.common import parallel
 from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.common.parallel import apply_moe_decoder_tp
 from torchtitan.models.gpt_oss.attention import SinkAttention
 
 
@@ -24,7 +25,7 @@ def shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Each attention's ``sinks`` [H] as a DTensor ``Shard(0)`` on ``tp_mesh`` (this rank's heads), made from
     the local slice without a collective (works on a meta model; initialise after)."""
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    for block in cast(Decoder, model).layers.values():
+    for block in cast(Decoder, model).blocks():
         attention = cast(SinkAttention, block.attention)
         full = attention.sinks
         per_rank = full.shape[0] // tp
@@ -34,5 +35,5 @@ def shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    apply_moe_decoder_tp(model, tp_mesh, sequence_parallel, loss_parallel)
+    parallel.apply_tp(model, tp_mesh, sequence_parallel, loss_parallel)
     shard_sinks(model, tp_mesh)
