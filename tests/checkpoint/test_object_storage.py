@@ -183,15 +183,16 @@ def test_a_uri_folder_is_used_as_given_and_the_remote_refusals_are_one_line_each
 
 def test_initial_weights_load_from_a_uri(tmp_path):
     from torchtitan.checkpoint.formats import check_source, load_into
-    from torchtitan.models.llama3 import Transformer, llama3_flavors
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.models.llama3 import llama3_flavors
 
     args = llama3_flavors["debugmodel"]
     torch.manual_seed(0)
-    source = Transformer(args)
+    source = Decoder(args)
     folder = _memory("initial/run")
     _save(folder, 5, {"model": source.state_dict()})
     assert check_source("memory://initial/run", "dcp", args) == []
-    target = Transformer(args)
+    target = Decoder(args)
     assert load_into(target, "memory://initial/run", "dcp", args) == len(source.state_dict())
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name

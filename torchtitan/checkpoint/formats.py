@@ -85,7 +85,8 @@ class HFSource:
     def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
         self.folder, self.adapter = folder, adapter
         self.config = json.loads((folder / "config.json").read_text())
-        self.fp8_block = fp8_block_size(self.config)  # FP8 weights dequantized on read (checkpoint/quantized.py)
+        # FP8 weights dequantized on read (checkpoint/quantized.py); the family's own methods by its adapter
+        self.fp8_block = fp8_block_size(self.config, adapter.quant_methods if adapter is not None else ())
         index = folder / INDEX_FILE
         weight_map: dict[str, str] | None
         if index.is_file():

@@ -62,6 +62,9 @@ class HFConversion:
 class StateDictAdapter(Protocol):
     """A family's names and layouts in Hugging Face releases (checkpoint/formats.py does the I/O)."""
 
+    # ``quantization_config`` methods whose tensors ``hf_conversion`` dequantizes (GPT-OSS: mxfp4)
+    quant_methods: frozenset[str]
+
     def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         """Our full state dict -> Hugging Face names and layout."""
         ...

@@ -32,6 +32,8 @@ class HFConfigFormat(Protocol):
 class DecoderHFAdapter:
     """The ``StateDictAdapter`` (models/spec.py) of a decoder family: its ``WeightMap`` and config format."""
 
+    quant_methods: frozenset[str] = frozenset()  # no quantization of its own (FP8 blocks are read generically)
+
     def __init__(self, weights: WeightMap, config: HFConfigFormat):
         self.weights, self.config = weights, config
 

@@ -217,6 +217,8 @@ class GptOssHFAdapter(DecoderHFAdapter):
     """The decoder's adapter over GPT-OSS's map, with the experts converted by ``hf_conversion`` (stacked there
     too, but transposed, gate and up interleaved, or MXFP4-packed)."""
 
+    quant_methods = frozenset(QUANT_METHODS)  # MXFP4 experts: hf_conversion dequantizes them
+
     def __init__(self) -> None:
         super().__init__(WeightMap(_templates()), GptOssConfigFormat())
 
