@@ -28,7 +28,7 @@ def fp8_block_size(config: Mapping[str, object], family_methods: Container[str] 
     if not isinstance(quant, Mapping):
         raise ValueError(f"quantization_config {quant!r} is not an object")
     method, fmt, block = quant.get("quant_method"), quant.get("fmt", "e4m3"), quant.get("weight_block_size")
-    if method in family_methods:
+    if isinstance(method, str) and method in family_methods:
         return None
     if (method != "fp8" or fmt != "e4m3" or not isinstance(block, list) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
