@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchtitan.models.attention import build_document_mask
-from torchtitan.models.gpt_oss.attention import flex_sink_attention, layer_block_mask, layer_mask, sink_attention
+from torchtitan.models.attention.sinks import flex_sink_attention, layer_block_mask, layer_mask, sink_attention
 
 pytestmark = pytest.mark.gpu
 
