@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -69,7 +68,7 @@ def _gpt_oss(args: DecoderConfig) -> GptOssArgs:
     return args
 
 
-def check_quantization(config: Mapping[str, Any], source: str) -> None:
+def check_quantization(config: JsonObject, source: str) -> None:
     """ValueError (one line) for a ``quantization_config`` whose weights this reader cannot dequantize."""
     quant = config.get("quantization_config")
     if quant is None:
@@ -80,7 +79,7 @@ def check_quantization(config: Mapping[str, Any], source: str) -> None:
                          f"load unquantized or as {', '.join(QUANT_METHODS)} (dequantized on load)")
 
 
-def _yarn(config: Mapping[str, Any]) -> YarnScaling | None:
+def _yarn(config: JsonObject) -> YarnScaling | None:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
@@ -90,7 +89,7 @@ def _yarn(config: Mapping[str, Any]) -> YarnScaling | None:
     return YarnScaling.from_hf(params, int(config.get("max_position_embeddings", 131072)))
 
 
-def args_from_config(config: Mapping[str, Any]) -> GptOssArgs:
+def args_from_config(config: JsonObject) -> GptOssArgs:
     """``GptOssArgs`` with every shape a GPT-OSS ``config.json`` states (KeyError: a missing entry)."""
     params = config.get("rope_parameters") or {}
     if config.get("attention_bias", True) is not True:
@@ -127,9 +126,9 @@ def read_release(path: str | Path) -> GptOssArgs:
         raise ValueError(f"{file}: {e}") from None
 
 
-def hf_config(args: GptOssArgs, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(args: GptOssArgs, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
     """A ``config.json`` describing ``args`` in transformers 5's key layout."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    rope: JsonObject = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_yarn is not None:
         rope = {**args.rope_yarn.to_hf(), "rope_theta": args.rope_theta}
     return {
