@@ -49,13 +49,14 @@ def worker(args: argparse.Namespace) -> None:
               "--metrics.log_freq=1000", "--metrics.enable_tensorboard=false", *args.overrides]
     trainers = {mask: build_trainer(f"{args.dump}/{mask}", [*common, f"--model.attn_mask_type={mask}"])
                 for mask in MASKS}
-    data = {mask: iter(t.dataloader) for mask, t in trainers.items()}
+    for t in trainers.values():
+        t.step_strategy.begin(t.step, t.grad_accum)  # what Trainer.train starts; _run_step reads its batches then
     times: dict[str, list[float]] = {mask: [] for mask in MASKS}
     for i in range(total):
         for mask in (MASKS if i % 2 == 0 else MASKS[::-1]):  # ABBA
             dist.barrier()
             start = wall_clock()
-            trainers[mask]._run_step(data[mask])
+            trainers[mask]._run_step()
             times[mask].append(wall_clock() - start)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, times)

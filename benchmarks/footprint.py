@@ -152,9 +152,9 @@ def worker(args: argparse.Namespace) -> None:
 
     trainer = build_trainer(args.dump, ["--metrics.enable_tensorboard=false", "--metrics.log_freq=1000",
                                         f"--training.steps={WARMUP_STEPS + args.steps + 1}", *args.overrides])
-    data_iter = iter(trainer.dataloader)
+    trainer.step_strategy.begin(trainer.step, trainer.grad_accum)  # what Trainer.train starts, before _run_step
     for _ in range(WARMUP_STEPS):
-        trainer._run_step(data_iter)
+        trainer._run_step()
     # PyTorch's CommDebugMode would count calls only, and on torch 2.13 its module tracker
     # fails inside this model's forward (IndexError in _fw_set_module_hook), so the
     # counting mode of common.py does the work.
@@ -166,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
     counter = make_comm_counter(group_labels(trainer))
     with counter:
         for _ in range(args.steps):
-            trainer._run_step(data_iter)
+            trainer._run_step()
     held["optimizer"] = state_bytes(trainer.model_parts, trainer.optimizer)["optimizer"]
     with torch.device("meta"):
         numel = full_param_numel([Decoder(trainer.model_args)])  # the whole model, every stage

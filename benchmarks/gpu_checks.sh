@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Correctness on one CUDA device, in one go (benchmarks/README.md, "On a GPU"):
-#   1. the tests that run in one process, on CUDA (pytest -k below; multi-rank gloo worlds are left out);
+#   1. the tests that run in one process, on CUDA (pytest -k below; multi-rank gloo worlds are left out),
+#      then the CUDA-only ones (pytest -m gpu);
 #   2. the debug model trained by train.py in one process: fp32 and bf16, eager and compiled, with
 #      selective (op) and full AC, seq 2048, batch 8; each run's log lands in $LOGS/<name>.log;
 #   3. 100 steps of fp32 and of bf16 with the same seed, the curves docs/determinism.md shows
@@ -21,6 +22,9 @@ if [[ " $* " != *" --no-tests "* ]]; then
     tests/test_trainer.py::test_one_device_still_gets_the_mixed_precision_policy \
     -q -p no:cacheprovider --timeout 150 \
     2>&1 | tee "$LOGS/pytest.log" | tail -25 || status=1
+  # The CUDA-only checks (marked gpu; skipped on a machine without CUDA).
+  timeout 150 python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$LOGS/pytest_gpu.log" | tail -5 \
+    || status=1
 fi
 
 [[ " $* " == *" --no-runs "* ]] && exit $status

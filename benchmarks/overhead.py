@@ -116,8 +116,8 @@ def worker(args: argparse.Namespace) -> None:
     total = args.warmup + args.steps
     trainer = build_trainer(args.dump, [f"--training.steps={total}", *args.overrides])
     reference = ReferenceLoop(trainer)
-    data_iter = iter(trainer.dataloader)
-    steps = {"trainer": lambda: trainer._run_step(data_iter), "reference": reference.step}
+    trainer.step_strategy.begin(trainer.step, trainer.grad_accum)  # what Trainer.train starts, before _run_step
+    steps = {"trainer": lambda: trainer._run_step(), "reference": reference.step}
     profiles = {name: cProfile.Profile() for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(total):

@@ -53,7 +53,7 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
     from torchtitan.checkpoint.formats import export_hf as write_hf
     from torchtitan.config import ConfigManager
     from torchtitan.datasets import build_tokenizer
-    from torchtitan.preflight import configured_model_args
+    from torchtitan.launch_plan import configured_model_args
 
     problem = check_export_target(output)
     if problem:

@@ -170,6 +170,17 @@ def _log_contains(pattern: str, phase: int = 0) -> Check:
     return check
 
 
+# A warning in a run's output: Python's (``UserWarning: ...``), torch's C++/logger ones (``[rank0]:W1127 ...``,
+# ``W1127 ...``) and the project's own (`` WARNING ``). A clean run prints none.
+WARNING_LINE = re.compile(r"^.*(?:Warning: |^(?:\[rank\d+\]:)?W\d{4} | WARNING ).*$", re.M)
+
+
+def _no_warnings(runs: list[Run]) -> list[str]:
+    """No phase printed a warning (a warning names something the project should fix or show harmless)."""
+    found = [line for run in runs for line in WARNING_LINE.findall(run.log)]
+    return [f"{len(found)} warning line(s), the first: {found[0][:300]}"] if found else []
+
+
 def _tensorboard_matches_log(runs: list[Run]) -> list[str]:
     """TensorBoard holds the metrics of every step, and its losses are the ones rank 0 logged."""
     run, problems = runs[0], []
@@ -322,7 +333,7 @@ def build_flavors() -> list[Flavor]:
           "torch.compile (attention compiled, MoE eager)",
           (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), *_MOE, "--parallelism.expert_parallel_degree=2",
                   "--moe.aux_loss=switch", "--moe.load_balance_coeff=0.001", "--training.compile"),),
-          requires=("moe",), parity_phase=None, checks=(_log_contains(r"moe: imbalance [0-9.]+ \(max"),)),
+          requires=("moe",), parity_phase=None, checks=(_log_contains(r"moe: imbalance [0-9.]+ \(max"), _no_warnings)),
         f("moe_bad_ep", "EP 3 does not divide the 8 experts: one config error on every rank",
           (_phase(6, 6, {"dp_shard": 6}, *_dp(1, 6), *_MOE, "--parallelism.expert_parallel_degree=3"),),
           parity_phase=None, expect_error=r"--parallelism.expert_parallel_degree=3 does not divide the 8 experts"),

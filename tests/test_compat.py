@@ -1,4 +1,4 @@
-"""torchtitan/compat.py on the installed torch and torchft: one test per private internal.
+"""torchtitan/compat/ on the installed torch and torchft: one test per private internal.
 
 Each test uses the internal the way the project does and checks that it still does what
 the project relies on, so that an upgrade that moves or changes one fails here, naming it,
@@ -23,6 +23,7 @@ import torch
 from dist_harness import run_ranks
 
 from torchtitan import compat
+from torchtitan.compat import kernels as compat_kernels
 
 
 def _probe(name: str, fn: Callable[[], Any], out: dict[str, Any]) -> None:
@@ -358,10 +359,10 @@ def test_grouped_mm_runs_on_cpu_and_equals_per_group_products():
     assert torch.equal(out, want), "torch._grouped_mm no longer multiplies rows offs[g-1]:offs[g] by group g"
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    compat._GROUPED_MM_PROBED.clear()
+    compat_kernels._GROUPED_MM_PROBED.clear()
     with FakeTensorMode():  # a fake-tensor trace (the planner) must not record a failed probe
         compat.grouped_mm_supported(torch.device("cpu"), torch.float32)
-    assert compat._GROUPED_MM_PROBED[("cpu", torch.float32)], (
+    assert compat_kernels._GROUPED_MM_PROBED[("cpu", torch.float32)], (
         "torch._subclasses.fake_tensor.unset_fake_temporarily no longer lets the probe run on real tensors")
 
 

@@ -23,7 +23,6 @@ config that passes preflight never trips them.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -43,22 +42,14 @@ from torchtitan.distributed.seeding import sharded_dims_problem
 from torchtitan.downstream.build import check_eval_tasks
 from torchtitan.evaluate import check_validation_data
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
+from torchtitan.launch_plan import LaunchPlan, configured_model_args
 from torchtitan.metrics.wandb_run import wandb_problems
-from torchtitan.models import get_model_spec, model_args, model_flavors
+from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
-
-
-@dataclasses.dataclass
-class LaunchPlan:
-    """What preflight worked out from the config alone."""
-
-    dims: ParallelDims
-    grad_accum: int
-    model_args: Any  # the family's args (models/spec.py, FamilyArgs)
-    model_spec: ModelSpec  # the family (--model.name)
-    tokenizer: Tokenizer
-    pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
+from torchtitan.quantization import converter_problems
+from torchtitan.quantization.converters import device_problems as converter_device_problems
+from torchtitan.stability.checks import stability_problems
 
 
 def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None,
@@ -102,6 +93,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
         return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
     # The installed torch's known failures: a planner plans for the cluster's torch, so only a launch checks them.
     problems += check_installed_torch(cfg, dims)
+    problems += converter_device_problems(cfg)  # FP8 on a GPU without FP8 tensor cores
     _raise_if(problems)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     problems += check_eval_tasks(cfg, tokenizer)
@@ -112,28 +104,6 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
                                     positions=args.attn_mask_type == "block_causal", mix=t.dataset_mix)
     _raise_if(problems)
     return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
-
-
-def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
-    """The model to build, and problems with it. A named flavor takes the tokenizer's vocabulary; a
-    release keeps its own, which must hold every token id of the tokenizer."""
-    args = dataclasses.replace(model_args(cfg.model.name, cfg.model.flavor), attn_mask_type=cfg.model.attn_mask_type)
-    problems: list[str] = []
-    if cfg.model.flavor not in model_flavors(cfg.model.name):  # a release: model_args read it
-        if tokenizer.n_words > args.vocab_size:
-            problems.append(f"--model.tokenizer_path={cfg.model.tokenizer_path}: {tokenizer.n_words} tokens, more than "
-                            f"the vocabulary of --model.flavor={cfg.model.flavor} ({args.vocab_size}); use the "
-                            "release's own tokenizer")
-        args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
-    else:
-        args = dataclasses.replace(args, vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
-    if cfg.model.mtp_layers and not hasattr(args, "num_mtp_layers"):
-        problems.append(f"--model.mtp_layers={cfg.model.mtp_layers}: model family {cfg.model.name} has no "
-                        "multi-token prediction; use --model.name=deepseek_v3 or --model.mtp_layers=0")
-    spec = get_model_spec(cfg.model.name)
-    if cfg.moe.load_balance_coeff is None:  # unset: the family's default, filled here for every later reader
-        cfg.moe.load_balance_coeff = spec.default_load_balance_coeff()
-    return spec.with_moe_options(args, cfg), problems
 
 
 def data_parallel_degree(cfg: JobConfig, dims: ParallelDims) -> int:
@@ -184,7 +154,8 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     if check_data and t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
         problems.append(f"--training.dataset_path={t.dataset_path}: no such file or folder")
     problems += wandb_problems(cfg.metrics.enable_wandb)
-    return problems + _validation_problems(cfg)
+    problems += converter_problems(cfg)  # torchao installed and in range, [float8] options that contradict
+    return problems + _validation_problems(cfg) + stability_problems(cfg)
 
 
 def _schedule_problems(cfg: JobConfig) -> list[str]:

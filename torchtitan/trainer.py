@@ -28,14 +28,18 @@ from torchtitan.distributed import init_distributed, manual_seed, set_determinis
 from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.downstream.build import build_downstream_evaluator
 from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
+from torchtitan.launch_plan import LaunchPlan
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
 from torchtitan.metrics.profiling import maybe_profile
 from torchtitan.metrics.wandb_run import wandb_run_from_config
-from torchtitan.preflight import LaunchPlan, preflight
+from torchtitan.preflight import preflight
+from torchtitan.stability import BadStepGuard
+from torchtitan.stability.rollback import Rollback
 from torchtitan.train_step.base import StepOutput, StepParts
 from torchtitan.train_step.build import build_runner
 from torchtitan.train_step.callbacks import StepCallback, StepCallbacks
+from torchtitan.train_step.inject import NonFiniteGradInjector
 from torchtitan.train_step.readout import StepReadout
 from torchtitan.train_step.select import build_step_strategy
 
@@ -94,6 +98,7 @@ class Trainer:
         self.runner = build_runner(cfg, self.dims, plan, self.device, self.callbacks)
         self.model_parts: list[torch.nn.Module] = self.runner.model_parts
         self.optimizer, self.lr_scheduler = self.runner.optimizer, self.runner.lr_scheduler
+        self._setup_stability()
         self.step = 0
         self.readout = StepReadout()  # the steps' losses, read on the host only on the steps that need them
         self._setup_metrics()
@@ -113,11 +118,14 @@ class Trainer:
         # checkpointer, which it tells who writes the job's checkpoints and what else they hold.
         self.step_strategy = build_step_strategy(cfg, StepParts(
             runner=self.runner, loss_mesh=self.loss_mesh, pp_mesh=self.dims.get_mesh("pp"),
-            max_norm=cfg.training.max_norm, dataloader=self.dataloader), self.device)
+            max_norm=cfg.training.max_norm, dataloader=self.dataloader, guard=self.guard), self.device)
+        extra_states = self.step_strategy.checkpoint_states()
+        if self.guard is not None:
+            extra_states["stability"] = self.guard
         self.checkpointer = CheckpointManager(
             cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dims=self.dims, rank=self.rank, model_args=self.model_args,
-            writes=self.step_strategy.writes_checkpoint, extra_states=self.step_strategy.checkpoint_states(),
+            writes=self.step_strategy.writes_checkpoint, extra_states=extra_states,
         )
 
     # ---- set-up -------------------------------------------------------------
@@ -140,6 +148,20 @@ class Trainer:
         logger.debug("Rank %d seed %d (sharded dims %s)", self.rank, rank_seed, t.seed_sharded_dims)
         if self.rank == 0:
             logger.info("Seeded: rank 0 seed %d, sharded dims %s", rank_seed, t.seed_sharded_dims)
+
+    def _setup_stability(self) -> None:
+        """[stability]'s guard and rollback, and --debug.inject_nonfinite_grad's callback (docs/stability.md)."""
+        cfg = self.cfg
+        self.guard: BadStepGuard | None = None
+        self.rollback: Rollback | None = None
+        if cfg.stability.guards_steps:
+            BadStepGuard.check_optimizer(self.optimizer)
+            self.guard = BadStepGuard(cfg.stability, self.device)
+            if cfg.stability.max_consecutive_skips:
+                per_step = self.grad_accum * cfg.training.batch_size * self.data_degree
+                self.rollback = Rollback(self.guard, per_step, self.rank)
+        if cfg.debug.inject_nonfinite_grad:
+            self.callbacks.add(NonFiniteGradInjector(cfg.debug.inject_nonfinite_grad))
 
     def _setup_metrics(self) -> None:
         cfg = self.cfg
@@ -183,13 +205,14 @@ class Trainer:
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
         start_data_at(self.dataloader, self.step * self.grad_accum * cfg.training.batch_size * self.data_degree)
         self.metrics_logger.start(self.step)  # a resumed job continues its W&B run
-        data_iter = self.step_strategy.start(self.step)
+        self.step_strategy.begin(self.step, self.grad_accum)
         logger.info(format_batch_line(cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len,
                                       self.grad_accum, self.dims.degree("dp")))
         trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
         with maybe_profile(cfg.profiling.enable_profiling, trace_dir, cfg.profiling.profile_freq, self.rank) as prof:
             while self.step < cfg.training.steps:
-                self._run_step(data_iter)
+                if not self._run_step():
+                    continue  # rolled back to a checkpoint: nothing of this step to save
                 if prof is not None:
                     prof.step()
                 if self.checkpointer.maybe_save(self.step):
@@ -213,8 +236,9 @@ class Trainer:
             if metrics_logger is not None:
                 metrics_logger.close()
 
-    def _run_step(self, data_iter) -> None:
-        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps.
+    def _run_step(self) -> bool:
+        """Load the micro-batches, take one optimizer step, log every ``metrics.log_freq`` steps; False when
+        the step's read found a rollback due ([stability]) and the run went back to its last checkpoint.
 
         The step's loss and grad norm stay on the device; they are read on the host (and the
         losses checked for finiteness) only on a step that logs, validates or may checkpoint.
@@ -222,9 +246,7 @@ class Trainer:
         cfg = self.cfg
         self.step += 1
         self.throughput.step_begin()
-        batches = [Batch.of(next(data_iter)) for _ in range(self.grad_accum)]
-        self.throughput.data_loaded()
-        out = self.train_step(batches)
+        out = self.step_strategy.next_step(self.step, loaded=self.throughput.data_loaded)
         self.step = out.step  # a fault-tolerant step that healed took a live peer's step
         self.readout.add(out)
         if self.readout.steps_taken == 1:
@@ -235,20 +257,25 @@ class Trainer:
         validate = self.validator is not None and self.validator.due(self.step)
         evaluate = self.evaluator is not None and self.evaluator.due(self.step)
         log = log or evaluate  # the scores go on the step's line
-        loss = grad_norm = math.nan
+        loss, now = math.nan, {}
         if log or validate or self.checkpointer.may_save(self.step):
-            loss, grad_norm = self.readout.read(out.grad_norm)  # one host read; raises at a non-finite loss
+            # One host read; raises at a non-finite loss (of a step not skipped).
+            loss, now = self.readout.read(self._read_now(out))
+            if now.get("rollback_due"):
+                self._roll_back()
+                return False
         # The step ends after the read: on a GPU the host runs ahead of the device until something waits for
         # it, and the read is that wait. So a log window's time is the device's time for its steps; ended
         # before the read, it counted only the host's (benchmarks/README.md section 21).
         # The tp x cp x pp ranks of one data-parallel rank share its tokens: count each device's share,
         # so tokens/s and MFU are per device (flops_per_token is for the whole model).
-        self.throughput.step_end(tokens=sum(b.inputs.numel() for b in batches) / self.dims.non_data_parallel_size)
+        self.throughput.step_end(tokens=out.tokens / self.dims.non_data_parallel_size)
         scores = self._evaluate() if evaluate else {}
         if log:
-            self._log(loss, grad_norm, out.lr, scores)
+            self._log(loss, now, out.lr, scores)
         if validate:
             self.validate()
+        return True
 
     def validate(self) -> ValidationResult:
         """Evaluate on the validation data now; log and record the result at the current step."""
@@ -275,9 +302,24 @@ class Trainer:
         self.eval_scores[self.step] = scores
         return scores
 
-    def _log(self, loss: float, grad_norm: float, lr: float, scores: dict[str, float]) -> None:
+    def _read_now(self, out: StepOutput) -> dict[str, torch.Tensor | None]:
+        """The step's values read with its loss: the grad norm, z-loss, and [stability]'s counters."""
+        guard = self.guard
+        return {"grad_norm": out.grad_norm, "z_loss": out.z_loss,
+                "skipped_steps": None if guard is None else guard.skipped,
+                "rollback_due": None if guard is None else guard.rollback_due}
+
+    def _roll_back(self) -> None:
+        """Too many bad steps in a row: back to the last checkpoint, past the data after it (stability/rollback.py)."""
+        assert self.rollback is not None, "only a guard with max_consecutive_skips flags a rollback"
+        self.step, data = self.rollback(self.checkpointer, self.step, self.step_strategy.start, self.grad_accum)
+        self.step_strategy.begin(self.step, self.grad_accum, data)
+        self.throughput.reset_window()
+
+    def _log(self, loss: float, now: dict[str, float], lr: float, scores: dict[str, float]) -> None:
         experts = self.runner.experts  # a collective over the world: every rank logs on the same steps
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **scores, **self.throughput.metrics(),
+        now = {name: value for name, value in now.items() if name != "rollback_due"}
+        metrics = {"loss": loss, "grad_norm": math.nan, **now, "lr": lr, **scores, **self.throughput.metrics(),
                    **device_memory(self.device), **mixture_metrics(self.dataloader),
                    **(experts.metrics() if experts is not None else {})}
         if self.runner.mtp is not None:  # a collective over the data ranks, on logging steps

@@ -99,7 +99,7 @@ def test_one_process_agreement_raises_its_own_failure_and_passes_its_item(tmp_pa
     agreement = Agreement(None, tmp_path)
     assert agreement.outcomes(None, "choosing the checkpoint", "step-4") == ["step-4"]
     with pytest.raises(RuntimeError, match=r"^checkpoint: loading x failed \(nothing was deleted\): boom$"):
-        agreement.outcomes("boom", "loading x")
+        agreement.outcomes("boom", "loading x", None)
     agreement.same_checkpoint(["step-4"])
     with pytest.raises(RuntimeError, match="ranks see different checkpoints in .*: \\['step-4', None\\]"):
         agreement.same_checkpoint(["step-4", None])

@@ -136,6 +136,7 @@ _CHANGED = {
     ("eval", "tasks"): ["continuation", "tasks dir/arc_easy ü.jsonl"],
     # Excludes validation.dataset/dataset_path (set below): round-tripped on its own in the test.
     ("validation", "held_out_fraction"): None,
+    ("debug", "inject_nonfinite_grad"): [5, 9],
 }
 
 

@@ -258,3 +258,30 @@ def test_sparse_mesh_at_ep_two():
     assert results[0]["ep2_fsdp8"]["views"]["efsdp"] == (0, 4, [0, 2, 4, 6])
     # manual_seed over ParallelDims reaches ep: ranks 0 and 1 of ep2_fsdp8 differ in dp_shard and ep.
     assert [r["ep2_fsdp8"]["seed"] for r in results[:2]] == [100, 100 + 1 * 2 + 1]
+
+
+@pytest.mark.parametrize("degrees", [dict(dp_replicate=2, dp_shard=1, cp=1, tp=1, pp=1, world_size=2),
+                                     dict(dp_replicate=1, dp_shard=1, cp=2, tp=2, pp=1, world_size=4),
+                                     dict(dp_replicate=1, dp_shard=4, cp=2, tp=1, pp=2, world_size=16, ep=8),
+                                     dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)])
+def test_every_enabled_flag_is_degree_above_one_from_the_axis_table(degrees):
+    from torchtitan.distributed.parallel_dims import AXES, AXIS_TABLE, WORLD_AXES
+
+    dims = ParallelDims(**degrees)
+    assert WORLD_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp") and AXES == (*WORLD_AXES, "ep")
+    for axis in AXIS_TABLE:
+        assert dims.enabled(axis.name) == (dims.degree(axis.name) > 1)
+    assert dims.fsdp_enabled == (dims.dp_shard * dims.cp > 1)
+    assert dims.dp_enabled == (dims.dp_replicate > 1 or dims.dp_shard > 1)
+    for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
+        assert getattr(dims, f"{name}_enabled") == (degrees.get(name, 1) > 1), name
+
+
+def test_loss_parallel_comes_from_the_config_at_construction():
+    from torchtitan.config import ConfigManager
+
+    for flag, want in (([], True), (["--parallelism.disable_loss_parallel"], False)):
+        cfg = ConfigManager().parse_args(["--parallelism.tensor_parallel_degree=2", *flag])
+        dims = ParallelDims.from_config(cfg.parallelism, 2)
+        assert dims.loss_parallel is want and dims.loss_parallel_enabled is want
+    assert not ParallelDims(1, 2, 1, 1, 1, 2).loss_parallel_enabled  # no TP: nothing to parallelize

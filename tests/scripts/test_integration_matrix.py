@@ -83,6 +83,26 @@ def test_check_run_catches(tmp_path, log, losses, kw, expected):
     assert any(expected in p for p in problems), problems
 
 
+# Warning lines a Qwen3-MoE FSDP 2 x EP 2 run printed before they were fixed (issue 50), and the project's own.
+WARNINGS = [
+    "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_state.py:331: UserWarning: FSDP2-wrapped module "
+    "(FSDPGroupedExperts) returned a view tensor. An in-place op on this view ...",
+    "/work/torchtitan/compat.py:92: UserWarning: Set timeout is now only supported for either nccl or gloo.",
+    "[rank1]:W1127 18:25:55.355000 10285 site-packages/torch/distributed/tensor/_redistribute.py:390] While "
+    "redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), Replicate()), 2 sequential ...",
+    "W1127 18:26:12.491000 11090 site-packages/torch/distributed/run.py:874] Setting OMP_NUM_THREADS ...",
+    "[rank0] 18:28:30 WARNING Shutdown: not every rank finished within 120 s",
+]
+
+
+@pytest.mark.parametrize("line", WARNINGS)
+def test_no_warnings_check_catches_each_kind_of_warning(tmp_path, line):
+    clean = MESH_LOG + "[rank0] 18:25:56 INFO step: 1  loss: 8.1673  grad_norm: 1.6191\n"
+    assert it._no_warnings([_run(tmp_path, clean, FALLING)]) == []
+    problems = it._no_warnings([_run(tmp_path, clean + line + "\n", FALLING)])
+    assert problems and line[:40] in problems[0], problems
+
+
 def test_a_resumed_phase_starts_later_and_need_not_fall(tmp_path):
     resumed = {s: 7.0 for s in range(4, 7)}
     assert it.check_run(_run(tmp_path, MESH_LOG, resumed, first_step=4, falls=False), None) == []

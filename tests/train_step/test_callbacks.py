@@ -58,3 +58,39 @@ def test_pipeline_steps_call_the_micro_batch_points(tmp_path):
     expected = [e for e in _plain_step(1) + _plain_step(2) if e[0] not in ("forward_end", "backward_start")]
     assert [r["seen"] for r in out] == [expected, expected]
     assert out[0]["losses"] == out[1]["losses"] and all(torch.isfinite(torch.tensor(out[0]["losses"])))
+
+
+def _moe_tail(rank: int, world_size: int, dump: str, overrides: list[str]) -> dict:
+    from torchtitan.trainer import Trainer
+
+    cfg = ConfigManager().parse_args([
+        f"--job.config_file={REPO / 'train_configs' / 'qwen3_debug_moe.toml'}", f"--job.dump_folder={dump}",
+        "--metrics.enable_tensorboard=false", "--training.steps=1", "--training.batch_size=1",
+        "--training.seq_len=32", "--training.gradient_accumulation_steps=2", "--moe.load_balance_coeff=0.001",
+        "--lr_scheduler.warmup_steps=0"])
+    seen: dict[str, tuple[float, int]] = {}
+    tokens: list[int] = []
+
+    def watch(event: StepEvent) -> None:
+        experts = event.strategy.parts.runner.experts
+        if event.point in (StepPoint.OPTIMIZER_STEP, StepPoint.STEP_END):
+            moved = sum(float(m.expert_bias.abs().sum()) for m in experts.moes)
+            seen[event.point.value] = (moved, sum(int(m.tokens_per_expert.sum()) for m in experts.moes))
+        if event.point is StepPoint.STEP_END:
+            tokens.append(event.output.tokens)
+
+    trainer = Trainer(cfg, callbacks=[watch])
+    trainer.train()
+    return {"seen": seen, "tokens": tokens, "pre_hooks": len(trainer.runner.optimizer._optimizer_step_pre_hooks)}
+
+
+def test_the_tail_moves_the_routing_bias_before_the_optimizer_step(tmp_path):
+    """The bias update is the tail's own point (no optimizer hook): at OPTIMIZER_STEP the counts of both
+    micro-batches wait and the biases are zero; when the step ends they have moved and the counts are zeroed.
+    The step reports the tokens it read (the trainer's throughput): 2 micro-batches x 32."""
+    (out,) = run_ranks(_moe_tail, 1, str(tmp_path), [])
+    before, after = out["seen"]["optimizer_step"], out["seen"]["step_end"]
+    assert before[0] == 0 and before[1] == 2 * 32 * 2 * 3, before  # tokens x top-2 x the 3 sparse layers
+    assert after[0] > 0 and after[1] == 0, after
+    assert out["pre_hooks"] == 0
+    assert out["tokens"] == [2 * 32]

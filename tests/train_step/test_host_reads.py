@@ -6,8 +6,11 @@ launch. Every host read of a tensor's value goes through ``aten._local_scalar_de
 the first, a wrapper the second, on the training thread of a real 2-rank FSDP run with
 ``metrics.log_freq 10``, checkpointing on (interval 100) and no validation. Steps 2-9 must
 make none; step 10 logs, saves and checks for preemption, and must make some (so the
-counter sees real reads). Adam's ``step`` counters are excluded: optimizers keep them on
-the host (not fused, not capturable), where reading them waits for nothing.
+counter sees real reads). The run has [stability] on (docs/stability.md): the bad-step guard with
+its spike detector and rollback flag, z-loss, and a NaN gradient at step 4 that the guard skips, so
+judging and skipping a step read nothing either (the plain step runs the same code without them).
+Adam's ``step`` counters are excluded: optimizers keep them on the host (not fused, not
+capturable), where reading them waits for nothing.
 
 The run trains ``causal``: under ``block_causal`` the eager-CPU kernel splits each row at its
 document boundaries, which it reads from host memory (a CPU tensor, so nothing waits); the
@@ -58,7 +61,10 @@ def _count_reads(rank: int, world_size: int, dump: str) -> list[tuple[int, str, 
         f"--job.config_file={CONFIG}", f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false",
         "--parallelism.data_parallel_shard_degree=2", "--training.batch_size=2",
         "--training.gradient_accumulation_steps=2", f"--training.steps={STEPS}", "--metrics.log_freq=10",
-        "--checkpoint.enable_checkpoint", "--checkpoint.interval=100", "--model.attn_mask_type=causal"])
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval=100", "--model.attn_mask_type=causal",
+        "--stability.skip_nonfinite_steps", "--stability.skip_spikes", "--stability.spike_warmup_steps=2",
+        "--stability.rolling_interval_length=4", "--stability.max_consecutive_skips=3",
+        "--stability.z_loss_multiplier=1e-4", "--debug.inject_nonfinite_grad=4"])
     trainer = Trainer(cfg)
     real_tolist = torch.Tensor.tolist
     mode: HostReads | None = None
@@ -83,6 +89,7 @@ def _count_reads(rank: int, world_size: int, dump: str) -> list[tuple[int, str, 
         torch.Tensor.tolist = real_tolist
         if mode is not None:
             mode.__exit__(None, None, None)
+    assert trainer.guard is not None and int(trainer.guard.skipped) == 1, "the NaN gradient of step 4 was skipped"
     return mode.reads
 
 

@@ -13,12 +13,15 @@ async save then.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from torchtitan.checkpoint.location import Location
+
+T = TypeVar("T")
 
 
 class Agreement:
@@ -32,15 +35,15 @@ class Agreement:
     def world(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
-    def gather(self, item: Any) -> list[Any]:
+    def gather(self, item: T) -> list[T]:
         """Every rank's ``item``, in rank order (one ``all_gather_object``; none alone)."""
         if self.world == 1:
             return [item]
-        outcomes: list[Any] = [None] * self.world
+        outcomes: list[object] = [None] * self.world
         dist.all_gather_object(outcomes, item, group=self.group)
-        return outcomes
+        return cast("list[T]", outcomes)  # every rank sent the same kind of item
 
-    def outcomes(self, error: str | None, doing: str, item: Any = None) -> list[Any]:
+    def outcomes(self, error: str | None, doing: str, item: T) -> list[T]:
         """Every rank's ``item`` when no rank failed at ``doing``; else, on every rank, the failing ranks' messages.
 
         ``error`` is this rank's failure (None: it succeeded). Nothing is deleted on a failure:
@@ -57,7 +60,7 @@ class Agreement:
                                f"deleted): " + " | ".join(failed))
         return [shared for _, shared in gathered]
 
-    def same_checkpoint(self, names: list[Any]) -> None:
+    def same_checkpoint(self, names: Sequence[Hashable]) -> None:
         """Raise on every rank when the ranks chose different checkpoints (a folder that is not shared)."""
         if len(set(names)) != 1:
             raise RuntimeError(f"ranks see different checkpoints in {self.folder}: {names}; the checkpoint "

@@ -199,7 +199,7 @@ class Loader:
                             process_group=self.agreement.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = _one_line(e)
-        self.agreement.outcomes(error, f"loading {path}")
+        self.agreement.outcomes(error, f"loading {path}", None)
         refusal = None
         try:
             self.states.apply(state)
@@ -209,7 +209,7 @@ class Loader:
             refusal = e
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             error = f"{type(e).__name__}: {e}"
-        self.agreement.outcomes(error, f"applying {path}")
+        self.agreement.outcomes(error, f"applying {path}", None)
         if refusal is not None:
             raise refusal
 
@@ -227,7 +227,7 @@ class Loader:
                           self.model_args, process_group=self.agreement.group)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised on every rank
             error = f"{type(e).__name__}: {e}"
-        self.agreement.outcomes(error, f"loading {self.ck.initial_load_path}")
+        self.agreement.outcomes(error, f"loading {self.ck.initial_load_path}", None)
         if self.rank == 0:
             logger.info("Checkpoint: no checkpoint of this run; loaded %d tensors from %s (%s format) in %.2fs; "
                         "training starts from them at step 0", n, self.ck.initial_load_path,

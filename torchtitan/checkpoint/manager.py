@@ -19,6 +19,7 @@ A ``weights_only`` checkpoint (the final save with ``model_weights_only``) holds
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -105,6 +106,19 @@ class CheckpointManager:
         if self.loader.loaded_step is not None:
             self.saver.protected = {self.loader.loaded_step}  # never purged by this run's saves
         return step
+
+    def reload_latest(self) -> int | None:
+        """Mid-run: wait for a pending save, then load the latest checkpoint again; its step, or None when there is
+        none of this run's own to load (a rollback, stability/rollback.py)."""
+        if not self.enabled:
+            return None
+        self.saver.finish_pending(block=True)
+        # The latest and all of it: --checkpoint.load_step and exclude_from_loading were for the run's start.
+        ck = dataclasses.replace(self.cfg.checkpoint, load_step=-1, exclude_from_loading=[])
+        self.loader.cfg, self.loader.ck = dataclasses.replace(self.cfg, checkpoint=ck), ck
+        self.loader.loaded_step = None
+        step = self.loader.load()
+        return step if self.loader.loaded_step is not None else None
 
     # ---- saving ----------------------------------------------------------------
     def save(self, step: int, *, kind: str = CheckpointKind.FULL, sync: bool = True) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.checkpoint.no_pickle import from_json, to_json
 
@@ -65,7 +67,7 @@ class Holders:
     model: torch.nn.Module  # every pipeline stage of this rank as one module (``stage_view.model_view``)
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
-    dataset: Any  # the position lives in the dataset: ``state_dict`` / ``load_state_dict``
+    dataset: Stateful  # the position lives in the dataset: ``state_dict`` / ``load_state_dict``
     rank: int
 
 
@@ -82,8 +84,8 @@ class StateSpec:
     """
 
     name: str
-    save: Callable[[Holders, int], Any]
-    template: Callable[[Holders, Callable[[], Any]], Any]
+    save: Callable[[Holders, int], object]
+    template: Callable[[Holders, Callable[[], Metadata]], object]
     apply: Callable[[Holders, Any], object]  # what it returns is ignored
     model_only: bool = False
     same_layout_only: bool = False
@@ -128,7 +130,7 @@ def _set_rng_state(text: object) -> None:
         torch.cuda.set_rng_state(_text_tensor(state["cuda"]))
 
 
-def saved_data_position(metadata: Any) -> dict[str, Any]:
+def saved_data_position(metadata: Metadata) -> dict[str, Any]:
     """A template of the data position with the checkpoint's keys (from its DCP ``metadata``), not this run's.
 
     The keys differ between loaders and settings: a held-out split adds one, a
@@ -153,7 +155,7 @@ def _optimizer_state(h: Holders) -> dict[str, Any]:
     return get_optimizer_state_dict(h.model, h.optimizer, options=OPTIM_OPTIONS)
 
 
-def _nothing(h: Holders, value: Any) -> None:
+def _nothing(h: Holders, value: object) -> None:
     """The train state is not set on a holder: the loader returns its step."""
 
 

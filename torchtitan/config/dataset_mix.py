@@ -36,7 +36,7 @@ CLI_FORM = ("WEIGHT:SOURCE items, SOURCE = dataset=NAME, hub:NAME[:CONFIG], path
 _HUB = "hub:"  # the spelling of a hub dataset, as scripts/prepare_data.py takes it
 
 
-def _weight(value: Any) -> float:
+def _weight(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"weight {value!r} is not a number")
     if not (math.isfinite(value) and value > 0):
@@ -61,7 +61,7 @@ def _from_cli(item: str) -> dict[str, Any]:
     return {"path": source, "weight": number}
 
 
-def parse_mix_entry(value: Any, from_cli: bool) -> dict[str, Any]:
+def parse_mix_entry(value: object, from_cli: bool) -> dict[str, Any]:
     """One mixture source, normalized; ValueError naming the problem and the form to use."""
     if from_cli and isinstance(value, str):
         value = _from_cli(value)

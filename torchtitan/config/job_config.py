@@ -63,6 +63,9 @@ class Model:
     mtp_loss_weight: float = field_with_help(
         0.3, "Weight lambda of the multi-token prediction loss: lambda / depths times the sum of the depths' "
         "losses is added to the main loss", min=0.0)
+    converters: list[str] = field_with_help(
+        [], "Model converters applied between build and parallelize: float8 (Float8 linears with torchao, "
+        "configured by [float8]; docs/float8.md)")
 
 
 @dataclass
@@ -119,10 +122,10 @@ class Training:
         "float32", "Gradient reduction dtype", choices=("float32", "bfloat16"))
     compile: bool = field_with_help(False, "torch.compile each transformer block")
     cpu_matmul: str = field_with_help(
-        "onednn", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU; "
-        "faster than MKL on AMD CPUs, where MKL keeps to AVX2: benchmarks/README.md section 11); aten = torch's "
-        "default (MKL on x86). TP linears use aten",
-        choices=("onednn", "aten"),
+        "auto", "Float32 linear layers on CPU, eager: onednn = oneDNN's products (AVX-512 on any x86 CPU); aten = "
+        "torch's default (MKL on x86, which keeps to AVX2 on AMD CPUs); auto = onednn on AMD/Hygon CPUs with "
+        "AVX-512, aten elsewhere (benchmarks/README.md section 11). TP linears use aten",
+        choices=("auto", "onednn", "aten"),
     )
     seed: int | None = field_with_help(None, "Base random seed; unset means no seeding (stated in the log)")
     deterministic: bool = field_with_help(False, "Use deterministic algorithms (slower)")
@@ -183,6 +186,26 @@ class Moe:
         "none", "Auxiliary balance loss added to the training loss: none, switch (as Hugging Face's Qwen3-MoE and "
         "Mixtral) or sequence (DeepSeek-V3's sequence-wise loss)", choices=("none", "switch", "sequence"))
     aux_loss_coeff: float = field_with_help(1e-3, "Weight of the auxiliary balance loss", min=0.0)
+
+
+@dataclass
+class Float8:
+    """Float8 training (``--model.converters float8``); the names are TorchTitan's (docs/float8.md)."""
+
+    recipe_name: str = field_with_help(
+        "tensorwise", "Scaling recipe: tensorwise (one scale per tensor; FP8 all-gather possible), rowwise (a scale "
+        "per row), rowwise_with_gw_hp (rowwise, weight gradient in high precision)",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    filter_fqns: list[str] = field_with_help(
+        ["output", "router.gate"], "Linears whose FQN contains one of these stay in high precision (also any whose "
+        "dims are not multiples of 16)")
+    enable_fsdp_float8_all_gather: bool = field_with_help(
+        False, "FSDP all-gathers the weights in Float8 (tensorwise only): half the bytes of bf16")
+    precompute_float8_dynamic_scale_for_fsdp: bool = field_with_help(
+        False, "With the FP8 all-gather: compute every weight's scale in one all-reduce after the optimizer step "
+        "instead of one per weight in forward")
+    emulate: bool = field_with_help(
+        False, "Emulate the FP8 products in high precision (for GPUs older than SM 8.9; the casts stay real)")
 
 
 @dataclass
@@ -332,6 +355,43 @@ class FaultTolerance:
 
 
 @dataclass
+class Stability:
+    """Bad steps skipped on the device, a rollback after too many in a row, and z-loss (docs/stability.md)."""
+
+    skip_nonfinite_steps: bool = field_with_help(
+        False, "Skip the optimizer step (Adam moments and step count untouched) whose loss or gradient norm is not "
+        "finite, instead of stopping at the next logged loss")
+    skip_spikes: bool = field_with_help(
+        False, "Skip a step whose loss or gradient norm exceeds its running mean by sigma_factor standard "
+        "deviations over the last rolling_interval_length accepted steps")
+    sigma_factor: float = field_with_help(6.0, "Spike threshold in standard deviations above the running mean",
+                                          min=0.0)
+    rolling_interval_length: int = field_with_help(
+        128, "Accepted steps whose loss and gradient norm make the running mean and standard deviation", min=2)
+    spike_warmup_steps: int = field_with_help(
+        64, "Accepted steps before the spike detector may skip one (at least 2, at most rolling_interval_length)",
+        min=2)
+    max_consecutive_skips: int = field_with_help(
+        0, "After this many skipped steps in a row, reload the last checkpoint and skip the data that followed it "
+        "(0 = never; needs checkpoint.enable_checkpoint)", min=0)
+    z_loss_multiplier: float = field_with_help(
+        0.0, "z-loss coefficient (PaLM, OLMo: 1e-4): adds multiplier * logsumexp(logits)^2 per token to the "
+        "trained loss; logged as z_loss apart from loss (0 = off)", min=0.0)
+
+    @property
+    def guards_steps(self) -> bool:
+        """Whether steps are checked before the optimizer step at all."""
+        return self.skip_nonfinite_steps or self.skip_spikes
+
+
+@dataclass
+class Debug:
+    inject_nonfinite_grad: list[int] = field_with_help(
+        [], "For tests and drills: make a gradient NaN on every rank at these steps (e.g. 5,9), after the "
+        "backward, so the bad-step handling of [stability] can be watched")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -340,6 +400,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: Moe = field(default_factory=Moe)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
@@ -348,6 +409,8 @@ class JobConfig:
     eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    stability: Stability = field(default_factory=Stability)
+    debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

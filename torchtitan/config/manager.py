@@ -53,7 +53,7 @@ class _FieldType:
         return f"{name} or unset" if self.optional else name
 
 
-def _field_type(hint: Any) -> _FieldType:
+def _field_type(hint: object) -> _FieldType:
     optional = False
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
@@ -61,7 +61,7 @@ def _field_type(hint: Any) -> _FieldType:
         (hint,) = [a for a in args if a is not type(None)]
     if typing.get_origin(hint) is list:
         return _FieldType(typing.get_args(hint)[0], optional, True)
-    return _FieldType(hint, optional, False)
+    return _FieldType(typing.cast(type, hint), optional, False)  # what is left of an annotation is a class
 
 
 def _section_fields(cfg: JobConfig) -> dict[str, dict[str, tuple[dataclasses.Field, _FieldType]]]:
@@ -79,7 +79,7 @@ def _suggest(name: str, candidates: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _coerce_scalar(value: Any, base: type, from_cli: bool) -> Any:
+def _coerce_scalar(value: object, base: type, from_cli: bool) -> object:
     """Convert one value to ``base`` or raise ValueError with a short reason."""
     if from_cli and isinstance(value, str):
         text = value.strip()
@@ -112,7 +112,7 @@ def _coerce_scalar(value: Any, base: type, from_cli: bool) -> Any:
     raise ValueError(f"{value!r} is a {type(value).__name__}, expected {base.__name__}")
 
 
-def _finite(number: float, given: Any) -> float:
+def _finite(number: float, given: object) -> float:
     """No option takes NaN or an infinity: none has a meaning for them, and TOML-written
     configs would carry them on as ``nan``/``inf`` into every later run."""
     if not math.isfinite(number):

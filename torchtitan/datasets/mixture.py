@@ -240,18 +240,18 @@ class MixtureDataset(IterableDataset, Stateful):
         self._tokens_before = [0] * len(self.sources)
 
 
-def _dataset(loader: Any) -> Any:
+def _dataset(loader: object) -> object:
     return getattr(loader, "dataset", loader)
 
 
-def start_data_at(loader: Any, samples: int) -> None:
+def start_data_at(loader: object, samples: int) -> None:
     """Tell a mixture loader the resumed run's sample position (a no-op for other loaders)."""
     dataset = _dataset(loader)
     if isinstance(dataset, MixtureDataset):
         dataset.start_at(samples)
 
 
-def mixture_metrics(loader: Any) -> dict[str, float]:
+def mixture_metrics(loader: object) -> dict[str, float]:
     """``data/tokens/<source>``: the tokens each source of a mixture gave so far; empty for other loaders."""
     dataset = _dataset(loader)
     if not isinstance(dataset, MixtureDataset):

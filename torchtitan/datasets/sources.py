@@ -24,7 +24,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
 
@@ -61,7 +60,7 @@ class HubDataset:
     config: str | None = None
     split: str = "train"
 
-    def load(self) -> Iterable[dict[str, Any]]:
+    def load(self) -> Iterable[dict[str, object]]:
         """Its records, streamed (needs network access to the hub, or a populated HF cache)."""
         import datasets
 
@@ -88,7 +87,7 @@ class DatasetSpec:
     holding the document text; ``hub`` is where a hub dataset lives.
     """
 
-    load: Callable[[], Iterable[dict[str, Any]]]
+    load: Callable[[], Iterable[dict[str, object]]]
     text_field: str = "text"
     description: str = ""
     hub: HubDataset | None = None
@@ -98,7 +97,7 @@ class DatasetSpec:
 # import, and code that only needs the tokenizer should not pay for it.
 
 
-def _load_embedded() -> Iterable[dict[str, Any]]:
+def _load_embedded() -> Iterable[dict[str, object]]:
     # Training reads the embedded corpus from a token store; this streamed form is
     # for comparisons with a packing baseline (benchmarks/data.py).
     import datasets
@@ -142,7 +141,7 @@ def iter_hub_documents(hub: HubDataset, text_field: str = "text") -> Iterator[st
     """Document texts of a hub dataset in its order (records without text skipped: they add no tokens)."""
     for record in hub.load():
         text = record.get(text_field)
-        if text:
+        if isinstance(text, str) and text:
             yield text
 
 
@@ -190,7 +189,7 @@ def _builder_of(path: str, files: list[Path]) -> str:
     return builder
 
 
-def load_local_dataset(path: str) -> Iterable[dict[str, Any]]:
+def load_local_dataset(path: str) -> Iterable[dict[str, object]]:
     """Stream a local ``.json``/``.jsonl``/``.parquet``/``.txt`` file, or a directory of them.
 
     Records must have a "text" field (JSON and Parquet); plain-text files are
@@ -203,11 +202,13 @@ def load_local_dataset(path: str) -> Iterable[dict[str, Any]]:
     files = source_files(path)
     builder = _builder_of(path, files)
     data_files = [str(p) for p in files]
-    extra: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True, **extra)
+    if builder == "text":  # documents split at blank lines
+        return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True,
+                                     sample_by="paragraph")
+    return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True)
 
 
-def open_source(dataset_name: str, dataset_path: str | None) -> tuple[Iterable[dict[str, Any]], str]:
+def open_source(dataset_name: str, dataset_path: str | None) -> tuple[Iterable[dict[str, object]], str]:
     """Return (records, text_field) for the configured dataset, streamed."""
     if dataset_path:
         # An explicit path wins; the name then only labels the data in logs.
@@ -225,7 +226,7 @@ def open_source(dataset_name: str, dataset_path: str | None) -> tuple[Iterable[d
 # ------------------------------------------------------------- document texts
 
 
-def _record_text(record: Any, text_field: str, where: str) -> str:
+def _record_text(record: object, text_field: str, where: str) -> str:
     if not isinstance(record, dict) or text_field not in record:
         fields = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise TokenStoreError(f"{where}: record has no {text_field!r} field (fields: {fields})")

@@ -81,7 +81,7 @@ def _causal_mask(n_q: int, n_kv: int, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _lower_right_bias(seq_len_q: int, seq_len_kv: int) -> torch.Tensor:
-    """A lower-right causal bias, built once per shape (with no storage: compat.py says why). It is a
+    """A lower-right causal bias, built once per shape (with no storage: compat/kernels.py says why). It is a
     Tensor subclass, which cannot be created while a TorchDispatchMode is active (the
     communication counter of benchmarks/footprint.py is one)."""
     return lower_right_causal_bias(seq_len_q, seq_len_kv)

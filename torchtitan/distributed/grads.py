@@ -70,9 +70,11 @@ def clip_grad_norm_(
     norms = []
     for group in by_mesh.values():
         grads = [p.grad for p in group if p.grad is not None]  # all of them: filtered above
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-        if isinstance(norm, DTensor):
-            with _quiet(_REDISTRIBUTE_LOG):
+        # torch 2.13 already redistributes inside get_total_norm (the norm of the per-tensor norms), so
+        # the quiet covers both calls.
+        with _quiet(_REDISTRIBUTE_LOG):
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+            if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
         norms.append(norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type=norm_type) if norms else torch.zeros(())

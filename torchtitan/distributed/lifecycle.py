@@ -164,9 +164,12 @@ def set_collective_timeout(seconds: int) -> int:
     "Every group" is every group created so far, not only the root mesh's dims: the
     flattened views (FSDP's ``dp_shard_cp``, the loss sums' ``dp_cp``), the unit-shard
     mesh of DDP/TP layouts and the checkpoint group hang just as well as the default one.
+    One-rank groups are left alone: a collective over one rank waits for no peer, and
+    torch builds some of them (a mesh dim of size 1) on a local backend that has no
+    timeout to set (the call would only warn).
     """
     timeout = timedelta(seconds=seconds)
-    groups = all_process_groups()
+    groups = [group for group in all_process_groups() if group.size() > 1]
     for group in groups:
         set_pg_timeout(timeout, group)
     return len(groups)

@@ -22,9 +22,10 @@ FSDP goes on a one-rank ``fsdp`` too, to apply mixed precision. At ep = 1 the sp
 fake: nothing is placed on it. ``get_mesh(name)`` gives the 1-D mesh of an axis or view, and None
 when its degree is 1, so no collective ever runs over a fake group.
 
-To add an axis: a degree field, its entry in ``AXES`` (if it is a degree of the layout) and in
-``_OPTIONS``, its degree in ``degree``, and its place in a mesh of ``ROOT_MESHES`` (a new mesh over
-the same world is one more entry there).
+To add an axis: its row in ``AXIS_TABLE`` (the option, the root mesh that serves it, whether it is a
+world dim), its degree (a field, or a case of ``degree`` for a derived one), and its place in a mesh of
+``ROOT_MESHES`` (a new mesh over the same world is one more entry there). ``enabled(name)`` and the
+``*_enabled`` properties all read ``degree``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,35 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.compat import flatten_mesh, unflatten_mesh
 
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of the layout: its name, the option that sets its degree (None: derived from the others),
+    the root mesh whose dim a 1-D mesh of that name is, and whether it is a dim of the world mesh."""
+
+    name: str
+    option: str | None
+    served_by: str
+    world: bool = False
+
+
+# The one table of axes, in mesh order; every other table below is derived from it. To add an axis: its row
+# here, its degree (a ``ParallelDims`` field for a configured one, a case of ``degree`` for a derived one)
+# and its place in a mesh of ``ROOT_MESHES``.
+AXIS_TABLE = (
+    Axis("pp", "--parallelism.pipeline_parallel_degree", "world", world=True),
+    Axis("dp_replicate", "--parallelism.data_parallel_replicate_degree", "world", world=True),
+    Axis("dp_shard", "--parallelism.data_parallel_shard_degree", "world", world=True),
+    Axis("cp", "--parallelism.context_parallel_degree", "world", world=True),
+    Axis("tp", "--parallelism.tensor_parallel_degree", "dense", world=True),
+    # ep is carved from dp_shard x cp; fsdp and efsdp are derived: dp_shard x cp, and that over ep.
+    Axis("ep", "--parallelism.expert_parallel_degree", "sparse"),
+    Axis("fsdp", None, "dense"),
+    Axis("efsdp", None, "sparse"),
+)
 # The degrees that define a layout, in mesh order (ep last: it is carved from dp_shard x cp).
-WORLD_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-AXES = (*WORLD_AXES, "ep")
+WORLD_AXES = tuple(a.name for a in AXIS_TABLE if a.world)
+AXES = tuple(a.name for a in AXIS_TABLE if a.option is not None)
 MESH_DIM_NAMES = WORLD_AXES  # the world mesh's dims (the name callers have used)
 
 # Each root mesh: its axes, outermost first; their degrees multiply to the world size.
@@ -49,8 +76,7 @@ ROOT_MESHES: dict[str, tuple[str, ...]] = {
     "sparse": ("pp", "dp_replicate", "efsdp", "ep", "tp"),
 }
 # The root mesh whose axis a 1-D name resolves to (the other meshes' copies only place their axes).
-_SERVED_BY = {"pp": "world", "dp_replicate": "world", "dp_shard": "world", "cp": "world",
-              "tp": "dense", "fsdp": "dense", "ep": "sparse", "efsdp": "sparse"}
+_SERVED_BY = {a.name: a.served_by for a in AXIS_TABLE}
 # Views spanning several world axes (in mesh order); one with a single enabled axis is that axis.
 FLATTENED_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),
@@ -61,14 +87,7 @@ FLATTENED_VIEWS = {
 ALIASES = {"batch": "dp", "loss": "dp_cp", "dp_shard_cp": "fsdp"}
 _FSDP_AXES = ("fsdp", "efsdp")  # FSDP goes on them at one rank too (mixed precision): never fake
 # The option that sets each degree.
-_OPTIONS = {
-    "dp_replicate": "--parallelism.data_parallel_replicate_degree",
-    "dp_shard": "--parallelism.data_parallel_shard_degree",
-    "cp": "--parallelism.context_parallel_degree",
-    "tp": "--parallelism.tensor_parallel_degree",
-    "pp": "--parallelism.pipeline_parallel_degree",
-    "ep": "--parallelism.expert_parallel_degree",
-}
+_OPTIONS = {a.name: a.option for a in AXIS_TABLE if a.option is not None}
 
 
 def dp_shard_problem(dp_shard: int) -> str | None:
@@ -95,10 +114,10 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
+    loss_parallel: bool = True  # --parallelism.disable_loss_parallel off (only matters with TP)
     _roots: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _fsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _loss_parallel: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -290,52 +309,30 @@ class ParallelDims:
         """
         return self.root_mesh("dense")["fsdp"]
 
-    def tp_mesh(self, fsdp_on_one_rank: bool = False) -> DeviceMesh | None:
+    def tp_mesh(self) -> DeviceMesh | None:
         """The ``tp`` mesh that ``parallelize_module`` takes (None without TP).
 
-        It comes from the dense mesh, as every FSDP mesh does, so FSDP2 composes with it in every
-        layout; ``fsdp_on_one_rank`` no longer changes it (kept for callers).
+        It comes from the dense mesh, as every FSDP mesh does, so FSDP2 composes with it in every layout.
         """
         return self.get_mesh("tp")
 
-    # ---- what is enabled --------------------------------------------------
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp_replicate > 1 or self.dp_shard > 1
+    # ---- what is enabled: degree > 1, one rule for every axis and view ------------
+    def enabled(self, name: str) -> bool:
+        """Whether an axis, view or alias has more than one rank (``fsdp``: dp_shard x cp; ``dp``: both dp axes)."""
+        return self.degree(name) > 1
 
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        """FSDP shards parameters over dp_shard x cp (CP ranks hold different tokens, same weights)."""
-        return self.dp_shard > 1 or self.cp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
+    dp_enabled = property(lambda self: self.enabled("dp"))
+    dp_replicate_enabled = property(lambda self: self.enabled("dp_replicate"))
+    dp_shard_enabled = property(lambda self: self.enabled("dp_shard"))
+    fsdp_enabled = property(lambda self: self.enabled("fsdp"))  # CP ranks hold different tokens, same weights
+    cp_enabled = property(lambda self: self.enabled("cp"))
+    tp_enabled = property(lambda self: self.enabled("tp"))
+    pp_enabled = property(lambda self: self.enabled("pp"))
+    ep_enabled = property(lambda self: self.enabled("ep"))
 
     @property
     def loss_parallel_enabled(self) -> bool:
-        # Set from the config by ``from_config``; without TP there is nothing to parallelize.
-        return self.tp_enabled and self._loss_parallel
+        return self.tp_enabled and self.loss_parallel  # without TP there is nothing to parallelize
 
     @property
     def non_data_parallel_size(self) -> int:
@@ -351,6 +348,6 @@ class ParallelDims:
             pp=parallelism.pipeline_parallel_degree,
             world_size=world_size,
             ep=parallelism.expert_parallel_degree,
+            loss_parallel=not parallelism.disable_loss_parallel,
         )
-        dims._loss_parallel = not parallelism.disable_loss_parallel
         return dims

@@ -32,6 +32,7 @@ from torchtitan.distributed.compile import apply_compile, wait_for_embedding_out
 from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.ops.cpu_kernels import use_onednn_linears
+from torchtitan.ops.cpu_matmul import resolve_cpu_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,13 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
                 family: FamilyParallelism) -> torch.nn.Module:
     """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
     one_rank = fsdp_on_one_rank(dims, cfg, device_type)
-    if device_type == "cpu" and cfg.training.cpu_matmul == "onednn" and not cfg.training.compile:
+    if device_type == "cpu" and resolve_cpu_matmul(cfg.training.cpu_matmul) == "onednn" and not cfg.training.compile:
         if n := use_onednn_linears(model):
-            logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul)", n)
+            logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul=%s)", n,
+                        cfg.training.cpu_matmul)
     if dims.tp_enabled:
         # TP parameters must share the root of the mesh FSDP goes on, one-rank FSDP included.
-        tp_mesh = dims.tp_mesh(fsdp_on_one_rank=one_rank)
+        tp_mesh = dims.tp_mesh()
         assert tp_mesh is not None, "TP is on"
         family.apply_tp(model, tp_mesh, cfg.parallelism.enable_sequence_parallel, dims.loss_parallel_enabled)
     cp_mesh = dims.get_mesh("cp") if dims.cp_enabled else None

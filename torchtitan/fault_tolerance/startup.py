@@ -29,9 +29,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from torchft.manager import Manager, extract_trailing_digits
+
+if TYPE_CHECKING:
+    from torchft._torchft import QuorumResult
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ class _RecordingClient:
         return getattr(self._client, name)
 
 
-def groups_in(quorum: Any) -> list[int]:
+def groups_in(quorum: QuorumResult) -> list[int]:
     """The replica group indices of a quorum (ids are ``replica_group_<i>:<uuid>``)."""
     return sorted(extract_trailing_digits(rid.split(":")[0]) for rid in quorum.replica_ids)
 
@@ -70,7 +74,7 @@ class StartupWait:
         self.done = timeout_seconds <= 0  # 0: no wait at all (torchft's own behaviour)
         self._announced = False
 
-    def decide(self, quorum: Any, my_step: int) -> str:
+    def decide(self, quorum: QuorumResult, my_step: int) -> str:
         """WAIT (ask again), GO (this quorum's step may commit) or HOLD (compute it, vote no)."""
         if self.began is None:
             self.began = time.monotonic()
@@ -108,7 +112,8 @@ class StartupManager(Manager):
         self.startup = startup
         self._hold: str | None = None  # why this quorum's step must not commit
 
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: Any = None) -> None:
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+                     ) -> None:
         self._hold = None
         if self.startup.done:
             return super().start_quorum(allow_heal=allow_heal, shrink_only=shrink_only, timeout=timeout)
@@ -125,7 +130,7 @@ class StartupManager(Manager):
                 return
             time.sleep(POLL_SECONDS)
 
-    def should_commit(self, timeout: Any = None) -> bool:
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
         if self._hold is not None:
             # After the step's collectives (peers in this quorum wait on them), before the vote.
             self.report_error(RuntimeError(self._hold))

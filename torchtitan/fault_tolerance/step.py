@@ -127,6 +127,11 @@ class FaultTolerantStep(StepStrategy):
         """The groups' vote; a healing group takes its peer's state in here."""
         return self.manager.should_commit()
 
+    def global_sum(self, local: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Over the group's ranks, then the live groups (as the loss sum is)."""
+        group_sum = start_sum(local, self.parts.loss_mesh)
+        return lambda: sum_across_groups(self.manager, group_sum())
+
     def before_optimizer_step(self) -> None:
         self.participants = self.manager.num_participants()
 

@@ -60,7 +60,7 @@ def _run_args(path: Path, config: Path | None,
               tokenizer_path: str | None) -> tuple[DecoderConfig, ModelSpec, Tokenizer]:
     """A project checkpoint's model args, family and tokenizer, from its run's config.toml."""
     from torchtitan.config import ConfigManager
-    from torchtitan.preflight import configured_model_args
+    from torchtitan.launch_plan import configured_model_args
 
     config = config or find_run_config(path)
     if config is None:

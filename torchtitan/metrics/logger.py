@@ -8,14 +8,19 @@ reads a run's batch arithmetic with ``BATCH_LINE``. Change a format and its patt
 tests/metrics/test_log_lines.py checks that they agree.
 """
 
+from __future__ import annotations
+
 import logging
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchtitan.logging_setup import LINE_PREFIX_RE
 from torchtitan.metrics.wandb_run import WandbRun
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +57,11 @@ class MetricsLogger:
         if self.enabled and log_dir is None:
             logger.warning("TensorBoard is enabled but no log_dir was given; not writing")
             self.enabled = False
-        self._writer: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self._writer: SummaryWriter | None = None
         self.wandb_run = wandb_run if rank == log_rank else None
         self._wandb_started = False
 
-    def _get_writer(self) -> Any:
+    def _get_writer(self) -> SummaryWriter:
         if self._writer is None:
             # Imported here: tensorboard is only needed when it is enabled.
             from torch.utils.tensorboard import SummaryWriter
@@ -88,7 +93,7 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.close()
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -137,7 +142,7 @@ def format_validation_line(step: int, loss: float, perplexity: float, tokens: in
 def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     """One console line for a log step; fields missing from ``metrics`` are left out.
 
-    Read keys: loss, grad_norm, lr, tps, tflops, mfu_pct, max_reserved_gib /
+    Read keys: loss, z_loss, grad_norm, lr, skipped_steps ([stability]), tps, tflops, mfu_pct, max_reserved_gib /
     max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s, and a mixture's
     ``data/tokens/<source>`` (tokens each source gave so far) as one compact field, and a model with
     experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another;
@@ -153,8 +158,10 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
 
     add("loss", "loss: {:.5g}")
     add("mtp/loss", "mtp_loss: {:.5g}")  # multi-token prediction's, apart from the main loss
+    add("z_loss", "z_loss: {:.4g}")
     add("grad_norm", "grad_norm: {:.4f}")
     add("lr", "lr: {:.1e}")
+    add("skipped_steps", "skipped: {:.0f}")
     add("tps", "tps: {:,.0f}")
     add("tflops", "tflops: {:.2f}")
     add("mfu_pct", "mfu: {:.2f}%")

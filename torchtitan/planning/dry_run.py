@@ -57,6 +57,7 @@ from torchtitan.config import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.launch_plan import LaunchPlan
 from torchtitan.models import model_args
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
@@ -74,7 +75,7 @@ from torchtitan.planning.repeats import (
 from torchtitan.planning.symmetry import describe as describe_symmetry
 from torchtitan.planning.symmetry import representatives
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
-from torchtitan.preflight import LaunchPlan, preflight
+from torchtitan.preflight import preflight
 from torchtitan.train_step.base import StepParts
 from torchtitan.train_step.build import BuildOptions, build_runner
 from torchtitan.train_step.callbacks import StepCallbacks

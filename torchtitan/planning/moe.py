@@ -14,7 +14,7 @@ for one that assumes the counts and runs everything else as the real one does:
   own tokens still go out evenly. Memory, expert FLOPs and the all-to-all bytes of that rank all follow.
 
 Under EP 1 every expert is local and the factor changes no total (the grouped GEMM is priced by its FLOPs).
-``grouped_mm_as_on`` (``compat.py``) makes the experts choose as a GPU does: ``torch._grouped_mm`` in
+``grouped_mm_as_on`` (``compat/kernels.py``) makes the experts choose as a GPU does: ``torch._grouped_mm`` in
 bf16, the per-expert loop otherwise.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtitan.launch_plan import LaunchPlan
 from torchtitan.models.spec import ModelSpec
-from torchtitan.preflight import LaunchPlan
 
 # CUDA's grouped GEMM kernel (sm90) takes bf16 only; other dtypes run the loop on a GPU.
 GPU_GROUPED_MM_DTYPES = frozenset({torch.bfloat16})

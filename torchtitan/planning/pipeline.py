@@ -52,9 +52,8 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
     def logits() -> torch.Tensor:
         if not dims.loss_parallel_enabled:
             return torch.empty(mb, seq, args.vocab_size, dtype=dtype, device=meta, requires_grad=True)
-        fsdp_on_one_rank = not (dims.dp_enabled or dims.fsdp_enabled) and dtype != torch.float32
         local = torch.empty(mb, seq, args.vocab_size // dims.tp, dtype=dtype, device=meta, requires_grad=True)
-        return DTensor.from_local(local, dims.tp_mesh(fsdp_on_one_rank=fsdp_on_one_rank), [Shard(-1)], run_check=False)
+        return DTensor.from_local(local, dims.tp_mesh(), [Shard(-1)], run_check=False)
 
     def io(stage_id: int) -> dict[str, Any]:
         inputs = torch.empty(mb, seq, dtype=torch.long, device=meta) if stage_id == 0 else hidden

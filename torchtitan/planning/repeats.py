@@ -34,10 +34,10 @@ from typing import cast
 import torch
 
 from torchtitan.config import JobConfig
+from torchtitan.launch_plan import LaunchPlan
 from torchtitan.planning.compute import PhaseWork
 from torchtitan.planning.memory import MemoryReport, fold
 from torchtitan.planning.traffic import CollectiveStats, TrafficLedger
-from torchtitan.preflight import LaunchPlan
 
 FIRST_SIMULATED = 3  # blocks in the smallest stage's first simulation: a first, one middle, a last
 FEWEST_BLOCKS = 8  # below this, two simulations of 3 and 4 blocks cost about as much as one of all of them

@@ -2,13 +2,18 @@
 
 A step: batches to the device -> forward/backward over the micro-batches (``ModelRunner``) -> the
 tail, in this order: give gradients their parameters' placements -> clip by the global norm
-(summed over the pipeline stages too) -> [``commit``: fault tolerance's vote] -> optimizer step
-[around it ``before_optimizer_step`` / ``after_optimizer_step``: semi-sync's bookkeeping] -> LR
-step -> zero_grad -> [``after_step``: the replica check] -> the global loss. A strategy writes
+(summed over the pipeline stages too) -> [``commit``: fault tolerance's vote] -> [the bad-step guard:
+skip this step? (stability/guard.py)] -> [``before_optimizer_step``: semi-sync's bookkeeping] ->
+``balance_experts`` (a model with MoE layers: the routing biases move from the step's token counts) ->
+optimizer step -> [``after_optimizer_step``: did semi-sync's sync commit?] -> LR step -> zero_grad ->
+[``after_step``: the replica check] -> the global loss. A strategy writes
 only what comes before the tail (how the loss is scaled and summed, what happens around the
 forward) and overrides the hooks; the order above is ``finish``'s alone.
 
 The step's callbacks (``train_step/callbacks.py``) are called at its named points.
+
+The strategy reads its own micro-batches (``begin``, then ``next_step``): a batch goes from the data
+loader to the device without passing through the trainer, which gets the step's token count back.
 
 Nothing here reads a device value on the host: the loss and the grad norm are returned as
 device tensors, and the trainer reads them only on the steps that need them.
@@ -22,11 +27,14 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.lr_scheduler import LRScheduler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.batch import Batch
+from torchtitan.distributed.collectives import start_sum
 from torchtitan.distributed.grads import clip_grad_norm_, match_grad_placements
 from torchtitan.loss import LossScale
+from torchtitan.stability.guard import BadStepGuard
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.runner import ModelRunner
 
@@ -47,6 +55,7 @@ class StepParts:
     pp_mesh: DeviceMesh | None  # the pipeline stages, whose gradient norms add up
     max_norm: float
     dataloader: StatefulDataLoader | None  # None in the planner's dry run, which makes its own batches
+    guard: BadStepGuard | None = None  # [stability]: skips bad steps before the optimizer step
 
     @property
     def model_parts(self) -> list[torch.nn.Module]:
@@ -57,7 +66,7 @@ class StepParts:
         return self.runner.optimizer
 
     @property
-    def lr_scheduler(self) -> Any:
+    def lr_scheduler(self) -> LRScheduler:
         return self.runner.lr_scheduler
 
     @property
@@ -73,6 +82,9 @@ class StepOutput:
     loss: torch.Tensor  # the global mean token loss (float64, 0-dim)
     grad_norm: torch.Tensor  # the global gradient norm before clipping (0-dim)
     lr: float  # the learning rate the optimizer step ran at
+    tokens: int = 0  # input positions of this rank's micro-batches (before any context-parallel split)
+    skipped: torch.Tensor | None = None  # [stability]: whether the guard skipped the step (0-dim bool)
+    z_loss: torch.Tensor | None = None  # the mean z-loss per token, when z-loss is on (float64, 0-dim)
 
 
 class StepStrategy:
@@ -80,6 +92,8 @@ class StepStrategy:
 
     def __init__(self, parts: StepParts):
         self.parts = parts
+        self._data: Iterator[Batch | tuple[torch.Tensor, ...]] | None = None
+        self._micro_batches = 1
 
     # ---- the trainer's interface -----------------------------------------------
     def start(self, step: int) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
@@ -87,12 +101,28 @@ class StepStrategy:
         assert self.parts.dataloader is not None, "only the planner's dry run has none, and it feeds its own batches"
         return iter(self.parts.dataloader)
 
+    def begin(self, step: int, micro_batches: int, data: Iterator | None = None) -> None:
+        """Begin training after ``step``: from now on ``next_step`` reads ``micro_batches`` batches a step, from
+        ``data`` (a rollback's, already past the skipped window) or the loader's position (``start``)."""
+        self._data, self._micro_batches = self.start(step) if data is None else data, micro_batches
+
+    def next_step(self, step: int, loaded: Callable[[], None] | None = None) -> StepOutput:
+        """Take optimizer step number ``step`` over the next micro-batches of the data (``begin`` first);
+        ``loaded()`` is called once they are read (the trainer times the data loading)."""
+        assert self._data is not None, "begin() first"
+        batches = [next(self._data) for _ in range(self._micro_batches)]
+        if loaded is not None:
+            loaded()
+        return self.run(batches, step)
+
     def run(self, batches: Sequence[Batch | Sequence[torch.Tensor]], step: int) -> StepOutput:
         """Take optimizer step number ``step`` over ``batches`` (the micro-batches: ``Batch``es, or a loader's
-        tuples, which the runner names)."""
+        tuples, named here)."""
         callbacks = self.parts.callbacks
         callbacks.begin(self, step)
-        out = self._run(self.parts.runner.prepare(batches), step)
+        named = [Batch.of(batch) for batch in batches]
+        out = self._run(self.parts.runner.prepare(named), step)
+        out.tokens = sum(batch.inputs.numel() for batch in named)
         callbacks.emit(StepPoint.STEP_END, output=out)
         return out
 
@@ -124,26 +154,39 @@ class StepStrategy:
         return local_loss_sum
 
     def finish(self, step: int, loss_sum: Callable[[], torch.Tensor], scale: TokenCount) -> StepOutput | None:
-        """The tail of every step: clip -> commit? -> optimizer step -> LR step -> zero_grad -> the global loss.
+        """The tail of every step: clip -> commit? -> guard? -> optimizer step -> LR step -> zero_grad -> the loss.
 
-        ``loss_sum()`` gives the step's global loss sum, waited for only after the optimizer step.
-        None when ``commit`` voted the step away (its gradients are dropped).
+        ``loss_sum()`` gives the step's global loss sum, waited for only after the optimizer step (before it
+        when the bad-step guard judges the loss). None when ``commit`` voted the step away (its gradients
+        are dropped).
         """
         parts = self.parts
+        z_loss_sum = parts.runner.take_z_loss_sum()
+        z_total = None if z_loss_sum is None else self.global_sum(z_loss_sum)
         grad_norm = self.clip()
         if not self.commit():
             self.zero_grad()
             return None
         lr = self.current_lr()  # after the vote: a step that healed runs at its peer's learning rate
+        skipped = None
+        if parts.guard is not None:
+            skipped = parts.guard.decide(parts.optimizer, loss_sum() / scale.global_tokens, grad_norm)
         parts.callbacks.emit(StepPoint.OPTIMIZER_STEP)
         self.before_optimizer_step()
+        self.balance_experts()
         parts.optimizer.step()
         self.after_optimizer_step()
         parts.lr_scheduler.step()
         self.zero_grad()
         self.after_step()
-        return StepOutput(step=self.step_taken(step), loss=loss_sum() / scale.global_tokens, grad_norm=grad_norm,
-                          lr=lr)
+        tokens = scale.global_tokens
+        return StepOutput(step=self.step_taken(step), loss=loss_sum() / tokens, grad_norm=grad_norm, lr=lr,
+                          skipped=skipped, z_loss=None if z_total is None else z_total() / tokens)
+
+    def global_sum(self, local: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing a rank's share of a step total over the ranks that see different tokens (and, under
+        fault tolerance, the live groups); the returned function waits for the sum."""
+        return start_sum(local, self.parts.loss_mesh)
 
     # ---- the tail's hooks (fault tolerance, semi-sync) ------------------------------
     def commit(self) -> bool:
@@ -169,6 +212,12 @@ class StepStrategy:
         params = self.parts.runner.parameters()
         match_grad_placements(params)
         return clip_grad_norm_(params, self.parts.max_norm, pp_mesh=self.parts.pp_mesh)
+
+    def balance_experts(self) -> None:
+        """The routing biases move from the step's token counts (a model with MoE layers; else nothing)."""
+        experts = self.parts.runner.experts
+        if experts is not None:
+            experts.update()
 
     def current_lr(self) -> float:
         """The learning rate the next optimizer step runs at."""

@@ -1,7 +1,7 @@
 """``build_runner``: the one way a job's model runner is built, by the trainer and by the planner's dry run.
 
-    model on meta -> (pipeline: prune to this rank's stages) -> parallelize -> allocate -> initialize
-    -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
+    model on meta -> model converters (Float8) -> (pipeline: prune to this rank's stages) -> parallelize
+    -> allocate -> initialize -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
 
 The dry run builds what the trainer builds through this same function, with ``BuildOptions`` saying
 where it differs: it parallelizes for the GPU it plans for (``device_type="cuda"``), allocates under
@@ -28,12 +28,15 @@ from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_backend
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.quantization import apply_converters
+from torchtitan.quantization.float8 import install_after_step
+from torchtitan.stability.z_loss import WithZLoss
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.runner import ModelRunner
 
 if TYPE_CHECKING:
-    from torchtitan.preflight import LaunchPlan
+    from torchtitan.launch_plan import LaunchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +58,12 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     over them when PP is on, the optimizer and the LR schedule."""
     device_type = options.device_type or device.type
     loss_fn = training_loss(device_type)
+    multiplier = cfg.stability.z_loss_multiplier
+    z_loss = WithZLoss(loss_fn, multiplier) if multiplier > 0 else None
     spec = plan.model_spec
     with torch.device("meta"):
         model = spec.build(plan.model_args)
+        apply_converters(model, cfg, device_type)  # before the pipeline split and TP: they see the new classes
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
     if options.describe:
         _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
@@ -71,22 +77,24 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     else:
         pp_mesh = dims.get_mesh("pp")
         assert pp_mesh is not None, "a pipeline plan means PP is on"
+        train_loss = z_loss if z_loss is not None else loss_fn  # what the last stage back-propagates
         pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize,
-                                                loss_fn, spec.prune_stage, stage_io=options.stage_io)
+                                                train_loss, spec.prune_stage, stage_io=options.stage_io)
     o, s = cfg.optimizer, cfg.lr_scheduler
     with options.allocate():
         optimizer = build_optimizer(
             [p for part in model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
             weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type,
         )
+    install_after_step(optimizer, model_parts, cfg)
     lr_scheduler = build_lr_scheduler(
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
         lr_min=s.lr_min, total_steps=cfg.training.steps,
     )
-    experts = ExpertBalance.of(model_parts, spec, plan.model_args, optimizer, cfg.moe.load_balance_coeff or 0.0, dims,
+    experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims,
                                plan.pipeline.microbatches if plan.pipeline is not None else 1)
     return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
-                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts)
+                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss)
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,

@@ -1,7 +1,7 @@
 """The experts of a model with MoE layers, step by step: their balancing, and what the trainer logs of them.
 
-- **Auxiliary-loss-free balancing** (DeepSeek-V3): before every optimizer step (an optimizer
-  pre-hook, so after every micro-batch and pipeline microbatch of the step) each MoE layer's
+- **Auxiliary-loss-free balancing** (DeepSeek-V3): at the step tail's ``balance_experts`` point, just
+  before the optimizer step (so after every micro-batch and pipeline microbatch of the step), each MoE layer's
   token counts are summed over the ranks that see different tokens (``dp x cp``: not TP, whose
   ranks route the same tokens, and per pipeline stage, which holds its own layers), and each
   router's bias moves toward balance (``models/expert_balance.py``). The counts exclude activation
@@ -33,10 +33,10 @@ from torchtitan.models.spec import ModelSpec
 
 
 class ExpertBalance:
-    """The MoE layers of this rank's model parts, balanced before each optimizer step; see the module docstring."""
+    """The MoE layers of this rank's model parts, balanced at each step's tail; see the module docstring."""
 
-    def __init__(self, moes: list[ExpertLayer], optimizer: torch.optim.Optimizer, num_experts: int,
-                 coeff: float, dims: ParallelDims, pipeline_microbatches: int = 1):
+    def __init__(self, moes: list[ExpertLayer], num_experts: int, coeff: float, dims: ParallelDims,
+                 pipeline_microbatches: int = 1):
         # A pipeline stage may hold no MoE layer; it still takes part in the logging collectives.
         self.moes = moes
         self.num_experts = num_experts
@@ -46,24 +46,26 @@ class ExpertBalance:
         self.biased = any(m.expert_bias is not None for m in self.moes)
         self.window: torch.Tensor | None = None  # [L, E] tokens per expert since the last log
         self.window_reduced = self.biased  # the bias update sums the counts over dp x cp each step
-        self.handle = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     @staticmethod
-    def of(model_parts: Sequence[torch.nn.Module], spec: ModelSpec, args: Any, optimizer: torch.optim.Optimizer,
-           coeff: float, dims: ParallelDims, pipeline_microbatches: int = 1) -> ExpertBalance | None:
+    def of(model_parts: Sequence[torch.nn.Module], spec: ModelSpec, args: Any, coeff: float, dims: ParallelDims,
+           pipeline_microbatches: int = 1) -> ExpertBalance | None:
         """The balance of the MoE layers of ``model_parts``, a model of ``spec`` (None for a dense model)."""
         num_experts = spec.num_experts(args)
         if not num_experts:
             return None
         moes = [m for part in model_parts for m in spec.expert_layers(part)]
-        return ExpertBalance(moes, optimizer, num_experts, coeff, dims, pipeline_microbatches)
+        return ExpertBalance(moes, num_experts, coeff, dims, pipeline_microbatches)
 
     def start_step(self, micro_batches: int) -> None:
         """Scale each auxiliary loss's gradient by one over the step's forwards (see the module docstring)."""
         for moe in self.moes:
             moe.aux_loss_grad_scale = 1.0 / (micro_batches * self.pipeline_microbatches)
 
-    def _before_optimizer_step(self, *_: object) -> None:  # a pre-hook's non-None return replaces step()'s args
+    def update(self) -> None:
+        """Move the routing biases from the step's counts (summed over dp x cp) and keep the counts for the log.
+
+        The step's tail calls it just before the optimizer step (``StepStrategy.finish``)."""
         if not self.moes:
             return
         if self.biased:
@@ -115,6 +117,3 @@ class ExpertBalance:
         dist.all_reduce(sums)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return sums.cpu(), peak.cpu()
-
-    def close(self) -> None:
-        self.handle.remove()

@@ -12,6 +12,7 @@ group under fault tolerance) holds the same global loss, so all stop there toget
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -24,29 +25,33 @@ class StepReadout:
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.steps_taken = 0  # steps of this run (since the trainer started or resumed)
-        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
 
     def add(self, out: StepOutput) -> None:
-        self._pending.append((out.step, out.loss))
+        self._pending.append((out.step, out.loss, out.skipped))
         self.steps_taken += 1
 
-    def read(self, grad_norm: torch.Tensor | None = None) -> tuple[float, float]:
-        """The last loss and ``grad_norm`` on the host (one read with the unread losses); raises at a non-finite
-        loss."""
+    def read(self, current: Mapping[str, torch.Tensor | None] | None = None) -> tuple[float, dict[str, float]]:
+        """The last loss and the ``current`` values on the host (one read with the unread losses and their skip
+        flags); raises at a non-finite loss of a step that was not skipped. A None in ``current`` is left out."""
+        current = {name: value for name, value in (current or {}).items() if value is not None}
         if not self._pending:
-            return (self.losses[-1] if self.losses else math.nan), math.nan
+            return (self.losses[-1] if self.losses else math.nan), {name: math.nan for name in current}
         device = self._pending[-1][1].device
-        values = [loss for _, loss in self._pending]
-        if grad_norm is not None:
-            values.append(grad_norm.detach().to(device, torch.float64))
+        n = len(self._pending)
+        values = [loss for _, loss, _ in self._pending]
+        values += [skipped.to(device, torch.float64) if skipped is not None else torch.zeros((), dtype=torch.float64,
+                   device=device) for _, _, skipped in self._pending]
+        values += [value.detach().to(device, torch.float64) for value in current.values()]
         read = torch.stack(values).tolist()  # the one host read (the device finishes the queued steps first)
-        losses, norm = read[:len(self._pending)], (read[-1] if grad_norm is not None else math.nan)
-        steps = [step for step, _ in self._pending]
+        losses, skipped, now = read[:n], read[n:2 * n], dict(zip(current, read[2 * n:]))
+        steps = [step for step, _, _ in self._pending]
         self._pending.clear()
-        for step, loss in zip(steps, losses):
-            if not math.isfinite(loss):
+        for step, loss, skip in zip(steps, losses, skipped):
+            if not math.isfinite(loss) and not skip:
                 raise FloatingPointError(
                     f"loss is {loss} at step {step} (read at step {steps[-1]}): training diverged; lower "
-                    "--optimizer.lr, raise --lr_scheduler.warmup_steps or check the data")
+                    "--optimizer.lr, raise --lr_scheduler.warmup_steps, check the data, or skip such steps "
+                    "(--stability.skip_nonfinite_steps, docs/stability.md)")
         self.losses.extend(losses)
-        return losses[-1], norm
+        return losses[-1], now

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim.lr_scheduler import LRScheduler
 
 from torchtitan.batch import Batch
 from torchtitan.distributed import ParallelDims
@@ -23,6 +23,7 @@ from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.loss import count_tokens
+from torchtitan.stability.z_loss import WithZLoss
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.mtp import MTPLoss, mtp_settings
@@ -34,12 +35,16 @@ class ModelRunner:
     """What a step runs: the model parts (one per pipeline stage held, else one), their optimizer and schedule."""
 
     def __init__(self, model_parts: list[torch.nn.Module], pp_runner: PipelineRunner | None,
-                 optimizer: torch.optim.Optimizer, lr_scheduler: Any, loss_fn: LossFn, dims: ParallelDims,
+                 optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler, loss_fn: LossFn, dims: ParallelDims,
                  device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
-                 experts: ExpertBalance | None = None):
+                 experts: ExpertBalance | None = None, z_loss: WithZLoss | None = None):
         self.model_parts, self.pp_runner = model_parts, pp_runner
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        # ``loss_fn`` scores validation; training back-propagates ``z_loss`` (the loss plus z-loss) when it is on.
         self.loss_fn, self.dims, self.device, self.callbacks = loss_fn, dims, device, callbacks
+        self.z_loss = z_loss
+        self.train_loss_fn: LossFn = z_loss if z_loss is not None else loss_fn
+        self._z_loss_sum: torch.Tensor | None = None
         self.flops_per_token = flops_per_token
         self.experts = experts  # a model with MoE layers: their balancing and metrics (train_step/experts.py)
         # multi-token prediction (train_step/mtp.py); preflight refuses it under pipeline parallelism
@@ -63,7 +68,7 @@ class ModelRunner:
         return batch.map(lambda t: t.to(self.device))
 
     def prepare(self, batches: Sequence[Batch | Sequence[torch.Tensor]]) -> list[Batch]:
-        """``shard_batch`` of every micro-batch of a step."""
+        """``shard_batch`` of every micro-batch of a step (the step strategy has named them already)."""
         return [self.shard_batch(batch) for batch in batches]
 
     def forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor],
@@ -91,7 +96,7 @@ class ModelRunner:
                 mtp = {"labels": batch.labels} if self.mtp is not None else {}
                 logits = model(batch.inputs, **batch.model_kwargs(), **mtp)
                 emit(StepPoint.FORWARD_END, micro_batch=i)
-                loss_sum = self.loss_fn(logits, batch.labels)
+                loss_sum = self.train_loss_fn(logits, batch.labels)
                 del logits  # not kept through backward (autograd keeps what it needs)
                 objective = loss_sum
                 if self.mtp is not None:  # the extra depths' loss trains, the main loss is what is logged
@@ -102,7 +107,15 @@ class ModelRunner:
             local_loss_sum += local_value(loss_sum).detach().double()
             del loss_sum
             emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
+        if self.z_loss is not None:
+            local_loss_sum, self._z_loss_sum = self.z_loss.pop(self.device)  # the loss alone, logged apart
         return local_loss_sum
+
+    def take_z_loss_sum(self) -> torch.Tensor | None:
+        """This rank's z-loss sum of the last ``forward_backward`` (pipeline: summed over the stages), once;
+        None when z-loss is off."""
+        z, self._z_loss_sum = self._z_loss_sum, None
+        return z
 
     def _pipeline_forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``forward_backward`` through the pipeline schedule: each local batch is one schedule step.
@@ -117,7 +130,12 @@ class ModelRunner:
             with self.train_context():  # around forward and backward: the schedule interleaves them
                 local_loss_sum = local_loss_sum + self.pp_runner.step(batch, scale())
             self.callbacks.emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
-        return start_sum(local_loss_sum, self.dims.get_mesh("pp"))()
+        pp_mesh = self.dims.get_mesh("pp")
+        if self.z_loss is not None:
+            # The last stage's loss function kept both parts (the other stages' are 0): the loss alone is logged.
+            local_loss_sum, z_loss_sum = self.z_loss.pop(self.device)
+            self._z_loss_sum = start_sum(z_loss_sum, pp_mesh)()
+        return start_sum(local_loss_sum, pp_mesh)()
 
     def validation_forward(self, batch: Batch | Sequence[torch.Tensor],
                            loss_fn: LossFn | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed.context_parallel import local_positions
+from torchtitan.distributed.float8_tp import LinearStyles
 from torchtitan.distributed.lifecycle import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.attention import backend_problems, select_backend
@@ -110,7 +111,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
       its sequence shard of the output. Router and experts then see and compute the same values on
       every TP rank, so their gradients are equal there without a collective (docs/moe.md).
     """
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
 
     from torchtitan.models.moe import MoE
 
@@ -120,16 +121,20 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         # The attention module's own plan (gqa.py, deepseek_v3/mla.py), its names relative to it.
         plan: dict[str, ParallelStyle] = {f"attention.{name}" if name else "attention": style
                                           for name, style in block.attention.tp_plan(seq, tp_mesh).items()}
+        # The feed-forward's linears take torchao's FP8 styles where they are tensorwise Float8 (float8_tp.py);
+        # the attention module's plan keeps torch's, which a Float8 linear takes like any linear.
+        styles = LinearStyles(block)
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
         else:
             plan.update({
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": styles.colwise("feed_forward.w1"),
+                "feed_forward.w2": styles.rowwise("feed_forward.w2", output_layouts=seq),
+                "feed_forward.w3": styles.colwise("feed_forward.w3"),
+                "feed_forward": styles.prepare_input("feed_forward", ("w1", "w3"), input_layouts=(seq,),
+                                                   desired_input_layouts=(Replicate(),)),
             })
         if sequence_parallel:
             plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})

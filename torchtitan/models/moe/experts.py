@@ -21,16 +21,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan import compat
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (grouped_mm's backward refuses stride 0)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - autograd's signature
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return grad.contiguous()
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -64,7 +56,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     if use_grouped_mm and grouped_mm_fits(x, weight):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         out = compat.grouped_mm(x.contiguous(), weight.transpose(-2, -1), offsets)
-        return _ContiguousGrad.apply(out)
+        if out.requires_grad:
+            # grouped_mm's backward refuses a stride-0 gradient (``y.sum().backward()``). A tensor hook
+            # hands it a contiguous one and leaves ``out`` its own tensor: an identity autograd function
+            # would return a view, on which FSDP cannot rely to hook the experts' backward (it warns).
+            out.register_hook(_contiguous)
+        return out
     return per_group_linear(x, weight, counts)
 
 
@@ -108,9 +105,13 @@ class GroupedExperts(nn.Module):
         if counts.shape[0] != w1.shape[0]:
             raise ValueError(f"GroupedExperts: {counts.shape[0]} token counts for {w1.shape[0]} local experts")
         x = x.to(w1.dtype)
-        gate = grouped_linear(x, w1, counts, self.use_grouped_mm)
-        up = grouped_linear(x, w3, counts, self.use_grouped_mm)
-        return grouped_linear(F.silu(gate) * up, w2, counts, self.use_grouped_mm)
+        gate = self.grouped(x, w1, counts)
+        up = self.grouped(x, w3, counts)
+        return self.grouped(F.silu(gate) * up, w2, counts)
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One grouped product (a Float8 converter's subclass overrides it: quantization/float8_experts.py)."""
+        return grouped_linear(x, weight, counts, self.use_grouped_mm)
 
 
 class ClampedSwiGLUExperts(GroupedExperts):
@@ -144,7 +145,7 @@ class ClampedSwiGLUExperts(GroupedExperts):
         def biased(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
             return out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
 
-        gate = biased(grouped_linear(x, w1, counts, self.use_grouped_mm), b1).clamp(max=self.limit)
-        up = biased(grouped_linear(x, w3, counts, self.use_grouped_mm), b3).clamp(-self.limit, self.limit)
+        gate = biased(self.grouped(x, w1, counts), b1).clamp(max=self.limit)
+        up = biased(self.grouped(x, w3, counts), b3).clamp(-self.limit, self.limit)
         hidden = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
-        return biased(grouped_linear(hidden, w2, counts, self.use_grouped_mm), b2)
+        return biased(self.grouped(hidden, w2, counts), b2)

@@ -1,0 +1,62 @@
+"""Pipeline-schedule internals: skipping the shape exchange (the planner's fake world) and telling a stage's
+shape-inference forward from a real one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.compat.errors import missing
+
+
+def skip_pipeline_shape_exchange(schedule: Any) -> None:
+    """Make ``schedule``'s first step take every stage as static, with no exchange of shapes over the pp group.
+
+    The schedule's warm-up (``_warmup_p2p``) sends each stage's shapes and votes on whether every
+    stage stated them; a stage in ``InferenceMode.STATIC`` (its ``_inference_mode``) uses the
+    shapes it was given. A fake process group delivers no numbers, so the dry run skips the warm-up.
+    """
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError as e:
+        raise missing("torch.distributed.pipelining._utils.InferenceMode") from e
+    if not hasattr(schedule, "_warmup_p2p") or not hasattr(InferenceMode, "STATIC"):
+        raise missing(f"{type(schedule).__name__}._warmup_p2p / InferenceMode.STATIC")
+
+    def all_static(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = all_static
+
+_SHAPE_INFERENCE = [0]
+# The PipelineStage methods that run a stage's forward or backward only to learn shapes (2.13, 2.14;
+# older releases: one method).
+_SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+
+
+def mark_pipeline_shape_inference(stage: Any) -> None:
+    """Make ``in_pipeline_shape_inference()`` true while ``stage`` (a ``PipelineStage``) infers its shapes.
+
+    On its first step a schedule runs each stage's forward and backward once on stand-in tensors to
+    learn the shapes it exchanges; modules that keep statistics of their forwards (an MoE's token
+    counts) must not count those. Wraps this instance's inference methods; the class is left alone.
+    """
+    found = [name for name in _SHAPE_INFERENCE_METHODS if hasattr(stage, name)]
+    if not found:
+        raise missing("PipelineStage._forward_metadata_inference (or _shape_inference)")
+    for name in found:
+        method = getattr(stage, name)
+
+        def inferring(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            _SHAPE_INFERENCE[0] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _SHAPE_INFERENCE[0] -= 1
+
+        setattr(stage, name, inferring)
+
+
+def in_pipeline_shape_inference() -> bool:
+    """Whether a pipeline stage marked by ``mark_pipeline_shape_inference`` is inferring its shapes now."""
+    return _SHAPE_INFERENCE[0] > 0

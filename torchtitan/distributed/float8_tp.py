@@ -1,0 +1,58 @@
+"""Tensor-parallel styles for Float8 linears: the FP8 all-gather of activations under tensorwise scaling.
+
+A TP plan asks ``LinearStyles(region)`` for its styles instead of naming torch's. Where every linear
+the style covers is a torchao ``Float8Linear`` with dynamic tensorwise scaling, the styles are
+torchao's: the region's input is cast to FP8 once, before the sequence-parallel all-gather (half
+the bytes of bf16), with one scale over the whole (sharded) tensor. Otherwise (plain linears,
+rowwise recipes, whose per-row scales cannot cross the gather) torch's styles, which a
+``Float8Linear`` takes like any linear.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+
+
+def float8_tensorwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao Float8 linear casting with one dynamic scale per tensor."""
+    if type(module).__name__ != "Float8Linear":  # no torchao import for a model without Float8
+        return False
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    config = module.config  # type: ignore[attr-defined]
+    casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)
+    return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
+               for c in casts)
+
+
+class LinearStyles:
+    """The TP styles for the linears under ``region`` (a block, or the module a plan is applied to)."""
+
+    def __init__(self, region: nn.Module):
+        self.region = region
+
+    def _fp8(self, *fqns: str) -> bool:
+        return all(float8_tensorwise(self.region.get_submodule(fqn)) for fqn in fqns)
+
+    def colwise(self, fqn: str, **kwargs: object) -> ParallelStyle:
+        if self._fp8(fqn):
+            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+            return Float8ColwiseParallel(**kwargs)  # type: ignore[arg-type]
+        return ColwiseParallel(**kwargs)  # type: ignore[arg-type]
+
+    def rowwise(self, fqn: str, **kwargs: object) -> ParallelStyle:
+        if self._fp8(fqn):
+            from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+            return Float8RowwiseParallel(**kwargs)  # type: ignore[arg-type]
+        return RowwiseParallel(**kwargs)  # type: ignore[arg-type]
+
+    def prepare_input(self, fqn: str, consumers: tuple[str, ...], **kwargs: object) -> ParallelStyle:
+        """The input of submodule ``fqn``, read by its linears ``consumers`` (FQNs under ``fqn``)."""
+        if consumers and self._fp8(*(f"{fqn}.{c}" for c in consumers)):
+            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+            return PrepareFloat8ModuleInput(fwd_config_submodule_fqn=consumers[0], **kwargs)  # type: ignore[arg-type]
+        return PrepareModuleInput(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,127 @@
+"""Float8 linears with torchao: which linears convert, the conversion, and the scales after each step.
+
+A linear converts unless its FQN contains one of ``--float8.filter_fqns`` (by default the output
+head and the MoE router gate, which decide the loss and the routing and are small) or a dimension
+is not a multiple of 16 (what FP8 tensor cores take). torchao's ``Float8Linear`` keeps the
+parameter (same FQN, dtype and values), so checkpoints and Hugging Face exports do not change; it
+casts weight, input and output gradient to FP8 with dynamic scales computed over the whole tensor
+(a DTensor's amax is reduced over its mesh), so every layout casts with the same scales.
+
+On a CPU build of torch without an FP8 ``_scaled_mm`` (and wherever ``--float8.emulate`` asks)
+the casts stay real and the products run in high precision. The routed experts of an MoE model
+compute FP8 grouped GEMMs on CUDA (``float8_experts.py``); elsewhere they stay in high precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from torchtitan import compat
+from torchtitan.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+
+def emulated(cfg: JobConfig, device_type: str) -> bool:
+    """Whether the FP8 products run emulated: asked for, or no FP8 matmul on this CPU build."""
+    return cfg.float8.emulate or not compat.scaled_mm_supported(device_type)
+
+
+def float8_linear_config(cfg: JobConfig, device_type: str):  # noqa: ANN201 - torchao's Float8LinearConfig
+    """torchao's config for ``cfg``'s ``[float8]`` section on ``device_type``."""
+    from torchao.float8 import Float8LinearConfig
+
+    f8 = cfg.float8
+    config = Float8LinearConfig.from_recipe_name(f8.recipe_name)
+    return dataclasses.replace(config, emulate=emulated(cfg, device_type),
+                               enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+
+
+def skip_reason(module: nn.Module, fqn: str, filter_fqns: Iterable[str]) -> str | None:
+    """Why the linear ``fqn`` stays in high precision (None: it converts); not a linear: 'not a linear'."""
+    if not isinstance(module, nn.Linear):
+        return "not a linear"
+    if any(pattern in fqn for pattern in filter_fqns):
+        return "filtered"
+    out_features, in_features = module.weight.shape
+    if out_features % 16 or in_features % 16:
+        return "dims not multiples of 16"
+    return None
+
+
+def convert_to_float8(model: nn.Module, cfg: JobConfig, device_type: str) -> dict[str, int]:
+    """Swap ``model``'s eligible linears for Float8 linears in place; log and return the counts.
+
+    Returns ``{"converted": n, <reason>: n, "experts_fp8": n, "experts_high_precision": n}``.
+    """
+    from torchao.float8 import convert_to_float8_training
+
+    f8 = cfg.float8
+    reasons: dict[str, str | None] = {
+        fqn: skip_reason(m, fqn, f8.filter_fqns) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return reasons.get(fqn, "not a linear") is None
+
+    convert_to_float8_training(model, config=float8_linear_config(cfg, device_type), module_filter_fn=keep)
+    counts = Counter("converted" if r is None else r for r in reasons.values())
+    counts.update(_convert_experts(model, cfg, device_type))
+    _log(cfg, device_type, counts, [fqn for fqn, r in reasons.items() if r is not None])
+    return dict(counts)
+
+
+def _convert_experts(model: nn.Module, cfg: JobConfig, device_type: str) -> Counter[str]:
+    from torchtitan.quantization.float8_experts import Float8GroupedExperts, fp8_grouped_mm_runs
+
+    found: Counter[str] = Counter()
+    runs = fp8_grouped_mm_runs(device_type, emulated(cfg, device_type))
+    for module in model.modules():
+        if Float8GroupedExperts.converts(module):
+            if runs:
+                module.__class__ = Float8GroupedExperts  # same parameters and state dict: only forward changes
+            found["experts_fp8" if runs else "experts_high_precision"] += 1
+    return found
+
+
+def _log(cfg: JobConfig, device_type: str, counts: Counter[str], kept: list[str]) -> None:
+    f8 = cfg.float8
+    total = sum(n for key, n in counts.items() if not key.startswith("experts"))
+    skipped = ", ".join(f"{n} {why}" for why, n in counts.items()
+                        if why != "converted" and not why.startswith("experts"))
+    shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
+    logger.info("Float8 (%s%s%s): %d of %d linear layers converted%s", f8.recipe_name,
+                ", FP8 all-gather" if f8.enable_fsdp_float8_all_gather else "",
+                ", emulated" if emulated(cfg, device_type) else "", counts["converted"], total,
+                f"; high precision: {skipped} ({shown})" if kept else "")
+    if counts["experts_fp8"]:
+        logger.info("Float8: the routed experts of %d MoE layers run FP8 grouped GEMMs (rowwise scales)",
+                    counts["experts_fp8"])
+    if counts["experts_high_precision"]:
+        logger.info("Float8: the routed experts of %d MoE layers stay in high precision (FP8 grouped GEMMs need "
+                    "CUDA with SM 8.9+ and no emulation; this run is on %s)", counts["experts_high_precision"],
+                    device_type)
+
+
+def precompute_scales_hook(model_parts: list[nn.Module]) -> Callable[..., None]:
+    """An optimizer step post-hook computing every FP8-all-gathered weight's scale in one all-reduce."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    def hook(*_: object) -> None:
+        for part in model_parts:
+            precompute_float8_dynamic_scale_for_fsdp(part)
+
+    return hook
+
+
+def install_after_step(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module], cfg: JobConfig) -> None:
+    """Register the scale precomputation after every optimizer step, where ``[float8]`` asks for it."""
+    f8 = cfg.float8
+    if "float8" in cfg.model.converters and f8.precompute_float8_dynamic_scale_for_fsdp:
+        optimizer.register_step_post_hook(precompute_scales_hook(model_parts))
+        logger.info("Float8: the all-gathered weights' scales are computed after each optimizer step")
