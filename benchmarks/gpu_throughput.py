@@ -3,6 +3,7 @@
     python benchmarks/gpu_throughput.py                       # all variants, layers chosen to fit
     python benchmarks/gpu_throughput.py --variants project-compile-sac --layers 4
     python benchmarks/gpu_throughput.py --smoke               # CPU, tiny shapes: checks the logic only
+    python benchmarks/gpu_throughput.py --float8              # bf16 against Float8 (tensorwise, rowwise)
 
 Each variant runs in its own process (a fresh allocator and compile cache) and reports
 tokens/s, TFLOP/s, MFU and peak memory on one device:
@@ -12,6 +13,9 @@ tokens/s, TFLOP/s, MFU and peak memory on one device:
                the project's fused AdamW;
 - reference-*: a Llama 3 block written here with plain PyTorch (nn.Linear, F.rms_norm,
                complex RoPE, SDPA), bf16 autocast over float32 weights, fused AdamW;
+- project-*-fp8tw / -fp8rw: the same with Float8 linears (``--model.converters float8``, recipe
+               tensorwise / rowwise; the output head stays bf16), applied between build and AC/compile
+               as the trainer does; ``--float8`` runs them beside their bf16 counterparts;
 - torchtitan-*: the peer's own Trainer on the same shapes (benchmarks/peer/peer_torchtitan.py;
                needs ``--peer-site`` pointing at a folder where the `torchtitan` wheel is installed).
 
@@ -41,6 +45,10 @@ VARIANTS = ["reference-eager", "project-eager", "reference-compile", "project-co
             "project-compile-sac", "project-eager-sac"]
 # The peer (the `torchtitan` package from PyPI, given by --peer-site): run by peer_torchtitan.py.
 PEER_VARIANTS = ["torchtitan-eager", "torchtitan-compile", "torchtitan-compile-sac"]
+# --float8: bf16 and Float8 (tensorwise, rowwise), eager and compiled, on the same shapes.
+FLOAT8_VARIANTS = ["project-eager", "project-compile", "project-eager-fp8tw", "project-compile-fp8tw",
+                   "project-eager-fp8rw", "project-compile-fp8rw"]
+FLOAT8_RECIPES = {"fp8tw": "tensorwise", "fp8rw": "rowwise"}
 
 
 # ---- a plain-PyTorch Llama 3 (the reference) ------------------------------------------
@@ -107,7 +115,7 @@ def build_reference(args, device):
 
 
 # ---- the project's model -------------------------------------------------------------------
-def build_project(args, device, compile_: bool, sac: bool):
+def build_project(args, device, compile_: bool, sac: bool, float8: str | None = None):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -118,6 +126,12 @@ def build_project(args, device, compile_: bool, sac: bool):
 
     with torch.device("meta"):
         model = Decoder(args)
+    if float8 is not None:  # the trainer's converter, between build and AC/compile (train_step/build.py)
+        from torchtitan.config import ConfigManager
+        from torchtitan.quantization.float8 import convert_to_float8
+
+        cfg = ConfigManager().parse_args(["--model.converters=float8", f"--float8.recipe_name={float8}"])
+        print("float8:", convert_to_float8(model, cfg, device.type), file=sys.stderr)
     if sac:
         apply_activation_checkpointing(model, "selective", "op")
     if compile_:
@@ -194,8 +208,9 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
     kind, *flags = variant.split("-")
     compile_, sac = "compile" in flags, "sac" in flags
     torch.manual_seed(0)
+    recipes = [FLOAT8_RECIPES[f] for f in flags if f in FLOAT8_RECIPES]
     if kind == "project":
-        model = build_project(args, device, compile_, sac)
+        model = build_project(args, device, compile_, sac, float8=recipes[0] if recipes else None)
         autocast = None
     else:
         if sac:
@@ -310,6 +325,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, debug-model dims: tests the script, not a GPU")
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--peer-site", help="folder holding the `torchtitan` wheel's install: adds the peer's variants")
+    parser.add_argument("--float8", action="store_true",
+                        help="run " + ",".join(FLOAT8_VARIANTS) + " (bf16 against Float8; needs torchao)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true",
                         help="profile two more steps of each project/reference variant: GPU time by kernel class")
@@ -322,6 +339,8 @@ def main() -> None:
                                                       args.profile)))
         return
     results = []
+    if args.float8:
+        args.variants = ",".join(FLOAT8_VARIANTS)
     variants = args.variants.split(",") + (PEER_VARIANTS if args.peer_site and args.variants == ",".join(VARIANTS)
                                            else [])
     for variant in variants:
@@ -365,6 +384,11 @@ def main() -> None:
         if ours and peer:
             print(f"project-{mode} / torchtitan-{mode} ({peer['peer_version']}): "
                   f"{ours['tokens_per_s'] / peer['tokens_per_s']:.3f}x tokens/s")
+    for r in results:  # Float8 against the same variant in bf16
+        base = ok.get(r["variant"].rsplit("-", 1)[0]) if r["variant"].split("-")[-1] in FLOAT8_RECIPES else None
+        if base and "error" not in r:
+            print(f"{r['variant']} / {base['variant']}: {r['tokens_per_s'] / base['tokens_per_s']:.3f}x tokens/s, "
+                  f"peak memory {r['peak_mem_gib'] or 0:.1f} vs {base['peak_mem_gib'] or 0:.1f} GiB")
     if results and "device" in results[0]:
         print(f"device: {results[0]['device']}, torch {results[0]['torch']}, {layers} layers, seq {args.seq}")
     if args.json:

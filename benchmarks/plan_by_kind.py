@@ -38,10 +38,12 @@ def main(argv: list[str] | None = None) -> None:
             continue
         t = {k: 1e3 * v for k, v in phase_compute_terms(w, cluster).items()}
         total += sum(t.values())
-        print(f"  {phase:<10} matmul {t['matmul']:7.2f} ({w.matmul_flops / 1e12:.2f} TFLOP)"
+        print(f"  {phase:<10} matmul {t['matmul'] + t['fp8 matmul']:7.2f} ({w.matmul_flops / 1e12:.2f} TFLOP)"
               f"  attention {t['attention']:6.2f} ({w.attention_flops / 1e12:.2f} TFLOP)"
               f"  memory-bound {t['memory']:7.2f} ({w.memory_bytes / 1e9:.1f} GB)"
-              f"  launch {t['launch']:5.2f} ({w.kernels} kernels)")
+              f"  launch {t['launch']:5.2f} ({w.kernels} kernels)"
+              + (f"  of the matmuls FP8 {t['fp8 matmul']:7.2f} ({w.fp8_matmul_flops / 1e12:.2f} TFLOP)"
+                 if w.fp8_matmul_flops else ""))
     print(f"  compute {total:.1f} ms")
 
 

@@ -62,6 +62,18 @@ MOE_ROWS = {
     "qwen3-235b-a22b-ep32-pp8-vp4": ("h100-sxm-80g", 256, _Q235, [0, 7], 1575, None, None),
 }
 
+# The published FP8 rows again, now in Float8 as they were run: TorchTitan's 70B row used Float8 (tensorwise,
+# FP8 all-gather with precomputed scales, as its Float8 recipe for FSDP); Megatron-Bridge's FP8-CS is current
+# (per-tensor, dynamic) scaling, which is the tensorwise recipe. Routed experts take FP8 grouped GEMMs on CUDA.
+_F8 = ["--model.converters=float8", "--float8.recipe_name=tensorwise"]
+_F8_GATHER = [*_F8, "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
+FLOAT8_ROWS = {
+    "70b-fsdp32-tp8-float8": (TT, 256, ["--job.config_file", C70, "--training.batch_size=16", *_F8_GATHER], None, 829,
+                              None, 71.9),
+    "qwen3-30b-a3b-ep8-pp2-vp24-float8": ("h100-sxm-80g", 16, [*_Q30, *_F8], None, 5275, None, None),
+    "qwen3-235b-a22b-ep32-pp8-vp4-float8": ("h100-sxm-80g", 256, [*_Q235, *_F8], [0, 7], 1575, None, None),
+}
+
 ROWS = {
     "8b-fsdp8": (TT, 8, [*_8B, "--training.batch_size=2", "--activation_checkpoint.mode=selective"], None,
                  5762, None, 82.4),
@@ -87,6 +99,7 @@ ROWS = {
     "405b-llama3-paper-full-ac": ("h100-sxm-80g", 8192, [*_PAPER, "--activation_checkpoint.mode=full"], [0, 15], None,
                                   0.43, None),
     **MOE_ROWS,
+    **FLOAT8_ROWS,
 }
 
 

@@ -40,4 +40,5 @@ except importlib.metadata.PackageNotFoundError:  # importable but unrecorded (a 
 PY
 pin=$(cat "$constraints")
 echo "install.sh: keeping ${pin:-torch as it is (pip has no record of its distribution, so it is not pinned)}"
+# The dev extra brings torchao (Float8 training, docs/float8.md) in its tested range, against the torch pinned here.
 "$PY" -m pip install -q -c "$constraints" -e ".[${EXTRAS:-dev}]"

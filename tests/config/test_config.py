@@ -134,6 +134,8 @@ _CHANGED = {
     ("checkpoint", "exclude_from_loading"): ["optimizer", "dataloader"],
     ("activation_checkpoint", "selective_ac_option"): "op",
     ("eval", "tasks"): ["continuation", "tasks dir/arc_easy ü.jsonl"],
+    ("model", "converters"): ["float8"],
+    ("float8", "filter_fqns"): ["output", "layers.0."],
     # Excludes validation.dataset/dataset_path (set below): round-tripped on its own in the test.
     ("validation", "held_out_fraction"): None,
     ("debug", "inject_nonfinite_grad"): [5, 9],

@@ -5,12 +5,17 @@ the style covers is a torchao ``Float8Linear`` with dynamic tensorwise scaling, 
 torchao's: the region's input is cast to FP8 once, before the sequence-parallel all-gather (half
 the bytes of bf16), with one scale over the whole (sharded) tensor. Otherwise (plain linears,
 rowwise recipes, whose per-row scales cannot cross the gather) torch's styles, which a
-``Float8Linear`` takes like any linear.
+``Float8Linear`` takes like any linear. Gloo carries no float8 dtype ("Invalid scalar type"), so on
+a CPU mesh the activations are gathered in high precision and only the products are FP8.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 
@@ -19,21 +24,37 @@ def float8_tensorwise(module: nn.Module) -> bool:
     if type(module).__name__ != "Float8Linear":  # no torchao import for a model without Float8
         return False
     from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
 
-    config = module.config  # type: ignore[attr-defined]
+    assert isinstance(module, Float8Linear)
+    config = module.config
     casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)
     return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
                for c in casts)
 
 
-class LinearStyles:
-    """The TP styles for the linears under ``region`` (a block, or the module a plan is applied to)."""
+logger = logging.getLogger(__name__)
 
-    def __init__(self, region: nn.Module):
+
+@functools.cache
+def _log_gloo_fallback() -> None:
+    logger.info("Float8 under TP on a CPU mesh: activations are all-gathered in high precision (gloo carries no "
+                "float8); the products stay FP8")
+
+
+class LinearStyles:
+    """The TP styles for the linears under ``region`` (a block, or the module a plan is applied to) on ``tp_mesh``."""
+
+    def __init__(self, region: nn.Module, tp_mesh: DeviceMesh):
         self.region = region
+        self.fp8_collectives = tp_mesh.device_type != "cpu"
 
     def _fp8(self, *fqns: str) -> bool:
-        return all(float8_tensorwise(self.region.get_submodule(fqn)) for fqn in fqns)
+        if not all(float8_tensorwise(self.region.get_submodule(fqn)) for fqn in fqns):
+            return False
+        if not self.fp8_collectives:
+            _log_gloo_fallback()
+        return self.fp8_collectives
 
     def colwise(self, fqn: str, **kwargs: object) -> ParallelStyle:
         if self._fp8(fqn):

@@ -1,6 +1,7 @@
 """The planner's command line (``scripts/plan.py``) and ``train.py --dry_run``.
 
-    python scripts/plan.py --cluster NAME --world_size N [--json] [--search] [--moe_imbalance F] [train.py overrides]
+    python scripts/plan.py --cluster NAME --world_size N [--json] [--search [--search_float8]] [--moe_imbalance F]
+        [train.py overrides]
     python train.py --dry_run --world_size N [train.py overrides]
 
 A config problem prints the preflight's lines (``config error: ...``) and exits 2, as a launch does.
@@ -29,6 +30,8 @@ def _parser(with_cluster: bool) -> argparse.ArgumentParser:
         p.add_argument("--cluster", required=True, help="a cluster name or a .toml file of one's own")
         p.add_argument("--search", action="store_true", help="rank the valid layouts for this world size")
         p.add_argument("--top", type=int, default=5, help="layouts shown by --search")
+        p.add_argument("--search_float8", action="store_true",
+                       help="--search also tries every layout in Float8 (clusters with an FP8 peak; needs torchao)")
     return p
 
 
@@ -111,7 +114,7 @@ def plan_main(argv: list[str]) -> int:
 def _search(args: list[str], own, cluster) -> int:
     from torchtitan.planning.search import search
 
-    results = search(args, own.world_size, cluster, moe_imbalance=own.moe_imbalance)
+    results = search(args, own.world_size, cluster, moe_imbalance=own.moe_imbalance, float8=own.search_float8)
     if own.json:
         print(json.dumps({"layouts": [r.to_json() for r in results]}))
         return 0

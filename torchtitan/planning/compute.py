@@ -20,6 +20,11 @@ aten = torch.ops.aten
 _MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
 if hasattr(aten, "_grouped_mm"):  # the experts' grouped GEMM (torch >= 2.8); its backward is two more of it
     _MATMULS[aten._grouped_mm.default] = "grouped_mm"
+# Float8 products (torchao's Float8 linears, and the experts' FP8 grouped GEMM on CUDA): priced at the FP8 peak.
+# Their operands' casts (amax, scale, convert) are memory-bound kernels, priced by their bytes like the rest.
+_FP8_MATMULS = {aten._scaled_mm.default: "mm"} if hasattr(aten, "_scaled_mm") else {}
+if hasattr(aten, "_scaled_grouped_mm"):
+    _FP8_MATMULS[aten._scaled_grouped_mm.default] = "grouped_mm"
 # Ops that move no data (views, metadata, bookkeeping): no kernel on a GPU.
 _FREE = {"view", "_unsafe_view", "t", "transpose", "detach", "as_strided", "alias", "expand", "unsqueeze",
          "squeeze", "permute", "split", "split_with_sizes", "slice", "select", "unbind", "view_as_real",
@@ -38,7 +43,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def matmul_flops(func, args) -> int:
-    kind = _MATMULS[func]
+    kind = _MATMULS[func] if func in _MATMULS else _FP8_MATMULS[func]
     if kind == "addmm":
         args = args[1:]
     a, b = _shape(args[0]), _shape(args[1])
@@ -101,9 +106,20 @@ def moved_bytes(func, args, kwargs, out) -> int:
     return sum(t.numel() * t.element_size() for t in [*read.values(), *written.values()])
 
 
+_FLOAT8_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n)}
+
+
+def _float8_operands(args) -> bool:
+    """Whether a matmul's operands are float8: torchao's Float8 training tensors (which a dispatch mode sees
+    before they run ``_scaled_mm``) or float8 data."""
+    operands = [local_tensor(a) for a in args[:3] if isinstance(a, torch.Tensor)]
+    return any(type(t).__name__ == "Float8TrainingTensor" or t.dtype in _FLOAT8_DTYPES for t in operands)
+
+
 @dataclass
 class PhaseWork:
     matmul_flops: int = 0
+    fp8_matmul_flops: int = 0  # of them, the FP8 products (Float8 training)
     attention_flops: int = 0
     causal_attention_flops: int = 0
     memory_bytes: int = 0  # read + written by the memory-bound kernels
@@ -126,8 +142,13 @@ class ComputeLedger:
             return
         w = self.work[self.phase]
         w.kernels += 1
-        if func in _MATMULS:
+        if func in _MATMULS and not _float8_operands(args):
             w.matmul_flops += matmul_flops(func, args)
+            return
+        if func in _FP8_MATMULS or func in _MATMULS:
+            flops = matmul_flops(func, args)
+            w.matmul_flops += flops
+            w.fp8_matmul_flops += flops
             return
         if "scaled_dot_product" in name:
             flops, causal = attention_flops(name, args)

@@ -69,7 +69,9 @@ class StepEstimate:
 def phase_compute_terms(w: PhaseWork, c: Cluster) -> dict[str, float]:
     """A phase's compute time on ``c`` by kind of work, in seconds (benchmarks/plan_by_kind.py prints them)."""
     attention = w.attention_flops - 0.5 * w.causal_attention_flops
-    return {"matmul": w.matmul_flops / (c.peak_bf16_flops * c.matmul_efficiency),
+    high_precision = w.matmul_flops - w.fp8_matmul_flops
+    return {"matmul": high_precision / (c.peak_bf16_flops * c.matmul_efficiency),
+            "fp8 matmul": w.fp8_matmul_flops / (c.fp8_flops * c.matmul_efficiency),
             "attention": attention / (c.peak_bf16_flops * c.attention_efficiency),
             "memory": w.memory_bytes / (c.hbm_bandwidth * c.hbm_efficiency),
             "launch": w.kernels * c.kernel_launch_s}

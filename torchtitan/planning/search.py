@@ -4,7 +4,8 @@ Enumerated: tensor parallel degrees up to a node (1, 2, 4, 8), pipeline degrees 
 with 1F1B and Interleaved1F1B (one micro-batch per sequence of the local batch), context parallel
 degrees for long sequences (seq_len >= 32k), expert parallel degrees (1 to 64) for a model with
 experts, full and selective activation checkpointing, and the local batch that keeps the config's
-global batch. The preflight drops what it refuses; layouts that
+global batch, and with ``float8`` (a cluster with FP8 tensor cores) each of them again in Float8
+(tensorwise, FP8 all-gather, scales after the step). The preflight drops what it refuses; layouts that
 do not fit the cluster's memory are dropped; the rest are ranked by predicted tokens/s per GPU.
 Each pipelined layout is simulated on its first and last pipeline ranks only, and every simulated
 rank of every layout shares one pool of worker processes (one per core).
@@ -25,6 +26,9 @@ PP_DEGREES = (1, 2, 4, 8, 16)
 CP_DEGREES = (1, 2, 4, 8)
 EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 LONG_SEQUENCE = 32768
+# The Float8 variant a search proposes: TorchTitan's fastest recipe with FSDP (docs/float8.md).
+FLOAT8 = ["--model.converters=float8", "--float8.recipe_name=tensorwise", "--float8.enable_fsdp_float8_all_gather",
+          "--float8.precompute_float8_dynamic_scale_for_fsdp"]
 
 
 @dataclass
@@ -67,6 +71,14 @@ def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> 
     return out
 
 
+def searched_overrides(cfg: JobConfig, world_size: int, cluster: Cluster, float8: bool) -> list[list[str]]:
+    """The candidates, and with ``float8`` on a cluster with an FP8 peak each again in Float8."""
+    candidates = candidate_overrides(cfg, world_size, cluster.gpus_per_node)
+    if float8 and cluster.peak_fp8_flops > 0:
+        candidates += [[*o, *FLOAT8] for o in candidates]
+    return candidates
+
+
 def _num_experts(cfg: JobConfig) -> int:
     """The flavor's routed experts (0 for a dense model or one the registry does not know)."""
     from torchtitan.models import get_model_spec, model_args
@@ -83,14 +95,16 @@ def _config_dp(cfg: JobConfig, world_size: int) -> int:
     return ParallelDims.from_config(cfg.parallelism, world_size).degree("dp")
 
 
-def search(args: list[str], world_size: int, cluster: Cluster, moe_imbalance: float = 1.0) -> list[Layout]:
+def search(args: list[str], world_size: int, cluster: Cluster, moe_imbalance: float = 1.0,
+           float8: bool = False) -> list[Layout]:
     """The layouts that the preflight accepts and that fit, best predicted tokens/s first.
 
-    ``args`` are the job's train.py arguments; each layout's overrides are appended to them.
+    ``args`` are the job's train.py arguments; each layout's overrides are appended to them. ``float8``:
+    also try each layout in Float8, where the cluster has an FP8 peak.
     """
     cfg = ConfigManager().parse_args(args)
     accepted, jobs = [], []
-    for overrides in candidate_overrides(cfg, world_size, cluster.gpus_per_node):
+    for overrides in searched_overrides(cfg, world_size, cluster, float8):
         trial = ConfigManager().parse_args([*args, *overrides])
         try:
             plan_job(trial, world_size)

@@ -1,7 +1,7 @@
 """Model converters: rewrites of a built model (on the meta device) that run between build and parallelize.
 
 ``--model.converters float8`` swaps linears for torchao's Float8 training linears (``float8.py``)
-and, on CUDA, routes the MoE experts through FP8 grouped GEMMs (``float8_experts.py``); what a job
+and, on CUDA, routes the MoE experts through FP8 grouped GEMMs (``models/moe/float8_experts.py``); what a job
 asks of them is checked before any process group (``checks.py``). docs/float8.md.
 """
 

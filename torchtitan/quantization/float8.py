@@ -9,7 +9,7 @@ casts weight, input and output gradient to FP8 with dynamic scales computed over
 
 On a CPU build of torch without an FP8 ``_scaled_mm`` (and wherever ``--float8.emulate`` asks)
 the casts stay real and the products run in high precision. The routed experts of an MoE model
-compute FP8 grouped GEMMs on CUDA (``float8_experts.py``); elsewhere they stay in high precision.
+compute FP8 grouped GEMMs on CUDA (``models/moe/float8_experts.py``); elsewhere they stay in high precision.
 """
 
 from __future__ import annotations
@@ -77,15 +77,14 @@ def convert_to_float8(model: nn.Module, cfg: JobConfig, device_type: str) -> dic
 
 
 def _convert_experts(model: nn.Module, cfg: JobConfig, device_type: str) -> Counter[str]:
-    from torchtitan.quantization.float8_experts import Float8GroupedExperts, fp8_grouped_mm_runs
-
+    """Ask each routed-experts module that can (a ``to_float8`` method: models/moe/experts.py) to take FP8
+    grouped GEMMs; count those that did and those that stay in high precision."""
     found: Counter[str] = Counter()
-    runs = fp8_grouped_mm_runs(device_type, emulated(cfg, device_type))
-    for module in model.modules():
-        if Float8GroupedExperts.converts(module):
-            if runs:
-                module.__class__ = Float8GroupedExperts  # same parameters and state dict: only forward changes
-            found["experts_fp8" if runs else "experts_high_precision"] += 1
+    for module in list(model.modules()):
+        to_float8 = getattr(module, "to_float8", None)
+        if callable(to_float8):
+            found["experts_fp8" if to_float8(device_type, emulated(cfg, device_type)) else
+                  "experts_high_precision"] += 1
     return found
 
 

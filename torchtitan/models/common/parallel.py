@@ -123,7 +123,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
                                           for name, style in block.attention.tp_plan(seq, tp_mesh).items()}
         # The feed-forward's linears take torchao's FP8 styles where they are tensorwise Float8 (float8_tp.py);
         # the attention module's plan keeps torch's, which a Float8 linear takes like any linear.
-        styles = LinearStyles(block)
+        styles = LinearStyles(block, tp_mesh)
         if isinstance(block.feed_forward, MoE):
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,

@@ -30,6 +30,12 @@ class Cluster:
     nvlink_latency_s: float
     network_busbw: float  # bytes/s per GPU, NCCL bus bandwidth across nodes
     network_latency_s: float
+    peak_fp8_flops: float = 0.0  # dense, per GPU; 0: no FP8 tensor cores (FP8 products then run at the bf16 rate)
+
+    @property
+    def fp8_flops(self) -> float:
+        """The rate FP8 products are priced at: the FP8 peak, or the bf16 peak on a GPU without FP8."""
+        return self.peak_fp8_flops or self.peak_bf16_flops
 
 
 _SECTIONS = {"device": ("peak_bf16_flops", "hbm_gib", "hbm_bandwidth", "matmul_efficiency", "attention_efficiency",
@@ -59,8 +65,10 @@ def load_cluster(name_or_path: str) -> Cluster:
                 raise ClusterError(f"--cluster {name_or_path}: [{section}] {key} is missing; every cluster file "
                                    f"states it (see {HERE / 'h100-sxm-80g.toml'})")
             values[key] = table[key]
+    if "peak_fp8_flops" in data.get("device", {}):
+        values["peak_fp8_flops"] = data["device"]["peak_fp8_flops"]
     cluster = Cluster(**values)
     for f in fields(Cluster):
-        if f.name not in ("name", "description") and not float(getattr(cluster, f.name)) > 0:
+        if f.name not in ("name", "description", "peak_fp8_flops") and not float(getattr(cluster, f.name)) > 0:
             raise ClusterError(f"--cluster {name_or_path}: {f.name} must be > 0")
     return cluster

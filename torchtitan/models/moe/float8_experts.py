@@ -1,5 +1,8 @@
 """FP8 grouped GEMMs for routed experts (CUDA, SM 8.9+): torchao's rowwise-scaled ``torch._scaled_grouped_mm``.
 
+The Float8 converter (``torchtitan/quantization/float8.py``) asks each ``GroupedExperts`` to switch
+(``GroupedExperts.to_float8``); the module then takes the class below, with the same parameters.
+
 The FP8 grouped GEMM takes groups whose row counts are multiples of 16. Routed tokens come in any
 counts, so each expert's rows are copied into a buffer where its group starts at a multiple of 16
 (at most 15 padding rows per expert, a static bound: no host sync), multiplied, and read back.
@@ -12,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from torchtitan import compat
 from torchtitan.models.moe.experts import GroupedExperts
@@ -60,10 +62,6 @@ def _fp8_rowwise_grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: to
 
 class Float8GroupedExperts(GroupedExperts):
     """``GroupedExperts`` whose products are FP8 grouped GEMMs where they fit (same parameters and state dict)."""
-
-    @staticmethod
-    def converts(module: nn.Module) -> bool:
-        return type(module) is GroupedExperts
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         fits = (x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and x.shape[0] > 0

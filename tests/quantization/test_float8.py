@@ -1,0 +1,154 @@
+"""The Float8 converter's parts without processes: what converts, the checks, the experts' padded grouped GEMM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import debug_config
+from torch import nn
+
+from torchtitan import compat
+from torchtitan.models import get_model_spec, model_args
+from torchtitan.models.moe.float8_experts import ALIGN, Float8GroupedExperts, aligned_rows, padded_grouped_mm
+from torchtitan.quantization import checks, converter_problems
+from torchtitan.quantization.float8 import convert_to_float8, skip_reason
+
+FP8 = "--model.converters=float8"
+
+
+def _build(name: str, flavor: str) -> nn.Module:
+    args = dataclasses.replace(model_args(name, flavor), vocab_size=2048)
+    with torch.device("meta"):
+        return get_model_spec(name).build(args)
+
+
+def test_skip_reasons():
+    assert skip_reason(nn.Linear(256, 512), "layers.0.attention.wq", ["output"]) is None
+    assert skip_reason(nn.Linear(256, 2048), "output", ["output"]) == "filtered"
+    assert skip_reason(nn.Linear(256, 8), "layers.0.feed_forward.router.gate", []) == "dims not multiples of 16"
+    assert skip_reason(nn.Linear(24, 256), "x", []) == "dims not multiples of 16"
+    assert skip_reason(nn.LayerNorm(16), "norm", []) == "not a linear"
+
+
+def test_dense_model_converts_every_linear_but_the_output_and_keeps_its_state_dict():
+    plain, model = _build("llama3", "debugmodel"), _build("llama3", "debugmodel")
+    counts = convert_to_float8(model, debug_config(FP8), "cpu")
+    assert counts == {"converted": 42, "filtered": 1}  # 6 blocks x 7 linears; the output head stays
+    assert type(model.get_submodule("output")) is nn.Linear
+    assert type(model.get_submodule("layers.0.attention.wq")).__name__ == "Float8Linear"
+    # Same names, shapes and dtypes: checkpoints and Hugging Face exports do not see the conversion.
+    shapes = {k: (v.shape, v.dtype) for k, v in plain.state_dict().items()}
+    assert {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} == shapes
+    adapter = get_model_spec("llama3").state_dict_adapter
+    args = dataclasses.replace(model_args("llama3", "debugmodel"), vocab_size=2048)
+    assert adapter.to_hf(model.state_dict(), args).keys() == adapter.to_hf(plain.state_dict(), args).keys()
+
+
+def test_filter_fqns_keep_linears_in_high_precision():
+    model = _build("llama3", "debugmodel")
+    counts = convert_to_float8(model, debug_config(FP8, "--float8.filter_fqns=output,feed_forward"), "cpu")
+    assert counts == {"converted": 24, "filtered": 19}  # 6 x 3 feed-forward linears and the output
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_moe_model_routed_experts_fp8_only_on_cuda(device_type):
+    model = _build("qwen3", "debugmodel_moe")
+    counts = convert_to_float8(model, debug_config(FP8, "--model.name=qwen3", "--model.flavor=debugmodel_moe"),
+                               device_type)
+    routers = [fqn for fqn, _ in model.named_modules() if fqn.endswith("router.gate")]
+    assert routers and all(type(model.get_submodule(f)) is nn.Linear for f in routers)  # the gate stays
+    experts = [m for m in model.modules() if type(m).__name__ in ("GroupedExperts", "Float8GroupedExperts")]
+    fp8 = device_type == "cuda" and compat.scaled_grouped_mm_available()
+    assert counts["experts_fp8" if fp8 else "experts_high_precision"] == len(experts) > 0
+    assert all(isinstance(m, Float8GroupedExperts) == fp8 for m in experts)
+
+
+def test_emulate_follows_the_option_and_the_cpu_kernel():
+    from torchtitan.quantization.float8 import emulated
+
+    if torch.__version__.startswith("2.13"):
+        assert compat.scaled_mm_supported("cpu")  # torch 2.13's CPU build multiplies float8
+    assert emulated(debug_config(FP8, "--float8.emulate"), "cpu")
+    assert emulated(debug_config(FP8), "cpu") == (not compat.scaled_mm_supported("cpu"))
+
+
+def test_capability_check():
+    assert checks.capability_problem(None, emulate=False) is None  # no GPU: the CPU path
+    assert checks.capability_problem((9, 0), emulate=False) is None  # Hopper
+    assert checks.capability_problem((8, 9), emulate=False) is None  # Ada
+    assert checks.capability_problem((8, 0), emulate=True) is None  # emulated on an A100
+    problem = checks.capability_problem((8, 0), emulate=False)
+    assert problem is not None and "compute capability 8.0" in problem and "--float8.emulate" in problem
+
+
+def test_option_checks():
+    assert converter_problems(debug_config(FP8)) == []
+    rowwise = converter_problems(debug_config(FP8, "--float8.recipe_name=rowwise",
+                                              "--float8.enable_fsdp_float8_all_gather"))
+    assert len(rowwise) == 1 and "needs one scale per tensor" in rowwise[0]
+    precompute = converter_problems(debug_config(FP8, "--float8.precompute_float8_dynamic_scale_for_fsdp"))
+    assert len(precompute) == 1 and "also set --float8.enable_fsdp_float8_all_gather" in precompute[0]
+    assert converter_problems(debug_config("--model.converters=int4")) == [
+        "--model.converters: unknown converter 'int4'; choose from float8"]
+    assert converter_problems(debug_config("--model.converters=float8,float8")) == [
+        "--model.converters=float8,float8: a converter is named twice"]
+    # Without the converter the [float8] section is not looked at.
+    assert converter_problems(debug_config("--float8.precompute_float8_dynamic_scale_for_fsdp")) == []
+
+
+def test_torchao_version_range(monkeypatch):
+    assert checks.torchao_problem() is None  # the installed torchao is the tested one
+    monkeypatch.setattr(checks.metadata, "version", lambda name: "0.19.1")
+    problem = checks.torchao_problem()
+    assert problem is not None and "torchao 0.19.1 is not a tested version" in problem
+
+
+def test_aligned_rows_start_every_group_at_a_multiple_of_16():
+    counts = torch.tensor([3, 0, 17, 16, 1])
+    destination, offsets, capacity = aligned_rows(counts, int(counts.sum()))
+    assert offsets.tolist() == [16, 16, 48, 64, 80] and offsets.dtype == torch.int32
+    assert capacity >= 80
+    starts = [0, 16, 16, 48, 64]
+    expected = [s + i for s, n in zip(starts, counts.tolist()) for i in range(n)]
+    assert destination.tolist() == expected
+
+
+def test_padded_grouped_mm_equals_the_per_group_product_forward_and_backward():
+    from torchtitan.models.moe.experts import per_group_linear
+
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 19, 16])
+    x = torch.randn(int(counts.sum()), 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    seen: list[list[int]] = []
+
+    def high_precision(buffer: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        seen.append(offsets.tolist())
+        sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
+        used = int(offsets[-1])
+        out = per_group_linear(buffer[:used], weight_t.transpose(-2, -1), sizes)
+        return torch.cat([out, out.new_zeros(buffer.shape[0] - used, out.shape[1])])
+
+    out = padded_grouped_mm(x, w, counts, high_precision)
+    assert all(o % ALIGN == 0 for o in seen[0])
+    ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = per_group_linear(ref_x, ref_w, counts)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
+
+
+def test_declared_torchao_range_is_the_checked_one():
+    import tomllib
+    from conftest import REPO
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for extra in ("float8", "dev", "test"):  # scripts/install.sh installs dev
+        assert checks.TORCHAO_PIN in extras[extra], extra
+    low, high = checks.TORCHAO_TESTED
+    assert checks.TORCHAO_PIN == f"torchao>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
