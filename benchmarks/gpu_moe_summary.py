@@ -32,14 +32,13 @@ _STEP = re.compile(r"step: *(\d+) .*?tps: ([\d,]+).*?memory: ([\d.]+)GiB")
 def write_flavors(folder: Path, layers: int) -> None:
     import torch
 
-    from torchtitan.models.common import hf_config
+    from torchtitan.models import get_model_spec
     from torchtitan.models.qwen3.args import qwen3_flavors
 
     moe = dataclasses.replace(qwen3_flavors["30B-A3B"], n_layers=layers)
     qwen = folder / f"qwen3_30b_a3b_{layers}l"
     qwen.mkdir(parents=True, exist_ok=True)
-    config = hf_config.hf_config(moe, architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", qwen=True,
-                                 bos_id=None, eos_id=None, dtype=torch.bfloat16)
+    config = get_model_spec("qwen3").state_dict_adapter.hf_config(moe, bos_id=None, eos_id=None, dtype=torch.bfloat16)
     (qwen / "config.json").write_text(json.dumps(config, indent=1))
     llama = folder / f"llama3_8b_{layers}l"
     llama.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from dist_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.models.attention import document_ids
+from torchtitan.models.attention import document_ids, select_backend
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.parallel import use_attention
 from torchtitan.models.llama3 import ModelArgs
@@ -38,6 +38,8 @@ def _model() -> Decoder:
 
 def _cp_matches_one_process(rank: int, world_size: int) -> dict:
     model = _model()
+    # The one-process reference runs the kernels the CP run gets on CPU (the eager-CPU RoPE among them).
+    model.use_attention_backend(select_backend("auto", "block_causal", "cpu", cpu_kernels=True))
     torch.manual_seed(1)
     tokens = torch.randint(0, 61, (2, L))
     weight = torch.randn(2, L, 61, dtype=torch.float64)

@@ -22,7 +22,7 @@ import os
 import shutil
 from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -60,7 +60,30 @@ def _write_array(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+class ShardEntry(TypedDict):
+    """One shard of the index: its token file, and how many tokens and documents it holds."""
+
+    file: str
+    tokens: int
+    documents: int
+
+
+class StoreHeader(TypedDict):
+    """Everything a store's index records but its shards (and the plan an interrupted preparation resumes)."""
+
+    format: str
+    version: int
+    dtype: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    tokenizer: dict[str, str]
+    source: dict[str, object]
+    split: dict[str, object] | None
+    shard_chars: int
+
+
+def _write_json(path: Path, obj: object) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
@@ -81,7 +104,7 @@ def _init_worker(tokenizer_path: str) -> None:
     _WORKER_TOKENIZER = build_tokenizer(tokenizer_path)
 
 
-def _tokenize_shard(task: _Task) -> dict[str, Any]:
+def _tokenize_shard(task: _Task) -> ShardEntry:
     """Tokenize one shard's documents and publish its files (runs in a worker or in-process)."""
     number, texts, folder, dtype = task
     tok = _WORKER_TOKENIZER
@@ -99,7 +122,7 @@ def _tokenize_shard(task: _Task) -> dict[str, Any]:
     base = Path(folder) / f"shard_{number:05d}"
     _write_array(base.with_suffix(".bin"), tokens)
     _write_array(base.with_suffix(".docs.npy"), ends.astype(np.uint64))
-    meta = {"file": base.name + ".bin", "tokens": int(tokens.size), "documents": len(texts)}
+    meta = ShardEntry(file=base.name + ".bin", tokens=int(tokens.size), documents=len(texts))
     _write_json(base.with_suffix(".done.json"), meta)  # last: marks the shard finished
     return meta
 
@@ -117,12 +140,12 @@ def _chunks(documents: Iterable[str], shard_chars: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def _finished_shard(folder: Path, number: int, dtype: np.dtype) -> dict[str, Any] | None:
+def _finished_shard(folder: Path, number: int, dtype: np.dtype) -> ShardEntry | None:
     base = folder / f"shard_{number:05d}"
     try:
         meta = json.loads(base.with_suffix(".done.json").read_text())
         if base.with_suffix(".bin").stat().st_size == meta["tokens"] * dtype.itemsize:
-            return meta
+            return ShardEntry(file=str(meta["file"]), tokens=int(meta["tokens"]), documents=int(meta["documents"]))
     except (OSError, ValueError, KeyError):
         pass
     return None
@@ -136,7 +159,7 @@ def prepare_store(
     documents: Iterable[str],
     out_dir: str | os.PathLike,
     tokenizer_path: str,
-    source: dict[str, Any],
+    source: dict[str, object],
     split: HeldOutSplit | None = None,
     held_out: bool = False,
     workers: int = 1,
@@ -161,22 +184,22 @@ def prepare_store(
     return out
 
 
-def _header(tokenizer_path: str, source: dict[str, Any], split: HeldOutSplit | None, held_out: bool,
-            shard_chars: int) -> dict[str, Any]:
+def _header(tokenizer_path: str, source: dict[str, object], split: HeldOutSplit | None, held_out: bool,
+            shard_chars: int) -> StoreHeader:
     """Everything the index records except its shards: also the plan an interrupted preparation resumes."""
     from torchtitan.datasets.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(tokenizer_path)
     key = side_key(split, held_out)
-    return {
-        "format": FORMAT, "version": VERSION, "dtype": _dtype_for(tokenizer.n_words).name,
-        "vocab_size": tokenizer.n_words, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
-        "tokenizer": {"path": os.path.abspath(tokenizer_path), "sha256": tokenizer_fingerprint(tokenizer_path)},
-        "source": source, "split": None if key is None else key.to_dict(), "shard_chars": shard_chars,
-    }
+    return StoreHeader(
+        format=FORMAT, version=VERSION, dtype=_dtype_for(tokenizer.n_words).name,
+        vocab_size=tokenizer.n_words, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+        tokenizer={"path": os.path.abspath(tokenizer_path), "sha256": tokenizer_fingerprint(tokenizer_path)},
+        source=source, split=None if key is None else key.to_dict(), shard_chars=shard_chars,
+    )
 
 
-def _partial_folder(out: Path, header: dict[str, Any]) -> Path:
+def _partial_folder(out: Path, header: StoreHeader) -> Path:
     """``<out>.partial``, kept when an interrupted preparation had the same plan, else emptied."""
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     partial.mkdir(parents=True, exist_ok=True)
@@ -190,16 +213,16 @@ def _partial_folder(out: Path, header: dict[str, Any]) -> Path:
     return partial
 
 
-def _tokenize_shards(documents: Iterable[str], out: Path, partial: Path, header: dict[str, Any],
-                     tokenizer_path: str, workers: int, progress: bool) -> list[dict[str, Any]]:
+def _tokenize_shards(documents: Iterable[str], out: Path, partial: Path, header: StoreHeader,
+                     tokenizer_path: str, workers: int, progress: bool) -> list[ShardEntry]:
     """Every shard's entry, in order: the finished ones of an interrupted run kept, the others tokenized."""
     dtype = np.dtype(header["dtype"])
-    shards: list[dict[str, Any]] = []
+    shards: list[ShardEntry | None] = []  # None: tokenized by a worker, filled in below
 
     def tasks() -> Iterator[_Task]:
         for number, texts in enumerate(_chunks(documents, header["shard_chars"])):
             done = _finished_shard(partial, number, dtype)
-            shards.append(done or {"pending": number})  # in order: finished shards never go to a worker
+            shards.append(done)  # in order: finished shards never go to a worker
             if done is None:
                 yield number, texts, str(partial), dtype.name
 
@@ -222,10 +245,12 @@ def _tokenize_shards(documents: Iterable[str], out: Path, partial: Path, header:
         bar.close()
     if len(shards) > tokenized:
         logger.info("%s: kept %d finished shard(s) from an interrupted preparation", out, len(shards) - tokenized)
-    return shards
+    done = [shard for shard in shards if shard is not None]
+    assert len(done) == len(shards), "every pending shard's worker reported"
+    return done
 
 
-def _run_tasks(tasks: Iterator[_Task], tokenizer_path: str, workers: int) -> Generator[dict[str, Any], None, None]:
+def _run_tasks(tasks: Iterator[_Task], tokenizer_path: str, workers: int) -> Generator[ShardEntry, None, None]:
     """Each task's result, in order: in this process, or on a pool of ``workers`` processes."""
     if workers <= 1:
         _init_worker(tokenizer_path)
@@ -246,7 +271,7 @@ def _run_tasks(tasks: Iterator[_Task], tokenizer_path: str, workers: int) -> Gen
         raise
 
 
-def _publish(out: Path, partial: Path, header: dict[str, Any], shards: list[dict[str, Any]]) -> None:
+def _publish(out: Path, partial: Path, header: StoreHeader, shards: list[ShardEntry]) -> None:
     """Write the index, then give the folder its final name: a folder with an index is always whole."""
     index = dict(header, shards=shards, total_tokens=sum(s["tokens"] for s in shards),
                  total_documents=sum(s["documents"] for s in shards))

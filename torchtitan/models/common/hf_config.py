@@ -49,14 +49,33 @@ def read_json_object(file: Path) -> JsonObject:
     return config
 
 
-def rope_theta(config: JsonObject) -> float:
-    """``rope_theta`` (released layout) or ``rope_parameters.rope_theta`` (transformers 5); no scaling accepted."""
+def rope_config(config: JsonObject) -> tuple[float, str, JsonObject]:
+    """(theta, scaling type, scaling entries) from the released layout (``rope_theta`` + ``rope_scaling``) or
+    transformers 5's ``rope_parameters``; the type is ``default`` for none."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in (None, "default"):
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    return float(config.get("rope_theta", params.get("rope_theta", 10000.0))), kind, scaling
+
+
+def rope_theta(config: JsonObject) -> float:
+    """The rotary theta of a release without frequency scaling (ValueError for another type)."""
+    theta, kind, _ = rope_config(config)
+    if kind != "default":
         raise ValueError(f"rope type {kind!r} is not supported (only the default rotary embedding)")
-    return float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
+    return theta
+
+
+def shape_fields(config: JsonObject) -> JsonObject:
+    """The decoder's widths as every Llama-style ``config.json`` states them (a missing ``head_dim`` is
+    ``hidden_size / num_attention_heads``; transformers leaves the output untied unless it says so)."""
+    n_heads = config["num_attention_heads"]
+    return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
+            "n_kv_heads": config.get("num_key_value_heads") or n_heads,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // n_heads,
+            "vocab_size": config["vocab_size"], "ffn_hidden_size": config["intermediate_size"],
+            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
 
 
 @dataclass(frozen=True)
@@ -79,14 +98,8 @@ MIXTRAL_EXPERTS = ExpertKeys("num_local_experts", None, False)
 
 def fields_of_config(config: JsonObject, keys: ExpertKeys) -> JsonObject:
     """``FIELDS`` as a ``config.json`` states them."""
-    n_heads = config["num_attention_heads"]
     experts = int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
-    fields = {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
-              "n_kv_heads": config.get("num_key_value_heads") or n_heads,
-              "head_dim": config.get("head_dim") or config["hidden_size"] // n_heads,
-              "vocab_size": config["vocab_size"], "ffn_hidden_size": config["intermediate_size"],
-              "norm_eps": float(config.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta(config),
-              "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)), "num_experts": experts,
+    fields = {**shape_fields(config), "rope_theta": rope_theta(config), "num_experts": experts,
               "top_k": int(config.get("num_experts_per_tok", 2)) if experts else 2,
               "moe_hidden_size": 0, "norm_topk_prob": True, "mlp_only_layers": (), "decoder_sparse_step": 1}
     if experts:

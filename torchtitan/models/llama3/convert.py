@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from torchtitan.models.common.config import JsonObject
+from torchtitan.models.common.hf_config import rope_config, shape_fields
 from torchtitan.models.llama3.args import ModelArgs, ffn_hidden_dim
 
 # ---------------------------------------------------------------- hyper-parameters
@@ -41,12 +42,9 @@ def model_fields(args: ModelArgs) -> JsonObject:
 def _hf_rope(config: JsonObject) -> tuple[float, dict[str, float] | None]:
     """(theta, scaling) from a ``config.json``: the released layout (``rope_theta`` + ``rope_scaling``)
     or the newer ``rope_parameters``."""
-    params = config.get("rope_parameters") or {}
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = config.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in (None, "default"):
-        return float(theta), None
+    theta, kind, scaling = rope_config(config)
+    if kind == "default":
+        return theta, None
     if kind != "llama3":
         raise ValueError(f"rope type {kind!r} is not supported (only none/'default' and 'llama3' "
                          "scaling, as Llama 3 releases use)")
@@ -58,16 +56,10 @@ def _hf_rope(config: JsonObject) -> tuple[float, dict[str, float] | None]:
 def fields_from_hf_config(config: JsonObject) -> JsonObject:
     """``model_fields`` as a Hugging Face ``config.json`` states them."""
     theta, scaling = _hf_rope(config)
-    n_heads = config["num_attention_heads"]
-    # This model derives the head width from dim / n_heads; a release may state another one.
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
-    return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
-            "head_dim": head_dim,
-            "n_kv_heads": config.get("num_key_value_heads") or n_heads, "ffn_dim": config["intermediate_size"],
-            "rope_theta": theta, "rope_scaling": scaling, "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-            "vocab_size": config["vocab_size"],
-            # transformers' LlamaConfig leaves the output untied unless the config says so.
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
+    # This model derives the head width from dim / n_heads; a release may state another one (refused later).
+    fields = shape_fields(config)
+    fields["ffn_dim"] = fields.pop("ffn_hidden_size")
+    return {**fields, "rope_theta": theta, "rope_scaling": scaling}
 
 
 def fields_from_meta_params(params: JsonObject, flavor: ModelArgs | None = None) -> JsonObject:
