@@ -8,7 +8,9 @@
 Face ones beside the weights; Meta's tiktoken file as ``original/tokenizer.model`` and, converted,
 as ``tokenizer.json`` + ``tokenizer_config.json``), into a new or empty folder. ``--dtype
 bfloat16|float32`` sets the weights' dtype; by default it is that of the release the run started
-from (``checkpoint.initial_load_path``), else bfloat16. A tied model writes no ``lm_head.weight``. The model
+from (``checkpoint.initial_load_path``), else bfloat16. A tied model writes no ``lm_head.weight``. A MoE
+trained with the routing bias (``--moe.load_balance_coeff``) is refused where the family's format has no
+place for the bias (Qwen3-MoE, Mixtral, GPT-OSS), unless ``--drop_routing_bias`` accepts the difference. The model
 config (flavor, tokenizer) is the run's ``config.toml``, found next to the checkpoint
 folder (``<dump_folder>/config.toml``) or given with ``--config``.
 
@@ -44,7 +46,7 @@ def export_dtype(choice: str | None, cfg):
 
 
 def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_path: str | None,
-              max_shard_gib: float, dtype: str | None = None) -> str:
+              max_shard_gib: float, dtype: str | None = None, drop_routing_bias: bool = False) -> str:
     import torch
 
     from torchtitan.checkpoint.formats import check_export_target, find_run_config, read_model_weights
@@ -80,7 +82,7 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
                          f"{tokenizer.model_path} ({len(differ)} tensors differ, e.g. {differ[0]}: "
                          f"{found.get(differ[0])} vs {expected.get(differ[0])}); pass the run's --config")
     files = write_hf(weights, args, output, tokenizer=tokenizer, max_shard_bytes=int(max_shard_gib * 2**30),
-                     dtype=export_dtype(dtype, cfg))
+                     dtype=export_dtype(dtype, cfg), drop_routing_bias=drop_routing_bias)
     total = sum(t.numel() for t in weights.values())
     return f"wrote {output}: {len(files)} files, {len(weights)} tensors, {total:,} parameters"
 
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="--format hf: dtype of the weights (default: that of the release the run started "
                              "from, else bfloat16)")
+    parser.add_argument("--drop_routing_bias", action="store_true",
+                        help="--format hf: export a model trained with the routing bias (--moe.load_balance_coeff) "
+                             "to a format without a place for it, accepting that the export routes otherwise")
     parser.add_argument("--max_shard_gib", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
     from torchtitan.checkpoint.location import is_remote
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.format == "hf":
             print(export_hf(Path(args.checkpoint), Path(args.output), args.config, args.tokenizer,
-                            args.max_shard_gib, args.dtype))
+                            args.max_shard_gib, args.dtype, args.drop_routing_bias))
             return 0
         from torchtitan.checkpoint import export_model_weights
 

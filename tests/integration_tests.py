@@ -332,7 +332,7 @@ def build_flavors() -> list[Flavor]:
         f("moe_ep_fsdp", "Qwen3-MoE debug: EP 2 on FSDP 2 (one efsdp rank), routing bias, switch auxiliary loss, "
           "torch.compile (attention compiled, MoE eager)",
           (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), *_MOE, "--parallelism.expert_parallel_degree=2",
-                  "--moe.aux_loss=switch", "--training.compile"),),
+                  "--moe.aux_loss=switch", "--moe.load_balance_coeff=0.001", "--training.compile"),),
           requires=("moe",), parity_phase=None, checks=(_log_contains(r"moe: imbalance [0-9.]+ \(max"), _no_warnings)),
         f("moe_bad_ep", "EP 3 does not divide the 8 experts: one config error on every rank",
           (_phase(6, 6, {"dp_shard": 6}, *_dp(1, 6), *_MOE, "--parallelism.expert_parallel_degree=3"),),

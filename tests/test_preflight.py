@@ -219,7 +219,7 @@ MOE_CONFIG = str(REPO / "train_configs" / "qwen3_debug_moe.toml")
     (["--parallelism.expert_parallel_degree=2", "--model.name=llama3", "--model.flavor=debugmodel"], 2,
      "--model.name=llama3 --model.flavor=debugmodel has no experts; set it to 1"),
     (["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
-      "--fault_tolerance.lighthouse=http://h:1"], 2,
+      "--fault_tolerance.lighthouse=http://h:1", "--moe.load_balance_coeff=0.001"], 2,
      "--moe.load_balance_coeff=0.001 with --fault_tolerance.enable"),
 ])
 def test_expert_parallel_and_balancing_bad_inputs_one_line_each(overrides, world, needle):

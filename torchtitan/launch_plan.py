@@ -47,4 +47,7 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, li
     if cfg.model.mtp_layers and not hasattr(args, "num_mtp_layers"):
         problems.append(f"--model.mtp_layers={cfg.model.mtp_layers}: model family {cfg.model.name} has no "
                         "multi-token prediction; use --model.name=deepseek_v3 or --model.mtp_layers=0")
-    return get_model_spec(cfg.model.name).with_moe_options(args, cfg), problems
+    spec = get_model_spec(cfg.model.name)
+    if cfg.moe.load_balance_coeff is None:  # unset: the family's default, filled here for every later reader
+        cfg.moe.load_balance_coeff = spec.default_load_balance_coeff()
+    return spec.with_moe_options(args, cfg), problems

@@ -242,7 +242,7 @@ def _expert_problems(args: Any, dims: ParallelDims, cfg: JobConfig, spec: ModelS
     if dims.ep > 1 and not spec.num_experts(args):
         problems.append(f"--parallelism.expert_parallel_degree={dims.ep}: {model} has no experts; set it to 1, or "
                         "choose a flavor with experts (qwen3 debugmodel_moe, 30B-A3B; mixtral 8x7B)")
-    if spec.num_experts(args) and cfg.fault_tolerance.enable and cfg.moe.load_balance_coeff > 0:
+    if spec.num_experts(args) and cfg.fault_tolerance.enable and (cfg.moe.load_balance_coeff or 0.0) > 0:
         problems.append(f"--moe.load_balance_coeff={cfg.moe.load_balance_coeff} with --fault_tolerance.enable: the "
                         "routing bias would be updated from each replica group's tokens alone and drift apart "
                         "between groups; set --moe.load_balance_coeff=0 (an auxiliary loss, --moe.aux_loss, works)")

@@ -203,7 +203,8 @@ def test_non_finite_floats_are_rejected_on_the_cli_and_in_toml(tmp_path, value):
 # Every shipped config and its family: a new file in train_configs/ fails the listing check until added here.
 SHIPPED_FAMILIES = {"debug_model": "llama3", "debug_model_ci": "llama3", "llama3_8b": "llama3",
                     "llama3_70b": "llama3", "llama3_405b": "llama3", "qwen3_debug_moe": "qwen3",
-                    "qwen3_30b_a3b": "qwen3", "mixtral_8x7b": "mixtral", "deepseek_v3_debug": "deepseek_v3",
+                    "qwen3_30b_a3b": "qwen3", "mixtral_8x7b": "mixtral", "gpt_oss_debug": "gpt_oss",
+                    "gpt_oss_20b": "gpt_oss", "gpt_oss_120b": "gpt_oss", "deepseek_v3_debug": "deepseek_v3",
                     "deepseek_v3_16b": "deepseek_v3", "deepseek_v3_671b": "deepseek_v3", "kimi_k2": "deepseek_v3"}
 
 

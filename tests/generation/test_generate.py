@@ -232,26 +232,36 @@ def _decoder_configs() -> dict[str, tuple[type, object]]:
             mlp_only_layers=[0], norm_topk_prob=True, **small)),
         "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
             intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **small)),
+        # Sinks, biases, a window (5) shorter than every row, YaRN, the clamped experts.
+        "gpt_oss": (transformers.GptOssForCausalLM, transformers.GptOssConfig(
+            intermediate_size=16, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+            swiglu_limit=1.0, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
+            **{k: v for k, v in small.items() if k != "rope_theta"})),
     }
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_decoder_families_greedy_equals_transformers_generate(case, tmp_path) -> None:
     """The KV cache lives in the shared attention and decoder: Qwen3 (query/key norms, head_dim apart from dim),
-    Qwen3-MoE (a dense layer, then experts) and Mixtral decode as transformers does, with and without it."""
+    Qwen3-MoE (a dense layer, then experts), Mixtral and GPT-OSS (sinks and a sliding window over the cache)
+    decode as transformers does, with and without it."""
     cls, config = _decoder_configs()[case]
     torch.manual_seed(0)
     theirs = cls(config).float().eval()
     with torch.no_grad():  # attention (and the norms) must matter to the greedy tokens, as in random_model
         for name, p in theirs.named_parameters():
-            if ".self_attn." in name and not name.endswith("norm.weight"):
+            if name.endswith(("sinks", "bias")):  # GPT-OSS initialises them to zero: make them matter
+                p.copy_(torch.randn_like(p))
+            elif ".self_attn." in name and not name.endswith("norm.weight"):
                 p.mul_(10.0)
             elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     theirs.save_pretrained(tmp_path)
     shutil.copyfile(SHIPPED_TOKENIZER, tmp_path / "tokenizer.model")
     source = describe(tmp_path)
-    assert source.spec.name == ("mixtral" if case == "mixtral" else "qwen3")
+    assert source.spec.name == {"mixtral": "mixtral", "gpt_oss": "gpt_oss"}.get(case, "qwen3")
     assert source.args.num_experts == (0 if case == "qwen3" else config.num_local_experts)
     loaded = load(source, device=torch.device("cpu"))
     prompt_tokens = [loaded.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]

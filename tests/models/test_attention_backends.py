@@ -22,7 +22,9 @@ import torch
 from conftest import CI_CONFIG, REPO
 
 from torchtitan.models.attention import (
+    BACKENDS,
     AttentionNeeds,
+    Capabilities,
     DocumentSDPA,
     FlexDocument,
     ScoreExtras,
@@ -52,7 +54,14 @@ def test_select_backend_is_the_one_choice(choice, mask, device, expected):
     assert select_backend(choice, mask, device, cpu_kernels=device == "cpu") is backend  # one object per choice
 
 
-def test_backend_problems_name_each_missing_capability_in_one_line():
+class CausalOnly(SDPACausal):
+    """A backend that states no sinks and no sliding windows (every shipped one applies both)."""
+
+    name = "sdpa"
+    capabilities = Capabilities(masks=frozenset({"causal"}))
+
+
+def test_backend_problems_name_each_missing_capability_in_one_line(monkeypatch):
     assert backend_problems("auto", GQA, "cpu", context_parallel=False) == []
     assert backend_problems("auto", GQA, "cpu", context_parallel=True) == []  # the context_parallel backend
     assert backend_problems("document_sdpa", GQA, "cuda", context_parallel=False) == []
@@ -61,7 +70,10 @@ def test_backend_problems_name_each_missing_capability_in_one_line():
         "(--model.attn_mask_type); use --model.attention_backend=auto"]
     problems = backend_problems("flex", GQA, "cpu", context_parallel=True)
     assert len(problems) == 2 and "context parallelism" in problems[0] and "cpu devices" in problems[1]
-    sinks = dataclasses.replace(GQA, sinks=True, sliding_window=True, v_head_dim=8)
+    sinks = dataclasses.replace(GQA, mask="causal", sinks=True, sliding_window=True, v_head_dim=8)
+    for cp in (False, True):  # sdpa (causal), context_parallel: both apply sinks and windows (GPT-OSS)
+        assert backend_problems("auto", sinks, "cpu", context_parallel=cp) == []
+    monkeypatch.setitem(BACKENDS, "sdpa", CausalOnly)
     problems = backend_problems("auto", sinks, "cpu", context_parallel=False)
     assert [p.split("does not apply ")[1].split(";")[0] for p in problems] == ["attention sinks", "sliding windows"]
 
@@ -69,7 +81,7 @@ def test_backend_problems_name_each_missing_capability_in_one_line():
 def test_a_backend_refuses_at_run_time_what_it_lacks():
     q = k = v = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="sinks"):
-        SDPACausal().attend(q, k, v, None, ScoreExtras(sinks=torch.zeros(2)))
+        CausalOnly().attend(q, k, v, None, ScoreExtras(sinks=torch.zeros(2)))
     with pytest.raises(ValueError, match="causal mask only"):
         model = Decoder(ARGS)
         model.use_attention_backend(SDPACausal())

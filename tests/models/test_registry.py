@@ -23,7 +23,7 @@ def test_unknown_name_names_the_option_and_the_families():
     with pytest.raises(ValueError) as info:
         get_model_spec("gpt")
     assert str(info.value) == ("--model.name=gpt: unknown model family; choose one of llama3, qwen3, mixtral, "
-                               "deepseek_v3")
+                               "deepseek_v3, gpt_oss")
     with pytest.raises(ValueError, match="--model.name=gpt: unknown model family"):
         model_args("gpt", "debugmodel")
 

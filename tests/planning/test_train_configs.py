@@ -24,7 +24,8 @@ from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
     ("llama3_405b", 512, {"dp_shard": 8, "tp": 8, "pp": 8}), ("qwen3_30b_a3b", 64, {"dp_shard": 64, "ep": 8}),
     ("mixtral_8x7b", 64, {"dp_shard": 64, "ep": 8}), ("deepseek_v3_16b", 64, {"dp_shard": 64, "ep": 8}),
     ("deepseek_v3_671b", 2048, {"dp_shard": 128, "pp": 16, "ep": 64}),
-    ("kimi_k2", 256, {"dp_shard": 16, "pp": 16, "ep": 16})])
+    ("kimi_k2", 256, {"dp_shard": 16, "pp": 16, "ep": 16}), ("gpt_oss_20b", 8, {"dp_shard": 8, "ep": 8}),
+    ("gpt_oss_120b", 64, {"dp_shard": 64, "ep": 8})])
 def test_shipped_configs_pass_the_preflight_at_their_world_sizes(config, world, layout):
     """The launch checks alone (no dry run, well under a second each): degrees, batch, pipeline split."""
     plan = plan_job(ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / f"{config}.toml")]),
@@ -47,6 +48,15 @@ def test_8b_fsdp8_row_stays_in_its_band_against_the_published_run():
     assert abs(e.peak_memory_gib / published_gib - 1) <= 0.15, e.peak_memory_gib
     assert e.tokens_per_second_per_gpu == pytest.approx(6622, abs=0.5)
     assert e.peak_memory_gib == pytest.approx(77.7, abs=0.05)
+
+
+@pytest.mark.slow
+def test_gpt_oss_20b_dry_run_fits_one_node():
+    """GPT-OSS 20b on 8 H100s (FSDP 8, EP 8): its blocks (sliding and full alike: the dense sink kernel does the
+    same work in both) counted; it fits in 80 GiB with the sink kernel's score matrices priced."""
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "gpt_oss_20b.toml")])
+    e = estimate(dry_run(cfg, 8), load_cluster("h100-sxm-80g"))
+    assert 40 < e.peak_memory_gib < 80, e.peak_memory_gib
 
 
 @pytest.mark.slow

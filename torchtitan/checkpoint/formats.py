@@ -40,7 +40,7 @@ from torchtitan.checkpoint.store import dcp_reader, read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import spec_for_args
 from torchtitan.models.common.config import DecoderConfig
-from torchtitan.models.spec import MetaRelease, StateDictAdapter
+from torchtitan.models.spec import HFConversion, MetaRelease, StateDictAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class HFSource:
     def __init__(self, folder: Path, adapter: StateDictAdapter | None = None) -> None:
         self.folder, self.adapter = folder, adapter
         self.config = json.loads((folder / "config.json").read_text())
-        self.fp8_block = fp8_block_size(self.config)  # FP8 weights dequantized on read (checkpoint/quantized.py)
+        # FP8 weights dequantized on read (checkpoint/quantized.py); the family's own methods by its adapter
+        self.fp8_block = fp8_block_size(self.config, adapter.quant_methods if adapter is not None else ())
         index = folder / INDEX_FILE
         weight_map: dict[str, str] | None
         if index.is_file():
@@ -124,8 +125,16 @@ class HFSource:
                                  "is incomplete or has fewer experts than the configured model")
         return names
 
+    def conversion(self, fqn: str, args: DecoderConfig) -> HFConversion | None:
+        """The family's conversion of our ``fqn`` from this folder's tensors (None: renamed, stacked or permuted)."""
+        assert self.adapter is not None, "reading tensors needs the family's adapter"
+        return self.adapter.hf_conversion(fqn, args, self.shapes, lambda name: self._read_one(name, None))
+
     def shape_of(self, fqn: str, args: DecoderConfig) -> tuple[int, ...] | None:
         """Our ``fqn``'s shape as the folder holds it (stacked experts: [E, ...]); None: absent."""
+        converted = self.conversion(fqn, args)
+        if converted is not None:
+            return converted.shape
         experts = self.expert_names(fqn, args)
         if experts is not None:
             return (len(experts), *self.shapes[experts[0]])
@@ -157,6 +166,9 @@ class HFSource:
         """
         from safetensors import safe_open
 
+        converted = self.conversion(fqn, args)
+        if converted is not None:  # made from other tensors: convert all of it, cut the region
+            return converted.read()[tuple(slice(a, b) for a, b in region or ())]
         experts = self.expert_names(fqn, args)
         if experts is not None:  # stacked here, one tensor per expert there: read the region's experts
             (e0, e1), rest = (region or ((0, len(experts)),))[0], (region or ())[1:]
@@ -402,18 +414,31 @@ def check_export_target(out_dir: Path) -> str | None:
     return None
 
 
+def routing_bias_problem(state: dict[str, torch.Tensor], args: DecoderConfig) -> str | None:
+    """Why ``state`` cannot be exported faithfully: a trained routing bias its family's format has no place for."""
+    spec = spec_for_args(args)
+    moved = [k for k, t in state.items() if k.endswith("router.expert_bias") and bool(t.abs().max() > 0)]
+    if not moved or spec.release_holds_routing_bias:
+        return None
+    return (f"the checkpoint's routing bias (--moe.load_balance_coeff, e.g. {moved[0]}) has no place in a Hugging "
+            f"Face {spec.name} folder, which would route tokens otherwise than the trained model; pass "
+            "--drop_routing_bias to export without it (docs/moe.md), or train with --moe.load_balance_coeff=0")
+
+
 def export_hf(state: dict[str, torch.Tensor], args: DecoderConfig, out_dir: str | Path, *, tokenizer=None,
-              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[Path]:
+              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+              drop_routing_bias: bool = False) -> list[Path]:
     """Write ``state`` (our FQNs, full tensors) as a Hugging Face folder of the model's family (for Llama 3,
     ``LlamaForCausalLM``); returns the files.
 
     ``dtype``: of the written weights (None: as ``state`` holds them). A tied model writes the
-    embedding only. ``generation_config.json`` carries the tokenizer's BOS/EOS.
+    embedding only. A trained routing bias the format cannot hold is refused (``routing_bias_problem``)
+    unless ``drop_routing_bias``. ``generation_config.json`` carries the tokenizer's BOS/EOS.
     """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    problem = check_export_target(out)
+    problem = check_export_target(out) or (None if drop_routing_bias else routing_bias_problem(state, args))
     if problem:
         raise ValueError(problem)
     adapter = spec_for_args(args).state_dict_adapter

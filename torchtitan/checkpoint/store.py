@@ -183,7 +183,7 @@ def shape_problems(path: Location, saved: dict[str, tuple[int, ...]],
 
 
 def _is_stacked_experts(fqn: str) -> bool:
-    return fqn.rsplit(".", 2)[-2:-1] == ["experts"] and fqn.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
+    return fqn.rsplit(".", 2)[-2:-1] == ["experts"]  # every parameter of a MoE's routed experts is [E, ...]
 
 
 def _expert_count_problem(path: Location, saved: dict[str, tuple[int, ...]],

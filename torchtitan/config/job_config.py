@@ -177,10 +177,11 @@ class Parallelism:
 class Moe:
     """Training choices for a model with experts (the experts' shapes come with the flavor); ignored by dense ones."""
 
-    load_balance_coeff: float = field_with_help(
-        1e-3, "Auxiliary-loss-free balancing (DeepSeek-V3): before each optimizer step, each expert's routing bias "
+    load_balance_coeff: float | None = field_with_help(
+        None, "Auxiliary-loss-free balancing (DeepSeek-V3): before each optimizer step, each expert's routing bias "
         "moves by this much toward the mean of the tokens per expert, counted over the data ranks; 0 turns the bias "
-        "off", min=0.0)
+        "off. Unset: the model family's default, the bias (1e-3) only where its Hugging Face format holds it (none "
+        "of qwen3, mixtral, gpt_oss: 0), so that an export is the trained model", min=0.0)
     aux_loss: str = field_with_help(
         "none", "Auxiliary balance loss added to the training loss: none, switch (as Hugging Face's Qwen3-MoE and "
         "Mixtral) or sequence (DeepSeek-V3's sequence-wise loss)", choices=("none", "switch", "sequence"))

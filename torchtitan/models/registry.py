@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from torchtitan.models.spec import ModelSpec
 
 _FAMILY_MODULES = ("torchtitan.models.llama3.spec", "torchtitan.models.qwen3.spec", "torchtitan.models.mixtral.spec",
-                  "torchtitan.models.deepseek_v3.spec")
+                  "torchtitan.models.deepseek_v3.spec", "torchtitan.models.gpt_oss.spec")
 _SPECS: dict[str, ModelSpec] = {}
 
 

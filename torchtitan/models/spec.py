@@ -50,8 +50,20 @@ class FamilyModel(Protocol):
     # args' ``max_seq_len`` is the longest sequence it takes.
 
 
+@dataclass(frozen=True)
+class HFConversion:
+    """One of our parameters made from a release's tensors by more than renaming and stacking (GPT-OSS's
+    transposed, interleaved or MXFP4-packed experts): its full shape, and a reader of its full value."""
+
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
 class StateDictAdapter(Protocol):
     """A family's names and layouts in Hugging Face releases (checkpoint/formats.py does the I/O)."""
+
+    # ``quantization_config`` methods whose tensors ``hf_conversion`` dequantizes (GPT-OSS: mxfp4)
+    quant_methods: frozenset[str]
 
     def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         """Our full state dict -> Hugging Face names and layout."""
@@ -75,6 +87,12 @@ class StateDictAdapter(Protocol):
 
     def rows_from_hf(self, fqn: str, w: torch.Tensor, heads: int) -> torch.Tensor:
         """Whole heads' rows of ``fqn`` from Hugging Face's order into ours."""
+        ...
+
+    def hf_conversion(self, fqn: str, args: DecoderConfig, shapes: Mapping[str, tuple[int, ...]],
+                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
+        """How our ``fqn`` is made from the release's tensors (``shapes`` by name; ``read`` one whole) when
+        renaming, stacking and ``rows_from_hf`` do not say it; None: they do."""
         ...
 
     def hf_config(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None,
@@ -106,6 +124,9 @@ class MetaRelease(Protocol):
                args: DecoderConfig) -> dict[str, tuple[int, ...]]:
         """A release's parameter shapes under our names, for comparison with ``expected``."""
         ...
+
+
+DEFAULT_LOAD_BALANCE_COEFF = 1e-3  # DeepSeek-V3's bias update speed (its report's gamma)
 
 
 @dataclass(frozen=True)
@@ -155,6 +176,14 @@ class ModelSpec:
     supports_kv_cache: bool = False
     # ---- experts (None: a dense family)
     experts: ExpertSpec | None = None
+    # whether the family's Hugging Face format has a place for the auxiliary-loss-free routing bias
+    # (DeepSeek-V3's e_score_correction_bias): the bias is then its default balancing, else off by default
+    # and an export of a model trained with it is refused (checkpoint/formats.export_hf)
+    release_holds_routing_bias: bool = False
+
+    def default_load_balance_coeff(self) -> float:
+        """``--moe.load_balance_coeff`` when unset: the bias only where the release format can hold it."""
+        return DEFAULT_LOAD_BALANCE_COEFF if self.release_holds_routing_bias else 0.0
 
     def num_experts(self, args: DecoderConfig) -> int:
         """Experts per sparse layer of ``args``'s model (0: dense)."""

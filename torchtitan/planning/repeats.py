@@ -120,7 +120,10 @@ def with_fewer_blocks(plan: LaunchPlan, fewer: int) -> LaunchPlan:
     if fewer == 0:
         return plan
     counts = [n - fewer for n in stage_blocks(plan)]
-    args = dataclasses.replace(plan.model_args, n_layers=sum(counts))
+    resized = {"n_layers": sum(counts)}
+    if hasattr(plan.model_args, "layer_types"):  # a per-layer pattern (GPT-OSS's windows) keeps its first blocks
+        resized["layer_types"] = plan.model_args.layer_types[:sum(counts)]
+    args = dataclasses.replace(plan.model_args, **resized)
     if plan.pipeline is None:
         return dataclasses.replace(plan, model_args=args)
     starts = [0]

@@ -91,7 +91,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
         lr_min=s.lr_min, total_steps=cfg.training.steps,
     )
-    experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff, dims,
+    experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims,
                                plan.pipeline.microbatches if plan.pipeline is not None else 1)
     return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
                        callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss)

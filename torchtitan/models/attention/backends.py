@@ -19,11 +19,11 @@ The backends (``BACKENDS``):
 ==================  ==================  ========  ==========  ====  ========  =====  ==============
 name                masks               devices   CP          KV    D_v≠D_qk  sinks  sliding window
 ==================  ==================  ========  ==========  ====  ========  =====  ==============
-``sdpa``            causal              any       no          no    yes       no     no
-``document_sdpa``   causal, documents   any       no          no    yes       no     no
-``flex``            causal, documents   cuda      no          no    yes       no     no
-``context_parallel``causal, documents   any       yes         no    yes       no     no
-``kv_cache``        the cache's own     any       no          yes   yes       no     no
+``sdpa``            causal              any       no          no    yes       yes    yes
+``document_sdpa``   causal, documents   any       no          no    yes       yes    yes
+``flex``            causal, documents   cuda      no          no    yes       yes    yes
+``context_parallel``causal, documents   any       yes         no    yes       yes    yes
+``kv_cache``        the cache's own     any       no          yes   yes       yes    yes
 ==================  ==================  ========  ==========  ====  ========  =====  ==============
 
 - ``sdpa``: causal SDPA over whole windows; on an eager CPU with the CPU kernels on, SDPA reads each
@@ -36,9 +36,11 @@ name                masks               devices   CP          KV    D_v≠D_qk  
 - ``kv_cache``: decoding (``models/kv_cache.py``): the new tokens' queries against every cached key,
   under the cache's padding and causal mask. The decoder's cached forward uses it.
 
-Extensions fit as further backends or capabilities: a learned per-head sink logit (``ScoreExtras.sinks``)
-and a sliding window (``ScoreExtras.window``, composed with the document mask) are arguments every
-backend receives and refuses unless its capabilities say it applies them; MLA's value head size
+A learned per-head sink logit (``ScoreExtras.sinks``) and a sliding window (``ScoreExtras.window``,
+composed with the document mask) are arguments every backend receives (GPT-OSS's attention passes them);
+each backend here applies them with the kernels of ``sinks.py`` (FlexAttention rescaled by the sink on
+CUDA, explicit scores with the sink column elsewhere, per chunk under context parallelism, a window over
+the cache's slots in decoding), and a backend whose capabilities lack them refuses them. MLA's value head size
 (``D_v``) differs from the query/key size, which every backend here accepts (SDPA and FlexAttention
 take it, and the KV cache sizes keys and values apart).
 """
@@ -63,6 +65,7 @@ from torchtitan.models.attention.masks import (
     per_document_sdpa,
 )
 from torchtitan.models.attention.masks import block_causal_attention as _device_block_causal
+from torchtitan.models.attention.sinks import cached_sink_attention, cp_sink_attention, local_sink_attention
 from torchtitan.models.kv_cache import LayerCache
 from torchtitan.models.layers import apply_rotary_emb, repeat_kv
 from torchtitan.ops.cpu_kernels import eager_cpu, rotate_pairs_complex
@@ -101,6 +104,10 @@ class ScoreExtras:
 
     sinks: torch.Tensor | None = None  # [H] learned logits (one per query head)
     window: int | None = None  # keys at most this many positions back
+
+    @property
+    def any(self) -> bool:
+        return self.sinks is not None or self.window is not None
 
 
 NO_EXTRAS = ScoreExtras()
@@ -156,13 +163,15 @@ class SDPACausal(AttentionBackend):
     """``sdpa``: causal scaled-dot-product attention over whole windows."""
 
     name = "sdpa"
-    capabilities = Capabilities(masks=frozenset({"causal"}))
+    capabilities = Capabilities(masks=frozenset({"causal"}), sinks=True, sliding_window=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
         self._refuse(extras)
         if documents is not None:
             raise ValueError("the sdpa attention backend applies the causal mask only")
+        if extras.any:
+            return local_sink_attention(q, k, v, None, extras.sinks, extras.window)
         return _gqa_sdpa(q, k, v, self.cpu_kernels)
 
 
@@ -170,11 +179,13 @@ class DocumentSDPA(AttentionBackend):
     """``document_sdpa``: the block-causal mask as one causal SDPA per document (dense mask under compile)."""
 
     name = "document_sdpa"
-    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}))
+    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), sinks=True, sliding_window=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
         self._refuse(extras)
+        if extras.any:
+            return local_sink_attention(q, k, v, documents, extras.sinks, extras.window)
         if documents is None:
             return _gqa_sdpa(q, k, v, self.cpu_kernels)
         if q.is_cuda or torch.compiler.is_compiling():
@@ -186,11 +197,14 @@ class FlexDocument(AttentionBackend):
     """``flex``: FlexAttention with a block mask built once per forward (CUDA)."""
 
     name = "flex"
-    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), devices=frozenset({"cuda"}))
+    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), devices=frozenset({"cuda"}), sinks=True,
+                                sliding_window=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
         self._refuse(extras)
+        if extras.any:
+            return local_sink_attention(q, k, v, documents, extras.sinks, extras.window)
         if documents is None:
             return _gqa_sdpa(q, k, v, self.cpu_kernels)
         return _device_block_causal(q, k, v, documents)
@@ -202,7 +216,8 @@ class ContextParallel(AttentionBackend):
     over ``mesh``; the document mask comes from the whole sequence's positions."""
 
     name = "context_parallel"
-    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), context_parallel=True)
+    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), context_parallel=True, sinks=True,
+                                sliding_window=True)
 
     def __init__(self, mesh: DeviceMesh, cpu_kernels: bool = False) -> None:
         super().__init__(cpu_kernels)
@@ -214,6 +229,8 @@ class ContextParallel(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
         self._refuse(extras)
+        if extras.any:
+            return cp_sink_attention(q, k, v, documents, extras.sinks, extras.window, self.mesh)
         if documents is None:
             return cp_attention(q, k, v, mesh=self.mesh)
         return cp_block_causal_attention(q, k, v, documents, mesh=self.mesh)
@@ -223,7 +240,7 @@ class KVCacheDecode(AttentionBackend):
     """``kv_cache``: decoding; the new tokens' queries against every key the layer's cache holds."""
 
     name = "kv_cache"
-    capabilities = Capabilities(masks=frozenset({"causal"}), kv_cache=True)
+    capabilities = Capabilities(masks=frozenset({"causal"}), kv_cache=True, sinks=True, sliding_window=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
@@ -233,6 +250,8 @@ class KVCacheDecode(AttentionBackend):
                       extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
         """Append the new tokens' ``k, v`` to ``cache``; their queries attend to every filled slot."""
         self._refuse(extras)
+        if extras.any:
+            return cached_sink_attention(q, k, v, cache, extras.sinks, extras.window)
         k, v = cache.update(k, v)
         n_rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=cache.mask)

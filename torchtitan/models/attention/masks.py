@@ -47,12 +47,16 @@ __all__ = [
     "DocumentMask",
     "block_causal_attention",
     "build_document_mask",
+    "causal_mask_mod",
     "check_mask_type",
     "cp_block_causal_attention",
     "cp_document_mask",
     "dense_mask",
     "document_causal_mask_mod",
     "document_ids",
+    "flex_attention_with_lse",
+    "flex_block_mask",
+    "sliding_window_mask_mod",
 ]
 
 MASK_TYPES = ("block_causal", "causal")
@@ -85,6 +89,27 @@ def document_causal_mask_mod(docs: torch.Tensor, q_offset: int = 0) -> MaskMod:
     return mask_mod
 
 
+def causal_mask_mod(q_offset: int = 0) -> MaskMod:
+    """The causal rule across documents (``attn_mask_type=causal``): query ``q_offset + q_idx`` sees every
+    key that is not later."""
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return q_idx + q_offset >= kv_idx
+
+    return mask_mod
+
+
+def sliding_window_mask_mod(mask_mod: MaskMod, window: int, q_offset: int = 0) -> MaskMod:
+    """``mask_mod`` (causal or block-causal, shifted by the same ``q_offset``) further limited to the
+    ``window`` latest keys, the query's own included: key ``kv`` stays when ``q - kv < window``
+    (GPT-OSS's sliding-window layers, as Hugging Face's ``sliding_window_overlay``)."""
+
+    def windowed(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return mask_mod(b, h, q_idx, kv_idx) & (q_idx + q_offset - kv_idx < window)
+
+    return windowed
+
+
 def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """The mask_mod evaluated on every (row, query, key): bool [B, 1, q_len, kv_len] (broadcast over heads)."""
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
@@ -99,11 +124,14 @@ class DocumentMask:
 
     ``docs`` [B, L]: document numbers of the whole sequence (under CP too). ``block_masks``
     (CUDA only): FlexAttention masks keyed by (q_offset, q_len, kv_len), built once per forward.
+    ``dense_masks``: dense forms a family's kernel builds on first use and its other layers reuse
+    (GPT-OSS: keyed by window, rows, q_offset, q_len, kv_len).
     """
 
     def __init__(self, docs: torch.Tensor, block_masks: dict | None = None):
         self.docs = docs
         self.block_masks = block_masks or {}
+        self.dense_masks: dict[tuple[int | None, int, int, int, int], torch.Tensor] = {}
         self._segments: list[int] | None = None
 
     def segment_lengths(self) -> list[int]:
@@ -169,6 +197,23 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torc
     # (the uncompiled one materializes the scores).
     fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            block_mask) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 - a BlockMask
+    """FlexAttention's output [B, H, L, D] and log-sum-exp of the scores [B, H, L] (float32), both differentiable:
+    what a kernel that rescales the output afterwards needs (GPT-OSS's sinks)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+
+
+def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):  # noqa: ANN201
+    """The FlexAttention ``BlockMask`` of ``mask_mod`` (heads broadcast)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
 def _runs(segments: list[int], seq: int) -> list[tuple[int, int]]:

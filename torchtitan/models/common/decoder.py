@@ -42,11 +42,20 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id  # kept so depth-scaled init survives pipeline pruning
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention: AttentionModule = args.attention().build()
+        self.attention: AttentionModule = self.build_attention(layer_id, args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = args.is_moe_layer(layer_id)
-        self.feed_forward: MoE | FeedForward = (MoE(args.moe_args()) if self.moe
+        self.feed_forward: MoE | FeedForward = (self.build_moe(args) if self.moe
                                                 else FeedForward(args.dim, args.dense_ffn_dim()))
+
+    def build_attention(self, layer_id: int, args: DecoderConfig) -> AttentionModule:
+        """The attention module of this layer: the one ``args.attention()`` describes (GPT-OSS's differs by
+        layer, its window)."""
+        return args.attention().build()
+
+    def build_moe(self, args: DecoderConfig) -> MoE:
+        """The sparse feed-forward: the shared ``MoE`` (GPT-OSS's has its own experts)."""
+        return MoE(args.moe_args())
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, backend: AttentionBackend,
                 documents: DocumentMask | None = None, cache: LayerCache | None = None) -> torch.Tensor:
@@ -58,11 +67,13 @@ class DecoderBlock(nn.Module):
 class Decoder(nn.Module):
     """Embedding -> blocks (``layers``) -> final norm -> output projection; see the module docstring."""
 
+    block_type: type[DecoderBlock] = DecoderBlock  # a family with its own block subclasses it (GPT-OSS)
+
     def __init__(self, args: DecoderConfig):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): DecoderBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_type(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()

@@ -30,7 +30,7 @@ def _with_moe_options(args: DecoderConfig, cfg: JobConfig) -> DecoderConfig:
         return args
     m = cfg.moe
     # The args are a dataclass (DecoderArgs) with these fields whenever the model has experts.
-    return dataclasses.replace(args, load_balance_coeff=m.load_balance_coeff,
+    return dataclasses.replace(args, load_balance_coeff=m.load_balance_coeff or 0.0,
                                aux_loss=m.aux_loss, aux_loss_coeff=m.aux_loss_coeff if m.aux_loss != "none" else 0.0)
 
 

@@ -8,12 +8,14 @@ rotary layout. A family gives its rows and its ``config.json`` format (``HFConfi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
 
 from torchtitan.models.common.config import DecoderConfig, JsonObject
 from torchtitan.models.common.weight_map import WeightMap
+from torchtitan.models.spec import HFConversion
 
 
 class HFConfigFormat(Protocol):
@@ -30,6 +32,8 @@ class HFConfigFormat(Protocol):
 class DecoderHFAdapter:
     """The ``StateDictAdapter`` (models/spec.py) of a decoder family: its ``WeightMap`` and config format."""
 
+    quant_methods: frozenset[str] = frozenset()  # no quantization of its own (FP8 blocks are read generically)
+
     def __init__(self, weights: WeightMap, config: HFConfigFormat):
         self.weights, self.config = weights, config
 
@@ -41,6 +45,10 @@ class DecoderHFAdapter:
 
     def hf_permuted_heads(self, fqn: str, args: DecoderConfig) -> int | None:
         return self.weights.hf_permuted_heads(fqn, args)
+
+    def hf_conversion(self, fqn: str, args: DecoderConfig, shapes: Mapping[str, tuple[int, ...]],
+                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
+        return None  # every tensor of the map is renamed, stacked or permuted by rows
 
     def rows_from_hf(self, fqn: str, w: torch.Tensor, heads: int) -> torch.Tensor:
         return self.weights.rows_from_hf(w, heads, self.weights.rotary_dims(fqn))

@@ -86,6 +86,9 @@ class GroupedExperts(nn.Module):
     ``parallel.apply_expert_parallel``).
     """
 
+    # The parameters stacked over the experts ([E, ...]): what expert parallelism shards on dim 0.
+    stacked_names: tuple[str, ...] = ("w1", "w2", "w3")
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
@@ -118,3 +121,40 @@ class GroupedExperts(nn.Module):
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One grouped product (the Float8 subclass overrides it: float8_experts.py)."""
         return grouped_linear(x, weight, counts, self.use_grouped_mm)
+
+
+class ClampedSwiGLUExperts(GroupedExperts):
+    """GPT-OSS's experts: ``GroupedExperts`` with a bias on each projection and the clamped SwiGLU.
+
+    Expert ``e`` computes ``w2[e] h + w2_bias[e]`` with ``h = (clamp(u, -limit, limit) + 1) * g *
+    sigmoid(alpha * g)``, ``g = clamp(w1[e] x + w1_bias[e], max=limit)`` and ``u = w3[e] x + w3_bias[e]``.
+    Each bias is stacked over the experts like the weights (expert parallelism shards it with them).
+    """
+
+    stacked_names = ("w1", "w2", "w3", "w1_bias", "w2_bias", "w3_bias")
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, limit: float, alpha: float,
+                 use_grouped_mm: bool = True):
+        super().__init__(dim, hidden_dim, num_experts, use_grouped_mm)
+        self.limit, self.alpha = limit, alpha
+        self.w1_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, dim))
+        self.w3_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights = [_local(getattr(self, name)) for name in self.stacked_names]
+        if self.grad_scale != 1.0:
+            weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
+        w1, w2, w3, b1, b2, b3 = weights
+        if counts.shape[0] != w1.shape[0]:
+            raise ValueError(f"ClampedSwiGLUExperts: {counts.shape[0]} token counts for {w1.shape[0]} local experts")
+        x = x.to(w1.dtype)
+        rows = x.shape[0]  # each row takes its expert's bias: the expert-major counts repeat them
+
+        def biased(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
+
+        gate = biased(self.grouped(x, w1, counts), b1).clamp(max=self.limit)
+        up = biased(self.grouped(x, w3, counts), b3).clamp(-self.limit, self.limit)
+        hidden = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+        return biased(self.grouped(hidden, w2, counts), b2)

@@ -46,6 +46,7 @@ class MoEArgs:
     aux_loss: Literal["none", "switch", "sequence"] = "none"
     aux_loss_coeff: float = 0.0
     use_grouped_mm: bool = True
+    router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS)
 
     def check(self) -> None:
         """ValueError, one line, for options that cannot work."""
@@ -108,7 +109,7 @@ class MoE(nn.Module):
         self.args = args
         self.router = TokenChoiceRouter(
             args.dim, args.num_experts, args.top_k, args.score_func, args.norm_topk_prob, args.route_scale,
-            args.num_groups, args.topk_groups, args.load_balance_bias)
+            args.num_groups, args.topk_groups, args.load_balance_bias, gate_bias=args.router_bias)
         self.experts = GroupedExperts(args.dim, args.hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (SwiGLU(args.dim, args.hidden_dim * args.num_shared_experts)
                                if args.num_shared_experts else None)

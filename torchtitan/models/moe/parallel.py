@@ -34,7 +34,7 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
     if experts.num_experts % ep:
         raise ValueError(f"moe num_experts={experts.num_experts} is not divisible by the expert-parallel degree {ep}")
     per_rank = experts.num_experts // ep
-    for name in ("w1", "w2", "w3"):
+    for name in experts.stacked_names:
         full = getattr(experts, name)
         if isinstance(full, DTensor):
             raise ValueError(f"experts.{name} is already a DTensor: apply expert parallelism once, before FSDP")

@@ -37,20 +37,22 @@ class TokenChoiceRouter(nn.Module):
 
     ``scores`` are the unbiased softmax/sigmoid scores of every expert (what auxiliary
     losses use); ``weights`` are the chosen experts' scores, renormalised to sum to one when
-    ``norm_topk_prob`` and multiplied by ``route_scale``. With ``load_balance_bias`` the
+    ``norm_topk_prob`` and multiplied by ``route_scale``. ``gate_bias``: the gate's logits have a
+    learned bias (GPT-OSS); a softmax renormalised over the top k equals GPT-OSS's softmax over the
+    top k logits. With ``load_balance_bias`` the
     persistent buffer ``expert_bias [E]`` (checkpointed, zero at first) is added to the scores
     for the choice only; ``models/expert_balance.update_expert_bias`` moves it.
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: ScoreFunc = "softmax",
                  norm_topk_prob: bool = False, route_scale: float = 1.0, num_groups: int = 1, topk_groups: int = 1,
-                 load_balance_bias: bool = False):
+                 load_balance_bias: bool = False, gate_bias: bool = False):
         super().__init__()
         check_routing(num_experts, top_k, score_func, num_groups, topk_groups)
         self.num_experts, self.top_k, self.score_func = num_experts, top_k, score_func
         self.norm_topk_prob, self.route_scale = norm_topk_prob, route_scale
         self.num_groups, self.topk_groups = num_groups, topk_groups
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = nn.Linear(dim, num_experts, bias=gate_bias)  # GPT-OSS's router has a learned bias
         self.expert_bias: torch.Tensor | None
         if load_balance_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
@@ -60,7 +62,8 @@ class TokenChoiceRouter(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert's score in float32, autocast off so the logits stay float32 on any device."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
+            bias = None if self.gate.bias is None else self.gate.bias.float()
+            logits = F.linear(x.float(), self.gate.weight.float(), bias)
         return logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
 
     def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
