@@ -199,6 +199,21 @@ def s3_bucket(s3_server: str, request) -> S3Bucket:
     return S3Bucket(name, fs)
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_rank_variables() -> Iterator[None]:
+    """A test that runs a trainer in this process leaves the one-rank group's RANK, WORLD_SIZE, MASTER_PORT...
+    in ``os.environ`` (distributed/lifecycle.py sets them for a plain ``python train.py``). Later tests that
+    launch processes with this environment (fault tolerance's groups) would inherit them: two one-rank groups
+    then share one MASTER_PORT (EADDRINUSE). Each test ends with these variables as it found them."""
+    before = {var: os.environ.get(var) for var in _TORCHRUN_VARS}
+    yield
+    for var, value in before.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The ``gpu`` tier needs CUDA: on a machine without it those tests are reported as skipped, with the
     command that runs them where a GPU is (they check CUDA kernels that have no CPU path)."""
