@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CI_CONFIG, REPO, torchrun_command
+from conftest import CI_CONFIG, torchrun_command, torchrun_env
 
 from torchtitan.distributed.lifecycle import free_port
 
@@ -71,9 +71,10 @@ TP_STEPS = 4
 
 
 def _env(record: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FT_RECORD": str(record),
-            "FT_PIDS": str(record.parent / "pids"),
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+    """This process' environment without torchrun's variables (an in-process trainer of an earlier test leaves
+    RANK, MASTER_PORT, ...: one-rank groups would share that port), the repository first on the path."""
+    return torchrun_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FT_RECORD=str(record),
+                        FT_PIDS=str(record.parent / "pids"), **extra)
 
 
 def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], restarts: int,
