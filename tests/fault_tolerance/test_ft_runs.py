@@ -73,8 +73,9 @@ TP_STEPS = 4
 def _env(record: Path, **extra: str) -> dict[str, str]:
     """This process' environment without torchrun's variables (an in-process trainer of an earlier test leaves
     RANK, MASTER_PORT, ...: one-rank groups would share that port), the repository first on the path."""
-    return torchrun_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FT_RECORD=str(record),
-                        FT_PIDS=str(record.parent / "pids"), **extra)
+    defaults = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FT_RECORD": str(record),
+                "FT_PIDS": str(record.parent / "pids")}
+    return torchrun_env(**{**defaults, **extra})  # a caller's FT_PIDS (group 1 of the outage run) wins
 
 
 def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], restarts: int,
