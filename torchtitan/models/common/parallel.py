@@ -109,7 +109,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     - A MoE feed-forward is replicated over TP: its input is gathered to the whole (sequence of the)
       batch, every TP rank routes the same tokens through the same experts, and under SP each keeps
       its sequence shard of the output. Router and experts then see and compute the same values on
-      every TP rank, so their gradients are equal there without a collective (docs/moe.md).
+      every TP rank, so their gradients are equal there without a collective (docs/moe.md). Where
+      expert parallelism borrows TP's ranks (``split_moe_over_tp`` first), each TP rank instead routes
+      its own sequence shard (sliced from the replicated input without SP, the output gathered back).
     """
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
 
@@ -125,9 +127,12 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         # the attention module's plan keeps torch's, which a Float8 linear takes like any linear.
         styles = LinearStyles(block, tp_mesh)
         if isinstance(block.feed_forward, MoE):
+            # Split over TP (expert parallelism borrowing TP's ranks), the layer takes and gives this rank's
+            # sequence shard; otherwise the whole sequence, the same on every TP rank.
+            local = Shard(1) if block.feed_forward.tp_split > 1 else Replicate()
             plan["feed_forward"] = PrepareModuleInputOutput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+                input_layouts=(seq,), desired_input_layouts=(local,), use_local_input=True,
+                output_layouts=(local,), desired_output_layouts=(seq,), use_local_output=True)
         else:
             plan.update({
                 "feed_forward.w1": styles.colwise("feed_forward.w1"),
@@ -157,6 +162,16 @@ def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Modul
                 ep_mesh.size(), len(moes), moes[0].args.num_experts if moes else 0,
                 moes[0].args.num_experts // ep_mesh.size() if moes else 0)
     return [moe.experts for moe in moes]
+
+
+def split_moe_over_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Each TP rank routes its own tokens through every MoE layer (expert parallelism borrowing TP's ranks);
+    before ``apply_tp``, whose plan then gives each layer its rank's sequence shard."""
+    from torchtitan.models.moe import MoE
+    from torchtitan.models.moe.parallel import split_over_tp
+
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        split_over_tp(moe, tp_mesh)
 
 
 def check_decoder(args: DecoderConfig, tp: int, pp: int, flavor: str, ep: int = 1) -> list[str]:
