@@ -253,7 +253,8 @@ def test_expert_parallel_layouts_pass_and_balancing_options_reach_the_model():
     assert (args.load_balance_coeff, args.aux_loss, args.aux_loss_coeff) == (0.0, "switch", 1e-3)
     # EP 4 on TP 2 x FSDP 2 borrows TP's ranks (dp_shard x cp = 2 cannot hold 4), with SP and without it.
     for sp in ("true", "false"):
-        borrowed = preflight(debug_config("--parallelism.expert_parallel_degree=4", "--parallelism.tensor_parallel_degree=2",
+        borrowed = preflight(debug_config("--parallelism.expert_parallel_degree=4",
+                                          "--parallelism.tensor_parallel_degree=2",
                                           "--parallelism.data_parallel_shard_degree=2",
                                           f"--parallelism.enable_sequence_parallel={sp}", config=MOE_CONFIG), 4)
         assert borrowed.dims.ep_borrows_tp and borrowed.dims.degree("efsdp") == 1
