@@ -4,8 +4,9 @@ FLOPs, the imbalance factor and its refusal, EP in --search, and the preflight's
 from __future__ import annotations
 
 import pytest
-from conftest import REPO, debug_config
+from conftest import REPO, debug_config, load_script
 
+from torchtitan.config import ConfigManager
 from torchtitan.planning import cli
 from torchtitan.planning.compute import grouped_mm_flops
 from torchtitan.planning.dry_run import dry_run, plan_job
@@ -65,6 +66,30 @@ def test_all_to_all_bytes_under_tp_and_pp():
         assert rows["forward"]["bytes"] == 2 * sparse_layers * _a2a_forward_bytes(T, 1.0, 2)
         assert rows["backward"]["bytes"] == 2 * sparse_layers * (_a2a_forward_bytes(T, 1.0, 2) - E * INT64)
         assert len(rank.traffic.group_ranks["ep"]) == 2
+
+
+@pytest.mark.slow
+def test_all_to_all_bytes_when_ep_borrows_tp():
+    """EP 4 on TP 2 x FSDP 2: each TP rank routes its own half of the sequence to the 4 ranks of its EP group."""
+    cfg = _moe_cfg("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2",
+                   "--parallelism.expert_parallel_degree=4")
+    run = dry_run(cfg, 4)
+    assert run.plan.dims.ep_borrows_tp
+    rows = _ep_rows(run)
+    assert rows["forward"]["bytes"] == SPARSE_LAYERS * _a2a_forward_bytes(T // 2, 1.0, 4)
+    assert rows["backward"]["bytes"] == SPARSE_LAYERS * (_a2a_forward_bytes(T // 2, 1.0, 4) - E * INT64)
+    assert run.ranks[0].traffic.group_ranks["ep"] == [0, 1, 2, 3]
+
+
+def test_the_planner_takes_qwen3_235b_published_layout():
+    """Qwen3-235B-A22B as Megatron-Bridge published it on 256 GPUs: TP 2 x EP 32 x PP 8 (dp_shard 16), EP borrowing
+    TP's ranks; the planner's preflight (no dry run) accepts it, as ``benchmarks/plan_validation.py`` runs it."""
+    cluster, world, overrides, *_ = load_script("benchmarks/plan_validation.py").MOE_ROWS[
+        "qwen3-235b-a22b-tp2-ep32-pp8-vp4"]
+    plan = plan_job(ConfigManager().parse_args(overrides), world)
+    assert (plan.dims.tp, plan.dims.ep, plan.dims.pp, plan.dims.dp_shard) == (2, 32, 8, 16)
+    assert plan.dims.ep_borrows_tp and plan.dims.degree("efsdp") == 1
+    assert cluster == "h100-sxm-80g"
 
 
 @pytest.mark.slow

@@ -306,6 +306,8 @@ class ParallelDims:
             mesh = self.get_mesh(name)
             if mesh is not None:
                 labels.setdefault(mesh.get_group().group_name, self.label(name))
+        if _ROUTING_VIEW in self._meshes:
+            labels.setdefault(self._meshes[_ROUTING_VIEW].get_group().group_name, _ROUTING_VIEW)
         for root, axes in ROOT_MESHES.items():
             for axis in axes:
                 if self.degree(axis) > 1 and self._in_use(root) and axis not in _NO_COLLECTIVE:
