@@ -181,7 +181,8 @@ def check_decoder(args: DecoderConfig, tp: int, pp: int, flavor: str, ep: int = 
     moe = args.moe_args() if args.num_experts else None
     if moe is not None and ep > 1 and moe.num_experts % ep:
         problems.append(f"--parallelism.expert_parallel_degree={ep} does not divide the {moe.num_experts} experts "
-                        f"of --model.flavor={flavor}; use a degree that divides them (and dp_shard x cp)")
+                        f"of --model.flavor={flavor}; use a degree that divides them (and dp_shard x cp, or "
+                        "dp_shard x cp x tp as a multiple of tp)")
     if tp > 1:
         widths = [*args.attention().tp_widths(), ("dim", args.dim)]
         if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
