@@ -125,6 +125,12 @@ def test_preflight_refuses_an_ep_that_does_not_divide(capsys):
                           "--parallelism.expert_parallel_degree=3"])
     err = capsys.readouterr().err
     assert code == 2 and "config error:" in err and "expert_parallel_degree=3" in err
+    # EP that needs TP's ranks but takes only half of them: the planner refuses it as a launch does.
+    code = cli.plan_main(["--cluster", "h100-sxm-80g", "--world_size", "4", "--job.config_file", MOE,
+                          "--parallelism.tensor_parallel_degree=4", "--parallelism.data_parallel_shard_degree=1",
+                          "--parallelism.expert_parallel_degree=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not cover all of them" in err, err
 
 
 def test_search_tries_ep_for_models_with_experts():
