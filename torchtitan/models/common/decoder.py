@@ -19,6 +19,7 @@ Written to be easy to parallelise:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -64,6 +65,16 @@ class DecoderBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class BlocksRun(NamedTuple):
+    """What a forward through ``layers`` leaves: the hidden states and what the blocks were given, for blocks
+    that run after them (DeepSeek-V3's multi-token prediction)."""
+
+    hidden: torch.Tensor
+    rope: torch.Tensor
+    backend: AttentionBackend
+    documents: DocumentMask | None
+
+
 class Decoder(nn.Module):
     """Embedding -> blocks (``layers``) -> final norm -> output projection; see the module docstring."""
 
@@ -77,6 +88,9 @@ class Decoder(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        # True on a pipeline stage past the first that keeps the embedding (DeepSeek-V3's last stage, whose
+        # multi-token prediction reads it): its input is the previous stage's hidden states all the same.
+        self.input_is_hidden = False
         # None until a run selects one (use_attention_backend): the forward then takes the local default
         # for its inputs' device.
         self.attention_backend: AttentionBackend | None = None
@@ -203,8 +217,12 @@ class Decoder(nn.Module):
         """
         if cache is not None:
             return self._forward_cached(tokens, cache)
+        return self._head(self.run_blocks(tokens, positions).hidden)
+
+    def run_blocks(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> BlocksRun:
+        """The stage's input embedded (token ids) or taken as it is (hidden states), then through ``layers``."""
         backend = self.backend_for(tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.embed_input(tokens)
         # Attention slices the cache to its own length: under sequence parallelism h holds only
         # part of the sequence here, while attention sees all of it.
         rope = self.rope_cache if positions is None else self.rope_cache[positions]
@@ -213,12 +231,20 @@ class Decoder(nn.Module):
             documents = backend.document_mask(positions, tokens.shape[0])  # once per forward, shared by the layers
         for layer in self.layers.values():
             h = layer(h, rope, backend=backend, documents=documents)
-        return self._head(h)
+        return BlocksRun(h, rope, backend, documents)
+
+    def embed_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding of ``tokens`` (ids) where this model or stage embeds its input; else ``tokens`` are
+        hidden states already (a later pipeline stage, which may still hold a copy of the embedding for
+        another use: ``input_is_hidden``)."""
+        if self.tok_embeddings is None or self.input_is_hidden:
+            return tokens
+        return self.tok_embeddings(tokens)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One decoding forward: the new tokens attend to the cache's keys; each layer appends its own."""
         backend = self.backend_for(tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.embed_input(tokens)
         rope = self.rope_cache[cache.begin(tokens.shape[1])]
         for key, layer in self.layers.items():
             h = layer(h, rope, backend=backend, cache=cache.layer(key))

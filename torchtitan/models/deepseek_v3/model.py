@@ -11,7 +11,7 @@ from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
 from torchtitan.models.common.decoder import Decoder, DecoderBlock
 from torchtitan.models.common.flops import param_counts
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
-from torchtitan.models.deepseek_v3.mtp import MTPModule, depth_inputs
+from torchtitan.models.deepseek_v3.mtp import MTPModule, depth_tokens
 from torchtitan.models.kv_cache import KVCache
 from torchtitan.models.layers import precompute_rope_cache
 from torchtitan.models.moe import MoE
@@ -31,7 +31,6 @@ class DeepSeekV3Model(Decoder):
         if args.num_mtp_layers:
             self.mtp = nn.ModuleDict({str(k): MTPModule(DecoderBlock(args.n_layers + k, args), args)
                                       for k in range(args.num_mtp_layers)})
-        self._mtp_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
         a = self.args
@@ -57,33 +56,22 @@ class DeepSeekV3Model(Decoder):
         return {id(m.eh_proj.weight): trunc_normal_spec(0.02, 2.0) for m in self._mtp_modules()}
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's forward; with ``labels`` (training with multi-token prediction) it also keeps each
-        depth's (logits, labels) for ``pop_mtp_outputs``. Returns the main logits either way."""
-        if labels is None or self.mtp is None or cache is not None:
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The decoder's forward. With ``mtp_tokens`` (training with multi-token prediction: the batch's input
+        ids [B, L], which a pipeline's last stage gets as this keyword beside the hidden states it receives),
+        the model, or the stage holding the output, returns ``(logits, depth 1's logits, ..., depth D's)``;
+        ``train_step/mtp.py`` scores them. Else the main logits (hidden states on a stage without the output)."""
+        if mtp_tokens is None or self.mtp is None or cache is not None or self.output is None:
             return super().forward(tokens, positions, cache)
-        assert self.tok_embeddings is not None and self.norm is not None and self.output is not None, (
-            "multi-token prediction needs the whole model (preflight refuses it under pipeline parallelism)")
-        backend = self.backend_for(tokens.device)
-        h = self.tok_embeddings(tokens)
-        rope = self.rope_cache if positions is None else self.rope_cache[positions]
-        documents = None
-        if self.args.attn_mask_type == "block_causal" and positions is not None:
-            documents = backend.document_mask(positions, tokens.shape[0])
-        for layer in self.layers.values():
-            h = layer(h, rope, backend=backend, documents=documents)
-        self._mtp_outputs = []
-        previous = h
+        assert self.tok_embeddings is not None and self.norm is not None, (
+            "the stage with the output holds the final norm and, for multi-token prediction, the embedding")
+        run = self.run_blocks(tokens, positions)
+        outputs, previous = [self.output(self.norm(run.hidden))], run.hidden
         for k, module in enumerate(self._mtp_modules(), start=1):
-            ids, targets = depth_inputs(tokens, labels, k)
-            previous = module(previous, self.tok_embeddings(ids), rope, backend=backend, documents=documents)
-            self._mtp_outputs.append((self.output(module.norm(previous)), targets))
-        return self.output(self.norm(h))
-
-    def pop_mtp_outputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each depth's (logits [B, L, vocab], labels [B, L]) of the last forward given labels; cleared."""
-        out, self._mtp_outputs = self._mtp_outputs, []
-        return out
+            future = self.tok_embeddings(depth_tokens(mtp_tokens, k))
+            previous = module(previous, future, run.rope, backend=run.backend, documents=run.documents)
+            outputs.append(self.output(module.norm(previous)))
+        return tuple(outputs)
 
 
 def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:
