@@ -20,8 +20,8 @@ __all__ = ["DeepSeekV3Model", "flops_per_token", "param_counts"]
 
 
 class DeepSeekV3Model(Decoder):
-    """``Decoder`` of MLA blocks, with ``mtp`` (None when off): depth k's block is layer ``n_layers + k - 1``,
-    as releases number it."""
+    """``Decoder`` of MLA blocks, with ``mtp`` (None when off): depth k's module is keyed, and its block
+    numbered, ``n_layers + k - 1``, the layer index a release stores it under (``model.layers.61`` in the 671B)."""
 
     args: DeepSeekV3Args
 
@@ -29,7 +29,7 @@ class DeepSeekV3Model(Decoder):
         super().__init__(args)
         self.mtp: nn.ModuleDict | None = None
         if args.num_mtp_layers:
-            self.mtp = nn.ModuleDict({str(k): MTPModule(DecoderBlock(args.n_layers + k, args), args)
+            self.mtp = nn.ModuleDict({str(args.n_layers + k): MTPModule(DecoderBlock(args.n_layers + k, args), args)
                                       for k in range(args.num_mtp_layers)})
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
@@ -44,11 +44,11 @@ class DeepSeekV3Model(Decoder):
         return [m for m in (self.mtp or {}).values() if isinstance(m, MTPModule)]
 
     def moe_layers(self) -> dict[str, MoE]:
-        """Layer key -> MoE, the MTP modules' included (``mtp.k``): balancing and EP go through them all."""
+        """Layer key -> MoE, the MTP modules' included (``mtp.<layer>``): balancing and EP go through them all."""
         layers = super().moe_layers()
-        for k, module in enumerate(self._mtp_modules()):
-            if isinstance(module.block.feed_forward, MoE):
-                layers[f"mtp.{k}"] = module.block.feed_forward
+        for key, module in (self.mtp or {}).items():
+            if isinstance(module, MTPModule) and isinstance(module.block.feed_forward, MoE):
+                layers[f"mtp.{key}"] = module.block.feed_forward
         return layers
 
     def extra_init_specs(self) -> dict[int, InitSpec]:
