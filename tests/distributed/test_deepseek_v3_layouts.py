@@ -9,8 +9,9 @@ gradient norm (a gradient summed twice, or once too few, over TP shows there: Ad
 the losses). TP 2 runs with sequence parallelism: MLA shards its heads and keeps the latent path whole.
 Multi-token prediction (one depth) runs under EP 2 x FSDP 4 and under PP 2 x FSDP 2 (Interleaved1F1B: the MTP
 module on the last of four stages, with its copy of the embedding) against a one-process control with it on:
-init bitwise (the embedding's two copies included), the losses and gradient norms as above, and the logged
-MTP loss (``mtp/loss``) within 1e-5 at step 1 and 1e-4 after. A DeepSeek-V3 config made with transformers
+init bitwise (the embedding's two copies included), the losses and gradient norms as above, the logged MTP
+loss (``mtp/loss``) within 1e-5 at step 1 and 1e-4 after, every parameter moved by training as far as in one
+process (within 1e-4), and the embedding's two copies bitwise equal after training. A DeepSeek-V3 config made with transformers
 trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4, its step-1 loss transformers' own.
 """
 
@@ -133,11 +134,17 @@ def test_layout_trains_the_one_process_model(name, runs):
     assert norms[0] <= 1e-4 and max(norms) <= 1e-3, (name, norms)
     assert run["biases"], "the routing bias is on"
     assert control["losses"][-1] < control["losses"][0]  # and the model learns
+    # a parameter two pipeline stages hold (MTP's copy of the embedding) ends training the same on both
+    assert "differs" not in run["final"].values(), [k for k, v in run["final"].items() if v == "differs"]
     if MTP in PARITY[name]:  # the MTP loss, logged apart, trains the same too
         mtp, want = run["moe_metrics"]["mtp/loss"], control["moe_metrics"]["mtp/loss"]
         mtp_rel = _rel(mtp, want)
         print(f"{name}: mtp/loss at the logged steps {mtp}, rel {mtp_rel}")
         assert len(want) == STEPS and mtp_rel[0] <= 1e-5 and max(mtp_rel) <= 1e-4, (name, mtp_rel)
+        # and every parameter moved as far as in one process (the embedding's MTP gradient reached it)
+        moved = {k: abs(v - control["moved"][k]) / control["moved"][k] for k, v in run["moved"].items()}
+        assert run["moved"].keys() == control["moved"].keys() and max(moved.values()) <= 1e-4, (
+            name, sorted(moved.items(), key=lambda kv: -kv[1])[:3])
 
 
 def test_a_transformers_release_gives_transformers_step1_loss(runs, release):
