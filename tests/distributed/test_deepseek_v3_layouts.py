@@ -11,8 +11,9 @@ Multi-token prediction (one depth) runs under EP 2 x FSDP 4 and under PP 2 x FSD
 module on the last of four stages, with its copy of the embedding) against a one-process control with it on:
 init bitwise (the embedding's two copies included), the losses and gradient norms as above, the logged MTP
 loss (``mtp/loss``) within 1e-5 at step 1 and 1e-4 after, every parameter moved by training as far as in one
-process (within 1e-4), and the embedding's two copies bitwise equal after training. A DeepSeek-V3 config made with transformers
-trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4, its step-1 loss transformers' own.
+process (within 1e-4), and the embedding's two copies bitwise equal after training. A DeepSeek-V3 config made
+with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4, its step-1 loss
+transformers' own.
 """
 
 from __future__ import annotations
