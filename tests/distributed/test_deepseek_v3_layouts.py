@@ -7,8 +7,9 @@ layout starts from bitwise the one-process weights (not checked under PP, whose 
 layers), its step-1 loss is within 1e-5 and 10 steps within 1e-4 of the control's, and so is the global
 gradient norm (a gradient summed twice, or once too few, over TP shows there: Adam would hide it from
 the losses). TP 2 runs with sequence parallelism: MLA shards its heads and keeps the latent path whole.
-Multi-token prediction (one depth) runs under EP 2 x FSDP 4 and under PP 2 x FSDP 2 (Interleaved1F1B: the MTP
-module on the last of four stages, with its copy of the embedding) against a one-process control with it on:
+Multi-token prediction (one depth) runs under EP 2 x FSDP 4, TP 2 (SP) x FSDP 2 and PP 2 x FSDP 2
+(Interleaved1F1B: the MTP module on the last of four stages, with its copy of the embedding) against a
+one-process control with it on:
 init bitwise (the embedding's two copies included), the losses and gradient norms as above, the logged MTP
 loss (``mtp/loss``) within 1e-5 at step 1 and 1e-4 after, every parameter moved by training as far as in one
 process (within 1e-4), and the embedding's two copies bitwise equal after training. A DeepSeek-V3 config made
@@ -53,6 +54,8 @@ PARITY = {
     "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
     # multi-token prediction (one depth; its MoE block's experts EP-sharded too), against its own control
     "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP, *TB],
+    # the MTP module's norms and eh_proj on the sequence shards, its block with a block's plan
+    "MTP, TP2 (SP) x FSDP2": _dims(2, 2, tp=2) + [MTP, *TB],
     # the MTP module and a copy of the embedding on the last of 4 stages (rank 1 holds stages 1 and 3)
     "MTP, PP2 x FSDP2, interleaved": _dims(2, 2, pp=2) + [
         "--parallelism.pipeline_parallel_microbatches=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",

@@ -100,12 +100,13 @@ def _problems(world: int, *overrides: str) -> list[str]:
     return info.value.problems
 
 
-@pytest.mark.parametrize("flag", ["tensor_parallel_degree", "context_parallel_degree"])
-def test_mtp_where_no_schedule_places_it_is_refused_in_one_line(flag):
-    problems = _problems(2, "--model.mtp_layers=1", f"--parallelism.{flag}=2",
+def test_mtp_under_cp_is_refused_in_one_line():
+    problems = _problems(2, "--model.mtp_layers=1", "--parallelism.context_parallel_degree=2",
                          "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")
-    assert problems == [f"--model.mtp_layers=1 with --parallelism.{flag}=2: no schedule places the multi-token "
-                        f"prediction modules there yet; use --parallelism.{flag}=1 or --model.mtp_layers=0"]
+    assert problems == ["--model.mtp_layers=1 with --parallelism.context_parallel_degree=2: no schedule places the "
+                        "multi-token prediction modules there yet (each depth reads the tokens further along the "
+                        "sequence, which another CP rank holds); use --parallelism.context_parallel_degree=1 or "
+                        "--model.mtp_layers=0"]
 
 
 def test_mtp_with_a_v_shaped_schedule_is_refused_in_one_line():
@@ -118,10 +119,10 @@ def test_mtp_with_a_v_shaped_schedule_is_refused_in_one_line():
                         "--model.mtp_layers=0"]
 
 
-def test_mtp_under_pp_passes_preflight():
+@pytest.mark.parametrize("flag", ["pipeline_parallel_degree", "tensor_parallel_degree"])
+def test_mtp_under_pp_and_tp_passes_preflight(flag):
     cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"),
-                                      "--training.seq_len=64", "--model.mtp_layers=1",
-                                      "--parallelism.pipeline_parallel_degree=2",
+                                      "--training.seq_len=64", "--model.mtp_layers=1", f"--parallelism.{flag}=2",
                                       "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2"])
     preflight(cfg, 2)
 

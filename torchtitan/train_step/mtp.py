@@ -69,8 +69,9 @@ class MTPLoss:
                              f"depth from the model, got {len(outputs)} outputs")
         logits, *depths = outputs
         main = self.main_loss(logits, labels)
-        total = torch.stack([self.depth_loss(out, depth_targets(labels, k))
-                             for k, out in enumerate(depths, start=1)]).sum()
+        total = self.depth_loss(depths[0], depth_targets(labels, 1))
+        for k, out in enumerate(depths[1:], start=2):  # added one by one: a DTensor under loss parallel
+            total = total + self.depth_loss(out, depth_targets(labels, k))
         if not in_pipeline_shape_inference():
             kept = local_value(main).detach().double()
             self._main = kept if self._main is None else self._main + kept

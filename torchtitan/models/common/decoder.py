@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
 from torchtitan.models.attention import (
@@ -120,6 +122,16 @@ class Decoder(nn.Module):
 
     def blocks(self) -> list[DecoderBlock]:
         return [b for b in self.layers.values() if isinstance(b, DecoderBlock)]
+
+    def extra_blocks(self) -> list[DecoderBlock]:
+        """Blocks that run after ``layers`` (DeepSeek-V3's MTP modules'): FSDP units and TP plans of their own,
+        as the blocks'. None here."""
+        return []
+
+    def extra_tp_plan(self, seq: Shard | Replicate) -> dict[str, ParallelStyle]:
+        """The TP plan (names relative to the model) of modules a family adds outside the blocks, for the
+        layout ``seq`` of the activations between TP regions (``Shard(1)`` under sequence parallelism). None."""
+        return {}
 
     def moe_layers(self) -> dict[str, MoE]:
         """Layer key -> its MoE feed-forward (this stage's sparse layers): what balancing and EP go through."""

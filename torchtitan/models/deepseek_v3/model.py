@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
 from torchtitan.models.common.decoder import Decoder, DecoderBlock
@@ -36,9 +38,22 @@ class DeepSeekV3Model(Decoder):
         a = self.args
         return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.yarn, device)
 
-    def extra_blocks(self) -> list[nn.Module]:
+    def extra_blocks(self) -> list[DecoderBlock]:
         """The MTP modules' blocks run after ``layers``: each its own FSDP unit, with the TP plan of a block."""
-        return [m.block for m in self._mtp_modules()]
+        return [m.block for m in self._mtp_modules() if isinstance(m.block, DecoderBlock)]
+
+    def extra_tp_plan(self, seq: Shard | Replicate) -> dict[str, ParallelStyle]:
+        """Under sequence parallelism the MTP modules' norms and ``eh_proj`` take this rank's sequence shard
+        with their weights replicated (their gradients summed over TP, as a block's norms'); ``eh_proj`` hands
+        its block a plain tensor, as the blocks hand each other. Replicated activations need no plan: every TP
+        rank computes the whole, the same."""
+        if not isinstance(seq, Shard):
+            return {}
+        plan: dict[str, ParallelStyle] = {}
+        for key in (self.mtp or {}):
+            plan.update({f"mtp.{key}.{norm}": SequenceParallel() for norm in ("enorm", "hnorm", "norm")})
+            plan[f"mtp.{key}.eh_proj"] = SequenceParallel(use_local_output=True)
+        return plan
 
     def _mtp_modules(self) -> list[MTPModule]:
         return [m for m in (self.mtp or {}).values() if isinstance(m, MTPModule)]

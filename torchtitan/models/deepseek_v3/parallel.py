@@ -28,14 +28,15 @@ def check(args: DeepSeekV3Args, dims: ParallelDims, cfg: JobConfig) -> list[str]
 
 
 def _mtp_problems(args: DeepSeekV3Args, dims: ParallelDims, cfg: JobConfig) -> list[str]:
-    """Where the MTP modules cannot run: a CP rank holds chunks of the sequence that the depths roll along, TP
-    has no plan for their projections and norms yet, and a V-shaped schedule puts the first and the last stage
-    (which both hold the embedding they share) on one rank."""
+    """Where the MTP modules cannot run: a CP rank holds chunks of the sequence that the depths roll along, and
+    a V-shaped schedule puts the first and the last stage (which both hold the embedding they share) on one
+    rank."""
     problems, flag = [], f"--model.mtp_layers={args.num_mtp_layers}"
-    for option, degree in (("context_parallel_degree", dims.cp), ("tensor_parallel_degree", dims.tp)):
-        if degree > 1:
-            problems.append(f"{flag} with --parallelism.{option}={degree}: no schedule places the multi-token "
-                            f"prediction modules there yet; use --parallelism.{option}=1 or --model.mtp_layers=0")
+    if dims.cp > 1:
+        problems.append(f"{flag} with --parallelism.context_parallel_degree={dims.cp}: no schedule places the "
+                        "multi-token prediction modules there yet (each depth reads the tokens further along the "
+                        "sequence, which another CP rank holds); use --parallelism.context_parallel_degree=1 or "
+                        "--model.mtp_layers=0")
     schedule = cfg.parallelism.pipeline_parallel_schedule
     if cfg.parallelism.pipeline_parallel_degree > 1 and schedule.lower() in (s.lower() for s in V_SHAPED_SCHEDULES):
         problems.append(f"{flag} with --parallelism.pipeline_parallel_schedule={schedule}: the V-shaped schedule "
