@@ -4,6 +4,7 @@ layouts it cannot run in refused in one line before any process group."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -130,7 +131,8 @@ def test_mtp_under_pp_and_tp_passes_preflight(flag):
 def test_the_last_stage_holds_the_mtp_modules_and_a_copy_of_the_embedding():
     from torchtitan.models.deepseek_v3.parallel import prune_stage
 
-    first, last, middle = _model(), _model(), _model()
+    whole = _model()
+    first, last, middle = (copy.deepcopy(whole) for _ in range(3))
     prune_stage(first, range(0, 1), True, False)
     prune_stage(middle, range(1, 1), False, False)
     prune_stage(last, range(1, 2), False, True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file
 from test_deepseek_v3 import VOCAB, assert_rel_close, saved
 
 from torchtitan.checkpoint.formats import check_source, export_hf, load_into
@@ -55,6 +56,13 @@ def test_the_release_mtp_layer_round_trips(tmp_path):
         assert layer + name in index, layer + name
     assert not any(n.startswith(f"model.layers.{N + 1}.") for n in index)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    # the layer's own parts are the module's, its copies of the embedding and head the shared ones
+    hf = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert model.tok_embeddings is not None and model.output is not None and model.mtp is not None
+    module = model.mtp[str(N)]
+    for name, ours in (("embed_tokens", model.tok_embeddings), ("shared_head.head", model.output),
+                       ("eh_proj", module.eh_proj), ("shared_head.norm", module.norm), ("enorm", module.enorm)):
+        assert torch.equal(hf[f"{layer}{name}.weight"], ours.weight.detach()), name
 
     again, args_again = _model(tmp_path / "out", 1)
     assert check_source(str(tmp_path / "out"), "hf", args_again) == []
@@ -74,19 +82,3 @@ def test_the_release_mtp_layer_round_trips(tmp_path):
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert_rel_close(model.eval()(tokens), theirs(tokens).logits)
-
-
-def test_the_release_mtp_layer_copies_are_the_shared_embedding_and_head(tmp_path):
-    from safetensors.torch import load_file
-
-    saved(tmp_path / "hf")
-    model, args = _model(tmp_path / "hf", 1)
-    _trained_like(model, 1)
-    export_hf(_state(model), args, tmp_path / "out", dtype=torch.float32)
-    hf = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    assert model.tok_embeddings is not None and model.output is not None and model.mtp is not None
-    assert torch.equal(hf[f"model.layers.{N}.embed_tokens.weight"], model.tok_embeddings.weight.detach())
-    assert torch.equal(hf[f"model.layers.{N}.shared_head.head.weight"], model.output.weight.detach())
-    module = model.mtp[str(N)]
-    assert torch.equal(hf[f"model.layers.{N}.eh_proj.weight"], module.eh_proj.weight.detach())
-    assert torch.equal(hf[f"model.layers.{N}.shared_head.norm.weight"], module.norm.weight.detach())
