@@ -42,12 +42,16 @@ def holders_group(dims: ParallelDims, plan: PipelinePlan) -> tuple[dist.ProcessG
     rank). A collective on every rank: the groups of every pipeline are made in one order."""
     first, last = plan.stage_owner(0), plan.stage_owner(plan.num_stages - 1)
     assert first != last, "preflight refuses a schedule that puts the first and the last stage on one rank"
+    pp_mesh = dims.get_mesh("pp")
+    assert pp_mesh is not None, "a pipeline plan means PP is on"
+    if pp_mesh.size() == 2:  # the pair is the whole pipeline group
+        group = pp_mesh.get_group()
+        return group, dist.get_global_rank(group, first)
     others = [(name, getattr(dims, name)) for name in WORLD_AXES if name != "pp"]
     me, mine, src = dist.get_rank(), None, -1
     for coords in itertools.product(*(range(size) for _, size in others)):
         at = dict(zip((name for name, _ in others), coords))
         ranks = [dims.rank_at(pp=first, **at), dims.rank_at(pp=last, **at)]
-        # With two pipeline ranks the pair is the whole pipeline group; a new group all the same keeps one path.
         group = dist.new_group(ranks)
         if me in ranks:
             mine, src = cast(dist.ProcessGroup, group), ranks[0]
