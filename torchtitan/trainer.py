@@ -323,7 +323,8 @@ class Trainer:
                    **device_memory(self.device), **mixture_metrics(self.dataloader),
                    **(experts.metrics() if experts is not None else {})}
         if self.runner.mtp is not None:  # a collective over the data ranks, on logging steps
-            metrics.update(self.runner.mtp.metrics(None if self.loss_mesh is None else self.loss_mesh.get_group()))
+            meshes = (self.loss_mesh, self.dims.get_mesh("pp"))  # the data ranks; the stages (the last holds it)
+            metrics.update(self.runner.mtp.metrics([m.get_group() for m in meshes if m is not None]))
         self.throughput.reset_window()
         if self.rank == 0:
             logger.info(format_step_line(self.step, metrics))

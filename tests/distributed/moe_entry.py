@@ -3,8 +3,11 @@
 ``moe_entry.py SPEC OUT``, the spec and loop of layout_entry.py. A layout may name ``"resume": name``:
 it starts from the step-``RESUME_STEP`` checkpoint that the named layout (trained earlier in this
 launch) saved. Rank 0 records for each layout its losses and gradient norms (before clipping), the
-digests of the whole model at initialisation (gathered; not under PP), every router bias this rank
-holds after training, and the ``moe/`` metrics it wrote to TensorBoard (where a layout turns it on).
+digests of the whole model at initialisation and after training, and how far training moved each parameter
+(the norm of final - initial), all gathered (under PP from every stage, a parameter that two stages hold
+recorded as "differs" unless both copies give the same value), every router bias this rank
+holds after training, and the ``moe/`` and ``mtp/`` metrics it wrote to TensorBoard (where a layout turns
+it on).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ def train(layout: Layout) -> dict:
     import torch.distributed as dist
 
     from torchtitan.config import ConfigManager
-    from torchtitan.distributed.layout_init import gather_full_state_dict
     from torchtitan.train_step.callbacks import StepEvent, StepPoint
     from torchtitan.trainer import Trainer
 
@@ -43,12 +45,38 @@ def train(layout: Layout) -> dict:
             grad_norms.append(float(event.output.grad_norm))
 
     trainer = Trainer(ConfigManager().parse_args([*layout.overrides, f"--job.dump_folder={dump}"]), callbacks=[record])
-    init = {}
-    if trainer.pipeline is None:
-        init = {fqn: _digest(t) for fqn, t in gather_full_state_dict(trainer.model_parts[0]).items()}
+    world = dist.get_world_size() if trainer.pipeline is not None else 1
+    start = _full(trainer.model_parts)
+    init = _merged({fqn: _digest(t) for fqn, t in start.items()}, world)
     losses = trainer.train()
-    return {"losses": losses, "grad_norms": grad_norms, "init": init, "biases": _biases(trainer),
-            "moe_metrics": _moe_scalars(dump)}
+    end = _full(trainer.model_parts)
+    final = _merged({fqn: _digest(t) for fqn, t in end.items()}, world)
+    moved = _merged({fqn: float((end[fqn].double() - start[fqn].double()).norm()) for fqn in end}, world)
+    return {"losses": losses, "grad_norms": grad_norms, "init": init, "final": final, "moved": moved,
+            "biases": _biases(trainer), "moe_metrics": _moe_scalars(dump)}
+
+
+def _full(parts: list) -> dict:  # noqa: ANN001 - the model parts -> {fqn: full tensor}
+    """Every parameter this rank's stages hold, gathered whole over the layout."""
+    from torchtitan.distributed.layout_init import gather_full_state_dict
+
+    return {fqn: t for part in parts for fqn, t in gather_full_state_dict(part).items()}
+
+
+def _merged(mine: dict, world: int) -> dict:
+    """``mine`` ({fqn: value}) merged over the ``world`` ranks (the pipeline's stages; 1: as it is), a parameter
+    that two stages hold recorded as "differs" unless both give the same value."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return mine
+    every: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(every, mine)
+    merged: dict = {}
+    for held in every:
+        for fqn, value in held.items():
+            merged[fqn] = value if merged.get(fqn, value) == value else "differs"
+    return merged
 
 
 def _biases(trainer) -> dict[str, list[float]]:  # noqa: ANN001 - a Trainer
@@ -58,7 +86,7 @@ def _biases(trainer) -> dict[str, list[float]]:  # noqa: ANN001 - a Trainer
 
 
 def _moe_scalars(dump: Path) -> dict[str, list[float]]:
-    """The ``moe/...`` scalars rank 0 wrote to TensorBoard (none without it)."""
+    """The ``moe/...`` and ``mtp/...`` scalars rank 0 wrote to TensorBoard (none without it)."""
     events = sorted({p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")})
     if not events:
         return {}
@@ -66,7 +94,8 @@ def _moe_scalars(dump: Path) -> dict[str, list[float]]:
 
     acc = EventAccumulator(str(events[0]), size_guidance={"scalars": 0})
     acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"] if tag.startswith("moe/")}
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
+            if tag.startswith(("moe/", "mtp/"))}
 
 
 if __name__ == "__main__":

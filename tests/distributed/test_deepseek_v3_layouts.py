@@ -7,9 +7,14 @@ layout starts from bitwise the one-process weights (not checked under PP, whose 
 layers), its step-1 loss is within 1e-5 and 10 steps within 1e-4 of the control's, and so is the global
 gradient norm (a gradient summed twice, or once too few, over TP shows there: Adam would hide it from
 the losses). TP 2 runs with sequence parallelism: MLA shards its heads and keeps the latent path whole.
-Multi-token prediction (one depth) runs under EP 2 x FSDP 4 against a one-process control with it on. A
-DeepSeek-V3 config made with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4,
-its step-1 loss transformers' own.
+Multi-token prediction (one depth) runs under EP 2 x FSDP 4, TP 2 (SP) x FSDP 2 and PP 2 x FSDP 2
+(Interleaved1F1B: the MTP module on the last of four stages, with its copy of the embedding) against a
+one-process control with it on:
+init bitwise (the embedding's two copies included), the losses and gradient norms as above, the logged MTP
+loss (``mtp/loss``) within 1e-5 at step 1 and 1e-4 after, every parameter moved by training as far as in one
+process (within 1e-4), and the embedding's two copies bitwise equal after training. A DeepSeek-V3 config made
+with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4, its step-1 loss
+transformers' own.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from layout_entry import launch
 pytestmark = pytest.mark.slow
 STEPS, SEQ, BATCH = 10, 32, 4
 MTP = "--model.mtp_layers=1"
+# the MTP loss is read back from TensorBoard, logged at every step
+TB = ["--metrics.enable_tensorboard=true", "--metrics.log_freq=1"]
 RELEASE = "transformers release, EP2 x FSDP4"
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"), f"--training.steps={STEPS}",
           f"--training.seq_len={SEQ}", "--job.print_args=false", "--metrics.enable_tensorboard=false",
@@ -48,7 +55,13 @@ PARITY = {
     # EP borrowing TP's ranks: each TP rank routes its own sequence shard to the 4 EP ranks (ParallelDims)
     "EP4 on TP2 x FSDP2": _dims(2, 2, ep=4, tp=2),
     # multi-token prediction (one depth; its MoE block's experts EP-sharded too), against its own control
-    "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP],
+    "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP, *TB],
+    # the MTP module's norms and eh_proj on the sequence shards, its block with a block's plan
+    "MTP, TP2 (SP) x FSDP2": _dims(2, 2, tp=2) + [MTP, *TB],
+    # the MTP module and a copy of the embedding on the last of 4 stages (rank 1 holds stages 1 and 3)
+    "MTP, PP2 x FSDP2, interleaved": _dims(2, 2, pp=2) + [
+        "--parallelism.pipeline_parallel_microbatches=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+        MTP, *TB],
 }
 
 
@@ -99,7 +112,7 @@ def release(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, release) -> dict:
     entry = Path(__file__).with_name("moe_entry.py")
-    one = {"control": {"overrides": _dims(1, BATCH)}, "control MTP": {"overrides": [*_dims(1, BATCH), MTP]}}
+    one = {"control": {"overrides": _dims(1, BATCH)}, "control MTP": {"overrides": [*_dims(1, BATCH), MTP, *TB]}}
     control = launch(entry, tmp_path_factory.mktemp("dsv3_control"), COMMON, one, nproc=1, timeout=1200,
                      env={"OMP_NUM_THREADS": "1"})
     layouts = {name: {"overrides": o} for name, o in PARITY.items()}
@@ -127,6 +140,17 @@ def test_layout_trains_the_one_process_model(name, runs):
     assert norms[0] <= 1e-4 and max(norms) <= 1e-3, (name, norms)
     assert run["biases"], "the routing bias is on"
     assert control["losses"][-1] < control["losses"][0]  # and the model learns
+    # a parameter two pipeline stages hold (MTP's copy of the embedding) ends training the same on both
+    assert "differs" not in run["final"].values(), [k for k, v in run["final"].items() if v == "differs"]
+    if MTP in PARITY[name]:  # the MTP loss, logged apart, trains the same too
+        mtp, want = run["moe_metrics"]["mtp/loss"], control["moe_metrics"]["mtp/loss"]
+        mtp_rel = _rel(mtp, want)
+        print(f"{name}: mtp/loss at the logged steps {mtp}, rel {mtp_rel}")
+        assert len(want) == STEPS and mtp_rel[0] <= 1e-5 and max(mtp_rel) <= 1e-4, (name, mtp_rel)
+        # and every parameter moved as far as in one process (the embedding's MTP gradient reached it)
+        moved = {k: abs(v - control["moved"][k]) / control["moved"][k] for k, v in run["moved"].items()}
+        assert run["moved"].keys() == control["moved"].keys() and max(moved.values()) <= 1e-4, (
+            name, sorted(moved.items(), key=lambda kv: -kv[1])[:3])
 
 
 def test_a_transformers_release_gives_transformers_step1_loss(runs, release):

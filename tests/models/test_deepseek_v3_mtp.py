@@ -1,8 +1,10 @@
 """Multi-token prediction (DeepSeek-V3 report §2.2): the step's MTP loss against a direct computation from the
-report's definition, and the layouts it cannot run in yet refused in one line before any process group."""
+report's definition, the last pipeline stage's pruning (the MTP modules and a copy of the embedding), and the
+layouts it cannot run in refused in one line before any process group."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -54,32 +56,37 @@ def test_mtp_loss_is_the_reports_definition():
     t = torch.randint(0, VOCAB, (B, L + 1), generator=torch.Generator().manual_seed(3))
     tokens, labels = t[:, :-1], t[:, 1:]
     assert mtp_settings(model) == (D, LAMBDA)
-    loss = MTPLoss(D, LAMBDA)
+    loss = MTPLoss(D, LAMBDA, cross_entropy_sum, cross_entropy_sum)
     with torch.no_grad():
-        main = model(tokens, labels=labels)
-        got = loss.objective(model, labels, cross_entropy_sum) / labels.numel()  # the step's 1/T (its loss scale)
+        outputs = model(tokens, **MTPLoss.model_kwargs(tokens))
+        objective = loss(outputs, labels)
+        main = cross_entropy_sum(outputs[0], labels)
+        got = (objective - main) / labels.numel()  # the depths' part, over the step's 1/T (its loss scale)
         expected = _report_mtp_loss(model, t)
-        plain = model(tokens)  # without labels: the main logits alone, as with MTP off
+        plain = model(tokens)  # without the MTP keyword: the main logits alone, as with MTP off
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
-    assert expected > 0.1 and torch.equal(main, plain)
-    metrics = loss.metrics(None)  # the logged value: the depths' mean of sum / T
+    assert len(outputs) == 1 + D and expected > 0.1 and torch.equal(outputs[0], plain)
+    assert loss.pop_main(torch.device("cpu")) == main.double()  # the logged loss: the main one alone
+    metrics = loss.metrics([None])  # the logged value: the depths' mean of sum / T
     assert metrics["mtp/loss"] == pytest.approx(float(expected) / LAMBDA, rel=1e-5)
     assert "mtp_loss: " in format_step_line(1, {"loss": 3.0, **metrics})
 
 
 def test_the_last_positions_of_each_depth_are_not_scored():
-    from torchtitan.models.deepseek_v3.mtp import depth_inputs
+    from torchtitan.models.deepseek_v3.mtp import depth_tokens
+    from torchtitan.train_step.mtp import depth_targets
 
     tokens, labels = torch.arange(6)[None], torch.arange(1, 7)[None]
-    ids, targets = depth_inputs(tokens, labels, 2)
+    ids, targets = depth_tokens(tokens, 2), depth_targets(labels, 2)
     assert ids.tolist() == [[2, 3, 4, 5, 0, 1]] and targets.tolist() == [[3, 4, 5, 6, IGNORE_INDEX, IGNORE_INDEX]]
 
 
 def test_mtp_gradients_reach_the_shared_weights_and_its_own():
     model = _model()
     tokens = torch.randint(0, VOCAB, (B, L))
-    model(tokens, labels=torch.roll(tokens, -1, 1))
-    MTPLoss(D, LAMBDA).objective(model, torch.roll(tokens, -1, 1), cross_entropy_sum).backward()
+    outputs = model(tokens, mtp_tokens=tokens)
+    MTPLoss(D, LAMBDA, lambda logits, labels: torch.zeros(()), cross_entropy_sum)(
+        outputs, torch.roll(tokens, -1, 1)).backward()  # the depths' loss alone
     assert model.mtp is not None and model.tok_embeddings is not None and model.output is not None
     for p in (model.tok_embeddings.weight, model.output.weight, model.layers["1"].attention.wkv_a.weight,
               *model.mtp.parameters()):
@@ -94,12 +101,50 @@ def _problems(world: int, *overrides: str) -> list[str]:
     return info.value.problems
 
 
-@pytest.mark.parametrize("flag", ["pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree"])
-def test_mtp_where_no_schedule_places_it_is_refused_in_one_line(flag):
-    problems = _problems(2, "--model.mtp_layers=1", f"--parallelism.{flag}=2",
+def test_mtp_under_cp_is_refused_in_one_line():
+    problems = _problems(2, "--model.mtp_layers=1", "--parallelism.context_parallel_degree=2",
                          "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")
-    assert problems == [f"--model.mtp_layers=1 with --parallelism.{flag}=2: no schedule places the multi-token "
-                        f"prediction modules there yet; use --parallelism.{flag}=1 or --model.mtp_layers=0"]
+    assert problems == ["--model.mtp_layers=1 with --parallelism.context_parallel_degree=2: no schedule places the "
+                        "multi-token prediction modules there yet (each depth reads the tokens further along the "
+                        "sequence, which another CP rank holds); use --parallelism.context_parallel_degree=1 or "
+                        "--model.mtp_layers=0"]
+
+
+def test_mtp_with_a_v_shaped_schedule_is_refused_in_one_line():
+    problems = _problems(2, "--model.mtp_layers=1", "--parallelism.pipeline_parallel_degree=2",
+                         "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--training.batch_size=4",
+                         "--parallelism.data_parallel_shard_degree=1")
+    assert problems == ["--model.mtp_layers=1 with --parallelism.pipeline_parallel_schedule=ZBVZeroBubble: the "
+                        "V-shaped schedule puts the first and the last stage, which both hold the embedding the MTP "
+                        "modules share, on one rank; use a looped schedule (1F1B, Interleaved1F1B, ...) or "
+                        "--model.mtp_layers=0"]
+
+
+@pytest.mark.parametrize("flag", ["pipeline_parallel_degree", "tensor_parallel_degree"])
+def test_mtp_under_pp_and_tp_passes_preflight(flag):
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"),
+                                      "--training.seq_len=64", "--model.mtp_layers=1", f"--parallelism.{flag}=2",
+                                      "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2"])
+    preflight(cfg, 2)
+
+
+def test_the_last_stage_holds_the_mtp_modules_and_a_copy_of_the_embedding():
+    from torchtitan.models.deepseek_v3.parallel import prune_stage
+
+    whole = _model()
+    first, last, middle = (copy.deepcopy(whole) for _ in range(3))
+    prune_stage(first, range(0, 1), True, False)
+    prune_stage(middle, range(1, 1), False, False)
+    prune_stage(last, range(1, 2), False, True)
+    assert first.mtp is None and middle.mtp is None and middle.tok_embeddings is None
+    assert last.mtp is not None and last.tok_embeddings is not None and last.input_is_hidden
+    assert not first.input_is_hidden and first.output is None
+    # the last stage's input is the hidden state, not ids: its forward runs its blocks on it as it is
+    h = torch.randn(B, L, first.args.dim)
+    tokens = torch.randint(0, VOCAB, (B, L))
+    with torch.no_grad():
+        outputs = last(h, mtp_tokens=tokens)
+        assert len(outputs) == 1 + D and torch.equal(outputs[0], last(h))
 
 
 def test_mtp_on_a_family_without_it_is_refused_in_one_line():

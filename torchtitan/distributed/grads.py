@@ -52,15 +52,18 @@ def clip_grad_norm_(
     max_norm: float,
     pp_mesh: DeviceMesh | None = None,
     norm_type: float = 2.0,
+    uncounted: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clip gradients to ``max_norm`` by their true global norm; return that norm.
 
     A DTensor gradient's norm is partial over the mesh it is sharded on
     (FSDP, HSDP, TP); ``full_tensor()`` finishes that reduction. Pipeline stages
     hold disjoint parameters, so their squared norms are summed across ``pp`` too.
-    ``max_norm <= 0`` only measures.
+    ``max_norm <= 0`` only measures. ``uncounted``: parameters clipped but left out of the norm (a second stage's
+    copy of a parameter another stage counts: distributed/stage_copies.py).
     """
     parameters = [p for p in parameters if p.grad is not None]
+    skip = {id(p) for p in uncounted}
     # DTensor ops need one mesh: under TP without sequence parallelism the norm weights
     # live on the FSDP mesh alone and the linear weights on (FSDP, TP). Take each mesh's
     # norm, finish its reduction, then combine the per-mesh norms.
@@ -69,7 +72,9 @@ def clip_grad_norm_(
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for group in by_mesh.values():
-        grads = [p.grad for p in group if p.grad is not None]  # all of them: filtered above
+        grads = [p.grad for p in group if p.grad is not None and id(p) not in skip]  # None: filtered above
+        if not grads:
+            continue
         # torch 2.13 already redistributes inside get_total_norm (the norm of the per-tensor norms), so
         # the quiet covers both calls.
         with _quiet(_REDISTRIBUTE_LOG):

@@ -66,12 +66,12 @@ class ScaledLoss:
     float32 logits is the same ``float32(scale)`` as in the non-pipelined step.
     """
 
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.loss_fn = loss_fn
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]):
+        self.loss_fn = loss_fn  # (the last stage's output, labels): the logits, or a tuple with them
         self.scale: torch.Tensor | float = 1.0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, labels).double() * self.scale
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, labels).double() * self.scale
 
 
 # Dtypes a stage may hand to the next one, by their index in the metadata sent ahead of the tensor.
@@ -121,19 +121,20 @@ class PipelineRunner:
                 _send(out, dist.get_global_rank(group, self.plan.stage_owner(stage_id + 1)))
         return loss
 
-    def step(self, batch: Batch, scale: torch.Tensor) -> torch.Tensor:
+    def step(self, batch: Batch, scale: torch.Tensor, extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of one local batch; returns its loss sum, float64 on the device (0 on ranks
         without the last stage). ``scale`` is a float64 0-dim tensor; nothing is read on the host.
 
         The batch's other model inputs (positions, for document-masked attention) reach every stage:
         the schedule splits keyword inputs into microbatches like the tokens and hands each stage its
-        microbatch's.
+        microbatch's; so do ``extra`` keyword inputs (multi-token prediction's input ids, which the last
+        stage's MTP modules embed).
         """
         self.loss.scale = scale
         losses: list[torch.Tensor] = []
         # Only the first stage consumes the tokens; the schedule hands the labels to the last stage's loss.
         args = (batch.inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=batch.labels, losses=losses, **batch.model_kwargs())
+        self.schedule.step(*args, target=batch.labels, losses=losses, **batch.model_kwargs(), **(extra or {}))
         total = torch.zeros((), dtype=torch.float64, device=scale.device)
         for loss in losses:  # one at a time, in order: the same rounding as a sum of Python floats
             total = total + local_value(loss).detach()
@@ -146,7 +147,7 @@ def build_pipeline(
     pp_mesh: DeviceMesh,
     device: torch.device,
     materialize: Callable[[torch.nn.Module], torch.nn.Module],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
     prune: PruneStage,
     stage_io: Callable[[int], dict[str, Any]] | None = None,
 ) -> tuple[PipelineRunner, list[torch.nn.Module]]:

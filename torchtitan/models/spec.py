@@ -44,7 +44,7 @@ class FamilyModel(Protocol):
     def num_params(self, exclude_embedding: bool = False) -> int: ...
 
     # Optional ``extra_blocks() -> list[nn.Module]``: blocks that run after ``layers`` (DeepSeek-V3's MTP
-    # modules), each its own FSDP unit (distributed/fsdp.py).
+    # modules), each its own FSDP unit (distributed/fsdp.py) with a block's TP plan (the decoder's own).
     # Generation (a spec with ``supports_kv_cache``): ``forward(tokens, cache=KVCache)`` takes the
     # rows' new tokens, appends their keys and values to the cache and returns their logits; the
     # args' ``max_seq_len`` is the longest sequence it takes.

@@ -38,8 +38,8 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
 
     Between stages flows the hidden state [micro-batch, sequence, the family's ``hidden_width``] in the
     compute dtype, as a plain tensor (sharded over the sequence under sequence parallelism). The first
-    stage takes token ids; the last returns the logits, a DTensor sharded over the vocabulary under
-    loss parallel.
+    stage takes token ids; the last returns the logits (one per depth beside them with multi-token
+    prediction), a DTensor sharded over the vocabulary under loss parallel.
     """
     t, p = cfg.training, cfg.parallelism
     mb = t.batch_size // plan.microbatches
@@ -55,9 +55,13 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
         local = torch.empty(mb, seq, args.vocab_size // dims.tp, dtype=dtype, device=meta, requires_grad=True)
         return DTensor.from_local(local, dims.tp_mesh(), [Shard(-1)], run_check=False)
 
+    # A model with multi-token prediction returns one logits tensor per depth beside the main one.
+    heads = 1 + int(getattr(args, "num_mtp_layers", 0))
+
     def io(stage_id: int) -> dict[str, Any]:
         inputs = torch.empty(mb, seq, dtype=torch.long, device=meta) if stage_id == 0 else hidden
-        outputs = logits() if stage_id == plan.num_stages - 1 else hidden
+        last = stage_id == plan.num_stages - 1
+        outputs = (logits() if heads == 1 else tuple(logits() for _ in range(heads))) if last else hidden
         return {"input_args": inputs, "output_args": outputs, "input_grads": (None if stage_id == 0 else inputs),
                 "output_grads": outputs}
 

@@ -211,7 +211,8 @@ class StepStrategy:
         """Fix the gradients' placements, then clip them by their global norm; return that norm."""
         params = self.parts.runner.parameters()
         match_grad_placements(params)
-        return clip_grad_norm_(params, self.parts.max_norm, pp_mesh=self.parts.pp_mesh)
+        return clip_grad_norm_(params, self.parts.max_norm, pp_mesh=self.parts.pp_mesh,
+                               uncounted=self.parts.runner.uncounted_parameters())
 
     def balance_experts(self) -> None:
         """The routing biases move from the step's token counts (a model with MoE layers; else nothing)."""

@@ -1,7 +1,8 @@
 """``build_runner``: the one way a job's model runner is built, by the trainer and by the planner's dry run.
 
     model on meta -> model converters (Float8) -> (pipeline: prune to this rank's stages) -> parallelize
-    -> allocate -> initialize -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
+    -> allocate -> initialize -> (pipeline: the copies the first and last stage share made equal)
+    -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
 
 The dry run builds what the trainer builds through this same function, with ``BuildOptions`` saying
 where it differs: it parallelizes for the GPU it plans for (``device_type="cuda"``), allocates under
@@ -24,6 +25,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import build_pipeline
+from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_backend
 from torchtitan.models.spec import FamilyModel
@@ -33,6 +35,7 @@ from torchtitan.quantization.float8 import install_after_step
 from torchtitan.stability.z_loss import WithZLoss
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.experts import ExpertBalance
+from torchtitan.train_step.mtp import MTPLoss, mtp_settings
 from torchtitan.train_step.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -71,15 +74,21 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     def materialize(module: torch.nn.Module) -> torch.nn.Module:
         return _materialize(module, cfg, dims, plan, device, device_type, options)
 
-    pp_runner = None
+    train_loss = z_loss if z_loss is not None else loss_fn  # what the step back-propagates
+    depths, weight = mtp_settings(model)
+    mtp = MTPLoss(depths, weight, train_loss, loss_fn) if depths else None  # + the MTP depths' loss
+    pp_runner, stage_copies = None, None
     if plan.pipeline is None:
         model_parts = [materialize(model)]
     else:
         pp_mesh = dims.get_mesh("pp")
         assert pp_mesh is not None, "a pipeline plan means PP is on"
-        train_loss = z_loss if z_loss is not None else loss_fn  # what the last stage back-propagates
         pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize,
-                                                train_loss, spec.prune_stage, stage_io=options.stage_io)
+                                                mtp if mtp is not None else train_loss, spec.prune_stage,
+                                                stage_io=options.stage_io)
+        stage_copies = StageCopies.of(model, plan.pipeline, spec.prune_stage, dims, model_parts)
+        if stage_copies is not None and options.init_weights:
+            stage_copies.sync_values()
     o, s = cfg.optimizer, cfg.lr_scheduler
     with options.allocate():
         optimizer = build_optimizer(
@@ -94,7 +103,8 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims,
                                plan.pipeline.microbatches if plan.pipeline is not None else 1)
     return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
-                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss)
+                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss, mtp,
+                       stage_copies)
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,

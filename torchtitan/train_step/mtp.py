@@ -1,62 +1,95 @@
-"""Multi-token prediction in the training step: the extra loss of a model that predicts further ahead
+"""Multi-token prediction in the training step: the loss of a model that also predicts further ahead
 (DeepSeek-V3's MTP modules, models/deepseek_v3/mtp.py), and its own log line entry.
 
-A model takes part when it has ``pop_mtp_outputs`` and its args a positive ``num_mtp_layers``: the step
-then passes it the labels, scores each depth's logits with the step's own loss function (sums of token
-cross-entropies) and back-propagates ``main + mtp_loss_weight / D * sum_k depth_k`` through the same
-loss scale, i.e. over the main loss's token count (the report's 1/T). The logged loss stays the main
-one; ``mtp/loss`` is the mean over the depths of ``depth_k / T``.
+A model takes part when its args have a positive ``num_mtp_layers``: the step then passes it the batch's
+input ids as ``mtp_tokens`` and gets back ``(logits, depth 1's logits, ..., depth D's)`` from the model, or
+from the pipeline's last stage, which holds the MTP modules. ``MTPLoss`` is the loss the step
+back-propagates, the same in one process and on the last stage (inside the pipeline schedule):
+``main + mtp_loss_weight / D * sum_k depth_k``, ``main`` the step's training loss of the logits and each
+``depth_k`` the sum of token cross-entropies against the labels ``k`` places further on, all through the
+same loss scale, i.e. over the main loss's token count (the report's 1/T). The logged loss stays the main
+one (``pop_main``); ``mtp/loss`` is the mean over the depths of ``depth_k / T``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol, cast
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
-from torchtitan.loss import count_tokens
+from torchtitan.loss import IGNORE_INDEX, count_tokens
 
-
-class MultiTokenModel(Protocol):
-    """What the step asks of a model with multi-token prediction (models/deepseek_v3/model.py)."""
-
-    def pop_mtp_outputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def mtp_settings(model: nn.Module) -> tuple[int, float]:
     """(depths, loss weight) of the model's multi-token prediction; depths 0: none."""
     args = getattr(model, "args", None)
     depths = getattr(args, "num_mtp_layers", 0)
-    if not hasattr(model, "pop_mtp_outputs") or not isinstance(depths, int) or depths < 1:
+    if not isinstance(depths, int) or depths < 1:
         return 0, 0.0
     return depths, float(getattr(args, "mtp_loss_weight"))  # noqa: B009 - args is untyped here
 
 
-class MTPLoss:
-    """The weighted MTP loss sum of each micro-batch, and the window's logged value (see the module docstring)."""
+def depth_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Depth ``k``'s labels [B, L]: the main loss's (labels[i] = t_{i+1}) rolled ``k`` left, the last ``k``
+    not scored (their token lies beyond the sequence)."""
+    targets = torch.roll(labels, -k, dims=1).clone()
+    targets[:, -k:] = IGNORE_INDEX
+    return targets
 
-    def __init__(self, depths: int, weight: float):
+
+class MTPLoss:
+    """The step's loss over ``(logits, *depth logits)``, and the sums it logs (see the module docstring).
+
+    ``main_loss`` scores the main logits (the training loss: with z-loss when that is on); ``depth_loss``
+    scores each depth's (the plain loss). The schedule's shape inference calls it on stand-in tensors:
+    not counted.
+    """
+
+    def __init__(self, depths: int, weight: float, main_loss: LossFn, depth_loss: LossFn):
         self.depths, self.weight = depths, weight
-        self._sum = torch.zeros((), dtype=torch.float64)
+        self.main_loss, self.depth_loss = main_loss, depth_loss
+        self._main: torch.Tensor | None = None  # the main loss sum since the last pop_main
+        self._sum = torch.zeros((), dtype=torch.float64)  # the depths' loss sum since the last metrics
         self._tokens = torch.zeros((), dtype=torch.float64)
 
-    def objective(self, model: nn.Module, labels: torch.Tensor,
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``weight / D * sum_k`` of the depths' loss sums of the model's last forward (kept for the log)."""
-        outputs = cast(MultiTokenModel, model).pop_mtp_outputs()
-        total = torch.stack([loss_fn(logits, targets) for logits, targets in outputs]).sum()
-        self._sum = self._sum.to(total.device) + local_value(total).detach().double()
-        self._tokens = self._tokens.to(labels.device) + count_tokens(labels).double()
-        return total * (self.weight / self.depths)
+    @staticmethod
+    def model_kwargs(inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the model's forward takes besides the batch's own fields: the input ids its depths embed."""
+        return {"mtp_tokens": inputs}
 
-    def metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
-        """``mtp/loss`` over the data ranks (``group``) since the last call; a collective on logging steps."""
+    def __call__(self, outputs: Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        if len(outputs) != 1 + self.depths:
+            raise ValueError(f"multi-token prediction with {self.depths} depths expects the main logits and one per "
+                             f"depth from the model, got {len(outputs)} outputs")
+        logits, *depths = outputs
+        main = self.main_loss(logits, labels)
+        total = self.depth_loss(depths[0], depth_targets(labels, 1))
+        for k, out in enumerate(depths[1:], start=2):  # added one by one: a DTensor under loss parallel
+            total = total + self.depth_loss(out, depth_targets(labels, k))
+        if not in_pipeline_shape_inference():
+            kept = local_value(main).detach().double()
+            self._main = kept if self._main is None else self._main + kept
+            self._sum = self._sum.to(kept.device) + local_value(total).detach().double()
+            self._tokens = self._tokens.to(labels.device) + count_tokens(labels).double()
+        return main + total * (self.weight / self.depths)
+
+    def pop_main(self, device: torch.device) -> torch.Tensor:
+        """The main loss sum since the last pop (zero on ``device`` when none: a stage without the output)."""
+        main, self._main = self._main, None
+        return main if main is not None else torch.zeros((), dtype=torch.float64, device=device)
+
+    def metrics(self, groups: Sequence[dist.ProcessGroup | None]) -> dict[str, float]:
+        """``mtp/loss`` since the last call, summed over ``groups`` (the data ranks; the pipeline's, whose last
+        stage alone holds the sums); a collective on logging steps."""
         sums = torch.stack([self._sum, self._tokens.to(self._sum.device)])
-        if dist.is_initialized() and group is not None:
-            dist.all_reduce(sums, group=group)
+        for group in groups:
+            if dist.is_initialized() and group is not None:
+                dist.all_reduce(sums, group=group)
         self._sum, self._tokens = torch.zeros_like(self._sum), torch.zeros_like(self._tokens)
         return {"mtp/loss": float(sums[0] / (self.depths * sums[1]))} if sums[1] > 0 else {}

@@ -22,11 +22,12 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.collectives import local_value, start_sum
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
+from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import count_tokens
 from torchtitan.stability.z_loss import WithZLoss
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.experts import ExpertBalance
-from torchtitan.train_step.mtp import MTPLoss, mtp_settings
+from torchtitan.train_step.mtp import MTPLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -37,7 +38,8 @@ class ModelRunner:
     def __init__(self, model_parts: list[torch.nn.Module], pp_runner: PipelineRunner | None,
                  optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler, loss_fn: LossFn, dims: ParallelDims,
                  device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
-                 experts: ExpertBalance | None = None, z_loss: WithZLoss | None = None):
+                 experts: ExpertBalance | None = None, z_loss: WithZLoss | None = None, mtp: MTPLoss | None = None,
+                 stage_copies: StageCopies | None = None):
         self.model_parts, self.pp_runner = model_parts, pp_runner
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         # ``loss_fn`` scores validation; training back-propagates ``z_loss`` (the loss plus z-loss) when it is on.
@@ -47,12 +49,23 @@ class ModelRunner:
         self._z_loss_sum: torch.Tensor | None = None
         self.flops_per_token = flops_per_token
         self.experts = experts  # a model with MoE layers: their balancing and metrics (train_step/experts.py)
-        # multi-token prediction (train_step/mtp.py); preflight refuses it under pipeline parallelism
-        depths, weight = mtp_settings(model_parts[0]) if pp_runner is None else (0, 0.0)
-        self.mtp = MTPLoss(depths, weight) if depths else None
+        # multi-token prediction (train_step/mtp.py): what the step back-propagates (also on the pipeline's
+        # last stage), the main loss logged apart
+        self.mtp = mtp
+        self.step_loss: Callable[..., torch.Tensor] = mtp if mtp is not None else self.train_loss_fn
+        # parameters the first and last pipeline stage both hold (distributed/stage_copies.py)
+        self.stage_copies = stage_copies
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters()]
+
+    def uncounted_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters the global gradient norm leaves out: this rank's second copies of another stage's."""
+        return [] if self.stage_copies is None else self.stage_copies.uncounted()
+
+    def extra_model_kwargs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """What the training forward takes besides the batch's own fields (multi-token prediction's input ids)."""
+        return {} if self.mtp is None else self.mtp.model_kwargs(batch.inputs)
 
     def train_context(self) -> contextlib.AbstractContextManager:
         """Context that forward *and* backward of a micro-batch run under."""
@@ -93,20 +106,22 @@ class ModelRunner:
                 before_micro_batch(i)
             emit(StepPoint.MICRO_BATCH_START, micro_batch=i)
             with self.train_context():
-                mtp = {"labels": batch.labels} if self.mtp is not None else {}
-                logits = model(batch.inputs, **batch.model_kwargs(), **mtp)
+                outputs = model(batch.inputs, **batch.model_kwargs(), **self.extra_model_kwargs(batch))
                 emit(StepPoint.FORWARD_END, micro_batch=i)
-                loss_sum = self.train_loss_fn(logits, batch.labels)
-                del logits  # not kept through backward (autograd keeps what it needs)
-                objective = loss_sum
-                if self.mtp is not None:  # the extra depths' loss trains, the main loss is what is logged
-                    objective = loss_sum + self.mtp.objective(model, batch.labels, self.loss_fn)
+                loss_sum = self.step_loss(outputs, batch.labels)
+                del outputs  # not kept through backward (autograd keeps what it needs)
                 emit(StepPoint.BACKWARD_START, micro_batch=i)
                 # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
-                (objective * scale().to(objective.dtype)).backward()
+                (loss_sum * scale().to(loss_sum.dtype)).backward()
             local_loss_sum += local_value(loss_sum).detach().double()
             del loss_sum
             emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
+        return self._logged_loss(local_loss_sum)
+
+    def _logged_loss(self, local_loss_sum: torch.Tensor) -> torch.Tensor:
+        """The loss sum the step logs: the main loss alone (the MTP depths and z-loss, where on, apart)."""
+        if self.mtp is not None:
+            local_loss_sum = self.mtp.pop_main(self.device)
         if self.z_loss is not None:
             local_loss_sum, self._z_loss_sum = self.z_loss.pop(self.device)  # the loss alone, logged apart
         return local_loss_sum
@@ -128,13 +143,15 @@ class ModelRunner:
         for i, batch in enumerate(batches):
             self.callbacks.emit(StepPoint.MICRO_BATCH_START, micro_batch=i)
             with self.train_context():  # around forward and backward: the schedule interleaves them
-                local_loss_sum = local_loss_sum + self.pp_runner.step(batch, scale())
+                local_loss_sum = local_loss_sum + self.pp_runner.step(batch, scale(), self.extra_model_kwargs(batch))
             self.callbacks.emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
+        if self.stage_copies is not None:  # after every micro-batch's backward: the copies' gradients summed
+            self.stage_copies.sum_grads()
         pp_mesh = self.dims.get_mesh("pp")
-        if self.z_loss is not None:
-            # The last stage's loss function kept both parts (the other stages' are 0): the loss alone is logged.
-            local_loss_sum, z_loss_sum = self.z_loss.pop(self.device)
-            self._z_loss_sum = start_sum(z_loss_sum, pp_mesh)()
+        # The last stage's loss function kept the parts (the other stages' are 0): the main loss alone is logged.
+        local_loss_sum = self._logged_loss(local_loss_sum)
+        if self.z_loss is not None and self._z_loss_sum is not None:
+            self._z_loss_sum = start_sum(self._z_loss_sum, pp_mesh)()
         return start_sum(local_loss_sum, pp_mesh)()
 
     def validation_forward(self, batch: Batch | Sequence[torch.Tensor],

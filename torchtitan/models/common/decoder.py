@@ -19,9 +19,12 @@ Written to be easy to parallelise:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
 from torchtitan.models.attention import (
@@ -64,6 +67,16 @@ class DecoderBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class BlocksRun(NamedTuple):
+    """What a forward through ``layers`` leaves: the hidden states and what the blocks were given, for blocks
+    that run after them (DeepSeek-V3's multi-token prediction)."""
+
+    hidden: torch.Tensor
+    rope: torch.Tensor
+    backend: AttentionBackend
+    documents: DocumentMask | None
+
+
 class Decoder(nn.Module):
     """Embedding -> blocks (``layers``) -> final norm -> output projection; see the module docstring."""
 
@@ -77,6 +90,9 @@ class Decoder(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        # True on a pipeline stage past the first that keeps the embedding (DeepSeek-V3's last stage, whose
+        # multi-token prediction reads it): its input is the previous stage's hidden states all the same.
+        self.input_is_hidden = False
         # None until a run selects one (use_attention_backend): the forward then takes the local default
         # for its inputs' device.
         self.attention_backend: AttentionBackend | None = None
@@ -106,6 +122,16 @@ class Decoder(nn.Module):
 
     def blocks(self) -> list[DecoderBlock]:
         return [b for b in self.layers.values() if isinstance(b, DecoderBlock)]
+
+    def extra_blocks(self) -> list[DecoderBlock]:
+        """Blocks that run after ``layers`` (DeepSeek-V3's MTP modules'): FSDP units and TP plans of their own,
+        as the blocks'. None here."""
+        return []
+
+    def extra_tp_plan(self, seq: Shard | Replicate) -> dict[str, ParallelStyle]:
+        """The TP plan (names relative to the model) of modules a family adds outside the blocks, for the
+        layout ``seq`` of the activations between TP regions (``Shard(1)`` under sequence parallelism). None."""
+        return {}
 
     def moe_layers(self) -> dict[str, MoE]:
         """Layer key -> its MoE feed-forward (this stage's sparse layers): what balancing and EP go through."""
@@ -203,8 +229,12 @@ class Decoder(nn.Module):
         """
         if cache is not None:
             return self._forward_cached(tokens, cache)
+        return self._head(self.run_blocks(tokens, positions).hidden)
+
+    def run_blocks(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> BlocksRun:
+        """The stage's input embedded (token ids) or taken as it is (hidden states), then through ``layers``."""
         backend = self.backend_for(tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.embed_input(tokens)
         # Attention slices the cache to its own length: under sequence parallelism h holds only
         # part of the sequence here, while attention sees all of it.
         rope = self.rope_cache if positions is None else self.rope_cache[positions]
@@ -213,12 +243,20 @@ class Decoder(nn.Module):
             documents = backend.document_mask(positions, tokens.shape[0])  # once per forward, shared by the layers
         for layer in self.layers.values():
             h = layer(h, rope, backend=backend, documents=documents)
-        return self._head(h)
+        return BlocksRun(h, rope, backend, documents)
+
+    def embed_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding of ``tokens`` (ids) where this model or stage embeds its input; else ``tokens`` are
+        hidden states already (a later pipeline stage, which may still hold a copy of the embedding for
+        another use: ``input_is_hidden``)."""
+        if self.tok_embeddings is None or self.input_is_hidden:
+            return tokens
+        return self.tok_embeddings(tokens)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One decoding forward: the new tokens attend to the cache's keys; each layer appends its own."""
         backend = self.backend_for(tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.embed_input(tokens)
         rope = self.rope_cache[cache.begin(tokens.shape[1])]
         for key, layer in self.layers.items():
             h = layer(h, rope, backend=backend, cache=cache.layer(key))

@@ -106,6 +106,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
 
     - The attention module gives its own plan (``tp_plan``): grouped-query attention shards its heads
       (gqa.py), MLA its heads with the latent path whole (deepseek_v3/mla.py).
+    - Blocks that run after ``layers`` (``extra_blocks``: DeepSeek-V3's MTP modules) take a block's plan, and
+      their modules outside the blocks the family's ``extra_tp_plan``.
     - A MoE feed-forward is replicated over TP: its input is gathered to the whole (sequence of the)
       batch, every TP rank routes the same tokens through the same experts, and under SP each keeps
       its sequence shard of the output. Router and experts then see and compute the same values on
@@ -118,8 +120,12 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     from torchtitan.models.moe import MoE
 
     seq = Shard(1) if sequence_parallel else Replicate()
+    decoder = cast(Decoder, model)
     apply_tp_ends(model, tp_mesh, seq, loss_parallel)
-    for block in cast(Decoder, model).blocks():
+    extra = decoder.extra_tp_plan(seq)  # what the family adds outside the blocks (DeepSeek-V3's MTP modules)
+    if extra:
+        parallelize_module(model, tp_mesh, extra)
+    for block in decoder.blocks() + decoder.extra_blocks():
         # The attention module's own plan (gqa.py, deepseek_v3/mla.py), its names relative to it.
         plan: dict[str, ParallelStyle] = {f"attention.{name}" if name else "attention": style
                                           for name, style in block.attention.tp_plan(seq, tp_mesh).items()}

@@ -4,6 +4,13 @@ Releases (DeepSeek-V3, Kimi K2, Moonlight) and transformers' ``DeepseekV3ForCaus
 parts in adjacent pairs (``rope_interleave``), as we do, so no rows are permuted. Experts are one tensor
 per expert there and stacked here, as for Qwen3-MoE (``models/common/hf.py``). The router's learned
 auxiliary-loss-free bias is ``mlp.gate.e_score_correction_bias`` there: written on export, read on load.
+
+A release keeps its multi-token prediction module as layer ``n_layers`` (``model.layers.61`` in the 671B:
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a block like any other, and its own copies of the
+embedding and the output head, ``embed_tokens`` and ``shared_head.head``). Our MTP modules are keyed by that
+index (``mtp.61``), so the map names them alike. With ``--model.mtp_layers`` 0 the model has no such
+parameters and the layer is left unread; on export the MTP layer is written whole, the two copies being our
+shared embedding and output. transformers' ``DeepseekV3ForCausalLM`` has no MTP module and skips the layer.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from torchtitan.models.common.config import DecoderConfig, JsonObject
 from torchtitan.models.common.hf import DecoderHFAdapter
 from torchtitan.models.common.weight_map import WeightMap, WeightTemplate
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.layers import YarnScaling
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -150,14 +158,24 @@ def _templates() -> list[WeightTemplate]:
                    "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj",
                    "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj",
                    "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj"}
-    rows += [WeightTemplate(ours + k, layer + v) for k, v in plain.items()]
-    rows += [WeightTemplate(ours + k, layer + v + ".weight", scale=layer + v + ".weight_scale_inv")
-             for k, v in projections.items()]
-    for w, theirs in zip(("w1", "w2", "w3"), NAMING):
-        name = layer + "mlp.experts.{expert}." + theirs
-        rows.append(WeightTemplate(ours + "feed_forward.experts." + w, name + ".weight",
-                                   scale=name + ".weight_scale_inv"))
+    # the MTP modules (``mtp.<layer>``): their own parts, then a block as any layer's
+    rows += [WeightTemplate("mtp.{layer}." + k, layer + v) for k, v in MTP_PARTS.items()]
+    rows.append(WeightTemplate("mtp.{layer}.eh_proj.weight", layer + "eh_proj.weight",
+                               scale=layer + "eh_proj.weight_scale_inv"))
+    for prefix in (ours, "mtp.{layer}.block."):
+        rows += [WeightTemplate(prefix + k, layer + v) for k, v in plain.items()]
+        rows += [WeightTemplate(prefix + k, layer + v + ".weight", scale=layer + v + ".weight_scale_inv")
+                 for k, v in projections.items()]
+        for w, theirs in zip(("w1", "w2", "w3"), NAMING):
+            name = layer + "mlp.experts.{expert}." + theirs
+            rows.append(WeightTemplate(prefix + "feed_forward.experts." + w, name + ".weight",
+                                       scale=name + ".weight_scale_inv"))
     return rows
+
+
+# An MTP module's own parts, ours -> the release layer's; beside them its copies of the shared embedding and head.
+MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "norm.weight": "shared_head.norm.weight"}
+MTP_SHARED_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 
 
 class DeepSeekV3Config:
@@ -182,12 +200,27 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
     def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         out = super().to_hf(state, args)
         out.update({self.hf_name(fqn, tied=False): t for fqn, t in state.items() if fqn.endswith("router.expert_bias")})
+        for key in {fqn.split(".")[1] for fqn in state if fqn.startswith("mtp.")}:
+            # the release's MTP layer holds its own copies of the embedding and the head: ours, shared (copied:
+            # safetensors stores no tensor twice)
+            out.update({f"model.layers.{key}.{theirs}": state[ours].clone()
+                        for ours, theirs in MTP_SHARED_COPIES.items() if ours in state})
         return out
 
     def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
+        """The decoder's, the MTP modules' (layer ``n_layers`` on, where ``num_mtp_layers`` asks for them; the
+        layer's copies of the embedding and head are the shared ones here) and the routing biases."""
         out = super().from_hf(state, args)
-        for i in range(args.n_layers):
-            fqn = f"layers.{i}.feed_forward.router.expert_bias"
-            if args.is_moe_layer(i) and self.hf_name(fqn, tied=False) in state:
+        depths = cast(DeepSeekV3Args, args).num_mtp_layers
+        if depths:
+            with torch.device("meta"):
+                mtp = DeepSeekV3Model(cast(DeepSeekV3Args, args)).mtp
+            assert mtp is not None, "num_mtp_layers > 0 builds the MTP modules"
+            out.update(self.weights.from_hf(state, args, [f"mtp.{n}" for n, _ in mtp.named_parameters()]))
+        bias = "feed_forward.router.expert_bias"
+        fqns = [f"layers.{i}.{bias}" for i in range(args.n_layers) if args.is_moe_layer(i)]
+        fqns += [f"mtp.{i}.block.{bias}" for i in range(args.n_layers, args.n_layers + depths) if args.is_moe_layer(i)]
+        for fqn in fqns:
+            if self.hf_name(fqn, tied=False) in state:
                 out[fqn] = state[self.hf_name(fqn, tied=False)]
         return out

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
 from torchtitan.models.common.decoder import Decoder, DecoderBlock
 from torchtitan.models.common.flops import param_counts
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
-from torchtitan.models.deepseek_v3.mtp import MTPModule, depth_inputs
+from torchtitan.models.deepseek_v3.mtp import MTPModule, depth_tokens
 from torchtitan.models.kv_cache import KVCache
 from torchtitan.models.layers import precompute_rope_cache
 from torchtitan.models.moe import MoE
@@ -20,8 +22,8 @@ __all__ = ["DeepSeekV3Model", "flops_per_token", "param_counts"]
 
 
 class DeepSeekV3Model(Decoder):
-    """``Decoder`` of MLA blocks, with ``mtp`` (None when off): depth k's block is layer ``n_layers + k - 1``,
-    as releases number it."""
+    """``Decoder`` of MLA blocks, with ``mtp`` (None when off): depth k's module is keyed, and its block
+    numbered, ``n_layers + k - 1``, the layer index a release stores it under (``model.layers.61`` in the 671B)."""
 
     args: DeepSeekV3Args
 
@@ -29,27 +31,39 @@ class DeepSeekV3Model(Decoder):
         super().__init__(args)
         self.mtp: nn.ModuleDict | None = None
         if args.num_mtp_layers:
-            self.mtp = nn.ModuleDict({str(k): MTPModule(DecoderBlock(args.n_layers + k, args), args)
+            self.mtp = nn.ModuleDict({str(args.n_layers + k): MTPModule(DecoderBlock(args.n_layers + k, args), args)
                                       for k in range(args.num_mtp_layers)})
-        self._mtp_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
         a = self.args
         return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.yarn, device)
 
-    def extra_blocks(self) -> list[nn.Module]:
+    def extra_blocks(self) -> list[DecoderBlock]:
         """The MTP modules' blocks run after ``layers``: each its own FSDP unit, with the TP plan of a block."""
-        return [m.block for m in self._mtp_modules()]
+        return [m.block for m in self._mtp_modules() if isinstance(m.block, DecoderBlock)]
+
+    def extra_tp_plan(self, seq: Shard | Replicate) -> dict[str, ParallelStyle]:
+        """Under sequence parallelism the MTP modules' norms and ``eh_proj`` take this rank's sequence shard
+        with their weights replicated (their gradients summed over TP, as a block's norms'); ``eh_proj`` hands
+        its block a plain tensor, as the blocks hand each other. Replicated activations need no plan: every TP
+        rank computes the whole, the same."""
+        if not isinstance(seq, Shard):
+            return {}
+        plan: dict[str, ParallelStyle] = {}
+        for key in (self.mtp or {}):
+            plan.update({f"mtp.{key}.{norm}": SequenceParallel() for norm in ("enorm", "hnorm", "norm")})
+            plan[f"mtp.{key}.eh_proj"] = SequenceParallel(use_local_output=True)
+        return plan
 
     def _mtp_modules(self) -> list[MTPModule]:
         return [m for m in (self.mtp or {}).values() if isinstance(m, MTPModule)]
 
     def moe_layers(self) -> dict[str, MoE]:
-        """Layer key -> MoE, the MTP modules' included (``mtp.k``): balancing and EP go through them all."""
+        """Layer key -> MoE, the MTP modules' included (``mtp.<layer>``): balancing and EP go through them all."""
         layers = super().moe_layers()
-        for k, module in enumerate(self._mtp_modules()):
-            if isinstance(module.block.feed_forward, MoE):
-                layers[f"mtp.{k}"] = module.block.feed_forward
+        for key, module in (self.mtp or {}).items():
+            if isinstance(module, MTPModule) and isinstance(module.block.feed_forward, MoE):
+                layers[f"mtp.{key}"] = module.block.feed_forward
         return layers
 
     def extra_init_specs(self) -> dict[int, InitSpec]:
@@ -57,33 +71,22 @@ class DeepSeekV3Model(Decoder):
         return {id(m.eh_proj.weight): trunc_normal_spec(0.02, 2.0) for m in self._mtp_modules()}
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's forward; with ``labels`` (training with multi-token prediction) it also keeps each
-        depth's (logits, labels) for ``pop_mtp_outputs``. Returns the main logits either way."""
-        if labels is None or self.mtp is None or cache is not None:
+                mtp_tokens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The decoder's forward. With ``mtp_tokens`` (training with multi-token prediction: the batch's input
+        ids [B, L], which a pipeline's last stage gets as this keyword beside the hidden states it receives),
+        the model, or the stage holding the output, returns ``(logits, depth 1's logits, ..., depth D's)``;
+        ``train_step/mtp.py`` scores them. Else the main logits (hidden states on a stage without the output)."""
+        if mtp_tokens is None or self.mtp is None or cache is not None or self.output is None:
             return super().forward(tokens, positions, cache)
-        assert self.tok_embeddings is not None and self.norm is not None and self.output is not None, (
-            "multi-token prediction needs the whole model (preflight refuses it under pipeline parallelism)")
-        backend = self.backend_for(tokens.device)
-        h = self.tok_embeddings(tokens)
-        rope = self.rope_cache if positions is None else self.rope_cache[positions]
-        documents = None
-        if self.args.attn_mask_type == "block_causal" and positions is not None:
-            documents = backend.document_mask(positions, tokens.shape[0])
-        for layer in self.layers.values():
-            h = layer(h, rope, backend=backend, documents=documents)
-        self._mtp_outputs = []
-        previous = h
+        assert self.tok_embeddings is not None and self.norm is not None, (
+            "the stage with the output holds the final norm and, for multi-token prediction, the embedding")
+        run = self.run_blocks(tokens, positions)
+        outputs, previous = [self.output(self.norm(run.hidden))], run.hidden
         for k, module in enumerate(self._mtp_modules(), start=1):
-            ids, targets = depth_inputs(tokens, labels, k)
-            previous = module(previous, self.tok_embeddings(ids), rope, backend=backend, documents=documents)
-            self._mtp_outputs.append((self.output(module.norm(previous)), targets))
-        return self.output(self.norm(h))
-
-    def pop_mtp_outputs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each depth's (logits [B, L, vocab], labels [B, L]) of the last forward given labels; cleared."""
-        out, self._mtp_outputs = self._mtp_outputs, []
-        return out
+            future = self.tok_embeddings(depth_tokens(mtp_tokens, k))
+            previous = module(previous, future, run.rope, backend=run.backend, documents=run.documents)
+            outputs.append(self.output(module.norm(previous)))
+        return tuple(outputs)
 
 
 def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:

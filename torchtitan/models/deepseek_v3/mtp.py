@@ -9,7 +9,8 @@ output projection are the main model's (shared); ``norm`` is the module's own (a
 cross-entropies over the main loss's token count T (the report's ``-1/T sum log P``).
 
 Positions are not shortened: depth k's inputs are the tokens rolled k places left, and its last k
-positions (whose t_{i+k+1} lies beyond the labels) are not scored.
+positions (whose t_{i+k+1} lies beyond the labels) are not scored. The model returns each depth's logits
+with the main ones (``model.py``); the training step scores them (``train_step/mtp.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from torch import nn
 from torchtitan.models.attention import AttentionBackend, DocumentMask
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.layers import RMSNorm
-
-IGNORE_INDEX = -100  # torchtitan/loss.py's: a position that is not scored
 
 
 class MTPModule(nn.Module):
@@ -41,10 +40,8 @@ class MTPModule(nn.Module):
         return self.block(x, rope_cache, backend=backend, documents=documents)
 
 
-def depth_inputs(tokens: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [B, L] whose embeddings depth ``k`` reads, its labels [B, L]): both rolled ``k`` left, the
-    last ``k`` labels unscored. ``labels`` are the main loss's (labels[i] = t_{i+1})."""
-    ids = torch.roll(tokens, -k, dims=1)
-    targets = torch.roll(labels, -k, dims=1).clone()
-    targets[:, -k:] = IGNORE_INDEX
-    return ids, targets
+def depth_tokens(tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """The token ids [B, L] whose embeddings depth ``k`` reads: ``tokens`` (the inputs) rolled ``k`` left. The
+    last ``k`` positions wrap around; their depth-``k`` targets are not scored (``train_step/mtp.py``), and
+    causal attention keeps them from the scored positions."""
+    return torch.roll(tokens, -k, dims=1)

@@ -18,7 +18,7 @@ from torchtitan.models.registry import register_model_spec
 SPEC = dataclasses.replace(
     decoder_spec("deepseek_v3", DeepSeekV3Args, deepseek_v3_flavors, read_release, DeepSeekV3HFAdapter(),
                  experts=True),
-    build=DeepSeekV3Model, flops_per_token=flops_per_token, check=parallel.check,
+    build=DeepSeekV3Model, flops_per_token=flops_per_token, check=parallel.check, prune_stage=parallel.prune_stage,
     release_holds_routing_bias=True,  # the release's e_score_correction_bias
     experts=dataclasses.replace(DECODER_EXPERTS, with_moe_options=parallel.with_job_options))  # + --model.mtp_*
 register_model_spec(SPEC)
