@@ -11,6 +11,8 @@ from torch import nn
 
 from torchtitan import compat
 from torchtitan.models import get_model_spec, model_args
+from torchtitan.models.moe import float8_experts
+from torchtitan.models.moe.experts import ClampedSwiGLUExperts, GroupedExperts
 from torchtitan.models.moe.float8_experts import ALIGN, Float8GroupedExperts, aligned_rows, padded_grouped_mm
 from torchtitan.quantization import checks, converter_problems
 from torchtitan.quantization.float8 import convert_to_float8, skip_reason
@@ -63,6 +65,14 @@ def test_moe_model_routed_experts_fp8_only_on_cuda(device_type):
     fp8 = device_type == "cuda" and compat.scaled_grouped_mm_available()
     assert counts["experts_fp8" if fp8 else "experts_high_precision"] == len(experts) > 0
     assert all(isinstance(m, Float8GroupedExperts) == fp8 for m in experts)
+
+
+def test_to_float8_switches_plain_experts_only(monkeypatch):
+    """Where FP8 grouped GEMMs run, plain experts switch; GPT-OSS's biased, clamped experts keep their own forward."""
+    monkeypatch.setattr(float8_experts, "fp8_grouped_mm_runs", lambda device_type, emulate: True)
+    plain, clamped = GroupedExperts(16, 32, 4), ClampedSwiGLUExperts(16, 32, 4, limit=7.0, alpha=1.702)
+    assert float8_experts.to_float8(plain, "cuda", False) and type(plain) is Float8GroupedExperts
+    assert not float8_experts.to_float8(clamped, "cuda", False) and type(clamped) is ClampedSwiGLUExperts
 
 
 def test_emulate_follows_the_option_and_the_cpu_kernel():

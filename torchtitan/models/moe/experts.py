@@ -109,17 +109,9 @@ class GroupedExperts(nn.Module):
         up = self.grouped(x, w3, counts)
         return self.grouped(F.silu(gate) * up, w2, counts)
 
-    def to_float8(self, device_type: str, emulate: bool) -> bool:
-        """Float8 converter: take FP8 grouped GEMMs where they run (CUDA, not emulated); whether they do."""
-        from torchtitan.models.moe.float8_experts import Float8GroupedExperts, fp8_grouped_mm_runs
-
-        if not fp8_grouped_mm_runs(device_type, emulate):
-            return False
-        self.__class__ = Float8GroupedExperts  # type: ignore[assignment]  # same parameters and state dict
-        return True
-
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One grouped product (the Float8 subclass overrides it: float8_experts.py)."""
+        """One grouped product (the Float8 subclass overrides it: ``float8_experts.py``, whose ``to_float8`` switches
+        a module to it)."""
         return grouped_linear(x, weight, counts, self.use_grouped_mm)
 
 

@@ -1,7 +1,9 @@
 """FP8 grouped GEMMs for routed experts (CUDA, SM 8.9+): torchao's rowwise-scaled ``torch._scaled_grouped_mm``.
 
-The Float8 converter (``torchtitan/quantization/float8.py``) asks each ``GroupedExperts`` to switch
-(``GroupedExperts.to_float8``); the module then takes the class below, with the same parameters.
+The Float8 converter (``torchtitan/quantization/float8.py``) hands each ``GroupedExperts`` to ``to_float8``;
+where FP8 grouped GEMMs run, the module takes the class below, with the same parameters. Only the plain
+SwiGLU experts switch: a subclass with its own forward (GPT-OSS's biased, clamped experts) would lose that
+forward to the swap, so it stays in high precision.
 
 The FP8 grouped GEMM takes groups whose row counts are multiples of 16. Routed tokens come in any
 counts, so each expert's rows are copied into a buffer where its group starts at a multiple of 16
@@ -69,3 +71,12 @@ class Float8GroupedExperts(GroupedExperts):
         if not fits:
             return super().grouped(x, weight, counts)
         return padded_grouped_mm(x, weight, counts, _fp8_rowwise_grouped_mm)
+
+
+def to_float8(experts: GroupedExperts, device_type: str, emulate: bool) -> bool:
+    """The Float8 converter's switch: ``experts`` take FP8 grouped GEMMs where they run (CUDA, not emulated,
+    plain ``GroupedExperts``: see the module docstring); whether they do."""
+    if type(experts) is not GroupedExperts or not fp8_grouped_mm_runs(device_type, emulate):
+        return False
+    experts.__class__ = Float8GroupedExperts  # same parameters and state dict
+    return True
