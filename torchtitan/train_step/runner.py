@@ -24,6 +24,7 @@ from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.loss import count_tokens
 from torchtitan.stability.z_loss import WithZLoss
+from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.mtp import MTPLoss, mtp_settings
@@ -37,7 +38,8 @@ class ModelRunner:
     def __init__(self, model_parts: list[torch.nn.Module], pp_runner: PipelineRunner | None,
                  optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler, loss_fn: LossFn, dims: ParallelDims,
                  device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
-                 experts: ExpertBalance | None = None, z_loss: WithZLoss | None = None):
+                 experts: ExpertBalance | None = None, z_loss: WithZLoss | None = None,
+                 aux_loss: AuxLossTerm | None = None):
         self.model_parts, self.pp_runner = model_parts, pp_runner
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         # ``loss_fn`` scores validation; training back-propagates ``z_loss`` (the loss plus z-loss) when it is on.
@@ -47,6 +49,8 @@ class ModelRunner:
         self._z_loss_sum: torch.Tensor | None = None
         self.flops_per_token = flops_per_token
         self.experts = experts  # a model with MoE layers: their balancing and metrics (train_step/experts.py)
+        # their auxiliary loss, which the model returns with its output (train_step/aux_loss.py)
+        self.aux_loss = aux_loss
         # multi-token prediction (train_step/mtp.py); preflight refuses it under pipeline parallelism
         depths, weight = mtp_settings(model_parts[0]) if pp_runner is None else (0, 0.0)
         self.mtp = MTPLoss(depths, weight) if depths else None
@@ -81,8 +85,9 @@ class ModelRunner:
         (fault tolerance lets FSDP reduce on the last one only); not through the pipeline, whose
         schedule sets gradient sync itself.
         """
-        if self.experts is not None:
-            self.experts.start_step(len(batches))
+        if self.aux_loss is not None:  # its weight: a mean over the step's forwards
+            pipeline_microbatches = self.pp_runner.plan.microbatches if self.pp_runner is not None else 1
+            self.aux_loss.start_step(len(batches) * pipeline_microbatches)
         if self.pp_runner is not None:
             return self._pipeline_forward_backward(batches, scale)
         emit = self.callbacks.emit
@@ -94,7 +99,7 @@ class ModelRunner:
             emit(StepPoint.MICRO_BATCH_START, micro_batch=i)
             with self.train_context():
                 mtp = {"labels": batch.labels} if self.mtp is not None else {}
-                logits = model(batch.inputs, **batch.model_kwargs(), **mtp)
+                logits, aux = AuxLossTerm.split(model(batch.inputs, **batch.model_kwargs(), **mtp))
                 emit(StepPoint.FORWARD_END, micro_batch=i)
                 loss_sum = self.train_loss_fn(logits, batch.labels)
                 del logits  # not kept through backward (autograd keeps what it needs)
@@ -103,7 +108,10 @@ class ModelRunner:
                     objective = loss_sum + self.mtp.objective(model, batch.labels, self.loss_fn)
                 emit(StepPoint.BACKWARD_START, micro_batch=i)
                 # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
-                (objective * scale().to(objective.dtype)).backward()
+                objective = objective * scale().to(objective.dtype)
+                if aux is not None and self.aux_loss is not None:  # the MoE layers' auxiliary loss, weighed
+                    objective = self.aux_loss.add_to(objective, aux)
+                objective.backward()
             local_loss_sum += local_value(loss_sum).detach().double()
             del loss_sum
             emit(StepPoint.MICRO_BATCH_END, micro_batch=i)
