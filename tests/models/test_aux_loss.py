@@ -15,7 +15,7 @@ import torch
 
 from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.models import get_model_spec, model_args
-from torchtitan.models.aux_loss import WithAuxLoss, accept_carried_aux_loss
+from torchtitan.models.aux_loss import WithAuxLoss, accept_carried_aux_loss, split_aux_loss
 from torchtitan.models.common.parallel import prune_stage
 from torchtitan.train_step.aux_loss import AuxLossTerm
 
@@ -41,18 +41,18 @@ def _router_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(model: torch.nn.Module) -> tuple[WithAuxLoss, dict[str, torch.Tensor]]:
-    out = model(_tokens())
-    assert isinstance(out, WithAuxLoss)
+    output, aux = split_aux_loss(model(_tokens()))
+    assert aux is not None
     term = AuxLossTerm(0.01, 3)
     term.weight = WEIGHT
-    term.add_to(out.output.float().square().mean(), out.aux_loss).backward()
-    return out, _router_grads(model)
+    term.add_to(output.float().square().mean(), aux).backward()
+    return (output, aux), _router_grads(model)
 
 
 def test_a_training_forward_returns_the_summed_loss_of_its_layers_and_evaluation_none():
     model = _model()
     out, grads = _train(model)
-    assert out.aux_loss.shape == (1,) and 3 * 0.9 < float(out.aux_loss.detach()) < 3 * 3  # Switch: ~1 a layer
+    assert out[1].shape == (1,) and 3 * 0.9 < float(out[1].detach()) < 3 * 3  # Switch: ~1 a layer
     assert sorted(grads) == [f"layers.{i}.feed_forward.router.gate.weight" for i in (1, 2, 3)]
     without = _model("none")  # the same weights, no auxiliary loss: its routers get other gradients
     logits = without(_tokens())
@@ -70,7 +70,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode):
     checkpointed = _model("sequence")
     apply_activation_checkpointing(checkpointed, mode, "op" if mode == "selective" else "")
     out, grads = _train(checkpointed)
-    assert torch.equal(out.aux_loss, plain_out.aux_loss)
+    assert torch.equal(out[1], plain_out[1])
     assert all(torch.equal(grads[n], plain[n]) for n in plain)
     assert all(m.take_aux_loss() is None for m in checkpointed.moe_layers().values())  # the recompute kept none
 
@@ -90,10 +90,10 @@ def test_pipeline_stages_carry_the_running_sum_to_the_last_stage():
     assert running.requires_grad  # the first stage's layer 1 is sparse; a dense stage sends a leaf that needs one
     received = (hidden.detach().requires_grad_(True), running.detach().requires_grad_(True))
     out = stages[1](*received)
-    assert isinstance(out, WithAuxLoss) and torch.equal(out.aux_loss, want.aux_loss)
+    assert isinstance(out, tuple) and torch.equal(out[1], want[1])
     term = AuxLossTerm(0.01, 3)
     term.weight = WEIGHT
-    term.add_to(out.output.float().square().mean(), out.aux_loss).backward()
+    term.add_to(out[0].float().square().mean(), out[1]).backward()
     torch.autograd.backward([hidden, running], [received[0].grad, received[1].grad])
     grads = {**_router_grads(stages[0]), **_router_grads(stages[1])}
     assert grads.keys() == want_grads.keys()

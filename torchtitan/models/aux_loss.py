@@ -1,8 +1,9 @@
-"""A model's auxiliary loss travels with its output: ``WithAuxLoss(output, aux_loss)``, which the loss sums.
+"""A model's auxiliary loss travels with its output: ``(output, aux_loss)``, which the step's loss sums.
 
-In training, a model whose MoE layers have an auxiliary balance loss returns ``WithAuxLoss``: its usual
-output and ``aux_loss`` [1] (float32), the sum over its MoE layers of the losses of this forward, without
-their coefficient. The step's loss (``train_step/aux_loss.py``) adds ``coeff / forwards`` times it, so
+In training, a model whose MoE layers have an auxiliary balance loss returns the pair ``WithAuxLoss``:
+its usual output and ``aux_loss`` [1] (float32), the sum over its MoE layers of the losses of this
+forward, without their coefficient. A plain tuple: a pipeline schedule sends and hands on plain tuples
+of tensors only. The step's loss (``train_step/aux_loss.py``) adds ``coeff / forwards`` times it, so
 the coefficient and the micro-batch scaling live in the loss alone; nothing is written into the model
 from outside.
 
@@ -14,8 +15,8 @@ blocks have MoE layers too) and leaves the blocks' signatures alone. Activation 
 unaffected: the loss is computed in the original forward, and its backward recomputes the block like
 any other path into it (a recompute hands nothing on).
 
-Across pipeline stages the sum is carried beside the hidden state: a stage returns ``WithAuxLoss(h,
-running sum)``, which the schedule sends as two tensors; the next stage's pre-hook
+Across pipeline stages the sum is carried beside the hidden state: a stage without the output returns
+the plain tuple ``(h, running sum)``, which the schedule sends as two tensors; the next stage's pre-hook
 (``accept_carried_aux_loss``, installed after FSDP so that FSDP's mixed-precision cast of forward
 inputs never rounds it) takes the running sum off its inputs and the stage's hook adds its own layers'
 losses to it. So the last stage's loss sees every stage's losses, and their gradients flow back along
@@ -25,17 +26,13 @@ the same chain, through the schedule's own gradient sends. A stage without MoE l
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
-
-class WithAuxLoss(NamedTuple):
-    """A training forward's output and the summed auxiliary loss [1] of its MoE layers (and earlier stages')."""
-
-    output: torch.Tensor
-    aux_loss: torch.Tensor
+# A training forward's output and the summed auxiliary loss [1] of its MoE layers (and earlier stages').
+WithAuxLoss = tuple[torch.Tensor, torch.Tensor]
 
 
 class AuxLossLayer(Protocol):
@@ -73,7 +70,7 @@ class _AuxLossHooks:
             loss = layer.take_aux_loss()
             if loss is not None:
                 total = total + loss.reshape(1)
-        return WithAuxLoss(output, total)
+        return output, total
 
 
 _HOOKS_ATTR = "_aux_loss_hooks"
@@ -98,8 +95,8 @@ def accept_carried_aux_loss(stage: nn.Module) -> None:
 
 def split_aux_loss(output: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the forward's output, its summed auxiliary loss or None) of a ``WithAuxLoss`` or a plain output."""
-    if isinstance(output, WithAuxLoss):
-        return output.output, output.aux_loss
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"a model output of {len(output)} tensors is not a WithAuxLoss")
-    return output, None
+    if isinstance(output, torch.Tensor):
+        return output, None
+    if len(output) != 2:
+        raise TypeError(f"a model output of {len(output)} tensors is not a WithAuxLoss (output, auxiliary loss)")
+    return output[0], output[1]

@@ -1,6 +1,6 @@
 """The MoE auxiliary loss in the step's loss: its weight, its micro-batch scaling, and what is logged of it.
 
-A training forward of a model with an auxiliary balance loss returns ``WithAuxLoss(output, aux)``
+A training forward of a model with an auxiliary balance loss returns ``(output, aux)``
 (``models/aux_loss.py``): ``aux`` is the sum over the model's MoE layers of their losses, without their
 coefficient. The step's loss splits it off (``split``), scores the output as usual and adds
 ``coeff / forwards * aux`` (``add_to``), ``forwards`` being the step's forwards (micro-batches x

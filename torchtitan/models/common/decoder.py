@@ -14,9 +14,9 @@ Written to be easy to parallelise:
 - attention's kernels are one backend object (``models/attention/backends.py``) that the decoder
   holds and passes to every block in its forward; ``use_attention_backend`` is where a run's choice
   (``select_backend``) lands;
-- with an auxiliary balance loss on its MoE layers, a training forward returns ``WithAuxLoss(logits,
-  summed loss)`` (a forward hook, ``models/aux_loss.py``; hidden states and the running sum on a pipeline
-  stage without the output).
+- with an auxiliary balance loss on its MoE layers, a training forward returns ``(logits, summed loss)``
+  (a forward hook, ``models/aux_loss.py``; the hidden states and the running sum on a pipeline stage
+  without the output).
 """
 
 from __future__ import annotations
