@@ -24,8 +24,6 @@ from torch import nn
 
 from torchtitan import compat
 from torchtitan.config import JobConfig
-from torchtitan.models.moe.experts import GroupedExperts
-from torchtitan.models.moe.float8_experts import to_float8
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +77,13 @@ def convert_to_float8(model: nn.Module, cfg: JobConfig, device_type: str) -> dic
 
 
 def _convert_experts(model: nn.Module, cfg: JobConfig, device_type: str) -> Counter[str]:
-    """Hand each routed-experts module to ``to_float8`` (models/moe/float8_experts.py); count those that take
-    FP8 grouped GEMMs and those that stay in high precision."""
+    """Ask each routed-experts module that can (a ``to_float8`` method: models/moe/experts.py) to take FP8
+    grouped GEMMs; count those that did and those that stay in high precision."""
     found: Counter[str] = Counter()
     for module in list(model.modules()):
-        if isinstance(module, GroupedExperts):
-            found["experts_fp8" if to_float8(module, device_type, emulated(cfg, device_type)) else
+        to_float8 = getattr(module, "to_float8", None)
+        if callable(to_float8):
+            found["experts_fp8" if to_float8(device_type, emulated(cfg, device_type)) else
                   "experts_high_precision"] += 1
     return found
 

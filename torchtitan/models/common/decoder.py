@@ -86,7 +86,8 @@ class Decoder(nn.Module):
         self.attention_backend: AttentionBackend | None = None
         # Non-persistent: it is derived from args, so it stays out of checkpoints.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
-        if any(moe.has_aux_loss for moe in self.moe_layers().values()):
+        # (From the blocks: a subclass's moe_layers may read modules it adds after this.)
+        if any(isinstance(b.feed_forward, MoE) and b.feed_forward.has_aux_loss for b in self.blocks()):
             return_aux_losses(self, self.moe_layers)
 
     def tie_weights(self) -> None:
