@@ -3,9 +3,11 @@
 A training forward of a model with an auxiliary balance loss returns ``(output, aux)``
 (``models/aux_loss.py``): ``aux`` is the sum over the model's MoE layers of their losses, without their
 coefficient. The step's loss splits it off (``split``), scores the output as usual and adds
-``coeff / forwards * aux`` (``add_to``), ``forwards`` being the step's forwards (micro-batches x
-pipeline microbatches): the mean over them, as the main loss is a mean over the step's tokens, and,
-through the data-parallel gradient average, over the data ranks. The plain step adds it to its scaled
+``coeff / forwards / tp_split * aux`` (``add_to``), ``forwards`` being the step's forwards (micro-batches
+x pipeline microbatches): the mean over them, as the main loss is a mean over the step's tokens, and,
+through the data-parallel gradient average, over the data ranks. ``tp_split`` is the TP degree where
+expert parallelism borrows TP's ranks (each TP rank then routes, and scores, its own sequence shard, and
+the router's gradient is summed over TP: 1 / tp makes that sum their mean), else 1. The plain step adds it to its scaled
 loss; through the pipeline, the last stage's loss (``ScaledLoss``) does. Either way the gradient each
 layer's loss receives is ``float32(coeff / forwards)``, and the logged loss stays the main one.
 
@@ -26,18 +28,19 @@ from torchtitan.models.aux_loss import split_aux_loss
 class AuxLossTerm:
     """``coeff / forwards`` times the model's summed auxiliary loss, in the step's loss; see the module docstring.
 
-    ``num_layers``: the MoE layers of the whole model (every pipeline stage's), for the logged mean.
+    ``num_layers``: the MoE layers of the whole model (every pipeline stage's), for the logged mean;
+    ``tp_split``: the TP ranks that route their own tokens (see the module docstring).
     """
 
-    def __init__(self, coeff: float, num_layers: int):
-        self.coeff, self.num_layers = coeff, num_layers
-        self.weight = coeff
+    def __init__(self, coeff: float, num_layers: int, tp_split: int = 1):
+        self.coeff, self.num_layers, self.tp_split = coeff, num_layers, tp_split
+        self.weight = coeff / tp_split
         self._sum: torch.Tensor | None = None  # float64 on the device: the sums of the forwards since ``pop``
         self._forwards = 0
 
     def start_step(self, forwards: int) -> None:
-        """The step's weight: ``coeff * (1 / forwards)`` (a mean over the step's forwards)."""
-        self.weight = self.coeff * (1.0 / forwards)
+        """The step's weight: ``coeff * (1 / forwards) / tp_split`` (a mean over the step's forwards)."""
+        self.weight = self.coeff * (1.0 / forwards) / self.tp_split
 
     @staticmethod
     def split(output: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:

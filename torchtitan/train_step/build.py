@@ -68,7 +68,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         model = spec.build(plan.model_args)
         apply_converters(model, cfg, device_type)  # before the pipeline split and TP: they see the new classes
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
-    aux_loss = _aux_loss_term(model, plan)
+    aux_loss = _aux_loss_term(model, plan, dims)
     if options.describe:
         _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
 
@@ -108,11 +108,13 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
                        callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss, aux_loss)
 
 
-def _aux_loss_term(model: torch.nn.Module, plan: LaunchPlan) -> AuxLossTerm | None:
-    """The step's auxiliary loss term when the (whole, meta) model's MoE layers have an auxiliary loss."""
+def _aux_loss_term(model: torch.nn.Module, plan: LaunchPlan, dims: ParallelDims) -> AuxLossTerm | None:
+    """The step's auxiliary loss term when the (whole, meta) model's MoE layers have an auxiliary loss; split
+    over TP where expert parallelism borrows TP's ranks (``parallelize`` splits the layers so)."""
     layers = plan.model_spec.expert_layers(model)
     coeff = max((layer.aux_loss_coeff for layer in layers), default=0.0)
-    return AuxLossTerm(coeff, len(layers)) if coeff > 0 else None
+    tp_split = dims.tp if dims.tp_enabled and dims.ep_borrows_tp else 1
+    return AuxLossTerm(coeff, len(layers), tp_split) if coeff > 0 else None
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,

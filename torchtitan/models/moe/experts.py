@@ -83,9 +83,9 @@ class GroupedExperts(nn.Module):
     ``num_experts`` is the global count; under expert parallelism each weight is a DTensor
     sharded on dim 0 (``parallel.apply_expert_parallel``) and this rank computes its slice.
     ``use_grouped_mm=False`` forces the per-expert loop (the benchmark's baseline).
-    ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep (see
-    ``parallel.apply_expert_parallel``). ``to_float8`` (the Float8 converter) switches the grouped
-    products to FP8 where they run (``float8_experts.py``).
+    ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, tp / ep where
+    it borrows TP's ranks (see ``parallel.apply_expert_parallel``). ``to_float8`` (the Float8 converter)
+    switches the grouped products to FP8 where they run (``float8_experts.py``).
     """
 
     # The parameters stacked over the experts ([E, ...]): what expert parallelism shards on dim 0.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,6 +32,7 @@ from torchtitan.models.moe.balance import aux_loss
 from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine, permute
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.router import TokenChoiceRouter, check_routing
+from torchtitan.models.moe.tp_grads import call_summing_grads
 
 
 @dataclass
@@ -64,23 +66,32 @@ class MoEArgs:
 
 
 class SwiGLU(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``: the shared experts."""
+    """``w2(silu(w1 x) * w3 x)``: the shared experts.
+
+    ``grad_group``: the TP ranks that feed it different tokens (``parallel.split_over_tp``), over which
+    its weights' gradients are summed; None when they feed it the same ones, or without TP.
+    """
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.grad_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        g = self.grad_group
+        hidden = F.silu(call_summing_grads(self.w1, x, g)) * call_summing_grads(self.w3, x, g)
+        return call_summing_grads(self.w2, hidden, g)
 
 
 class MoE(nn.Module):
     """``forward(x [..., D]) -> [..., D]``; see the module docstring for ``tokens_per_expert``.
 
     ``dispatcher`` is a ``LocalDispatcher`` (every expert here); ``parallel.apply_expert_parallel``
-    shards the experts over an ``ep`` mesh and swaps in an ``AllToAllDispatcher``.
+    shards the experts over an ``ep`` mesh and swaps in an ``AllToAllDispatcher``. ``tp_split``: the TP
+    ranks that each route their own sequence shard through it (``parallel.split_over_tp``, when expert
+    parallelism borrows TP's ranks); 1 when every TP rank routes the same tokens, or without TP.
     ``take_aux_loss`` hands on the auxiliary loss of the last training forward (see the module docstring).
     """
 
@@ -97,6 +108,7 @@ class MoE(nn.Module):
         self.shared_experts = (SwiGLU(args.dim, args.hidden_dim * args.num_shared_experts)
                                if args.num_shared_experts else None)
         self.dispatcher: LocalDispatcher | AllToAllDispatcher = LocalDispatcher(args.num_experts)
+        self.tp_split = 1
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self._aux_loss: torch.Tensor | None = None  # the last training forward's, until its model takes it
 
