@@ -114,3 +114,6 @@ def test_the_term_weighs_the_loss_by_the_forwards_and_logs_the_mean_over_layers(
     mean_sum, layers = term.pop(torch.device("cpu"))
     assert (float(mean_sum), layers) == (4.5, 3)  # (3 + 6) / 2 forwards, over 3 layers: 1.5 a layer
     assert term.pop(torch.device("cpu"))[1] == 0
+    split = AuxLossTerm(0.01, num_layers=3, tp_split=2)  # EP borrowing TP's ranks: each routes its own shard
+    split.start_step(forwards=4)
+    assert split.weight == 0.01 * (1.0 / 4) / 2  # as the layer's injected gradient was scaled before
