@@ -35,10 +35,10 @@ TOKENIZER = str(REPO / "torchtitan/datasets/assets/tokenizer.model")
 
 
 def _store_loader(tokenizer, cache, *, seq, batch, rank, degree, path=None):
-    from torchtitan.datasets import build_dataloader
+    from torchtitan.datasets import DataLayout, build_dataloader
 
-    return build_dataloader(dataset_name="embedded", dataset_path=path, tokenizer=tokenizer, seq_len=seq,
-                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, cache_dir=cache)
+    return build_dataloader(dataset_name="embedded", dataset_path=path, tokenizer=tokenizer,
+                            layout=DataLayout(seq, batch, rank, degree), cache_dir=cache)
 
 
 def _time_batches(it, n: int) -> tuple[float, float]:
@@ -82,7 +82,7 @@ def _mixture_sources(cache: str) -> list[dict]:
 
 
 def bench_mixture(tokenizer, cache, seq: int, batch: int, steps: int, rounds: int) -> None:
-    from torchtitan.datasets import build_dataloader
+    from torchtitan.datasets import DataLayout, build_dataloader
 
     mix = _mixture_sources(cache)
     print(f"\n## mixture against one store: per-rank loader throughput (seq {seq}, local batch {batch}, rank 0 of D, "
@@ -93,7 +93,7 @@ def bench_mixture(tokenizer, cache, seq: int, batch: int, steps: int, rounds: in
         for degree in degrees:
             for kind in ("store", "mixture"):
                 loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
-                                          seq_len=seq, local_batch_size=batch, dp_rank=0, dp_degree=degree,
+                                          layout=DataLayout(seq, batch, 0, degree),
                                           cache_dir=cache, mix=mix if kind == "mixture" else None)
                 wall, cpu = _time_batches(iter(loader), steps)
                 old = best.get((kind, degree), (float("inf"), float("inf")))
@@ -117,6 +117,7 @@ def _first_batch_seconds(make, state: dict) -> float:
 
 
 def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
+    from torchtitan.datasets import DataLayout
     from torchtitan.datasets.prepare import write_synthetic_store
     from torchtitan.datasets.store_dataset import TokenStoreDataset
     from torchtitan.datasets.token_store import TokenStore
@@ -140,8 +141,8 @@ def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
         written = time.perf_counter() - t0
         for window in (0, 0, 500_000, 10**6 - 8 * batch):  # the first one warms the page cache up
             def make():
-                return TokenStoreDataset(store=TokenStore(path), seq_len=synth_seq, local_batch_size=batch,
-                                         dp_rank=0, dp_degree=8, shuffle=True)
+                return TokenStoreDataset(store=TokenStore(path),
+                                         layout=DataLayout(synth_seq, batch, 0, 8), shuffle=True)
             seconds = _first_batch_seconds(make, dict(base, seq_len=synth_seq, next_window=window))
             print(f"| synthetic store, {10**6 + 1000:,} windows of {synth_seq + 1}, DP 8: window {window:,} "
                   f"| {seconds:.3f} |")
@@ -190,7 +191,7 @@ def bench_step(tokenizer, cache, seq: int, batch: int, steps: int, step_ms: floa
 
     print(f"\n## data share of an emulated step (~{step_ms:.0f} ms of torch matmuls; seq {seq}, local batch {batch}, "
           f"{steps} steps, rank 0 of D; best of {rounds} interleaved rounds)")
-    from torchtitan.datasets import build_dataloader
+    from torchtitan.datasets import DataLayout, build_dataloader
 
     labels = ("token store, no prefetch", "token store, prefetch 2")
     best: dict[tuple[int, str], tuple[float, float, float]] = {}
@@ -198,7 +199,7 @@ def bench_step(tokenizer, cache, seq: int, batch: int, steps: int, step_ms: floa
         for degree in (1, 8):
             for label in labels:
                 it = iter(build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
-                                           seq_len=seq, local_batch_size=batch, dp_rank=0, dp_degree=degree,
+                                           layout=DataLayout(seq, batch, 0, degree),
                                            cache_dir=cache, prefetch=0 if "no prefetch" in label else 2))
                 next(it)
                 compute()

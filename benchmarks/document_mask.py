@@ -74,7 +74,7 @@ def kernels(shapes: str, reps: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from torchtitan.datasets import build_dataloader, build_tokenizer
+    from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
     from torchtitan.models.attention import build_document_mask, dense_mask, document_causal_mask_mod
     from torchtitan.models.llama3 import llama3_flavors
 
@@ -83,8 +83,8 @@ def kernels(shapes: str, reps: int) -> None:
     print(f"{'shape':>8s} {'docs':>5s} {'causal ms':>10s} {'dense x':>8s} {'per-document x':>15s}")
     for shape in shapes.split(","):
         batch, seq = (int(n) for n in shape.split("x"))
-        loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer, seq_len=seq,
-                                  local_batch_size=batch, dp_rank=0, dp_degree=1, positions=True, prefetch=0)
+        loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
+                                  layout=DataLayout(seq, batch, 0, 1), positions=True, prefetch=0)
         _, _, positions = next(iter(loader))
         mask = build_document_mask(positions)
         allowed = dense_mask(document_causal_mask_mod(mask.docs), batch, seq, seq, positions.device)

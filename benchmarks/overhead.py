@@ -51,7 +51,7 @@ class ReferenceLoop:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from torchtitan.datasets import build_dataloader, build_tokenizer
+        from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
         from torchtitan.models.common.decoder import Decoder
         from torchtitan.models.common.parallel import use_attention
         from torchtitan.ops.cpu_kernels import use_onednn_linears
@@ -85,8 +85,8 @@ class ReferenceLoop:
                                             decay_type=s.decay_type, lr_min=s.lr_min, total_steps=t.steps)
         self.max_norm = t.max_norm
         loader = build_dataloader(dataset_name=t.dataset, dataset_path=t.dataset_path,
-                                  tokenizer=build_tokenizer(cfg.model.tokenizer_path), seq_len=t.seq_len,
-                                  local_batch_size=t.batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+                                  tokenizer=build_tokenizer(cfg.model.tokenizer_path),
+                                  layout=DataLayout(t.seq_len, t.batch_size, dp_rank, dp_degree),
                                   positions=cfg.model.attn_mask_type == "block_causal")  # the trainer's mask too
         self.data = iter(loader)
 

@@ -2,11 +2,13 @@
 """Print the exact losses (``float.hex``) of a few steps in each layout, to show that a change is bitwise neutral.
 
     python scripts/loss_fingerprint.py [--repo DIR] [--steps 4] [--layouts single,fsdp2,...] [--json OUT]
+                                       [--extra "--model.name=qwen3 --model.flavor=debugmodel_moe ..."]
 
 Each layout trains ``train_configs/debug_model_ci.toml`` of the checkout ``--repo`` (this one by default)
 for ``--steps`` steps on the same global batch (4 sequences), through ``torchrun`` (or two replica groups
 and a lighthouse for the fault-tolerant layouts), and its rank 0 reports the losses ``Trainer.train()``
-returned. Run it on two checkouts and compare the lines: a refactor that claims to change nothing
+returned. ``--extra`` adds trainer options to every layout (another model, an MoE option, activation
+checkpointing). Run it on two checkouts and compare the lines: a refactor that claims to change nothing
 must print the same hex digits. The float hex is the loss as the trainer computed it (float64), so equal
 lines mean bitwise-equal losses, not "close".
 """
@@ -75,10 +77,10 @@ def _launch(repo: Path, nproc: int, args: list[str], out: Path, log: Path, env: 
     return subprocess.Popen(cmd, cwd=repo, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def run_layout(repo: Path, name: str, steps: int, tmp: Path) -> list[str]:
+def run_layout(repo: Path, name: str, steps: int, tmp: Path, extra: list[str] | None = None) -> list[str]:
     nproc, overrides = LAYOUTS[name]
     base = [f"--job.config_file={repo / 'train_configs' / 'debug_model_ci.toml'}", f"--training.steps={steps}",
-            "--metrics.enable_tensorboard=false", *overrides]
+            "--metrics.enable_tensorboard=false", *overrides, *(extra or [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     if not name.startswith(("ft", "diloco")):
         out = tmp / f"{name}.json"
@@ -122,6 +124,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--json", type=Path, help="also write {layout: [hex losses]} here")
+    parser.add_argument("--extra", default="", help="more trainer options for every layout, space-separated")
     args = parser.parse_args()
     names = [n for n in args.layouts.split(",") if n]
     unknown = [n for n in names if n not in LAYOUTS]
@@ -130,7 +133,7 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            results[name] = run_layout(args.repo.resolve(), name, args.steps, Path(tmp))
+            results[name] = run_layout(args.repo.resolve(), name, args.steps, Path(tmp), args.extra.split())
             print(f"{name:8s} {' '.join(results[name])}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

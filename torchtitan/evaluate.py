@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtitan.batch import Batch
 from torchtitan.config import JobConfig
-from torchtitan.datasets import HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
+from torchtitan.datasets import DataLayout, HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
 from torchtitan.datasets.loaders import build_mixture_validation, document_bos
 from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
@@ -73,15 +73,14 @@ def _per_source(cfg: JobConfig) -> bool:
 def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int,
                           dp_degree: int) -> ValidationData:
     v, t = cfg.validation, cfg.training
+    layout = DataLayout(t.seq_len, validation_batch_size(cfg), dp_rank, dp_degree)
     if _per_source(cfg):
         return build_mixture_validation(
-            t.dataset_mix, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, seq_len=t.seq_len,
-            local_batch_size=validation_batch_size(cfg), dp_rank=dp_rank, dp_degree=dp_degree,
+            t.dataset_mix, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, layout=layout,
             positions=cfg.model.attn_mask_type == "block_causal")
     return build_validation_dataset(
         dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
-        train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, seq_len=t.seq_len,
-        local_batch_size=validation_batch_size(cfg), dp_rank=dp_rank, dp_degree=dp_degree,
+        train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, layout=layout,
         positions=cfg.model.attn_mask_type == "block_causal",  # validation masks as training does
     )
 
@@ -125,8 +124,8 @@ def _check_source_parts(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) ->
     batch = validation_batch_size(cfg)
     try:
         parts = build_mixture_validation(cfg.training.dataset_mix, split=HeldOutSplit.from_config(cfg.validation),
-                                         tokenizer=tokenizer, seq_len=cfg.training.seq_len, local_batch_size=batch,
-                                         dp_rank=0, dp_degree=dp_degree)
+                                         tokenizer=tokenizer,
+                                         layout=DataLayout(cfg.training.seq_len, batch, 0, dp_degree))
     except (OSError, ValueError) as e:
         return [f"validation data of the mixture: {e}"]
     if not parts:

@@ -22,7 +22,7 @@ from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
 from torchtitan.datasets.mixture import mixture_metrics, start_data_at
-from torchtitan.datasets.partition import job_data_slot
+from torchtitan.datasets.partition import job_data_layout
 from torchtitan.datasets.token_bytes import token_byte_lengths
 from torchtitan.distributed import init_distributed, manual_seed, set_determinism
 from torchtitan.distributed.lifecycle import set_collective_timeout
@@ -80,12 +80,10 @@ class Trainer:
 
         dp_rank, dp_degree = self.dims.rank_and_size("dp")
         # Under fault tolerance each group reads its own slots of the job's global batch.
-        data_rank, data_degree = job_data_slot(cfg, dp_rank, dp_degree)
-        self.data_degree = data_degree  # local batches per micro-step in the whole job
+        self.data_layout = job_data_layout(cfg, dp_rank, dp_degree)  # its global batch: one micro-step of the job
         self.dataloader = build_dataloader(
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
-            seq_len=cfg.training.seq_len, local_batch_size=cfg.training.batch_size,
-            dp_rank=data_rank, dp_degree=data_degree, split=HeldOutSplit.from_config(cfg.validation),
+            layout=self.data_layout, split=HeldOutSplit.from_config(cfg.validation),
             shuffle=cfg.training.shuffle, seed=cfg.training.shuffle_seed,
             positions=self.model_args.attn_mask_type == "block_causal",  # batches then carry them third
             mix=cfg.training.dataset_mix, new_phase=cfg.training.dataset_mix_new_phase,
@@ -158,7 +156,7 @@ class Trainer:
             BadStepGuard.check_optimizer(self.optimizer)
             self.guard = BadStepGuard(cfg.stability, self.device)
             if cfg.stability.max_consecutive_skips:
-                per_step = self.grad_accum * cfg.training.batch_size * self.data_degree
+                per_step = self.grad_accum * self.data_layout.global_batch_size
                 self.rollback = Rollback(self.guard, per_step, self.rank)
         if cfg.debug.inject_nonfinite_grad:
             self.callbacks.add(NonFiniteGradInjector(cfg.debug.inject_nonfinite_grad))
@@ -203,7 +201,7 @@ class Trainer:
             self.checkpointer.save_seed()
             return
         self.step = self.checkpointer.load()  # before iter(): the loader resumes from the loaded position
-        start_data_at(self.dataloader, self.step * self.grad_accum * cfg.training.batch_size * self.data_degree)
+        start_data_at(self.dataloader, self.step * self.grad_accum * self.data_layout.global_batch_size)
         self.metrics_logger.start(self.step)  # a resumed job continues its W&B run
         self.step_strategy.begin(self.step, self.grad_accum)
         logger.info(format_batch_line(cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len,
@@ -282,7 +280,7 @@ class Trainer:
         assert self.validator is not None, "validate() runs only where validation is configured"
         result = self.validator.run()
         t = self.cfg.training
-        trained = self.step * self.grad_accum * t.batch_size * self.data_degree * t.seq_len
+        trained = self.step * self.grad_accum * self.data_layout.global_batch_size * t.seq_len
         metrics = {"validation/loss": result.loss, "validation/perplexity": result.perplexity,
                    "validation/bpb": result.bpb, "validation/tokens": result.tokens,
                    "validation/train_tokens_seen": trained,

@@ -84,7 +84,7 @@ def dump_windows(work: Path, ranks: int, batch: int, seq: int, steps: int) -> Pa
     """The windows the project's loader gives each data rank at each step (its own code, its order)."""
     import torch
 
-    from torchtitan.datasets import build_dataloader
+    from torchtitan.datasets import DataLayout, build_dataloader
     from torchtitan.datasets.tokenizer import build_tokenizer
 
     path = windows_path(work, ranks, batch, seq, steps)
@@ -94,7 +94,7 @@ def dump_windows(work: Path, ranks: int, batch: int, seq: int, steps: int) -> Pa
     per_rank = []
     for rank in range(ranks):
         loader = build_dataloader(dataset_name="embedded", dataset_path=str(work / "store"), tokenizer=tokenizer,
-                                  seq_len=seq, local_batch_size=batch, dp_rank=rank, dp_degree=ranks)
+                                  layout=DataLayout(seq, batch, rank, ranks))
         it = iter(loader)
         batches = [next(it) for _ in range(steps)]
         per_rank.append(torch.stack([torch.cat([x, y[:, -1:]], dim=1) for x, y in batches]))

@@ -128,10 +128,10 @@ def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 def reference_batch(global_batch: int, seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """The first global batch the trainer sees (the stream does not depend on the DP degree)."""
-    from torchtitan.datasets import build_dataloader, build_tokenizer
+    from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
 
     loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
-                              seq_len=seq_len, local_batch_size=global_batch, dp_rank=0, dp_degree=1)
+                              layout=DataLayout(seq_len, global_batch, 0, 1))
     return next(iter(loader))
 
 

@@ -122,11 +122,11 @@ def _first_batch_after_resume(rank: int, world_size: int, dump: str, overrides: 
     position = trainer.dataloader.dataset.state_dict()["next_window"]
     inputs = next(iter(trainer.dataloader))[0]
     # The truth: windows 8 and 9 of the global stream, from a fresh dataset at the start.
-    from torchtitan.datasets import build_dataloader, build_tokenizer
+    from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
 
     fresh = build_dataloader(dataset_name="embedded", dataset_path=None,
                              tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
-                             seq_len=64, local_batch_size=10, dp_rank=0, dp_degree=1)
+                             layout=DataLayout(64, 10, 0, 1))
     first_ten, _ = next(iter(fresh))
     out = {"next_window": position, "first_batch": inputs.tolist(), "windows_8_9": first_ten[8:10].tolist()}
 

@@ -14,6 +14,7 @@ import torch
 
 from torchtitan.datasets import (
     DATASETS,
+    DataLayout,
     HeldOutSplit,
     Tokenizer,
     build_dataloader,
@@ -45,14 +46,12 @@ def tokenizer(shipped_tokenizer) -> Tokenizer:
     return build_tokenizer(shipped_tokenizer)
 
 
-def make_loader(tokenizer: Tokenizer, *, batch: int, rank: int = 0, degree: int = 1, **kwargs):
+def make_loader(tokenizer: Tokenizer, *, batch: int, rank: int = 0, degree: int = 1, seq_len: int = SEQ_LEN, **kwargs):
     # Unshuffled: these tests check the packing against the plain stream; the shuffled order is tested in
     # test_token_store.py.
-    options = dict(dataset_name="embedded", dataset_path=None, seq_len=SEQ_LEN, infinite=True, shuffle=False)
+    options = dict(dataset_name="embedded", dataset_path=None, infinite=True, shuffle=False)
     options.update(kwargs)
-    return build_dataloader(
-        tokenizer=tokenizer, local_batch_size=batch, dp_rank=rank, dp_degree=degree, **options
-    )
+    return build_dataloader(tokenizer=tokenizer, layout=DataLayout(seq_len, batch, rank, degree), **options)
 
 
 def take(loader, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,7 +18,7 @@ except ImportError:  # Python 3.10
 
 from torchtitan.config import ConfigManager, to_toml
 from torchtitan.config.manager import ConfigError
-from torchtitan.datasets import build_dataloader, build_tokenizer
+from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
 from torchtitan.datasets.interleave import Interleave, integer_weights
 from torchtitan.datasets.prepare import prepare_store
 from torchtitan.datasets.token_store import TokenStore
@@ -130,8 +130,8 @@ MIX = [("web", 0.6), ("code", 0.3), ("math", 0.1)]
 
 def mix_loader(stores, tokenizer, *, mix=MIX, batch=4, rank=0, degree=1, **kw):
     entries = [{"path": str(stores[name]), "weight": w} for name, w in mix]
-    return build_dataloader(dataset_name="ignored", dataset_path=None, tokenizer=tokenizer, seq_len=SEQ,
-                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, mix=entries, **kw)
+    return build_dataloader(dataset_name="ignored", dataset_path=None, tokenizer=tokenizer,
+                            layout=DataLayout(SEQ, batch, rank, degree), mix=entries, **kw)
 
 
 def take(dl, n):
@@ -216,8 +216,8 @@ def test_a_changed_mixture_is_refused_unless_a_new_phase_is_asked_for(stores, to
 
 
 def test_single_dataset_checkpoints_and_mixtures_do_not_mix_silently(stores, tokenizer):
-    single = build_dataloader(dataset_name="x", dataset_path=str(stores["web"]), tokenizer=tokenizer, seq_len=SEQ,
-                              local_batch_size=4, dp_rank=0, dp_degree=1)
+    single = build_dataloader(dataset_name="x", dataset_path=str(stores["web"]), tokenizer=tokenizer,
+                              layout=DataLayout(SEQ, 4, 0, 1))
     take(single, 2)
     mix = mix_loader(stores, tokenizer)
     mix.load_state_dict(single.state_dict())
@@ -227,8 +227,8 @@ def test_single_dataset_checkpoints_and_mixtures_do_not_mix_silently(stores, tok
     started.dataset.load_state_dict(single.state_dict()["dataset_state"])  # as the checkpointer loads it
     started.dataset.start_at(8)
     assert len(take(started, 1)) == 1
-    back = build_dataloader(dataset_name="x", dataset_path=str(stores["web"]), tokenizer=tokenizer, seq_len=SEQ,
-                            local_batch_size=4, dp_rank=0, dp_degree=1)
+    back = build_dataloader(dataset_name="x", dataset_path=str(stores["web"]), tokenizer=tokenizer,
+                            layout=DataLayout(SEQ, 4, 0, 1))
     back.load_state_dict(started.state_dict())
     with pytest.raises(ValueError, match="mixture"):
         iter(back)
@@ -329,8 +329,8 @@ def test_validation_parts_are_each_sources_held_out_documents_or_its_validation_
            {"path": str(stores["web"]), "weight": 1.0, "validation_path": str(stores["code"])},
            {"path": str(stores["math"]), "weight": 1.0}]  # a prepared store without a held-out part
     split = HeldOutSplit(0.25, 0)
-    parts = build_mixture_validation(mix, split=split, tokenizer=tokenizer, seq_len=SEQ, local_batch_size=1,
-                                     dp_rank=0, dp_degree=1, cache_dir=str(tmp_path / "cache"))
+    parts = build_mixture_validation(mix, split=split, tokenizer=tokenizer,
+                                     layout=DataLayout(SEQ, 1, 0, 1), cache_dir=str(tmp_path / "cache"))
     assert list(parts) == ["notes", "web"]
     assert parts["notes"].store.split_key == split.key("held_out")
     assert parts["web"].store.path == TokenStore(stores["code"]).path
@@ -358,8 +358,8 @@ def test_a_hub_source_is_prepared_into_a_cached_store_once_and_reads_as_its_loca
     local_mix = [{"path": str(local), "weight": 1.5}, web]
 
     def batches(mix, degree):
-        per_rank = [take(build_dataloader(dataset_name="ignored", dataset_path=None, tokenizer=tokenizer, seq_len=SEQ,
-                                          local_batch_size=4 // degree, dp_rank=r, dp_degree=degree, mix=mix,
+        per_rank = [take(build_dataloader(dataset_name="ignored", dataset_path=None, tokenizer=tokenizer,
+                                          layout=DataLayout(SEQ, 4 // degree, r, degree), mix=mix,
                                           cache_dir=cache), 12)
                     for r in range(degree)]
         return [torch.cat([per_rank[r][s] for r in range(degree)]) for s in range(12)]
@@ -396,8 +396,8 @@ def test_a_hub_source_is_the_store_prepare_data_makes_and_has_a_held_out_part(tm
     assert made.n_tokens == cached.n_tokens and np.array_equal(made.read(0, made.n_tokens),
                                                                cached.read(0, cached.n_tokens))
     split = HeldOutSplit(0.25, 0)
-    parts = build_mixture_validation(mix, split=split, tokenizer=tokenizer, seq_len=SEQ, local_batch_size=1,
-                                     dp_rank=0, dp_degree=1, cache_dir=str(tmp_path / "cache"))
+    parts = build_mixture_validation(mix, split=split, tokenizer=tokenizer,
+                                     layout=DataLayout(SEQ, 1, 0, 1), cache_dir=str(tmp_path / "cache"))
     assert list(parts) == ["hubrepo"] and parts["hubrepo"].store.split_key == split.key("held_out")
 
 

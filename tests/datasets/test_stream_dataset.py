@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from torchtitan.datasets import HeldOutSplit, build_tokenizer
+from torchtitan.datasets import DataLayout, HeldOutSplit, build_tokenizer
 from torchtitan.datasets.sources import load_local_dataset
 from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 
@@ -29,8 +29,8 @@ def setup(tmp_path_factory, shipped_tokenizer):
 
 def _stream(setup, rank: int, degree: int, **kw) -> ShardedStreamDataset:
     path, _, tokenizer = setup
-    return ShardedStreamDataset(source=load_local_dataset(path), text_field="text", tokenizer=tokenizer, seq_len=SEQ,
-                                local_batch_size=BATCH, dp_rank=rank, dp_degree=degree, **kw)
+    return ShardedStreamDataset(source=load_local_dataset(path), text_field="text", tokenizer=tokenizer,
+                                layout=DataLayout(SEQ, BATCH, rank, degree), **kw)
 
 
 def _tokens(batches) -> list[int]:

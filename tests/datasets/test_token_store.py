@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import DEBUG_CONFIG, REPO, load_script
 
-from torchtitan.datasets import HeldOutSplit, build_dataloader, build_tokenizer, prepare, store_cache
+from torchtitan.datasets import DataLayout, HeldOutSplit, build_dataloader, build_tokenizer, prepare, store_cache
 from torchtitan.datasets.sources import TokenStoreError
 from torchtitan.datasets.token_store import TokenStore
 from torchtitan.datasets.window_order import WindowPermutation
@@ -57,8 +57,8 @@ def reference_stream(tokenizer, docs: list[str]) -> list[int]:
 
 
 def loader(path, tokenizer, *, batch=2, rank=0, degree=1, **kw):
-    return build_dataloader(dataset_name="ignored", dataset_path=str(path), tokenizer=tokenizer, seq_len=SEQ,
-                            local_batch_size=batch, dp_rank=rank, dp_degree=degree, **kw)
+    return build_dataloader(dataset_name="ignored", dataset_path=str(path), tokenizer=tokenizer,
+                            layout=DataLayout(SEQ, batch, rank, degree), **kw)
 
 
 def take(dl, n):
@@ -132,7 +132,7 @@ def test_epochs_reshuffle_and_cover_every_window(tmp_path):
 
     s = synthetic(tmp_path, 103 * (SEQ + 1) + 5)  # 103 windows: 12 global batches of 8, 7 windows dropped
     def ranks(infinite, degree=2):
-        return [TokenStoreDataset(store=s, seq_len=SEQ, local_batch_size=4, dp_rank=r, dp_degree=degree,
+        return [TokenStoreDataset(store=s, layout=DataLayout(SEQ, 4, r, degree),
                                   shuffle=True, infinite=infinite) for r in range(degree)]
     epochs = []
     for data in zip(*ranks(True)):
@@ -191,8 +191,7 @@ def _prefetch_threads() -> list[threading.Thread]:
 def test_the_prefetch_thread_is_joined_when_its_iterator_closes(tmp_path):
     from torchtitan.datasets.store_dataset import TokenStoreDataset
 
-    data = TokenStoreDataset(store=synthetic(tmp_path, 40 * (SEQ + 1)), seq_len=SEQ, local_batch_size=2, dp_rank=0,
-                             dp_degree=1, name="joined")
+    data = TokenStoreDataset(store=synthetic(tmp_path, 40 * (SEQ + 1)), layout=DataLayout(SEQ, 2, 0, 1), name="joined")
     it = iter(data)
     next(it)
     (thread,) = [t for t in _prefetch_threads() if t.name == "prefetch:joined"]
@@ -205,7 +204,7 @@ def test_the_prefetch_thread_is_joined_when_its_iterator_closes(tmp_path):
 # retakes the GIL, and the unwinding through torch's C++ frames aborts the process.
 _BUSY_EXIT = """
 import sys, torch
-from torchtitan.datasets import prepare
+from torchtitan.datasets import DataLayout, prepare
 from torchtitan.datasets.store_dataset import TokenStoreDataset
 from torchtitan.datasets.token_store import TokenStore
 
@@ -219,7 +218,7 @@ def busy(self, windows):
 
 TokenStoreDataset._batch = busy
 store = TokenStore(prepare.write_synthetic_store(sys.argv[1], 40 * 17, shard_tokens=1000))
-it = iter(TokenStoreDataset(store=store, seq_len=16, local_batch_size=2, dp_rank=0, dp_degree=1, prefetch=1))
+it = iter(TokenStoreDataset(store=store, layout=DataLayout(16, 2, 0, 1), prefetch=1))
 next(it)
 print("exiting", flush=True)
 sys.exit(0)
@@ -377,8 +376,8 @@ def test_streaming_mode_shards_documents_and_resumes_at_its_dp_degree(corpus, to
 
     def rank(r, degree=2):
         source = datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
-        return ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer, seq_len=SEQ,
-                                    local_batch_size=2, dp_rank=r, dp_degree=degree, infinite=False, name="hub")
+        return ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer,
+                                    layout=DataLayout(SEQ, 2, r, degree), infinite=False, name="hub")
 
     r0, r1 = rank(0), rank(1)
     tokens0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in r0]).tolist()
@@ -541,8 +540,8 @@ def test_streamed_batches_carry_positions(corpus, tokenizer):
     from torchtitan.datasets.stream_dataset import ShardedStreamDataset
 
     source = datasets.load_dataset("json", data_files=str(corpus[0]), split="train", streaming=True)
-    stream = ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer, seq_len=SEQ,
-                                  local_batch_size=2, dp_rank=0, dp_degree=1, infinite=False, name="hub",
+    stream = ShardedStreamDataset(source=source, text_field="text", tokenizer=tokenizer,
+                                  layout=DataLayout(SEQ, 2, 0, 1), infinite=False, name="hub",
                                   positions=True)
     batches = list(stream)
     # Every full batch of the one pass: the corpus' tokens, each document with BOS and EOS, in rows of SEQ + 1.

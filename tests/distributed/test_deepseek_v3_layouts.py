@@ -93,10 +93,10 @@ def _transformers_loss(folder: Path) -> float:
     import transformers
     from conftest import SHIPPED_TOKENIZER
 
-    from torchtitan.datasets import build_dataloader, build_tokenizer
+    from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
 
     loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=build_tokenizer(SHIPPED_TOKENIZER),
-                              seq_len=SEQ, local_batch_size=BATCH, dp_rank=0, dp_degree=1)
+                              layout=DataLayout(SEQ, BATCH, 0, 1))
     inputs, labels = next(iter(loader))
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():

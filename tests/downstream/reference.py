@@ -13,7 +13,7 @@ import math
 import torch
 
 from torchtitan.downstream.encoding import split_pair
-from torchtitan.downstream.tasks import Task
+from torchtitan.downstream.request import Task
 
 
 def reference_model(cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:  # noqa: ANN001 - a JobConfig

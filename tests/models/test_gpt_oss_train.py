@@ -20,7 +20,7 @@ def test_transformers_folder_trains_with_their_step1_loss_under_ep2_and_exports_
     """EP 2 x FSDP 2 (each rank reads its experts' rows out of transformers' stacked, transposed, interleaved
     tensors), a window (6) shorter than the sequence: step-1 loss = transformers'; the export loads in
     transformers with the same logits."""
-    from torchtitan.datasets import build_dataloader, build_tokenizer
+    from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
 
     tokenizer = build_tokenizer(SHIPPED_TOKENIZER)
     config = transformers.GptOssConfig(
@@ -35,8 +35,8 @@ def test_transformers_folder_trains_with_their_step1_loss_under_ep2_and_exports_
                 p.copy_(0.5 * torch.randn_like(p))
     hf = tmp_path / "hf"
     theirs.save_pretrained(hf)
-    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer, seq_len=SEQ,
-                              local_batch_size=BATCH, dp_rank=0, dp_degree=1)
+    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
+                              layout=DataLayout(SEQ, BATCH, 0, 1))
     inputs, labels = next(iter(loader))
     with torch.no_grad():
         want = float(torch.nn.functional.cross_entropy(theirs(inputs).logits.flatten(0, 1), labels.flatten()))

@@ -340,23 +340,28 @@ def test_sequence_loss_matches_its_formula():
 
 
 @pytest.mark.parametrize("kind", ["switch", "sequence"])
-def test_aux_loss_gradient_is_the_coefficient_times_its_scale(kind):
-    coeff, scale = 0.03, 0.25
-    moe, plain = make_moe(aux_loss=kind, aux_loss_coeff=coeff), make_moe()
-    moe.aux_loss_grad_scale = scale
+def test_aux_loss_is_handed_to_the_model_once_and_trains_with_the_weight_it_is_given(kind):
+    """A training forward keeps its loss for its model to take, once; weighed by the step, it adds its gradient."""
+    weight = 0.03 * 0.25  # the coefficient over the step's forwards (train_step/aux_loss.py)
+    moe, plain = make_moe(aux_loss=kind, aux_loss_coeff=0.03), make_moe()
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(12))
     g = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(13))
-    (moe(x) * g).sum().backward()
-    y = plain(x)
-    _, experts, scores = plain.router(x.reshape(-1, 16))
+    y = moe(x)
+    loss = moe.take_aux_loss()
+    assert loss is not None and moe.take_aux_loss() is None
+    ((y * g).sum() + weight * loss).backward()
     from torchtitan.models.moe.balance import aux_loss
 
-    ((y * g).sum() + coeff * scale * aux_loss(kind, scores, experts, 2)).backward()
+    _, experts, scores = plain.router(x.reshape(-1, 16))
+    want = aux_loss(kind, scores, experts, 2)
+    assert math.isclose(float(loss.detach()), float(want.detach()), rel_tol=1e-6)
+    ((plain(x) * g).sum() + weight * want).backward()
     torch.testing.assert_close(moe.router.gate.weight.grad, plain.router.gate.weight.grad, rtol=1e-6, atol=1e-9)
     without = make_moe()
     (without(x) * g).sum().backward()
     assert not torch.allclose(without.router.gate.weight.grad, moe.router.gate.weight.grad, rtol=1e-4, atol=0), (
         "the auxiliary loss added no gradient")
-    value = moe.pop_aux_loss()
-    assert value is not None and math.isclose(value, float(aux_loss(kind, scores, experts, 2).detach()), rel_tol=1e-6)
-    assert moe.pop_aux_loss() is None
+    moe.eval()
+    moe(x)
+    assert moe.take_aux_loss() is None  # evaluation keeps none
+    assert not make_moe(aux_loss=kind).has_aux_loss  # without a coefficient there is no loss

@@ -104,7 +104,7 @@ def test_train_from_a_qwen3_moe_folder_then_export_loads_in_transformers(tmp_pat
     from conftest import SHIPPED_TOKENIZER, load_script
     from safetensors.torch import load_file
 
-    from torchtitan.datasets import build_dataloader, build_tokenizer
+    from torchtitan.datasets import DataLayout, build_dataloader, build_tokenizer
 
     tokenizer = build_tokenizer(SHIPPED_TOKENIZER)
     config = transformers.Qwen3MoeConfig(
@@ -115,8 +115,8 @@ def test_train_from_a_qwen3_moe_folder_then_export_loads_in_transformers(tmp_pat
     theirs = transformers.Qwen3MoeForCausalLM(config).float().eval()
     hf = tmp_path / "hf"
     theirs.save_pretrained(hf)
-    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer, seq_len=32,
-                              local_batch_size=2, dp_rank=0, dp_degree=1)
+    loader = build_dataloader(dataset_name="embedded", dataset_path=None, tokenizer=tokenizer,
+                              layout=DataLayout(32, 2, 0, 1))
     inputs, labels = next(iter(loader))
     with torch.no_grad():
         want = float(torch.nn.functional.cross_entropy(theirs(inputs).logits.flatten(0, 1), labels.flatten()))

@@ -11,7 +11,9 @@ from torch import nn
 
 from torchtitan import compat
 from torchtitan.models import get_model_spec, model_args
-from torchtitan.models.moe.float8_experts import ALIGN, Float8GroupedExperts, aligned_rows, padded_grouped_mm
+from torchtitan.models.moe import experts as experts_module
+from torchtitan.models.moe.experts import ClampedSwiGLUExperts, GroupedExperts
+from torchtitan.models.moe.float8_experts import ALIGN, aligned_rows, padded_grouped_mm
 from torchtitan.quantization import checks, converter_problems
 from torchtitan.quantization.float8 import convert_to_float8, skip_reason
 
@@ -59,10 +61,25 @@ def test_moe_model_routed_experts_fp8_only_on_cuda(device_type):
                                device_type)
     routers = [fqn for fqn, _ in model.named_modules() if fqn.endswith("router.gate")]
     assert routers and all(type(model.get_submodule(f)) is nn.Linear for f in routers)  # the gate stays
-    experts = [m for m in model.modules() if type(m).__name__ in ("GroupedExperts", "Float8GroupedExperts")]
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     fp8 = device_type == "cuda" and compat.scaled_grouped_mm_available()
     assert counts["experts_fp8" if fp8 else "experts_high_precision"] == len(experts) > 0
-    assert all(isinstance(m, Float8GroupedExperts) == fp8 for m in experts)
+    assert all(m.fp8 == fp8 for m in experts)
+
+
+def test_to_float8_switches_plain_experts_only_and_falls_back_where_fp8_does_not_fit(monkeypatch):
+    """Where FP8 grouped GEMMs run, plain experts switch; GPT-OSS's biased, clamped experts stay in high precision.
+    A switched module whose products do not fit (here: CPU tensors) computes the high-precision products."""
+    monkeypatch.setattr(experts_module, "fp8_grouped_mm_runs", lambda device_type, emulate: True)
+    plain, clamped = GroupedExperts(16, 32, 4), ClampedSwiGLUExperts(16, 32, 4, limit=7.0, alpha=1.702)
+    assert plain.to_float8("cuda", False) and plain.fp8
+    assert not clamped.to_float8("cuda", False) and not clamped.fp8
+    reference = GroupedExperts(16, 32, 4)
+    for name in ("w1", "w2", "w3"):
+        torch.nn.init.normal_(getattr(reference, name), std=0.1)
+        getattr(plain, name).data.copy_(getattr(reference, name))
+    x, counts = torch.randn(10, 16), torch.tensor([3, 0, 5, 2])
+    assert torch.equal(plain(x, counts), reference(x, counts))
 
 
 def test_emulate_follows_the_option_and_the_cpu_kernel():

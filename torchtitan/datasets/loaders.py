@@ -84,6 +84,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.config.dataset_mix import mix_source_name
 from torchtitan.datasets.embedded_corpus import default_cache_dir, ensure_embedded_corpus
+from torchtitan.datasets.layout import DataLayout
 from torchtitan.datasets.mixture import MixSource, MixtureDataset
 from torchtitan.datasets.sources import (
     DATASETS,
@@ -113,17 +114,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_layout(*, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
-    if seq_len <= 0:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if local_batch_size <= 0:
-        raise ValueError(f"local_batch_size must be positive, got {local_batch_size}")
-    if dp_degree <= 0:
-        raise ValueError(f"dp_degree must be positive, got {dp_degree}")
-    if not 0 <= dp_rank < dp_degree:
-        raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}")
 
 
 def _store_source(dataset_name: str, dataset_path: str | None, hub: bool = False) -> SourceSpec | None:
@@ -261,10 +251,7 @@ def build_dataloader(
     dataset_name: str,
     dataset_path: str | None,
     tokenizer: Tokenizer,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_degree: int,
+    layout: DataLayout,
     infinite: bool = True,
     split: HeldOutSplit | None = None,
     shuffle: bool = True,
@@ -275,7 +262,8 @@ def build_dataloader(
     mix: list[dict] | None = None,
     new_phase: bool = False,
 ) -> StatefulDataLoader:
-    """Build this DP rank's loader of ``(inputs, labels)`` batches, each ``[local_batch_size, seq_len]``.
+    """Build this DP rank's loader (``layout``) of ``(inputs, labels)`` batches, each
+    ``[layout.local_batch_size, layout.seq_len]``.
 
     ``dataset_path``, when set, overrides ``dataset_name``: a prepared token
     store (``scripts/prepare_data.py``), or local files that are prepared into a
@@ -295,14 +283,12 @@ def build_dataloader(
     ``mix`` (``training.dataset_mix`` entries), when given, replaces the dataset: a weighted
     mixture of token stores (``mixture.py``); ``new_phase`` lets a resume change it.
     """
-    _check_layout(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
     if mix:
         sources = open_mixture_sources(mix, tokenizer=tokenizer, split=split, cache_dir=cache_dir)
         mixture = MixtureDataset(
-            sources=sources, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-            dp_degree=dp_degree, shuffle=shuffle, seed=seed, prefetch=prefetch, new_phase=new_phase,
+            sources=sources, layout=layout, shuffle=shuffle, seed=seed, prefetch=prefetch, new_phase=new_phase,
             positions_bos=document_bos(sources[0].store) if positions else None)
-        if dp_rank == 0:
+        if layout.dp_rank == 0:
             logger.info("Training data: %s, %s windows per source", mixture.name,
                         "/".join(f"{n:,}" for n in mixture.n_windows))
         return _loader(mixture)
@@ -311,8 +297,7 @@ def build_dataloader(
     name = dataset_path or dataset_name
     if store is not None:
         dataset: IterableDataset = TokenStoreDataset(
-            store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-            infinite=infinite, shuffle=shuffle, seed=seed, prefetch=prefetch, name=name,
+            store=store, layout=layout, infinite=infinite, shuffle=shuffle, seed=seed, prefetch=prefetch, name=name,
             positions_bos=document_bos(store) if positions else None,
         )
         # The dataset yields whole batches, and reads them ahead itself.
@@ -320,10 +305,10 @@ def build_dataloader(
     # A hub dataset: streamed, each DP rank reading its own documents (the order then depends on D).
     source, text_field = open_source(dataset_name, dataset_path)
     logger.info("%s: streamed per DP rank (no token store): the sample order depends on the DP degree %d",
-                name, dp_degree)
+                name, layout.dp_degree)
     dataset = ShardedStreamDataset(
-        source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-        dp_rank=dp_rank, dp_degree=dp_degree, infinite=infinite, name=name, split=split, positions=positions,
+        source=source, text_field=text_field, tokenizer=tokenizer, layout=layout, infinite=infinite, name=name,
+        split=split, positions=positions,
     )
     return _loader(dataset)
 
@@ -364,10 +349,7 @@ def build_validation_dataset(
     train_dataset_path: str | None,
     split: HeldOutSplit | None,
     tokenizer: Tokenizer,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_degree: int,
+    layout: DataLayout,
     cache_dir: str | None = None,
     positions: bool = False,
 ) -> TokenStoreDataset | ShardedStreamDataset:
@@ -391,23 +373,22 @@ def build_validation_dataset(
         name = f"validation:held-out {split.fraction:g} of {train_dataset_path or train_dataset_name}"
     if store is not None:
         # No read-ahead thread: an evaluation may stop after validation.steps batches.
-        return TokenStoreDataset(store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                                 dp_degree=dp_degree, infinite=False, shuffle=False, prefetch=0, name=name,
+        return TokenStoreDataset(store=store, layout=layout, infinite=False, shuffle=False, prefetch=0, name=name,
                                  positions_bos=document_bos(store) if positions else None)
     if own:
         source, text_field = open_source(dataset_name or "", dataset_path)
     else:
         source, text_field = open_source(train_dataset_name, train_dataset_path)
     return ShardedStreamDataset(
-        source=source, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-        dp_rank=dp_rank, dp_degree=dp_degree, infinite=True, name=name, split=None if own else split,
+        source=source, text_field=text_field, tokenizer=tokenizer, layout=layout, infinite=True, name=name,
+        split=None if own else split,
         held_out=not own, positions=positions,
     )
 
 
 def build_mixture_validation(
-    mix: list[dict], *, split: HeldOutSplit | None, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-    dp_rank: int, dp_degree: int, cache_dir: str | None = None, positions: bool = False,
+    mix: list[dict], *, split: HeldOutSplit | None, tokenizer: Tokenizer, layout: DataLayout,
+    cache_dir: str | None = None, positions: bool = False,
 ) -> dict[str, TokenStoreDataset]:
     """Each mixture source's held-out part, by source name: its ``validation_path``, else (a source prepared on
     first use) the documents ``split`` holds out of it. A prepared store without a ``validation_path`` has none."""
@@ -426,8 +407,7 @@ def build_mixture_validation(
             continue  # not reached: every mixture source prepares a store (hub=True)
         name = mix_source_name(entry)
         parts[name] = TokenStoreDataset(
-            store=store, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-            infinite=False, shuffle=False, prefetch=0, name=f"validation:{name}",
+            store=store, layout=layout, infinite=False, shuffle=False, prefetch=0, name=f"validation:{name}",
             positions_bos=document_bos(store) if positions else None)
     return parts
 

@@ -42,6 +42,7 @@ from torchdata.stateful_dataloader import Stateful
 from torchtitan.config.manager import ConfigError
 from torchtitan.datasets.documents import document_positions
 from torchtitan.datasets.interleave import Interleave
+from torchtitan.datasets.layout import DataLayout
 from torchtitan.datasets.store_dataset import check_position_maps, read_ahead
 from torchtitan.datasets.token_store import TokenStore
 from torchtitan.datasets.window_order import WindowPermutation
@@ -72,19 +73,19 @@ def _source_seed(seed: int, index: int, phase_start: int) -> int:
 
 
 class MixtureDataset(IterableDataset, Stateful):
-    """Yields ``(inputs, labels[, positions])`` local batches ``[local_batch_size, seq_len]`` of the mixture."""
+    """Yields ``(inputs, labels[, positions])`` local batches ``[layout.local_batch_size, layout.seq_len]`` of the
+    mixture."""
 
-    def __init__(self, *, sources: Sequence[MixSource], seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_degree: int, shuffle: bool = True, seed: int = 0, prefetch: int = 2,
-                 positions_bos: int | None = None, new_phase: bool = False) -> None:
+    def __init__(self, *, sources: Sequence[MixSource], layout: DataLayout, shuffle: bool = True, seed: int = 0,
+                 prefetch: int = 2, positions_bos: int | None = None, new_phase: bool = False) -> None:
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset_mix: two sources are named alike ({', '.join(names)}); give each table a "
                              "distinct name = \"...\"")
         self.sources = list(sources)
         self.interleave = Interleave([s.weight for s in sources])
-        self.seq_len, self.local_batch_size = seq_len, local_batch_size
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.layout = layout
+        seq_len = layout.seq_len
         self.shuffle, self.seed, self.prefetch = shuffle, seed, prefetch
         self.positions_bos, self.new_phase = positions_bos, new_phase
         self.name = "mix(" + _describe(self.mixture) + ")"
@@ -123,7 +124,7 @@ class MixtureDataset(IterableDataset, Stateful):
         return order.at(index)
 
     def _batch(self, slots: list[tuple[int, int]], phase_start: int) -> tuple[torch.Tensor, ...]:
-        width = self.seq_len + 1
+        width = self.layout.seq_len + 1
         rows = np.stack([self.sources[i].store.read(self._window(i, c, phase_start) * width, width)
                          for i, c in slots])
         tokens = torch.from_numpy(rows)
@@ -134,13 +135,13 @@ class MixtureDataset(IterableDataset, Stateful):
 
     def _produce(self, taken: list[int], phase_start: int) -> Iterator[tuple[tuple[int, ...], tuple]]:
         """(counts after the batch, this rank's batch), one global batch after another, endlessly."""
-        local, global_batch = self.local_batch_size, self.local_batch_size * self.dp_degree
+        local, global_batch = self.layout.local_batch_size, self.layout.global_batch_size
         slot = sum(taken)
         before = list(taken)
         while True:
             after = self.interleave.counts_at(slot + global_batch)
             self._log_new_epochs(before, after)
-            mine = self.interleave.slots(slot + self.dp_rank * local, local)
+            mine = self.interleave.slots(slot + self.layout.first_row, local)
             yield tuple(after), self._batch(mine, phase_start)
             slot, before = slot + global_batch, after
 
@@ -175,7 +176,7 @@ class MixtureDataset(IterableDataset, Stateful):
 
     def tokens_by_source(self) -> dict[str, int]:
         """Tokens (labels scored) each source gave over the run so far, earlier phases included."""
-        return {s.name: before + taken * self.seq_len
+        return {s.name: before + taken * self.layout.seq_len
                 for s, before, taken in zip(self.sources, self._tokens_before, self._taken)}
 
     # ---------------------------------------------------------- checkpoint
@@ -188,8 +189,8 @@ class MixtureDataset(IterableDataset, Stateful):
             # Plain ints (the counts may be NumPy's): a checkpoint's values are read without pickle.
             "taken": {str(i): int(t) for i, t in enumerate(self._taken)},
             "tokens": {str(i): int(tokens[s.name]) for i, s in enumerate(self.sources)},
-            "seq_len": self.seq_len,
-            "local_batch_size": self.local_batch_size,
+            "seq_len": self.layout.seq_len,
+            "local_batch_size": self.layout.local_batch_size,
             "shuffle": self.seed if self.shuffle else None,
         }
         if self.split is not None:
@@ -197,7 +198,7 @@ class MixtureDataset(IterableDataset, Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_position_maps(self.name, state_dict, self.seq_len, self.split)
+        check_position_maps(self.name, state_dict, self.layout.seq_len, self.split)
         if "mixture" not in state_dict:
             self._new_phase_from_single()
             return
@@ -217,7 +218,7 @@ class MixtureDataset(IterableDataset, Stateful):
         tokens = {name: int(state_dict["tokens"][k]) for (name, _), k in zip(theirs, order)}
         if theirs == self.mixture:
             self._phase_start, self._taken = int(state_dict["phase_start"]), taken
-            self._tokens_before = [tokens[s.name] - t * self.seq_len for s, t in zip(self.sources, taken)]
+            self._tokens_before = [tokens[s.name] - t * self.layout.seq_len for s, t in zip(self.sources, taken)]
             return
         if not self.new_phase:  # a ConfigError: train.py prints it as one line on every rank
             raise ConfigError([

@@ -35,6 +35,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
 from torchtitan.datasets.documents import document_positions
+from torchtitan.datasets.layout import DataLayout
 from torchtitan.datasets.split import SplitKey, describe
 from torchtitan.datasets.token_store import TokenStore
 from torchtitan.datasets.window_order import WindowPermutation
@@ -131,7 +132,8 @@ def read_ahead(produced: Iterator[tuple], depth: int, name: str) -> tuple[Iterat
 
 
 class TokenStoreDataset(IterableDataset, Stateful):
-    """Yields ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``; with ``positions_bos``
+    """Yields ``(inputs, labels)`` int64 batches of shape ``[layout.local_batch_size, layout.seq_len]``; with
+    ``positions_bos``
     (the store's BOS id) ``(inputs, labels, positions)``, the inputs' positions within their documents
     (``documents.py``)."""
 
@@ -139,10 +141,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
         self,
         *,
         store: TokenStore,
-        seq_len: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_degree: int,
+        layout: DataLayout,
         infinite: bool = True,
         shuffle: bool = False,
         seed: int = 0,
@@ -152,10 +151,8 @@ class TokenStoreDataset(IterableDataset, Stateful):
     ) -> None:
         self.store = store
         self.positions_bos = positions_bos
-        self.seq_len = seq_len
-        self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_degree = dp_degree
+        self.layout = layout
+        seq_len = layout.seq_len
         self.infinite = infinite
         self.shuffle = shuffle
         self.seed = seed
@@ -164,7 +161,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
         self.split = store.split_key  # which documents the windows count in: part of the saved position
         self.n_windows = store.n_tokens // (seq_len + 1)
         try:
-            store.check_fits(seq_len, local_batch_size * dp_degree)
+            store.check_fits(seq_len, layout.global_batch_size)
         except ValueError as e:
             raise type(e)(f"{name}: {e}") from None
         self._epoch = 0
@@ -178,7 +175,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
         return WindowPermutation(self.n_windows, self.seed, epoch)
 
     def _batch(self, windows: np.ndarray) -> tuple[torch.Tensor, ...]:
-        width = self.seq_len + 1
+        width = self.layout.seq_len + 1
         rows = np.stack([self.store.read(int(w) * width, width) for w in windows])
         tokens = torch.from_numpy(rows)
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -188,8 +185,8 @@ class TokenStoreDataset(IterableDataset, Stateful):
 
     def _positions(self, epoch: int, base: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, ...] | None]]:
         """(epoch, next_window after the batch, batch) from a position on; batch None ends a finite pass."""
-        local, global_batch = self.local_batch_size, self.local_batch_size * self.dp_degree
-        mine = np.arange(local, dtype=np.int64) + self.dp_rank * local
+        global_batch = self.layout.global_batch_size
+        mine = np.arange(self.layout.local_batch_size, dtype=np.int64) + self.layout.first_row
         while True:
             order = self._order(epoch)
             # A pass counts its global batches from the position it starts at (see loaders.py).
@@ -234,8 +231,8 @@ class TokenStoreDataset(IterableDataset, Stateful):
         state = {
             "epoch": self._epoch,
             "next_window": self._next_window,
-            "seq_len": self.seq_len,
-            "local_batch_size": self.local_batch_size,
+            "seq_len": self.layout.seq_len,
+            "local_batch_size": self.layout.local_batch_size,
             "shuffle": self.seed if self.shuffle else None,
         }
         if self.split is not None:
@@ -248,7 +245,7 @@ class TokenStoreDataset(IterableDataset, Stateful):
                 f"{self.name}: the checkpoint read a mixture (--training.dataset_mix), this run one dataset; resume "
                 "with the checkpoint's mixture, or give this dataset as a mixture of one source (weight 1) with "
                 "--training.dataset_mix_new_phase to start it as a new phase")
-        check_position_maps(self.name, state_dict, self.seq_len, self.split)
+        check_position_maps(self.name, state_dict, self.layout.seq_len, self.split)
         mine = self.seed if self.shuffle else None
         if "shuffle" in state_dict and state_dict["shuffle"] != mine:
             def say(s: Any) -> str:

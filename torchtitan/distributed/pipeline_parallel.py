@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch import Batch
-from torchtitan.compat import mark_pipeline_shape_inference
+from torchtitan.compat import in_pipeline_shape_inference, mark_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
 
@@ -57,21 +57,46 @@ def prune_to_stage(whole: torch.nn.Module, plan: PipelinePlan, stage_id: int, pr
     return stage
 
 
+class OutputTerm(Protocol):
+    """A loss term that the last stage's output carries beside the logits (the MoE auxiliary loss,
+    ``train_step/aux_loss.py``): split off the output, then added to the scaled loss."""
+
+    def split(self, output: torch.Tensor | tuple[torch.Tensor, ...]
+              ) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor | None]: ...
+
+    def add_to(self, objective: torch.Tensor, aux: torch.Tensor) -> torch.Tensor: ...
+
+
 class ScaledLoss:
-    """The loss the last stage back-propagates: ``loss_fn(logits, labels) * scale``, in float64.
+    """The loss the last stage back-propagates: ``loss_fn(logits, labels) * scale``, in float64, plus the
+    ``extra`` term the output carries, when there is one.
 
     ``scale`` is set per optimizer step (it depends on the global token count). The
     float64 result lets ``PipelineRunner`` divide the scale back out with no visible
     rounding, so the logged loss is the unscaled sum; the gradient reaching the
-    float32 logits is the same ``float32(scale)`` as in the non-pipelined step.
+    float32 logits is the same ``float32(scale)`` as in the non-pipelined step. The scaled
+    main losses are kept apart for that log (``take_main``): the extra term is not logged as loss.
     """
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor]):
-        self.loss_fn = loss_fn  # (the last stage's output, labels): the logits, or a tuple with them
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], extra: OutputTerm | None = None):
+        # (the last stage's output, labels): the logits, or a tuple with them (multi-token prediction's depths)
+        self.loss_fn, self.extra = loss_fn, extra
         self.scale: torch.Tensor | float = 1.0
+        self._main: list[torch.Tensor] = []
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, labels).double() * self.scale
+        term = None
+        if self.extra is not None:
+            output, term = self.extra.split(output)
+        scaled = self.loss_fn(output, labels).double() * self.scale
+        if not in_pipeline_shape_inference():  # a schedule's first step learns shapes on stand-in tensors
+            self._main.append(local_value(scaled).detach())
+        return scaled if term is None or self.extra is None else self.extra.add_to(scaled, term)
+
+    def take_main(self) -> list[torch.Tensor]:
+        """The scaled main losses since the last call, in the order they were computed (microbatch order)."""
+        main, self._main = self._main, []
+        return main
 
 
 # Dtypes a stage may hand to the next one, by their index in the metadata sent ahead of the tensor.
@@ -131,13 +156,12 @@ class PipelineRunner:
         stage's MTP modules embed).
         """
         self.loss.scale = scale
-        losses: list[torch.Tensor] = []
         # Only the first stage consumes the tokens; the schedule hands the labels to the last stage's loss.
         args = (batch.inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=batch.labels, losses=losses, **batch.model_kwargs(), **(extra or {}))
+        self.schedule.step(*args, target=batch.labels, **batch.model_kwargs(), **(extra or {}))
         total = torch.zeros((), dtype=torch.float64, device=scale.device)
-        for loss in losses:  # one at a time, in order: the same rounding as a sum of Python floats
-            total = total + local_value(loss).detach()
+        for loss in self.loss.take_main():  # one at a time, in order: the same rounding as a sum of Python floats
+            total = total + loss
         return total / scale if self.has_last else total
 
 
@@ -150,6 +174,7 @@ def build_pipeline(
     loss_fn: Callable[..., torch.Tensor],
     prune: PruneStage,
     stage_io: Callable[[int], dict[str, Any]] | None = None,
+    extra_loss: OutputTerm | None = None,
 ) -> tuple[PipelineRunner, list[torch.nn.Module]]:
     """Build this rank's stages from the meta model ``whole`` and the schedule over them.
 
@@ -159,6 +184,7 @@ def build_pipeline(
     ``stage_io(stage_id)``, when given, states a stage's example inputs and outputs (and their
     gradients) as ``PipelineStage`` keywords, so the schedule need not exchange shapes at its
     first step (the planner's dry run needs this: it cannot read the exchanged sizes).
+    ``extra_loss``: a term the last stage's output carries beside the logits, added to its loss.
     Returns the runner and the stage modules, in ascending stage order.
     """
     pp_rank = pp_mesh.get_local_rank()
@@ -170,7 +196,7 @@ def build_pipeline(
         stage = PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **io)
         mark_pipeline_shape_inference(stage)  # so that an MoE does not count the forward that learns shapes
         stages.append(stage)
-    loss = ScaledLoss(loss_fn)
+    loss = ScaledLoss(loss_fn, extra_loss)
     cls = SCHEDULES[plan.schedule]
     # scale_grads=False: the loss already carries the step's normalisation (see ScaledLoss).
     if plan.schedule in SINGLE_STAGE_SCHEDULES:

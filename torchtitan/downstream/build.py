@@ -10,7 +10,8 @@ from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
 from torchtitan.downstream.encoding import check_lengths
 from torchtitan.downstream.evaluator import DownstreamEvaluator, EncodedTask, RowLayout
-from torchtitan.downstream.tasks import TaskError, load_tasks
+from torchtitan.downstream.request import TaskError
+from torchtitan.downstream.tasks import load_tasks
 from torchtitan.loss import cross_entropy_rows
 from torchtitan.train_step.runner import ModelRunner
 

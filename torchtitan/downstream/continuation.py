@@ -24,7 +24,7 @@ import random
 from torchtitan.config.job_config import Validation
 from torchtitan.datasets.embedded_corpus import ensure_embedded_corpus
 from torchtitan.datasets.split import HeldOutSplit
-from torchtitan.downstream.tasks import Request, Task
+from torchtitan.downstream.request import Request, Task
 
 DEFAULT_SPLIT = HeldOutSplit(fraction=0.05, seed=0)
 CONTEXT_CHARS = 160

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from torchtitan.datasets.tokenizer import Tokenizer
-from torchtitan.downstream.tasks import Request, TaskError
+from torchtitan.downstream.request import Request, TaskError
 from torchtitan.loss import IGNORE_INDEX
 
 

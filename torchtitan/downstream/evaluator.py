@@ -27,8 +27,8 @@ from torchtitan.batch import Batch
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.downstream.encoding import ScoredChoice, request_rows, row_tensors
+from torchtitan.downstream.request import Task
 from torchtitan.downstream.scores import task_scores
-from torchtitan.downstream.tasks import Task
 from torchtitan.evaluate import evaluation_mode
 
 # A batch -> each row's summed cross-entropy (None on a PP rank without the last stage).

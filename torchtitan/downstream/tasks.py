@@ -1,7 +1,6 @@
-"""Multiple-choice tasks: what a request is, how a JSONL task file is read, and how ``[eval] tasks`` names resolve.
+"""Multiple-choice tasks: how a JSONL task file is read, and how ``[eval] tasks`` names resolve.
 
-A task file holds one request a line, ``{"context": str, "choices": [str, ...], "label": int}``:
-the context, the candidate continuations, and the index of the right one. A task is named by
+A task file holds one request a line (``request.py`` reads a line). A task is named by
 its file's stem (``arc_easy.jsonl`` is ``arc_easy``). A name without a path separator or a
 ``.jsonl`` ending is a shipped task (``SHIPPED``), built by the project from its own data.
 
@@ -11,55 +10,12 @@ line and the fix; preflight collects them on every rank before any process group
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan.config.job_config import JobConfig
-
-
-class TaskError(ValueError):
-    """A task that cannot be read: one line naming the file (or name), what is wrong and the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One multiple-choice question: a context and its candidate continuations, ``label`` the right one."""
-
-    context: str
-    choices: tuple[str, ...]
-    label: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    name: str
-    requests: tuple[Request, ...]
-
-
-def parse_request(line: str, where: str) -> Request:
-    """One JSONL line as a request; ``where`` (file:line) leads the error."""
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TaskError(f"{where}: not JSON ({e.msg}); each line is one "
-                        '{"context": str, "choices": [str, ...], "label": int}') from e
-    if not isinstance(item, dict):
-        raise TaskError(f"{where}: a JSON object is expected, got {type(item).__name__}")
-    missing = [key for key in ("context", "choices", "label") if key not in item]
-    if missing:
-        raise TaskError(f"{where}: missing {', '.join(missing)}; each line is one "
-                        '{"context": str, "choices": [str, ...], "label": int}')
-    context, choices, label = item["context"], item["choices"], item["label"]
-    if not isinstance(context, str):
-        raise TaskError(f"{where}: context must be a string")
-    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
-        raise TaskError(f"{where}: choices must be a list of at least two non-empty strings")
-    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
-        raise TaskError(f"{where}: label {label!r} is out of range for {len(choices)} choices (give 0.."
-                        f"{len(choices) - 1})")
-    return Request(context, tuple(choices), label)
+from torchtitan.downstream.continuation import build_continuation_task
+from torchtitan.downstream.request import Request, Task, TaskError, parse_request
 
 
 def read_task_file(path: str | Path, limit: int | None = None) -> Task:
@@ -91,8 +47,6 @@ def task_name(spec: str) -> str:
 
 
 def _continuation(cfg: JobConfig, limit: int | None) -> Task:
-    from torchtitan.downstream.continuation import build_continuation_task
-
     return build_continuation_task(cfg.validation, limit)
 
 

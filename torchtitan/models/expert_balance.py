@@ -29,17 +29,16 @@ class ExpertLayer(Protocol):
     # [E] int64: the (token, slot) pairs this rank routed to each expert since they were last zeroed
     # (training forwards only, never an activation-checkpoint recompute)
     tokens_per_expert: torch.Tensor
-    # The auxiliary loss's gradient is its coefficient times this: the trainer sets the factor its
-    # main loss is scaled by (1 / the step's forwards)
-    aux_loss_grad_scale: float
 
     @property
     def expert_bias(self) -> torch.Tensor | None:
         """The routing bias [E] that ``update_expert_bias`` moves (None: the layer has none)."""
         ...
 
-    def pop_aux_loss(self) -> float | None:
-        """The mean auxiliary loss of the forwards since the last call (None without one); resets it."""
+    @property
+    def aux_loss_coeff(self) -> float:
+        """The weight of the layer's auxiliary balance loss (0: none). The loss itself travels with the model's
+        output (``models/aux_loss.py``), and the step's loss weighs it (``train_step/aux_loss.py``)."""
         ...
 
 

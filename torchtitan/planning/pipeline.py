@@ -39,7 +39,8 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
     Between stages flows the hidden state [micro-batch, sequence, the family's ``hidden_width``] in the
     compute dtype, as a plain tensor (sharded over the sequence under sequence parallelism). The first
     stage takes token ids; the last returns the logits (one per depth beside them with multi-token
-    prediction), a DTensor sharded over the vocabulary under loss parallel.
+    prediction), a DTensor sharded over the vocabulary under loss parallel. With an MoE auxiliary loss,
+    a running sum [1] (float32) travels beside them, last.
     """
     t, p = cfg.training, cfg.parallelism
     mb = t.batch_size // plan.microbatches
@@ -57,11 +58,21 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
 
     # A model with multi-token prediction returns one logits tensor per depth beside the main one.
     heads = 1 + int(getattr(args, "num_mtp_layers", 0))
+    # With an auxiliary loss, every stage also returns the running sum [1] of its MoE layers' losses, and each
+    # stage past the first takes it in beside the hidden state (models/aux_loss.py).
+    moe = args.moe_args() if args.num_experts else None
+    aux = (torch.empty(1, dtype=torch.float32, device=meta, requires_grad=True)
+           if moe is not None and moe.aux_loss != "none" and moe.aux_loss_coeff > 0 else None)
 
     def io(stage_id: int) -> dict[str, Any]:
-        inputs = torch.empty(mb, seq, dtype=torch.long, device=meta) if stage_id == 0 else hidden
+        inputs: torch.Tensor | tuple[torch.Tensor, ...] = (
+            torch.empty(mb, seq, dtype=torch.long, device=meta) if stage_id == 0 else hidden)
         last = stage_id == plan.num_stages - 1
-        outputs = (logits() if heads == 1 else tuple(logits() for _ in range(heads))) if last else hidden
+        outputs: torch.Tensor | tuple[torch.Tensor, ...] = (
+            (logits() if heads == 1 else tuple(logits() for _ in range(heads))) if last else hidden)
+        if aux is not None:
+            inputs = inputs if stage_id == 0 else (hidden, aux)
+            outputs = (*outputs, aux) if isinstance(outputs, tuple) else (outputs, aux)
         return {"input_args": inputs, "output_args": outputs, "input_grads": (None if stage_id == 0 else inputs),
                 "output_grads": outputs}
 

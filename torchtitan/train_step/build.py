@@ -3,6 +3,7 @@
     model on meta -> model converters (Float8) -> (pipeline: prune to this rank's stages) -> parallelize
     -> allocate -> initialize -> (pipeline: the copies the first and last stage share made equal)
     -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
+    and the auxiliary loss term of the step's loss
 
 The dry run builds what the trainer builds through this same function, with ``BuildOptions`` saying
 where it differs: it parallelizes for the GPU it plans for (``device_type="cuda"``), allocates under
@@ -28,11 +29,13 @@ from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import training_loss
 from torchtitan.models.attention import describe_backend
+from torchtitan.models.aux_loss import accept_carried_aux_loss
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.quantization import apply_converters
 from torchtitan.quantization.float8 import install_after_step
 from torchtitan.stability.z_loss import WithZLoss
+from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.mtp import MTPLoss, mtp_settings
@@ -68,6 +71,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         model = spec.build(plan.model_args)
         apply_converters(model, cfg, device_type)  # before the pipeline split and TP: they see the new classes
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
+    aux_loss = _aux_loss_term(model, plan, dims)
     if options.describe:
         _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
 
@@ -83,9 +87,15 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     else:
         pp_mesh = dims.get_mesh("pp")
         assert pp_mesh is not None, "a pipeline plan means PP is on"
-        pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize,
+
+        def materialize_stage(module: torch.nn.Module) -> torch.nn.Module:
+            stage = materialize(module)
+            accept_carried_aux_loss(stage)  # after FSDP: the running auxiliary loss an earlier stage sends
+            return stage
+
+        pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize_stage,
                                                 mtp if mtp is not None else train_loss, spec.prune_stage,
-                                                stage_io=options.stage_io)
+                                                stage_io=options.stage_io, extra_loss=aux_loss)
         stage_copies = StageCopies.of(model, plan.pipeline, spec.prune_stage, dims, model_parts)
         if stage_copies is not None and options.init_weights:
             stage_copies.sync_values()
@@ -101,10 +111,19 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         lr_min=s.lr_min, total_steps=cfg.training.steps,
     )
     experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims,
-                               plan.pipeline.microbatches if plan.pipeline is not None else 1)
+                               aux_loss)
     return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
                        callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss, mtp,
-                       stage_copies)
+                       stage_copies, aux_loss)
+
+
+def _aux_loss_term(model: torch.nn.Module, plan: LaunchPlan, dims: ParallelDims) -> AuxLossTerm | None:
+    """The step's auxiliary loss term when the (whole, meta) model's MoE layers have an auxiliary loss; split
+    over TP where expert parallelism borrows TP's ranks (``parallelize`` splits the layers so)."""
+    layers = plan.model_spec.expert_layers(model)
+    coeff = max((layer.aux_loss_coeff for layer in layers), default=0.0)
+    tp_split = dims.tp if dims.tp_enabled and dims.ep_borrows_tp else 1
+    return AuxLossTerm(coeff, len(layers), tp_split) if coeff > 0 else None
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,

@@ -7,9 +7,8 @@
   its own layers), and each
   router's bias moves toward balance (``models/expert_balance.py``). The counts exclude activation
   recompute (a layer counts in the original forward only).
-- **Auxiliary loss**: its gradient goes in through each MoE layer's output; its scale is set
-  here so that it adds up like the main loss: the mean over the step's forwards (micro-batches x
-  pipeline microbatches) and, through the data-parallel gradient average, over the data ranks.
+- **Auxiliary loss**: it travels with the model's output and the step's loss weighs it
+  (``train_step/aux_loss.py``); here only its logged mean is read from that loss.
 - **What is logged** (``metrics``, on logging steps, every rank): the auxiliary loss (mean over
   layers and forwards), the load imbalance (max over mean tokens per expert of each layer: the
   mean and the max over layers) and the tokens each expert received (over all sparse layers),
@@ -31,17 +30,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.expert_balance import ExpertLayer, imbalance, reduce_counts, update_expert_bias
 from torchtitan.models.spec import ModelSpec
+from torchtitan.train_step.aux_loss import AuxLossTerm
 
 
 class ExpertBalance:
     """The MoE layers of this rank's model parts, balanced at each step's tail; see the module docstring."""
 
     def __init__(self, moes: list[ExpertLayer], num_experts: int, coeff: float, dims: ParallelDims,
-                 pipeline_microbatches: int = 1):
+                 aux_loss: AuxLossTerm | None = None):
         # A pipeline stage may hold no MoE layer; it still takes part in the logging collectives.
         self.moes = moes
         self.num_experts = num_experts
-        self.coeff, self.dims, self.pipeline_microbatches = coeff, dims, pipeline_microbatches
+        self.coeff, self.dims, self.aux_loss = coeff, dims, aux_loss
         # dp x cp, and tp where expert parallelism borrows TP's ranks (each TP rank then routes its own tokens)
         routing_mesh: DeviceMesh | None = dims.routing_mesh()
         self.group = None if routing_mesh is None else routing_mesh.get_group()
@@ -51,18 +51,14 @@ class ExpertBalance:
 
     @staticmethod
     def of(model_parts: Sequence[torch.nn.Module], spec: ModelSpec, args: Any, coeff: float, dims: ParallelDims,
-           pipeline_microbatches: int = 1) -> ExpertBalance | None:
-        """The balance of the MoE layers of ``model_parts``, a model of ``spec`` (None for a dense model)."""
+           aux_loss: AuxLossTerm | None = None) -> ExpertBalance | None:
+        """The balance of the MoE layers of ``model_parts``, a model of ``spec`` (None for a dense model);
+        ``aux_loss``: the step's auxiliary loss term, whose logged mean ``metrics`` reads."""
         num_experts = spec.num_experts(args)
         if not num_experts:
             return None
         moes = [m for part in model_parts for m in spec.expert_layers(part)]
-        return ExpertBalance(moes, num_experts, coeff, dims, pipeline_microbatches)
-
-    def start_step(self, micro_batches: int) -> None:
-        """Scale each auxiliary loss's gradient by one over the step's forwards (see the module docstring)."""
-        for moe in self.moes:
-            moe.aux_loss_grad_scale = 1.0 / (micro_batches * self.pipeline_microbatches)
+        return ExpertBalance(moes, num_experts, coeff, dims, aux_loss)
 
     def update(self) -> None:
         """Move the routing biases from the step's counts (summed over dp x cp) and keep the counts for the log.
@@ -88,9 +84,10 @@ class ExpertBalance:
         if not self.window_reduced:
             window = reduce_counts(list(window), self.group) if len(window) else window
         self.window = None
-        auxes = [a for a in (m.pop_aux_loss() for m in self.moes) if a is not None]
+        aux_sum, aux_layers = (self.aux_loss.pop(torch.device("cpu")) if self.aux_loss is not None
+                               else (torch.zeros((), dtype=torch.float64), 0))
         per_layer = imbalance(window) if len(window) else torch.zeros(0, dtype=torch.float64)
-        sums = torch.tensor([sum(auxes), len(auxes), float(per_layer.sum()), len(per_layer)], dtype=torch.float64)
+        sums = torch.tensor([float(aux_sum), aux_layers, float(per_layer.sum()), len(per_layer)], dtype=torch.float64)
         sums = torch.cat([sums, window.sum(dim=0).double().cpu() if len(window) else torch.zeros(num_experts,
                                                                                                   dtype=torch.float64)])
         peak = per_layer.max().reshape(1).cpu() if len(per_layer) else torch.zeros(1, dtype=torch.float64)

@@ -25,6 +25,7 @@ from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import count_tokens
 from torchtitan.stability.z_loss import WithZLoss
+from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.experts import ExpertBalance
 from torchtitan.train_step.mtp import MTPLoss
@@ -39,7 +40,7 @@ class ModelRunner:
                  optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler, loss_fn: LossFn, dims: ParallelDims,
                  device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
                  experts: ExpertBalance | None = None, z_loss: WithZLoss | None = None, mtp: MTPLoss | None = None,
-                 stage_copies: StageCopies | None = None):
+                 stage_copies: StageCopies | None = None, aux_loss: AuxLossTerm | None = None):
         self.model_parts, self.pp_runner = model_parts, pp_runner
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         # ``loss_fn`` scores validation; training back-propagates ``z_loss`` (the loss plus z-loss) when it is on.
@@ -55,6 +56,8 @@ class ModelRunner:
         self.step_loss: Callable[..., torch.Tensor] = mtp if mtp is not None else self.train_loss_fn
         # parameters the first and last pipeline stage both hold (distributed/stage_copies.py)
         self.stage_copies = stage_copies
+        # the MoE layers' auxiliary loss, which the model returns with its output (train_step/aux_loss.py)
+        self.aux_loss = aux_loss
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters()]
@@ -94,8 +97,9 @@ class ModelRunner:
         (fault tolerance lets FSDP reduce on the last one only); not through the pipeline, whose
         schedule sets gradient sync itself.
         """
-        if self.experts is not None:
-            self.experts.start_step(len(batches))
+        if self.aux_loss is not None:  # its weight: a mean over the step's forwards
+            pipeline_microbatches = self.pp_runner.plan.microbatches if self.pp_runner is not None else 1
+            self.aux_loss.start_step(len(batches) * pipeline_microbatches)
         if self.pp_runner is not None:
             return self._pipeline_forward_backward(batches, scale)
         emit = self.callbacks.emit
@@ -107,12 +111,18 @@ class ModelRunner:
             emit(StepPoint.MICRO_BATCH_START, micro_batch=i)
             with self.train_context():
                 outputs = model(batch.inputs, **batch.model_kwargs(), **self.extra_model_kwargs(batch))
+                aux = None
+                if self.aux_loss is not None:  # the MoE layers' summed auxiliary loss, returned beside the output
+                    outputs, aux = self.aux_loss.split(outputs)
                 emit(StepPoint.FORWARD_END, micro_batch=i)
                 loss_sum = self.step_loss(outputs, batch.labels)
                 del outputs  # not kept through backward (autograd keeps what it needs)
                 emit(StepPoint.BACKWARD_START, micro_batch=i)
                 # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
-                (loss_sum * scale().to(loss_sum.dtype)).backward()
+                objective = loss_sum * scale().to(loss_sum.dtype)
+                if aux is not None and self.aux_loss is not None:  # the MoE layers' auxiliary loss, weighed
+                    objective = self.aux_loss.add_to(objective, aux)
+                objective.backward()
             local_loss_sum += local_value(loss_sum).detach().double()
             del loss_sum
             emit(StepPoint.MICRO_BATCH_END, micro_batch=i)

@@ -13,7 +13,10 @@ Written to be easy to parallelise:
   of truth for both plain and sharded initialisation;
 - attention's kernels are one backend object (``models/attention/backends.py``) that the decoder
   holds and passes to every block in its forward; ``use_attention_backend`` is where a run's choice
-  (``select_backend``) lands.
+  (``select_backend``) lands;
+- with an auxiliary balance loss on its MoE layers, a training forward returns ``(logits, summed loss)``
+  (a forward hook, ``models/aux_loss.py``; the hidden states and the running sum on a pipeline stage
+  without the output).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torchtitan.models.attention import (
     DocumentMask,
     select_backend,
 )
+from torchtitan.models.aux_loss import return_aux_losses
 from torchtitan.models.common.config import AttentionModule, DecoderConfig
 from torchtitan.models.kv_cache import KVCache, LayerCache
 from torchtitan.models.layers import FeedForward, RMSNorm, precompute_rope_cache
@@ -98,6 +102,9 @@ class Decoder(nn.Module):
         self.attention_backend: AttentionBackend | None = None
         # Non-persistent: it is derived from args, so it stays out of checkpoints.
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
+        # (From the blocks: a subclass's moe_layers may read modules it adds after this.)
+        if any(isinstance(b.feed_forward, MoE) and b.feed_forward.has_aux_loss for b in self.blocks()):
+            return_aux_losses(self, self.moe_layers)
 
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings``, make the output projection's weight the embedding's (one parameter).

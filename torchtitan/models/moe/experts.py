@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan import compat
+from torchtitan.models.moe.float8_experts import fp8_grouped_mm, fp8_grouped_mm_runs
 
 
 def _contiguous(grad: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,8 @@ class GroupedExperts(nn.Module):
     sharded on dim 0 (``parallel.apply_expert_parallel``) and this rank computes its slice.
     ``use_grouped_mm=False`` forces the per-expert loop (the benchmark's baseline).
     ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, tp / ep where
-    it borrows TP's ranks (see ``parallel.apply_expert_parallel``).
+    it borrows TP's ranks (see ``parallel.apply_expert_parallel``). ``to_float8`` (the Float8 converter)
+    switches the grouped products to FP8 where they run (``float8_experts.py``).
     """
 
     # The parameters stacked over the experts ([E, ...]): what expert parallelism shards on dim 0.
@@ -97,6 +99,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.grad_scale = 1.0
+        self.fp8 = False  # FP8 grouped GEMMs where they fit (to_float8)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
@@ -110,17 +113,15 @@ class GroupedExperts(nn.Module):
         return self.grouped(F.silu(gate) * up, w2, counts)
 
     def to_float8(self, device_type: str, emulate: bool) -> bool:
-        """Float8 converter: take FP8 grouped GEMMs where they run (CUDA, not emulated); whether they do."""
-        from torchtitan.models.moe.float8_experts import Float8GroupedExperts, fp8_grouped_mm_runs
-
-        if not fp8_grouped_mm_runs(device_type, emulate):
-            return False
-        self.__class__ = Float8GroupedExperts  # type: ignore[assignment]  # same parameters and state dict
-        return True
+        """The Float8 converter's switch: take FP8 grouped GEMMs where they run (CUDA, not emulated); whether
+        they do. The parameters and the state dict stay as they are."""
+        self.fp8 = fp8_grouped_mm_runs(device_type, emulate)
+        return self.fp8
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One grouped product (the Float8 subclass overrides it: float8_experts.py)."""
-        return grouped_linear(x, weight, counts, self.use_grouped_mm)
+        """One grouped product: FP8 where ``to_float8`` switched it on and the shapes fit, else high precision."""
+        out = fp8_grouped_mm(x, weight, counts) if self.fp8 else None
+        return out if out is not None else grouped_linear(x, weight, counts, self.use_grouped_mm)
 
 
 class ClampedSwiGLUExperts(GroupedExperts):
@@ -140,6 +141,10 @@ class ClampedSwiGLUExperts(GroupedExperts):
         self.w1_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
         self.w2_bias = nn.Parameter(torch.empty(num_experts, dim))
         self.w3_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
+
+    def to_float8(self, device_type: str, emulate: bool) -> bool:
+        """Stays in high precision: its biased, clamped products have not been checked against FP8 on a GPU."""
+        return False
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         weights = [_local(getattr(self, name)) for name in self.stacked_names]

@@ -1,13 +1,15 @@
 """FP8 grouped GEMMs for routed experts (CUDA, SM 8.9+): torchao's rowwise-scaled ``torch._scaled_grouped_mm``.
 
-The Float8 converter (``torchtitan/quantization/float8.py``) asks each ``GroupedExperts`` to switch
-(``GroupedExperts.to_float8``); the module then takes the class below, with the same parameters.
+``GroupedExperts.to_float8`` (``models/moe/experts.py``), which the Float8 converter
+(``torchtitan/quantization/float8.py``) calls, switches a module's grouped products to ``fp8_grouped_mm``
+where ``fp8_grouped_mm_runs``; the parameters and the state dict stay as they are. Imports go one way:
+``experts.py`` imports this module, which knows nothing of the experts.
 
 The FP8 grouped GEMM takes groups whose row counts are multiples of 16. Routed tokens come in any
 counts, so each expert's rows are copied into a buffer where its group starts at a multiple of 16
 (at most 15 padding rows per expert, a static bound: no host sync), multiplied, and read back.
-Where the op cannot run (other devices, emulation, widths not multiples of 16, no token) the
-high-precision grouped product of ``models/moe/experts.py`` runs instead.
+Where the op cannot run (other devices, emulation, widths not multiples of 16, no token)
+``fp8_grouped_mm`` returns None and the high-precision grouped product of ``experts.py`` runs instead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from collections.abc import Callable
 import torch
 
 from torchtitan import compat
-from torchtitan.models.moe.experts import GroupedExperts
 
 ALIGN = 16  # rows per group that the FP8 grouped GEMM takes
 
@@ -60,12 +61,9 @@ def _fp8_rowwise_grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: to
                                                   pad_token_groups_for_grouped_mm=False)
 
 
-class Float8GroupedExperts(GroupedExperts):
-    """``GroupedExperts`` whose products are FP8 grouped GEMMs where they fit (same parameters and state dict)."""
-
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        fits = (x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and x.shape[0] > 0
-                and weight.shape[-1] % ALIGN == 0 and weight.shape[-2] % ALIGN == 0)
-        if not fits:
-            return super().grouped(x, weight, counts)
-        return padded_grouped_mm(x, weight, counts, _fp8_rowwise_grouped_mm)
+def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+    """``x [M, K]`` (``counts[g]`` rows per group) times ``weight[g].T`` as an FP8 grouped GEMM; None where it
+    does not fit (not CUDA, another dtype, no row, widths not multiples of ``ALIGN``)."""
+    fits = (x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and x.shape[0] > 0
+            and weight.shape[-1] % ALIGN == 0 and weight.shape[-2] % ALIGN == 0)
+    return padded_grouped_mm(x, weight, counts, _fp8_rowwise_grouped_mm) if fits else None

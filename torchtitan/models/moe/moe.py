@@ -7,6 +7,11 @@ counted in training mode only, once per forward (never again in an activation-ch
 recompute, nor in a pipeline stage's shape inference), summed over micro-batches until
 ``models/expert_balance.update_expert_bias`` zeroes them. ``MoE`` is the ``ExpertLayer`` that the
 trainer balances (``models/expert_balance.py``); ``moe_layers`` finds them in a model.
+
+With an auxiliary balance loss (``aux_loss`` and a positive ``aux_loss_coeff``), a training forward
+keeps its loss (without the coefficient) for the model that runs the layer to take in the same forward
+(``take_aux_loss``); the model returns the sum with its output (``models/aux_loss.py``) and the step's
+loss weighs it.
 """
 
 from __future__ import annotations
@@ -80,25 +85,6 @@ class SwiGLU(nn.Module):
         return call_summing_grads(self.w2, hidden, g)
 
 
-class _AttachAuxLoss(torch.autograd.Function):
-    """Returns ``out``; its backward also gives ``loss`` the gradient ``scale``.
-
-    So an auxiliary loss trains without travelling to the loss function: it works the same
-    through pipeline stages and activation checkpointing (the recomputed graph attaches it again).
-    """
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
-        ctx.scale = scale
-        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        shape, dtype, device = ctx.loss_meta
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
-
-
 class MoE(nn.Module):
     """``forward(x [..., D]) -> [..., D]``; see the module docstring for ``tokens_per_expert``.
 
@@ -106,13 +92,10 @@ class MoE(nn.Module):
     shards the experts over an ``ep`` mesh and swaps in an ``AllToAllDispatcher``. ``tp_split``: the TP
     ranks that each route their own sequence shard through it (``parallel.split_over_tp``, when expert
     parallelism borrows TP's ranks); 1 when every TP rank routes the same tokens, or without TP.
-    With an auxiliary loss, its gradient is ``aux_loss_coeff * aux_loss_grad_scale``: the trainer
-    sets ``aux_loss_grad_scale`` to the factor its main loss is scaled by (1 / micro-batches, ...).
-    ``aux_loss_sum`` / ``aux_loss_count`` hold the detached losses of the forwards since ``pop_aux_loss``.
+    ``take_aux_loss`` hands on the auxiliary loss of the last training forward (see the module docstring).
     """
 
-    tokens_per_expert: torch.Tensor  # buffers, registered in __init__
-    aux_loss_sum: torch.Tensor
+    tokens_per_expert: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self, args: MoEArgs):
         super().__init__()
@@ -125,18 +108,14 @@ class MoE(nn.Module):
         self.shared_experts = (SwiGLU(args.dim, args.hidden_dim * args.num_shared_experts)
                                if args.num_shared_experts else None)
         self.dispatcher: LocalDispatcher | AllToAllDispatcher = LocalDispatcher(args.num_experts)
-        self.aux_loss_grad_scale = 1.0
         self.tp_split = 1
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float64), persistent=False)
-        self.aux_loss_count = 0
+        self._aux_loss: torch.Tensor | None = None  # the last training forward's, until its model takes it
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Zero the counts, the logged auxiliary loss and the router bias (after ``to_empty``, before a load)."""
+        """Zero the counts and the router bias (after ``to_empty``, before a load)."""
         self.tokens_per_expert.zero_()
-        self.aux_loss_sum.zero_()
-        self.aux_loss_count = 0
         if self.router.expert_bias is not None:
             self.router.expert_bias.zero_()
 
@@ -165,27 +144,29 @@ class MoE(nn.Module):
         y = combine(out, routing, weights, tokens.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
-        if self.training and self.args.aux_loss != "none" and self.args.aux_loss_coeff:
+        if self.has_aux_loss and self.training:
             sequences = math.prod(shape[:-2]) if len(shape) > 2 else 1
             loss = aux_loss(self.args.aux_loss, scores, experts, sequences)
-            if counting:
-                self.aux_loss_sum += loss.detach().double()
-                self.aux_loss_count += 1
-            if torch.is_grad_enabled():
-                # Split over TP, each rank's loss is one of tp (its shard's), and the router's gradient is
-                # summed over them: 1 / tp makes that sum their mean, as a data-parallel average would.
-                scale = self.args.aux_loss_coeff * self.aux_loss_grad_scale / self.tp_split
-                y = _AttachAuxLoss.apply(y, loss, scale)
+            # An activation-checkpoint recompute runs the same ops (it must save the same tensors), but its
+            # forward's loss was taken already: it keeps nothing.
+            if not compat.in_backward_pass():
+                self._aux_loss = loss
         return y.view(shape)
 
-    def pop_aux_loss(self) -> float | None:
-        """The mean auxiliary loss of the forwards since the last call (None without one); resets it."""
-        if not self.aux_loss_count:
-            return None
-        value = float(self.aux_loss_sum) / self.aux_loss_count
-        self.aux_loss_sum.zero_()
-        self.aux_loss_count = 0
-        return value
+    @property
+    def has_aux_loss(self) -> bool:
+        """Whether training forwards compute an auxiliary balance loss."""
+        return self.args.aux_loss != "none" and self.args.aux_loss_coeff > 0
+
+    @property
+    def aux_loss_coeff(self) -> float:
+        """The auxiliary loss's weight, which the step's loss applies (0 without one)."""
+        return self.args.aux_loss_coeff if self.has_aux_loss else 0.0
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The auxiliary loss of the last training forward (without its coefficient), once; None: none since."""
+        loss, self._aux_loss = self._aux_loss, None
+        return loss
 
     def param_init_specs(self, std: float = 0.02, out_std: float | None = None) -> dict[str, InitSpec]:
         """Name (relative to this module) -> InitSpec: inputs trunc_normal(std), outputs (w2) trunc_normal(out_std).
