@@ -38,8 +38,7 @@ from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
 from torchtitan.checkpoint.quantized import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block_size
 from torchtitan.checkpoint.store import dcp_reader, read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
-from torchtitan.models import spec_for_args
-from torchtitan.models.common.config import DecoderConfig
+from torchtitan.models import DecoderConfig, spec_for_args
 from torchtitan.models.spec import HFConversion, MetaRelease, StateDictAdapter
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import same_layout
 
 if TYPE_CHECKING:
-    from torchtitan.models.common.config import DecoderConfig
+    from torchtitan.models import DecoderConfig
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.checkpoint.formats import _expected_shapes, dcp_checkpoint_path, find_run_config, load_into
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer, resolve_tokenizer_path
-from torchtitan.models import get_model_spec, model_names
-from torchtitan.models.common.config import DecoderConfig
+from torchtitan.models import DecoderConfig, get_model_spec, model_names
 from torchtitan.models.spec import ModelSpec
 
 FORMATS = ("dcp", "hf", "meta")

@@ -21,7 +21,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import mixed_precision
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.distributed.pipeline_plan import PipelinePlan
-from torchtitan.models.common.config import DecoderConfig
+from torchtitan.models import DecoderConfig
 from torchtitan.models.spec import ModelSpec
 
 

@@ -28,7 +28,7 @@ from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import training_loss
-from torchtitan.models.attention import describe_backend
+from torchtitan.models import describe_backend
 from torchtitan.models.aux_loss import accept_carried_aux_loss
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
