@@ -1,0 +1,103 @@
+"""A training step with multi-head latent attention (MLA) against grouped-query attention (GQA) at equal
+parameters, on CPU.
+
+    python benchmarks/mla_vs_gqa.py [--batch 4] [--seq_len 256] [--warmup 3] [--steps 10]
+
+One process, one thread, float32, causal mask. Both models are the same dense decoder (DeepSeek-V3's
+``debugmodel`` widths: dim 256, 4 layers, SwiGLU 512, vocabulary 2048, every layer dense) and differ only in
+their attention:
+
+- MLA: the debug model's own (8 heads, query LoRA 96, latent 64, q/k head 32 + 16 rotary, value head 24):
+  159,904 parameters per layer;
+- GQA: 8 query heads and 4 key/value heads of 26 (no query/key norm): 159,744 per layer, the nearest a
+  grouped-query layout comes (0.1% fewer).
+
+A step is forward, cross-entropy, backward, AdamW step and zeroing. Both models get the CPU kernels
+``train.py`` installs (oneDNN linears, the attention backend). The steps alternate between the two models,
+so load on the machine falls on both alike; the figure is the median after ``--warmup`` steps of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from common import load_average, machine_description
+from moe_step import build as build_decoder
+from moe_step import time_steps
+
+from torchtitan.distributed.layout_init import init_params_layout_invariant
+from torchtitan.models import model_args
+from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.parallel import use_attention
+from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.ops.cpu_kernels import use_onednn_linears
+
+GQA_HEADS, GQA_KV_HEADS, GQA_HEAD_DIM = 8, 4, 26
+
+
+def mla_args(seq_len: int) -> DeepSeekV3Args:
+    """DeepSeek-V3's debug model, every layer dense (the feed-forward is the dense SwiGLU of the GQA model)."""
+    debug = model_args("deepseek_v3", "debugmodel")
+    assert isinstance(debug, DeepSeekV3Args)
+    return dataclasses.replace(debug, first_k_dense_replace=debug.n_layers, max_seq_len=seq_len,
+                               attn_mask_type="causal")
+
+
+def gqa_args(mla: DeepSeekV3Args) -> DecoderArgs:
+    """The same decoder with grouped-query attention of (nearly) the same parameters."""
+    return DecoderArgs(dim=mla.dim, n_layers=mla.n_layers, n_heads=GQA_HEADS, n_kv_heads=GQA_KV_HEADS,
+                       head_dim=GQA_HEAD_DIM, vocab_size=mla.vocab_size, ffn_hidden_size=mla.ffn_hidden_size,
+                       norm_eps=mla.norm_eps, rope_theta=mla.rope_theta, max_seq_len=mla.max_seq_len, qk_norm=False,
+                       attn_mask_type="causal")
+
+
+def build_mla(args: DeepSeekV3Args, seed: int) -> Decoder:
+    model = DeepSeekV3Model(args)
+    init_params_layout_invariant(model, seed)
+    model.init_buffers()
+    use_onednn_linears(model)  # as train.py on CPU (cpu_matmul=onednn), with its attention backend
+    use_attention(model, "auto", "cpu", None, args.max_seq_len)
+    return model.train()
+
+
+def describe(models: dict[str, Decoder]) -> None:
+    """Each model's attention and total parameters, counted on the built modules."""
+    for name, model in models.items():
+        total = sum(p.numel() for p in model.parameters())
+        attention = sum(p.numel() for p in model.layers["0"].attention.parameters())
+        print(f"{name:>6}: {attention:,} attention parameters per layer ({model.args.attention()}); {total:,} in all")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    mla = mla_args(args.seq_len)
+    models = {"MLA": build_mla(mla, 0), "GQA": build_decoder(gqa_args(mla), {}, 0)}
+    print(f"{machine_description()}; load average {load_average()}")
+    describe(models)
+    times = time_steps(models, args.batch, args.seq_len, args.warmup, args.steps)
+    print(f"batch {args.batch} x seq {args.seq_len} = {args.batch * args.seq_len} tokens; float32, one thread; "
+          f"median of {args.steps} steps after {args.warmup} warm-up; ms")
+    print(f"{'':>6} {'step':>8} {'min':>8} {'max':>8} {'fwd+bwd':>8} {'AdamW':>8}")
+    medians, minima = {}, {}
+    for name, t in times.items():
+        whole = sorted(a + b for a, b in t)
+        medians[name], minima[name] = whole[len(whole) // 2], whole[0]
+        print(f"{name:>6} {medians[name]:8.1f} {whole[0]:8.1f} {whole[-1]:8.1f} "
+              f"{sorted(a for a, _ in t)[len(t) // 2]:8.1f} {sorted(b for _, b in t)[len(t) // 2]:8.1f}")
+    # The minima too: on a loaded machine they are the steps least disturbed.
+    print(f"MLA / GQA: {medians['MLA'] / medians['GQA']:.2f} (medians), {minima['MLA'] / minima['GQA']:.2f} "
+          f"(minima); load average after {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
