@@ -36,9 +36,10 @@ def main() -> None:
     for name, flavor in FLAVORS:
         args = model_args(name, flavor)
         held = sorted({s.held for s in layer_cache_sizes(args)})
-        print(f"| {name} | {flavor} | {args.n_layers} | {', '.join(map(str, held))} "
-              f"| {cache_bytes(args, 1, b) / 1024:,.1f} | {cache_bytes(args, 1, b, expanded=True) / 1024:,.1f} "
-              f"| {cache_bytes(args, t, b) / 2**30:,.2f} | {cache_bytes(args, t, b, window_bounded=True) / 2**30:,.2f} |")
+        per_token = [cache_bytes(args, 1, b) / 1024, cache_bytes(args, 1, b, expanded=True) / 1024]
+        at_context = [cache_bytes(args, t, b) / 2**30, cache_bytes(args, t, b, window_bounded=True) / 2**30]
+        print(f"| {name} | {flavor} | {args.n_layers} | {', '.join(map(str, held))} | "
+              + " | ".join(f"{x:,.1f}" for x in per_token) + " | " + " | ".join(f"{x:,.2f}" for x in at_context) + " |")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,11 @@ so load on the machine falls on both alike; the figure is the median after ``--w
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-import torch
 from common import load_average, machine_description
 from moe_step import build as build_decoder
-from moe_step import time_steps
+from moe_step import print_ratio, step_options, time_steps
 
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.models import model_args
@@ -73,30 +71,13 @@ def describe(models: dict[str, Decoder]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = step_options(__doc__)
     mla = mla_args(args.seq_len)
     models = {"MLA": build_mla(mla, 0), "GQA": build_decoder(gqa_args(mla), {}, 0)}
     print(f"{machine_description()}; load average {load_average()}")
     describe(models)
     times = time_steps(models, args.batch, args.seq_len, args.warmup, args.steps)
-    print(f"batch {args.batch} x seq {args.seq_len} = {args.batch * args.seq_len} tokens; float32, one thread; "
-          f"median of {args.steps} steps after {args.warmup} warm-up; ms")
-    print(f"{'':>6} {'step':>8} {'min':>8} {'max':>8} {'fwd+bwd':>8} {'AdamW':>8}")
-    medians, minima = {}, {}
-    for name, t in times.items():
-        whole = sorted(a + b for a, b in t)
-        medians[name], minima[name] = whole[len(whole) // 2], whole[0]
-        print(f"{name:>6} {medians[name]:8.1f} {whole[0]:8.1f} {whole[-1]:8.1f} "
-              f"{sorted(a for a, _ in t)[len(t) // 2]:8.1f} {sorted(b for _, b in t)[len(t) // 2]:8.1f}")
-    # The minima too: on a loaded machine they are the steps least disturbed.
-    print(f"MLA / GQA: {medians['MLA'] / medians['GQA']:.2f} (medians), {minima['MLA'] / minima['GQA']:.2f} "
-          f"(minima); load average after {load_average()}")
+    print_ratio("MLA / GQA", times, args)
 
 
 if __name__ == "__main__":
