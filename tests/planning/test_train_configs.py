@@ -5,7 +5,7 @@ These are the planner's heaviest tests (and one cheap one that pins the 8B FSDP 
 70B jobs are simulated with 3 and 4 blocks and counted (planning/symmetry.py; about 2 and 4 s of CPU), and
 405B's first pipeline rank (embedding, the most micro-batches in flight; about 20 s): every simulation in one
 pool. The last pipeline rank cost as much again and is covered at small sizes by test_symmetry.py. Timings
-in benchmarks/README.md section 17 (the planner's speed). The MoE configs (Qwen3-30B-A3B, Mixtral
+in benchmarks/history.md section 17 (the planner's speed). The MoE configs (Qwen3-30B-A3B, Mixtral
 8x7B) get the fast preflight at their world sizes."""
 
 from __future__ import annotations
