@@ -1,7 +1,10 @@
 """A training step with multi-head latent attention (MLA) against grouped-query attention (GQA) at equal
 parameters, on CPU.
 
-    python benchmarks/mla_vs_gqa.py [--batch 4] [--seq_len 256] [--warmup 3] [--steps 10]
+    python benchmarks/mla_vs_gqa.py [--batch 4] [--seq_len 256] [--warmup 3] [--steps 10] [--kernels]
+
+With ``--kernels`` it also times the causal SDPA call alone at both models' head sizes (and at MLA's with
+the value head padded to the query/key head), forward and backward, after the steps.
 
 One process, one thread, float32, causal mask. Both models are the same dense decoder (DeepSeek-V3's
 ``debugmodel`` widths: dim 256, 4 layers, SwiGLU 512, vocabulary 2048, every layer dense) and differ only in
@@ -20,7 +23,10 @@ so load on the machine falls on both alike; the figure is the median after ``--w
 from __future__ import annotations
 
 import dataclasses
+import time
 
+import torch
+import torch.nn.functional as F
 from common import load_average, machine_description
 from moe_step import build as build_decoder
 from moe_step import print_ratio, step_options, time_steps
@@ -62,6 +68,21 @@ def build_mla(args: DeepSeekV3Args, seed: int) -> Decoder:
     return model.train()
 
 
+def time_sdpa(batch: int, seq_len: int, repeats: int = 5) -> None:
+    """Causal SDPA forward + backward at the two models' head sizes, ms per call (the median of ``repeats``)."""
+    shapes = {"MLA (q/k 48, v 24)": (GQA_HEADS, 48, 24), "MLA, v padded to 48": (GQA_HEADS, 48, 48),
+              "GQA (q/k/v 26)": (GQA_HEADS, GQA_HEAD_DIM, GQA_HEAD_DIM)}
+    for name, (heads, qk, v) in shapes.items():
+        q, k = (torch.randn(batch, heads, seq_len, qk, requires_grad=True) for _ in range(2))
+        values = torch.randn(batch, heads, seq_len, v, requires_grad=True)
+        times = []
+        for _ in range(repeats + 1):  # the first call warms up
+            start = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, values, is_causal=True).sum().backward()
+            times.append((time.perf_counter() - start) * 1e3)
+        print(f"SDPA alone, {name}: {sorted(times[1:])[repeats // 2]:.1f} ms")
+
+
 def describe(models: dict[str, Decoder]) -> None:
     """Each model's attention and total parameters, counted on the built modules."""
     for name, model in models.items():
@@ -71,13 +92,15 @@ def describe(models: dict[str, Decoder]) -> None:
 
 
 def main() -> None:
-    args = step_options(__doc__)
+    args = step_options(__doc__, flags={"--kernels": "also time the causal SDPA call alone at both head sizes"})
     mla = mla_args(args.seq_len)
     models = {"MLA": build_mla(mla, 0), "GQA": build_decoder(gqa_args(mla), {}, 0)}
     print(f"{machine_description()}; load average {load_average()}")
     describe(models)
     times = time_steps(models, args.batch, args.seq_len, args.warmup, args.steps)
     print_ratio("MLA / GQA", times, args)
+    if args.kernels:
+        time_sdpa(args.batch, args.seq_len)
 
 
 if __name__ == "__main__":

@@ -130,9 +130,12 @@ def main() -> None:
     print_ratio("MoE / dense", times, args)
 
 
-def step_options(doc: str | None) -> argparse.Namespace:
-    """The command line of a step-time comparison (batch, sequence, warm-up and timed steps); one thread from here."""
+def step_options(doc: str | None, flags: dict[str, str] | None = None) -> argparse.Namespace:
+    """The command line of a step-time comparison (batch, sequence, warm-up and timed steps, and the caller's
+    on/off ``flags`` with their help); one thread from here."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, text in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=3)
