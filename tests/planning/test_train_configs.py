@@ -5,8 +5,9 @@ These are the planner's heaviest tests (and one cheap one that pins the 8B FSDP 
 70B jobs are simulated with 3 and 4 blocks and counted (planning/symmetry.py; about 2 and 4 s of CPU), and
 405B's first pipeline rank (embedding, the most micro-batches in flight; about 20 s): every simulation in one
 pool. The last pipeline rank cost as much again and is covered at small sizes by test_symmetry.py. Timings
-in benchmarks/history.md section 17 (the planner's speed). The MoE configs (Qwen3-30B-A3B, Mixtral
-8x7B) get the fast preflight at their world sizes."""
+in benchmarks/history.md section 17 (the planner's speed). Every shipped MoE config gets the fast preflight
+at its world size; GPT-OSS 20b and 120b and DeepSeek-V3 16B are dry-run too (one pool). DeepSeek-V3 671B and
+Kimi K2 (PP 16) are not: each dry run takes many minutes here (benchmarks/README.md section 28)."""
 
 from __future__ import annotations
 
