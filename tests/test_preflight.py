@@ -215,7 +215,20 @@ MOE_CONFIG = str(REPO / "train_configs" / "qwen3_debug_moe.toml")
     (["--parallelism.expert_parallel_degree=3", "--parallelism.data_parallel_shard_degree=6"], 6,
      "--parallelism.expert_parallel_degree=3 does not divide the 8 experts of --model.flavor=debugmodel_moe"),
     (["--parallelism.expert_parallel_degree=4", "--parallelism.data_parallel_shard_degree=2"], 2,
-     "--parallelism.expert_parallel_degree=4 must divide dp_shard x cp = 2"),
+     "--parallelism.expert_parallel_degree=4 must divide dp_shard x cp x tp = 2 x 1 x 1 = 2"),
+    # Borrowing from TP: ep must divide dp_shard x cp x tp, and cover all of TP.
+    (["--parallelism.expert_parallel_degree=8", "--parallelism.data_parallel_shard_degree=2",
+      "--parallelism.tensor_parallel_degree=2"], 4,
+     "--parallelism.expert_parallel_degree=8 must divide dp_shard x cp x tp = 2 x 1 x 2 = 4"),
+    (["--parallelism.expert_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+      "--parallelism.tensor_parallel_degree=4"], 4,
+     "--parallelism.expert_parallel_degree=2 needs the ranks of --parallelism.tensor_parallel_degree=4"),
+    # Borrowing TP's ranks, each MoE layer takes its TP rank's sequence shard even without SP.
+    (["--parallelism.expert_parallel_degree=4", "--parallelism.data_parallel_shard_degree=2",
+      "--parallelism.tensor_parallel_degree=2", "--parallelism.enable_sequence_parallel=false",
+      "--training.seq_len=65"], 4,
+     "--training.seq_len=65 must be divisible by tensor_parallel_degree (2, expert parallelism borrows its ranks) = 2"
+     "; change seq_len"),
     (["--parallelism.expert_parallel_degree=2", "--model.name=llama3", "--model.flavor=debugmodel"], 2,
      "--model.name=llama3 --model.flavor=debugmodel has no experts; set it to 1"),
     (["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
@@ -235,6 +248,14 @@ def test_expert_parallel_layouts_pass_and_balancing_options_reach_the_model():
                        "--moe.load_balance_coeff=0", config=MOE_CONFIG)
     plan = preflight(cfg, 4)
     assert (plan.dims.ep, plan.dims.degree("efsdp")) == (4, 1)
+    assert not plan.dims.ep_borrows_tp
     args = plan.model_args
     assert (args.load_balance_coeff, args.aux_loss, args.aux_loss_coeff) == (0.0, "switch", 1e-3)
+    # EP 4 on TP 2 x FSDP 2 borrows TP's ranks (dp_shard x cp = 2 cannot hold 4), with SP and without it.
+    for sp in ("true", "false"):
+        borrowed = preflight(debug_config("--parallelism.expert_parallel_degree=4",
+                                          "--parallelism.tensor_parallel_degree=2",
+                                          "--parallelism.data_parallel_shard_degree=2",
+                                          f"--parallelism.enable_sequence_parallel={sp}", config=MOE_CONFIG), 4)
+        assert borrowed.dims.ep_borrows_tp and borrowed.dims.degree("efsdp") == 1
     assert not args.moe_args().load_balance_bias

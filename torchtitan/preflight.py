@@ -222,15 +222,18 @@ def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: Model
     seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
     problems += spec.check(args, dims, cfg)
     problems += _expert_problems(args, dims, cfg, spec)
-    seq_shards = (2 * cp if cp > 1 else 1) * (tp if tp > 1 and sequence_parallel else 1)
+    # Where expert parallelism borrows TP's ranks, each MoE layer takes its TP rank's sequence shard, SP or not.
+    seq_split = tp > 1 and (sequence_parallel or dims.ep_borrows_tp)
+    seq_shards = (2 * cp if cp > 1 else 1) * (tp if seq_split else 1)
     if seq_shards > 1 and seq_len % seq_shards:
         parts = []
         if cp > 1:
             parts.append(f"2 * context_parallel_degree ({2 * cp}, load-balanced chunks)")
-        if tp > 1 and sequence_parallel:
-            parts.append(f"tensor_parallel_degree ({tp}, sequence parallel)")
-        fix = "change seq_len" + (" or set --parallelism.enable_sequence_parallel=false" if tp > 1 and sequence_parallel
-                                  else "")
+        if seq_split:
+            why = "sequence parallel" if sequence_parallel else "expert parallelism borrows its ranks"
+            parts.append(f"tensor_parallel_degree ({tp}, {why})")
+        fix = "change seq_len" + (" or set --parallelism.enable_sequence_parallel=false"
+                                  if seq_split and sequence_parallel and not dims.ep_borrows_tp else "")
         problems.append(f"--training.seq_len={seq_len} must be divisible by {' x '.join(parts)} = {seq_shards}; {fix}")
     return problems
 

@@ -45,6 +45,8 @@ PARITY = {
     "PP2 x FSDP2": _dims(2, 2, pp=2) + ["--parallelism.pipeline_parallel_microbatches=2"],
     "EP2 x FSDP4": _dims(4, 1, ep=2),
     "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
+    # EP borrowing TP's ranks: each TP rank routes its own sequence shard to the 4 EP ranks (ParallelDims)
+    "EP4 on TP2 x FSDP2": _dims(2, 2, ep=4, tp=2),
     # multi-token prediction (one depth; its MoE block's experts EP-sharded too), against its own control
     "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP],
 }

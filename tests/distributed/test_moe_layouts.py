@@ -6,7 +6,8 @@ balancers on: the auxiliary-loss-free routing bias (``--moe.load_balance_coeff``
 DeepSeek's sequence-wise auxiliary loss. All 8-rank layouts train in one torchrun launch
 (tests/distributed/moe_entry.py); one process is the control:
 
-- each layout starts from bitwise the one-process weights (experts included; not checked under PP,
+- each layout starts from bitwise the one-process weights (EP 4 on TP 2 included: expert parallelism borrowing
+  TP's ranks) (experts included; not checked under PP,
   whose ranks hold different layers), its step-1 loss is within 1e-5 and 6 steps within 1e-4 of
   the control's, and its routing biases end equal to the control's up to a few flipped choices;
 - "EP2 x FSDP8" saves at step 3: the same layout resumed from it repeats steps 4-6 bitwise (routing
@@ -54,6 +55,11 @@ PARITY = {
     # Two stages a rank: the counts and the auxiliary loss of both reach the balance (1F1B is the simpler case).
     "EP2 x PP2 x FSDP2, interleaved": _dims(shard=4, batch=2, pp=2) + PP2 + [
         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", TB],
+    # EP borrowing TP's ranks (dp_shard 2 cannot hold EP 4): each TP rank routes its own sequence shard, sliced from
+    # the replicated input without SP; its counts are summed over TP too. The sequence-wise loss would take each
+    # shard as a sequence, as under CP: without it here.
+    "EP4 on TP2 x FSDP2, HSDP2, no SP": _dims(shard=2, batch=2, rep=2, tp=2, ep=4) + [
+        "--parallelism.enable_sequence_parallel=false", NO_AUX, TB],
 }
 RESUMED = {  # resumed at step HALF from "EP2 x FSDP4"
     "same layout": _dims(),
@@ -71,7 +77,7 @@ def _launch(root: Path, nproc: int, layouts: dict[str, dict]) -> dict:
 def runs(tmp_path_factory) -> dict:
     one = ["--training.batch_size=8", "--parallelism.data_parallel_shard_degree=1"]
     control = _launch(tmp_path_factory.mktemp("moe_control"), 1, {"control": {"overrides": [*one, TB]},
-                                                                   NO_AUX: {"overrides": [*one, NO_AUX]}})
+                                                                   NO_AUX: {"overrides": [*one, NO_AUX, TB]}})
     layouts: dict[str, dict] = {name: {"overrides": o} for name, o in PARITY.items()}
     layouts.update({f"resumed {name}": {"overrides": [*o, "--checkpoint.enable_checkpoint"], "resume": SOURCE}
                     for name, o in RESUMED.items()})
@@ -133,9 +139,9 @@ def test_checkpoint_of_ep2_resumes(name, runs):
 def test_moe_metrics_count_every_rank_and_stage_once(name, runs):
     """Logged every HALF steps: the (token, slot) pairs per expert over the 3 sparse layers, summed over the data
     ranks once (not again over TP's copies, and over both pipeline stages), equal the one process's."""
-    got, want = runs[name]["moe_metrics"], runs["control"]["moe_metrics"]
+    got, want = runs[name]["moe_metrics"], runs[NO_AUX if NO_AUX in PARITY[name] else "control"]["moe_metrics"]
     tokens = [got[f"moe/tokens_per_expert/{e}"] for e in range(8)]
     assert [sum(window) for window in zip(*tokens)] == [HALF * 8 * SEQ * 2 * 3] * 2  # steps x batch x seq x k x layers
     assert tokens == [want[f"moe/tokens_per_expert/{e}"] for e in range(8)]
-    for key in ("moe/imbalance", "moe/imbalance_max", "moe/aux_loss"):
+    for key in ("moe/imbalance", "moe/imbalance_max", *(["moe/aux_loss"] if NO_AUX not in PARITY[name] else [])):
         assert max(_rel(got[key], want[key])) <= 1e-4, (key, got[key], want[key])

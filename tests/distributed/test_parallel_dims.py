@@ -71,10 +71,38 @@ def test_invalid_degrees_name_the_option_and_the_fix(degrees, world, needles):
         assert needle in message, message
 
 
-def test_expert_degree_must_divide_dp_shard_times_cp():
-    assert ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=1, world_size=8, ep=4).degree("efsdp") == 1
-    with pytest.raises(ValueError, match=r"^--parallelism.expert_parallel_degree=3 must divide dp_shard x cp = 4"):
+def test_expert_degree_must_divide_dp_shard_times_cp_times_tp():
+    within = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=1, world_size=8, ep=4)
+    assert within.degree("efsdp") == 1 and within.degree("etp") == 2 and not within.ep_borrows_tp
+    with pytest.raises(ValueError, match=r"^--parallelism.expert_parallel_degree=3 must divide dp_shard x cp x tp = "
+                                         r"4 x 1 x 2 = 8: .* pick a degree that divides 8"):
         ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=2, pp=1, world_size=8, ep=3)
+    with pytest.raises(ValueError, match=r"^--parallelism.expert_parallel_degree=4 must divide dp_shard x cp x tp = "
+                                         r"2 x 1 x 1 = 2"):
+        ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2, ep=4)
+
+
+@pytest.mark.parametrize("degrees, efsdp", [
+    (dict(dp_shard=2, tp=2, ep=4, world_size=4), 1),  # EP 4 on TP 2 x FSDP 2
+    (dict(dp_shard=2, tp=4, ep=4, world_size=8), 2),
+    (dict(dp_shard=16, tp=2, pp=8, ep=32, world_size=256), 1),  # Qwen3-235B-A22B's published layout
+    (dict(dp_shard=3, cp=2, tp=2, ep=4, world_size=12), 3),
+])
+def test_expert_parallelism_borrows_all_of_tp_when_dp_shard_x_cp_cannot_hold_it(degrees, efsdp):
+    dims = ParallelDims(**{"dp_replicate": 1, "cp": 1, "pp": 1, **degrees})
+    assert dims.ep_borrows_tp and dims.degree("etp") == 1 and dims.degree("efsdp") == efsdp
+    assert dims.degree("efsdp") * dims.ep == dims.dp_shard * dims.cp * dims.tp
+
+
+def test_expert_parallelism_that_needs_tp_must_cover_all_of_it():
+    """ep 2 on dp_shard 1 x tp 4 would take half of TP's ranks: refused, naming the degrees that work."""
+    with pytest.raises(ValueError) as info:
+        ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=4, pp=1, world_size=4, ep=2)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("--parallelism.expert_parallel_degree=2 needs the ranks of "
+                              "--parallelism.tensor_parallel_degree=4"), message
+    assert "does not cover all of them; use a degree that divides 1 or a multiple of 4 that divides 4" in message
 
 
 def test_axes_layout_and_rank_at():
@@ -138,9 +166,14 @@ def _describe_meshes(rank: int, world_size: int, layouts: dict) -> dict:
             "fsdp": None if fsdp is None else (fsdp.mesh_dim_names, tuple(fsdp.shape)),
             "one_rank_fsdp": tuple(dims.one_rank_fsdp_mesh().shape),
             "labels": sorted(set(dims.group_labels().values())),
+            "routing": _ranks(dims.routing_mesh()),
             "seed": manual_seed(100, dims=dims, sharded_dims=["pp", "dp_shard", "cp", "tp", "ep"]),
         }
     return out
+
+
+def _ranks(mesh) -> list[int] | None:  # noqa: ANN001 - a DeviceMesh or None
+    return None if mesh is None else dist.get_process_group_ranks(mesh.get_group())
 
 
 def _expected_view(rank: int, sizes: dict[str, int], view_dims: tuple[str, ...]):
@@ -197,7 +230,7 @@ def test_meshes_on_eight_ranks():
                 "world": (ORDER, degrees, True),
                 "dense": (("pp", "dp_replicate", "fsdp", "tp"), (sizes["pp"], sizes["dp_replicate"], fsdp, sizes["tp"]),
                           True),
-                "sparse": (("pp", "dp_replicate", "efsdp", "ep", "tp"),
+                "sparse": (("pp", "dp_replicate", "efsdp", "ep", "etp"),
                            (sizes["pp"], sizes["dp_replicate"], fsdp, 1, sizes["tp"]), True),
             }, name
             assert got["one_rank_fsdp"] == (fsdp,)
@@ -230,32 +263,49 @@ def test_world_size_one():
     assert got["labels"] == [] and got["seed"] == 100
 
 
-# (pp, dp_replicate, dp_shard, cp, tp, ep): experts borrow ep ranks from dp_shard x cp.
-EP_LAYOUTS = {"ep2_fsdp8": (1, 1, 8, 1, 1, 2), "ep2_cp2_tp2": (1, 1, 2, 2, 2, 2), "hsdp2x2_ep2": (1, 2, 2, 1, 2, 2)}
+# (pp, dp_replicate, dp_shard, cp, tp, ep): experts borrow ep ranks from dp_shard x cp, and all of tp where
+# dp_shard x cp cannot hold ep (the last three).
+EP_LAYOUTS = {"ep2_fsdp8": (1, 1, 8, 1, 1, 2), "ep2_cp2_tp2": (1, 1, 2, 2, 2, 2), "hsdp2x2_ep2": (1, 2, 2, 1, 2, 2),
+              "hsdp2x2_tp2_ep4": (1, 2, 2, 1, 2, 4), "fsdp2_tp4_ep4": (1, 1, 2, 1, 4, 4),
+              "pp2_fsdp2_tp2_ep4": (2, 1, 2, 1, 2, 4)}
 
 
 @pytest.mark.slow  # spawns gloo ranks
 def test_sparse_mesh_at_ep_two():
     results = run_ranks(_describe_meshes, 8, EP_LAYOUTS)
     for name, (pp, rep, shard, cp, tp, ep) in EP_LAYOUTS.items():
-        efsdp = shard * cp // ep
+        borrows = (shard * cp) % ep != 0
+        etp = 1 if borrows else tp  # the TP ranks that run a MoE layer on the same tokens
+        efsdp = shard * cp * tp // (ep * etp)
         for rank, per_rank in enumerate(results):
             got = per_rank[name]
-            assert got["roots"]["sparse"] == (("pp", "dp_replicate", "efsdp", "ep", "tp"), (pp, rep, efsdp, ep, tp),
+            assert got["roots"]["sparse"] == (("pp", "dp_replicate", "efsdp", "ep", "etp"), (pp, rep, efsdp, ep, etp),
                                               True), name
             assert got["roots"]["world"][1] == (pp, rep, shard, cp, tp)  # the world mesh is unchanged by ep
-            # ep takes the inner ranks of dp_shard x cp: neighbours in that flattened order.
             c = dict(zip(ORDER, _unravel(rank, [pp, rep, shard, cp, tp])))
             inner = c["dp_shard"] * cp + c["cp"]  # this rank's index in dp_shard x cp
-            base = rank - inner * tp
-            ep_group = [base + ((inner // ep) * ep + i) * tp for i in range(ep)]
+            stage_replica = rank - inner * tp - c["tp"]  # the first rank of its (pp, dp_replicate) coordinate
+            if borrows:
+                # ep takes all of tp and the inner ep / tp ranks of dp_shard x cp: neighbours in rank order.
+                inner = inner * tp + c["tp"]
+                ep_group = [stage_replica + (inner // ep) * ep + i for i in range(ep)]
+                routing = list(range(stage_replica - c["dp_replicate"] * shard * cp * tp,
+                                     stage_replica + (rep - c["dp_replicate"]) * shard * cp * tp))
+            else:
+                # ep takes the inner ranks of dp_shard x cp: neighbours in that flattened order.
+                ep_group = [stage_replica + c["tp"] + ((inner // ep) * ep + i) * tp for i in range(ep)]
+                routing = got["views"]["dp_cp"][2]  # TP ranks route the same tokens: counted over dp x cp
             assert got["views"]["ep"] == (inner % ep, ep, ep_group), (name, rank)
+            assert got["routing"] == routing, (name, rank)
             if efsdp > 1:
                 assert got["views"]["efsdp"][:2] == (inner // ep, efsdp), (name, rank)
             else:
                 assert got["views"]["efsdp"] is None
             assert "ep" in got["labels"]
     assert results[0]["ep2_fsdp8"]["views"]["efsdp"] == (0, 4, [0, 2, 4, 6])
+    assert results[5]["hsdp2x2_tp2_ep4"]["views"]["ep"] == (1, 4, [4, 5, 6, 7])
+    assert results[2]["fsdp2_tp4_ep4"]["views"]["efsdp"] == (0, 2, [2, 6])
+    assert results[3]["pp2_fsdp2_tp2_ep4"]["routing"] == [0, 1, 2, 3]
     # manual_seed over ParallelDims reaches ep: ranks 0 and 1 of ep2_fsdp8 differ in dp_shard and ep.
     assert [r["ep2_fsdp8"]["seed"] for r in results[:2]] == [100, 100 + 1 * 2 + 1]
 

@@ -61,9 +61,9 @@ def _local_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def state_hash(parts, optimizer: bool = True) -> str:
+def state_hash(parts, optimizer: bool = True, lr: bool = True) -> str:
     """A hash of this rank's shards of the weights and of Adam's state, and of the learning rate (``parts``: the
-    step's ``StepParts``)."""
+    step's ``StepParts``; ``lr=False`` leaves the learning rate out, which a skipped step still moves on)."""
     h = hashlib.sha256()
     for part in parts.model_parts:
         for name, p in part.named_parameters():
@@ -72,7 +72,8 @@ def state_hash(parts, optimizer: bool = True) -> str:
             for key, value in sorted(parts.optimizer.state[p].items()) if optimizer else ():
                 h.update(key.encode())
                 h.update(_local_bytes(value))
-    h.update(repr([g["lr"] for g in parts.optimizer.param_groups]).encode())
+    if lr:
+        h.update(repr([g["lr"] for g in parts.optimizer.param_groups]).encode())
     return h.hexdigest()
 
 
@@ -232,7 +233,8 @@ class _Recorder:
                         "after": _global_state(ft), "participants": ft.participants, "synced": ft.synced},
                        self.dump_file)
             self.dump["armed"] = False
-        line = {"step": out.step, "loss": float(out.loss), "state": state_hash(parts), "began": self.began,
+        line = {"step": out.step, "loss": float(out.loss), "state": state_hash(parts),
+                "weights_and_moments": state_hash(parts, lr=False), "began": self.began,
                 "time": time.time(),
                 "participants": ft.participants if ft else 1, "discarded": ft.discarded if ft else 0,
                 "heals": ft.heals if ft else 0, "allreduces": self.calls["n"], "allreduce_bytes": self.calls["bytes"],

@@ -68,6 +68,7 @@ COMMON = [f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", f"--lr_sch
 FSDP_UNITS = 7  # the debug model's 6 blocks and the root
 GRADS_AT = 1  # the step whose reduced gradients each group's rank 0 and the one process save (ft_entry.py)
 TP_STEPS = 4
+SKIPPED_STEP = 2  # the TP run's step with a non-finite gradient in group 1 (and the reference)
 
 
 def _env(record: Path, **extra: str) -> dict[str, str]:
@@ -255,14 +256,18 @@ def tp_run(tmp_path_factory):
     # A quorum needs both groups: neither trains a step alone while the other starts up.
     lighthouse, address = _lighthouse(tmp, min_replicas=2)
     tp = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
-          "--fault_tolerance.min_replicas=2", f"--training.steps={TP_STEPS}", "--lr_scheduler.warmup_steps=1")
+          "--fault_tolerance.min_replicas=2", f"--training.steps={TP_STEPS}", "--lr_scheduler.warmup_steps=1",
+          "--stability.skip_nonfinite_steps", f"--debug.inject_nonfinite_grad={SKIPPED_STEP}")
+    # Every group (and the reference) gets a non-finite gradient at SKIPPED_STEP, as an overflow in the
+    # backward reaches every group through the cross-group average (the injection comes after it).
     try:
         procs = {"g0": _group(tmp, 0, address, _env(tmp / "g0"), restarts=0, layout=tp),
                  "g1": _group(tmp, 1, address, _env(tmp / "g1", FT_CORRUPT_AT_STEP=str(TP_STEPS)), restarts=0,
                               layout=tp)}
         procs["ref"] = subprocess.Popen(
             [sys.executable, ENTRY, *COMMON, "--training.batch_size=2", f"--training.steps={TP_STEPS}",
-             "--lr_scheduler.warmup_steps=1",
+             "--lr_scheduler.warmup_steps=1", "--stability.skip_nonfinite_steps",
+             f"--debug.inject_nonfinite_grad={SKIPPED_STEP}",
              f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref"), stdout=open(tmp / "ref.log", "w"),
             stderr=subprocess.STDOUT, start_new_session=True)
         codes = _wait(procs, tmp, timeout=120)
@@ -282,6 +287,19 @@ def test_tp_groups_stay_equal_and_match_one_process(tp_run):
     for a, b, r in zip(g0, g1, ref):
         assert a["state"] == b["state"] and a["loss"] == b["loss"], f"step {a['step']}: the TP groups differ"
         assert abs(a["loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (a["step"], a["loss"], r["loss"])
+
+
+def test_fault_tolerant_groups_skip_a_non_finite_step(tp_run):
+    """A non-finite gradient at SKIPPED_STEP: both groups (and one process) skip that step, so the weights and
+    Adam state after it are bitwise those after the step before, and training goes on in step."""
+    _, logs, records = tp_run
+    for name in ("g0", "g1"):
+        states = {r["step"]: r["weights_and_moments"] for r in records[name]}
+        assert states[SKIPPED_STEP] == states[SKIPPED_STEP - 1], f"{name} applied the non-finite step"
+        assert states[SKIPPED_STEP + 1] != states[SKIPPED_STEP], f"{name} stopped training after the skip"
+        assert "skipped: 1" in logs[name], logs[name][-3000:]  # the step line counts it
+    ref = {r["step"]: r["weights_and_moments"] for r in records["ref"]}
+    assert ref[SKIPPED_STEP] == ref[SKIPPED_STEP - 1]
 
 
 def test_replica_check_stops_both_groups_on_a_corrupted_weight(tp_run):

@@ -4,11 +4,12 @@ FLOPs, the imbalance factor and its refusal, EP in --search, and the preflight's
 from __future__ import annotations
 
 import pytest
-from conftest import REPO, debug_config
+from conftest import REPO, debug_config, load_script
 
+from torchtitan.config import ConfigManager
 from torchtitan.planning import cli
 from torchtitan.planning.compute import grouped_mm_flops
-from torchtitan.planning.dry_run import dry_run, plan_job
+from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
 from torchtitan.planning.search import candidate_overrides
 
 MOE = str(REPO / "train_configs" / "qwen3_debug_moe.toml")
@@ -36,12 +37,16 @@ def _a2a_forward_bytes(tokens: int, imbalance: float, ep: int) -> int:
 def ep2_runs():
     # FSDP 4 with EP 2: the ep group (2 ranks) is not the dp_shard one, so the ledger names it
     cfg = _moe_cfg("--parallelism.data_parallel_shard_degree=4", "--parallelism.expert_parallel_degree=2")
-    return dry_run(cfg, 4), dry_run(cfg, 4, moe_imbalance=1.5)
+    # EP 4 on TP 2 x FSDP 2 (EP borrowing TP's ranks) is simulated in the same pool of workers
+    borrowed = _moe_cfg("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2",
+                        "--parallelism.expert_parallel_degree=4")
+    balanced, borrowing = dry_runs([(cfg, 4, None), (borrowed, 4, None)])
+    return balanced, dry_run(cfg, 4, moe_imbalance=1.5), borrowing
 
 
 @pytest.mark.slow  # the dry run's pool of worker processes
 def test_all_to_all_bytes_follow_the_formula(ep2_runs):
-    balanced, skewed = ep2_runs
+    balanced, skewed, _ = ep2_runs
     for run, f in ((balanced, 1.0), (skewed, 1.5)):
         rows = _ep_rows(run)
         assert rows["forward"]["bytes"] == SPARSE_LAYERS * _a2a_forward_bytes(T, f, 2), f
@@ -68,8 +73,30 @@ def test_all_to_all_bytes_under_tp_and_pp():
 
 
 @pytest.mark.slow
+def test_all_to_all_bytes_when_ep_borrows_tp(ep2_runs):
+    """EP 4 on TP 2 x FSDP 2: each TP rank routes its own half of the sequence to the 4 ranks of its EP group."""
+    run = ep2_runs[2]
+    assert run.plan.dims.ep_borrows_tp
+    rows = _ep_rows(run)
+    assert rows["forward"]["bytes"] == SPARSE_LAYERS * _a2a_forward_bytes(T // 2, 1.0, 4)
+    assert rows["backward"]["bytes"] == SPARSE_LAYERS * (_a2a_forward_bytes(T // 2, 1.0, 4) - E * INT64)
+    assert run.ranks[0].traffic.group_ranks["ep"] == [0, 1, 2, 3]
+
+
+def test_the_planner_takes_qwen3_235b_published_layout():
+    """Qwen3-235B-A22B as Megatron-Bridge published it on 256 GPUs: TP 2 x EP 32 x PP 8 (dp_shard 16), EP borrowing
+    TP's ranks; the planner's preflight (no dry run) accepts it, as ``benchmarks/plan_validation.py`` runs it."""
+    cluster, world, overrides, *_ = load_script("benchmarks/plan_validation.py").MOE_ROWS[
+        "qwen3-235b-a22b-tp2-ep32-pp8-vp4"]
+    plan = plan_job(ConfigManager().parse_args(overrides), world)
+    assert (plan.dims.tp, plan.dims.ep, plan.dims.pp, plan.dims.dp_shard) == (2, 32, 8, 16)
+    assert plan.dims.ep_borrows_tp and plan.dims.degree("efsdp") == 1
+    assert cluster == "h100-sxm-80g"
+
+
+@pytest.mark.slow
 def test_forward_matmul_flops_are_the_active_parameters(ep2_runs):
-    balanced, skewed = ep2_runs
+    balanced, skewed, _ = ep2_runs
     args = balanced.plan.model_args
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * T
     # flops_per_token counts every active parameter; the norms' (two per block, q/k norms, the final one)
@@ -100,6 +127,12 @@ def test_preflight_refuses_an_ep_that_does_not_divide(capsys):
                           "--parallelism.expert_parallel_degree=3"])
     err = capsys.readouterr().err
     assert code == 2 and "config error:" in err and "expert_parallel_degree=3" in err
+    # EP that needs TP's ranks but takes only half of them: the planner refuses it as a launch does.
+    code = cli.plan_main(["--cluster", "h100-sxm-80g", "--world_size", "4", "--job.config_file", MOE,
+                          "--parallelism.tensor_parallel_degree=4", "--parallelism.data_parallel_shard_degree=1",
+                          "--parallelism.expert_parallel_degree=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not cover all of them" in err, err
 
 
 def test_search_tries_ep_for_models_with_experts():

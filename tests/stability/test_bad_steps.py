@@ -36,6 +36,10 @@ PP2 = ["--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_
        "--training.batch_size=2"]
 TP2 = ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
        "--training.batch_size=2"]
+HSDP2 = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1",
+         "--training.batch_size=1"]
+CP2 = ["--parallelism.context_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+       "--training.batch_size=2"]
 SPIKES = ["--stability.skip_spikes", "--stability.spike_warmup_steps=2", "--stability.rolling_interval_length=4"]
 GUARD = ["--stability.skip_nonfinite_steps", *SPIKES]
 # z-loss large enough that a wrong gradient of it would show in the next steps' losses.
@@ -49,6 +53,8 @@ LAYOUTS = {
     "FSDP 2, NaN at 5": FSDP2 + NAN_AT_5,
     "PP 2, NaN at 5": PP2 + NAN_AT_5,
     "TP 2, NaN at 5": TP2 + NAN_AT_5,
+    "HSDP 2x1, NaN at 5": HSDP2 + NAN_AT_5,
+    "CP 2, NaN at 5": CP2 + NAN_AT_5,
     "FSDP 2, rollback": FSDP2 + ROLLBACK,
 }
 
@@ -68,7 +74,10 @@ def test_spike_detector_without_spikes_trains_bitwise_as_without_it(runs):
         assert (a["model"], a["optim"], a["loss"]) == (b["model"], b["optim"], b["loss"]), a["step"]
 
 
-@pytest.mark.parametrize("layout", ["FSDP 2, NaN at 5", "PP 2, NaN at 5", "TP 2, NaN at 5"])
+NAN_LAYOUTS = ["FSDP 2, NaN at 5", "PP 2, NaN at 5", "TP 2, NaN at 5", "HSDP 2x1, NaN at 5", "CP 2, NaN at 5"]
+
+
+@pytest.mark.parametrize("layout", NAN_LAYOUTS)
 def test_a_non_finite_step_leaves_model_and_optimizer_bitwise_alone(runs, layout):
     steps = runs[layout]["steps"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
@@ -82,9 +91,10 @@ def test_a_non_finite_step_leaves_model_and_optimizer_bitwise_alone(runs, layout
 
 
 def test_losses_and_z_loss_agree_across_layouts(runs):
-    """z-loss under loss parallel (TP) and through the pipeline equals the plain computation (FSDP)."""
+    """z-loss under loss parallel (TP), through the pipeline, replicated (HSDP) and with the sequence split (CP)
+    equals the plain computation (FSDP)."""
     want = runs["FSDP 2, NaN at 5"]["steps"]
-    for layout in ("PP 2, NaN at 5", "TP 2, NaN at 5"):
+    for layout in NAN_LAYOUTS[1:]:
         for a, b in zip(want, runs[layout]["steps"], strict=True):
             assert a["z_loss"] > 0
             assert abs(a["z_loss"] - b["z_loss"]) <= 1e-5 * a["z_loss"], (layout, a["step"], a["z_loss"], b["z_loss"])

@@ -147,8 +147,9 @@ class Parallelism:
     context_parallel_degree: int = field_with_help(1, "Context parallel degree (sequence sharding)", min=1)
     pipeline_parallel_degree: int = field_with_help(1, "Pipeline parallel degree", min=1)
     expert_parallel_degree: int = field_with_help(
-        1, "Expert parallel degree: ranks among dp_shard x cp that hold different experts of each MoE layer and "
-        "exchange tokens by all-to-all (docs/moe.md); must divide dp_shard x cp and the number of experts", min=1)
+        1, "Expert parallel degree: ranks among dp_shard x cp (x tp) that hold different experts of each MoE layer "
+        "and exchange tokens by all-to-all (docs/moe.md); must divide the number of experts and dp_shard x cp, or "
+        "else be a multiple of tp dividing dp_shard x cp x tp (it then borrows all of TP's ranks)", min=1)
     pipeline_parallel_schedule: str = field_with_help(
         "1F1B", "Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble"
     )

@@ -4,7 +4,7 @@ Ranks are numbered in row-major order over the world axes ``pp, dp_replicate, dp
 (outermost first, so that TP, the most communication-hungry, gets neighbouring ranks: one node's
 fast links). Every axis is kept at degree 1 too, so each rank has a coordinate on each, and code
 never asks whether an axis exists. ``ep`` is a sixth degree: expert parallelism borrows its ranks
-from ``dp_shard x cp``.
+from ``dp_shard x cp``, and from ``tp`` too when those are too few (``ep_borrows_tp``).
 
 The meshes are unflattenings of one 1-D world mesh (``ROOT_MESHES``), so they all share one root,
 as FSDP2 needs to compose with TP and HSDP:
@@ -14,8 +14,12 @@ as FSDP2 needs to compose with TP and HSDP:
   ranks that read different data) and ``dp_cp`` (alias ``loss``, the ranks the loss is averaged over);
 - ``dense``  (pp, dp_replicate, fsdp, tp): the dense parameters; FSDP shards over
   ``fsdp`` = dp_shard x cp (CP ranks hold different tokens, same weights), TP over ``tp``;
-- ``sparse`` (pp, dp_replicate, efsdp, ep, tp): the experts' parameters; ``ep`` takes the inner
-  ranks of dp_shard x cp and ``efsdp`` = dp_shard x cp / ep the rest.
+- ``sparse`` (pp, dp_replicate, efsdp, ep, etp): the experts' parameters. When ep divides
+  dp_shard x cp, ``ep`` takes the inner ranks of dp_shard x cp, ``efsdp`` = dp_shard x cp / ep the
+  rest, and ``etp`` = tp: every TP rank runs the MoE layer on the same tokens. Otherwise EP borrows
+  TP's ranks: ep must be a multiple of tp that divides dp_shard x cp x tp; ``ep`` then takes all of
+  ``tp`` and the inner ep / tp ranks of dp_shard x cp, ``efsdp`` = dp_shard x cp x tp / ep, and
+  ``etp`` = 1: each TP rank routes its own sequence shard, and the experts have no TP of their own.
 
 A degree-1 axis runs on the fake backend (no communicator is made for it), except the FSDP axes:
 FSDP goes on a one-rank ``fsdp`` too, to apply mixed precision. At ep = 1 the sparse mesh is all
@@ -59,10 +63,12 @@ AXIS_TABLE = (
     Axis("dp_shard", "--parallelism.data_parallel_shard_degree", "world", world=True),
     Axis("cp", "--parallelism.context_parallel_degree", "world", world=True),
     Axis("tp", "--parallelism.tensor_parallel_degree", "dense", world=True),
-    # ep is carved from dp_shard x cp; fsdp and efsdp are derived: dp_shard x cp, and that over ep.
+    # ep is carved from dp_shard x cp (x tp); fsdp and efsdp are derived: dp_shard x cp, and the rest of
+    # ep's ranks; etp, the TP ranks a MoE layer is replicated over: tp, or 1 when ep borrows them.
     Axis("ep", "--parallelism.expert_parallel_degree", "sparse"),
     Axis("fsdp", None, "dense"),
     Axis("efsdp", None, "sparse"),
+    Axis("etp", None, "sparse"),
 )
 # The degrees that define a layout, in mesh order (ep last: it is carved from dp_shard x cp).
 WORLD_AXES = tuple(a.name for a in AXIS_TABLE if a.world)
@@ -73,7 +79,7 @@ MESH_DIM_NAMES = WORLD_AXES  # the world mesh's dims (the name callers have used
 ROOT_MESHES: dict[str, tuple[str, ...]] = {
     "world": WORLD_AXES,
     "dense": ("pp", "dp_replicate", "fsdp", "tp"),
-    "sparse": ("pp", "dp_replicate", "efsdp", "ep", "tp"),
+    "sparse": ("pp", "dp_replicate", "efsdp", "ep", "etp"),
 }
 # The root mesh whose axis a 1-D name resolves to (the other meshes' copies only place their axes).
 _SERVED_BY = {a.name: a.served_by for a in AXIS_TABLE}
@@ -86,6 +92,8 @@ FLATTENED_VIEWS = {
 # Names by role: the data loading's mesh, the loss's, and the FSDP axis by the world axes it spans.
 ALIASES = {"batch": "dp", "loss": "dp_cp", "dp_shard_cp": "fsdp"}
 _FSDP_AXES = ("fsdp", "efsdp")  # FSDP goes on them at one rank too (mixed precision): never fake
+_NO_COLLECTIVE = ("etp",)  # a placement only: no collective runs over it, so it is always fake
+_ROUTING_VIEW = "dp_cp_tp"  # built only when ep borrows TP's ranks (ParallelDims.routing_mesh)
 # The option that sets each degree.
 _OPTIONS = {a.name: a.option for a in AXIS_TABLE if a.option is not None}
 
@@ -138,9 +146,21 @@ class ParallelDims:
             self._check_divides()
             self.dp_shard = self.world_size // self._others()
         self._check_product()
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(f"{_OPTIONS['ep']}={self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp}: "
-                             "expert parallelism borrows its ranks from them; change one of the degrees")
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        """ep divides dp_shard x cp, or it borrows all of TP: a multiple of tp dividing dp_shard x cp x tp."""
+        data, ep, tp, opt = self.dp_shard * self.cp, self.ep, self.tp, _OPTIONS["ep"]
+        if data % ep == 0:
+            return
+        if tp == 1 or (data * tp) % ep:
+            raise ValueError(f"{opt}={ep} must divide dp_shard x cp x tp = {self.dp_shard} x {self.cp} x {tp} = "
+                             f"{data * tp}: expert parallelism borrows its ranks from them; pick a degree that divides "
+                             f"{data * tp}, or change the others")
+        if ep % tp:
+            raise ValueError(f"{opt}={ep} needs the ranks of --parallelism.tensor_parallel_degree={tp} (dp_shard x cp "
+                             f"= {data} alone cannot hold it) but does not cover all of them; use a degree that "
+                             f"divides {data} or a multiple of {tp} that divides {data * tp}")
 
     def _others(self) -> int:
         return self.dp_replicate * self.cp * self.tp * self.pp
@@ -182,7 +202,9 @@ class ParallelDims:
         if name == "fsdp":
             return self.dp_shard * self.cp
         if name == "efsdp":
-            return self.dp_shard * self.cp // self.ep
+            return self.dp_shard * self.cp * self.tp // (self.ep * self.degree("etp"))
+        if name == "etp":
+            return 1 if self.ep_borrows_tp else self.tp
         return math.prod(getattr(self, d) for d in FLATTENED_VIEWS.get(name, (name,)))
 
     def axes(self) -> list[tuple[str, int]]:
@@ -223,7 +245,7 @@ class ParallelDims:
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         self._roots = {name: self._unflatten(world, name, axes) for name, axes in ROOT_MESHES.items()}
         self._meshes = {name: self._roots[root][name] for name, root in _SERVED_BY.items()
-                        if self.degree(name) > 1 and self._in_use(root)}
+                        if self.degree(name) > 1 and self._in_use(root) and name not in _NO_COLLECTIVE}
         for view, dims in FLATTENED_VIEWS.items():
             enabled = tuple(d for d in dims if self.degree(d) > 1)
             if view in ALIASES or not enabled:
@@ -231,6 +253,10 @@ class ParallelDims:
             # One enabled axis is already its own view; flattening it again would only add groups.
             one = len(enabled) == 1
             self._meshes[view] = self._meshes[enabled[0]] if one else flatten_mesh(self._roots["world"][enabled], view)
+        if self.ep_borrows_tp:
+            # The ranks whose MoE layers route different tokens, when TP ranks are among them (routing_mesh).
+            enabled = tuple(d for d in (*FLATTENED_VIEWS["dp_cp"], "tp") if self.degree(d) > 1)
+            self._meshes[_ROUTING_VIEW] = flatten_mesh(self._roots["world"][enabled], _ROUTING_VIEW)
         dense = self._roots["dense"]
         self._fsdp_mesh = dense["dp_replicate", "fsdp"] if self.dp_replicate > 1 else dense["fsdp"]
         return self._roots["world"]
@@ -242,7 +268,8 @@ class ParallelDims:
     def _unflatten(self, world: DeviceMesh, name: str, axes: tuple[str, ...]) -> DeviceMesh:
         sizes = tuple(self.degree(a) for a in axes)
         in_use = self._in_use(name)
-        fake = tuple(a for a, size in zip(axes, sizes) if not in_use or (size == 1 and a not in _FSDP_AXES))
+        fake = tuple(a for a, size in zip(axes, sizes)
+                     if not in_use or a in _NO_COLLECTIVE or (size == 1 and a not in _FSDP_AXES))
         return unflatten_mesh(world, sizes, axes, fake=fake)
 
     @property
@@ -279,9 +306,11 @@ class ParallelDims:
             mesh = self.get_mesh(name)
             if mesh is not None:
                 labels.setdefault(mesh.get_group().group_name, self.label(name))
+        if _ROUTING_VIEW in self._meshes:
+            labels.setdefault(self._meshes[_ROUTING_VIEW].get_group().group_name, _ROUTING_VIEW)
         for root, axes in ROOT_MESHES.items():
             for axis in axes:
-                if self.degree(axis) > 1 and self._in_use(root):
+                if self.degree(axis) > 1 and self._in_use(root) and axis not in _NO_COLLECTIVE:
                     labels.setdefault(self._roots[root].get_group(axis).group_name, self.label(axis))
         return labels
 
@@ -309,6 +338,15 @@ class ParallelDims:
         """
         return self.root_mesh("dense")["fsdp"]
 
+    def routing_mesh(self) -> DeviceMesh | None:
+        """The ranks whose MoE layers route different tokens, over which token counts are summed: ``dp x cp``
+        (``loss``; TP ranks route the same tokens), and ``tp`` too when expert parallelism borrows TP's ranks.
+        None on one rank."""
+        if self.ep_borrows_tp:
+            self.root_mesh("world")
+            return self._meshes[_ROUTING_VIEW]
+        return self.get_mesh("loss")
+
     def tp_mesh(self) -> DeviceMesh | None:
         """The ``tp`` mesh that ``parallelize_module`` takes (None without TP).
 
@@ -329,6 +367,12 @@ class ParallelDims:
     tp_enabled = property(lambda self: self.enabled("tp"))
     pp_enabled = property(lambda self: self.enabled("pp"))
     ep_enabled = property(lambda self: self.enabled("ep"))
+
+    @property
+    def ep_borrows_tp(self) -> bool:
+        """Whether expert parallelism takes TP's ranks (dp_shard x cp alone cannot hold ep): each TP rank then
+        routes its own tokens through the MoE layers, where otherwise they all route the same ones."""
+        return self.ep > 1 and self.tp > 1 and (self.dp_shard * self.cp) % self.ep != 0
 
     @property
     def loss_parallel_enabled(self) -> bool:

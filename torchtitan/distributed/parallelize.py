@@ -3,7 +3,8 @@
     (CPU: oneDNN linears) -> the family's tensor parallel plan -> the attention backend (context
     parallelism's included) -> expert parallelism -> activation checkpointing -> torch.compile -> FSDP2
 
-Order matters: TP rewrites the linear layers into DTensor shards first, EP shards the experts over
+Order matters: TP rewrites the linear layers into DTensor shards first (where EP borrows TP's ranks,
+each MoE layer is first split over TP: each TP rank routes its own tokens), EP shards the experts over
 ``ep`` (before FSDP, which shards each rank's experts over ``efsdp``), AC and compile then wrap
 each block's (already parallel) forward, and FSDP comes last so that it shards what the other
 steps produced and its all-gathers sit outside the compiled and recomputed regions. On CPU the
@@ -55,6 +56,10 @@ class FamilyParallelism(Protocol):
     @property
     def apply_ep(self) -> Callable[[torch.nn.Module, DeviceMesh], list[torch.nn.Module]] | None: ...
 
+    # Each TP rank routes its own tokens through the MoE layers (EP borrowing TP's ranks; None: dense family).
+    @property
+    def split_moe_over_tp(self) -> Callable[[torch.nn.Module, DeviceMesh], None] | None: ...
+
 
 def fsdp_on_one_rank(dims: ParallelDims, cfg: JobConfig, device_type: str) -> bool:
     """Whether FSDP2 goes on a one-rank mesh although no data parallelism asks for it.
@@ -80,6 +85,10 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
         # TP parameters must share the root of the mesh FSDP goes on, one-rank FSDP included.
         tp_mesh = dims.tp_mesh()
         assert tp_mesh is not None, "TP is on"
+        if dims.ep_borrows_tp:
+            # Before the TP plan, which then gives each MoE layer its rank's sequence shard.
+            assert family.split_moe_over_tp is not None, "preflight refuses EP without experts"
+            family.split_moe_over_tp(model, tp_mesh)
         family.apply_tp(model, tp_mesh, cfg.parallelism.enable_sequence_parallel, dims.loss_parallel_enabled)
     cp_mesh = dims.get_mesh("cp") if dims.cp_enabled else None
     assert cp_mesh is not None or not dims.cp_enabled, "CP is on"

@@ -138,6 +138,9 @@ class ExpertSpec:
     # expert parallelism: shard each MoE layer's experts over the ``ep`` mesh, returning the expert
     # modules (FSDP shards each over ``efsdp``)
     apply_ep: Callable[[nn.Module, DeviceMesh], list[nn.Module]]
+    # expert parallelism borrowing TP's ranks: each TP rank routes its own tokens through the MoE layers
+    # (called with the ``tp`` mesh before ``apply_tp``)
+    split_over_tp: Callable[[nn.Module, DeviceMesh], None]
     # the MoE layers of a model part, which the trainer balances and logs (train_step/experts.py)
     layers: Callable[[nn.Module], list[ExpertLayer]]
     # the planner's dry run (planning/moe.py): (model part, imbalance factor) -> the MoE layers made to
@@ -195,6 +198,10 @@ class ModelSpec:
     @property
     def apply_ep(self) -> Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None:
         return None if self.experts is None else self.experts.apply_ep
+
+    @property
+    def split_moe_over_tp(self) -> Callable[[nn.Module, DeviceMesh], None] | None:
+        return None if self.experts is None else self.experts.split_over_tp
 
     def expert_layers(self, module: nn.Module) -> list[ExpertLayer]:
         return [] if self.experts is None else self.experts.layers(module)

@@ -40,6 +40,11 @@ class Layout:
         return {**self.estimate.to_json(), "overrides": self.overrides}
 
 
+def _ep_fits(ep: int, data: int, tp: int) -> bool:
+    """ParallelDims' rule: ep divides dp_shard x cp, or is a multiple of tp dividing dp_shard x cp x tp."""
+    return data % ep == 0 or (ep % tp == 0 and (data * tp) % ep == 0)
+
+
 def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> list[list[str]]:
     """Every layout to try, as train.py overrides (not yet checked by the preflight)."""
     t = cfg.training
@@ -55,9 +60,10 @@ def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> 
             continue
         local = global_batch // dp
         schedules = [("1F1B", 1), ("Interleaved1F1B", 2)] if pp > 1 else [(None, None)]
-        # EP borrows from dp_shard x cp and must divide the experts; none for a dense model.
+        # EP borrows from dp_shard x cp (and all of TP where those are too few) and must divide the experts;
+        # none for a dense model.
         eps = [[f"--parallelism.expert_parallel_degree={ep}"] for ep in EP_DEGREES
-               if (dp * cp) % ep == 0 and experts % ep == 0] if experts else [[]]
+               if _ep_fits(ep, dp * cp, tp) and experts % ep == 0] if experts else [[]]
         for (schedule, v), ac, ep in itertools.product(schedules, ("full", "selective"), eps):
             o = [f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.pipeline_parallel_degree={pp}",
                  f"--parallelism.context_parallel_degree={cp}", "--parallelism.data_parallel_replicate_degree=1",

@@ -2,8 +2,9 @@
 
 - **Auxiliary-loss-free balancing** (DeepSeek-V3): at the step tail's ``balance_experts`` point, just
   before the optimizer step (so after every micro-batch and pipeline microbatch of the step), each MoE layer's
-  token counts are summed over the ranks that see different tokens (``dp x cp``: not TP, whose
-  ranks route the same tokens, and per pipeline stage, which holds its own layers), and each
+  token counts are summed over the ranks that route different tokens (``dp x cp``: not TP, whose
+  ranks route the same tokens, unless expert parallelism borrows them; per pipeline stage, which holds
+  its own layers), and each
   router's bias moves toward balance (``models/expert_balance.py``). The counts exclude activation
   recompute (a layer counts in the original forward only).
 - **Auxiliary loss**: its gradient goes in through each MoE layer's output; its scale is set
@@ -41,8 +42,9 @@ class ExpertBalance:
         self.moes = moes
         self.num_experts = num_experts
         self.coeff, self.dims, self.pipeline_microbatches = coeff, dims, pipeline_microbatches
-        loss_mesh: DeviceMesh | None = dims.get_mesh("loss")
-        self.group = None if loss_mesh is None else loss_mesh.get_group()
+        # dp x cp, and tp where expert parallelism borrows TP's ranks (each TP rank then routes its own tokens)
+        routing_mesh: DeviceMesh | None = dims.routing_mesh()
+        self.group = None if routing_mesh is None else routing_mesh.get_group()
         self.biased = any(m.expert_bias is not None for m in self.moes)
         self.window: torch.Tensor | None = None  # [L, E] tokens per expert since the last log
         self.window_reduced = self.biased  # the bias update sums the counts over dp x cp each step
@@ -93,8 +95,8 @@ class ExpertBalance:
                                                                                                   dtype=torch.float64)])
         peak = per_layer.max().reshape(1).cpu() if len(per_layer) else torch.zeros(1, dtype=torch.float64)
         sums, peak = self._over_world(sums, peak)
-        # The counts (and so the imbalance) are already summed over dp x cp, and TP ranks hold the same:
-        # every rank of a stage adds the same values, dp x cp x tp times.
+        # The counts (and so the imbalance) are already summed over dp x cp (x tp where EP borrows TP's
+        # ranks), and TP ranks hold the same: every rank of a stage adds the same values, dp x cp x tp times.
         copies = self.dims.degree("dp_cp") * self.dims.tp
         out: dict[str, float] = {}
         if sums[1] > 0:

@@ -35,7 +35,8 @@ def _with_moe_options(args: DecoderConfig, cfg: JobConfig) -> DecoderConfig:
 
 
 # module-level functions: the planner pickles the spec to its worker processes
-DECODER_EXPERTS = ExpertSpec(with_moe_options=_with_moe_options, apply_ep=parallel.apply_ep, layers=moe_layers,
+DECODER_EXPERTS = ExpertSpec(with_moe_options=_with_moe_options, apply_ep=parallel.apply_ep,
+                             split_over_tp=parallel.split_moe_over_tp, layers=moe_layers,
                              assume_routing=assume_routing)
 
 

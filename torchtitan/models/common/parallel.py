@@ -109,7 +109,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     - A MoE feed-forward is replicated over TP: its input is gathered to the whole (sequence of the)
       batch, every TP rank routes the same tokens through the same experts, and under SP each keeps
       its sequence shard of the output. Router and experts then see and compute the same values on
-      every TP rank, so their gradients are equal there without a collective (docs/moe.md).
+      every TP rank, so their gradients are equal there without a collective (docs/moe.md). Where
+      expert parallelism borrows TP's ranks (``split_moe_over_tp`` first), each TP rank instead routes
+      its own sequence shard (sliced from the replicated input without SP, the output gathered back).
     """
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
 
@@ -125,9 +127,12 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         # the attention module's plan keeps torch's, which a Float8 linear takes like any linear.
         styles = LinearStyles(block, tp_mesh)
         if isinstance(block.feed_forward, MoE):
+            # Split over TP (expert parallelism borrowing TP's ranks), the layer takes and gives this rank's
+            # sequence shard; otherwise the whole sequence, the same on every TP rank.
+            local = Shard(1) if block.feed_forward.tp_split > 1 else Replicate()
             plan["feed_forward"] = PrepareModuleInputOutput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+                input_layouts=(seq,), desired_input_layouts=(local,), use_local_input=True,
+                output_layouts=(local,), desired_output_layouts=(seq,), use_local_output=True)
         else:
             plan.update({
                 "feed_forward.w1": styles.colwise("feed_forward.w1"),
@@ -159,6 +164,16 @@ def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Modul
     return [moe.experts for moe in moes]
 
 
+def split_moe_over_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Each TP rank routes its own tokens through every MoE layer (expert parallelism borrowing TP's ranks);
+    before ``apply_tp``, whose plan then gives each layer its rank's sequence shard."""
+    from torchtitan.models.moe import MoE
+    from torchtitan.models.moe.parallel import split_over_tp
+
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        split_over_tp(moe, tp_mesh)
+
+
 def check_decoder(args: DecoderConfig, tp: int, pp: int, flavor: str, ep: int = 1) -> list[str]:
     """Preflight problems of the decoder against a layout: widths TP must divide, experts EP must divide,
     top_k, tying under PP; one line each."""
@@ -166,7 +181,8 @@ def check_decoder(args: DecoderConfig, tp: int, pp: int, flavor: str, ep: int = 
     moe = args.moe_args() if args.num_experts else None
     if moe is not None and ep > 1 and moe.num_experts % ep:
         problems.append(f"--parallelism.expert_parallel_degree={ep} does not divide the {moe.num_experts} experts "
-                        f"of --model.flavor={flavor}; use a degree that divides them (and dp_shard x cp)")
+                        f"of --model.flavor={flavor}; use a degree that divides them (and dp_shard x cp, or "
+                        "dp_shard x cp x tp as a multiple of tp)")
     if tp > 1:
         widths = [*args.attention().tp_widths(), ("dim", args.dim)]
         if any(not args.is_moe_layer(i) for i in range(args.n_layers)):

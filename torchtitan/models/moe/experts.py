@@ -82,8 +82,8 @@ class GroupedExperts(nn.Module):
     ``num_experts`` is the global count; under expert parallelism each weight is a DTensor
     sharded on dim 0 (``parallel.apply_expert_parallel``) and this rank computes its slice.
     ``use_grouped_mm=False`` forces the per-expert loop (the benchmark's baseline).
-    ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep (see
-    ``parallel.apply_expert_parallel``).
+    ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, tp / ep where
+    it borrows TP's ranks (see ``parallel.apply_expert_parallel``).
     """
 
     # The parameters stacked over the experts ([E, ...]): what expert parallelism shards on dim 0.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,6 +27,7 @@ from torchtitan.models.moe.balance import aux_loss
 from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine, permute
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.router import TokenChoiceRouter, check_routing
+from torchtitan.models.moe.tp_grads import call_summing_grads
 
 
 @dataclass
@@ -59,16 +61,23 @@ class MoEArgs:
 
 
 class SwiGLU(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``: the shared experts."""
+    """``w2(silu(w1 x) * w3 x)``: the shared experts.
+
+    ``grad_group``: the TP ranks that feed it different tokens (``parallel.split_over_tp``), over which
+    its weights' gradients are summed; None when they feed it the same ones, or without TP.
+    """
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.grad_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        g = self.grad_group
+        hidden = F.silu(call_summing_grads(self.w1, x, g)) * call_summing_grads(self.w3, x, g)
+        return call_summing_grads(self.w2, hidden, g)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -94,7 +103,9 @@ class MoE(nn.Module):
     """``forward(x [..., D]) -> [..., D]``; see the module docstring for ``tokens_per_expert``.
 
     ``dispatcher`` is a ``LocalDispatcher`` (every expert here); ``parallel.apply_expert_parallel``
-    shards the experts over an ``ep`` mesh and swaps in an ``AllToAllDispatcher``.
+    shards the experts over an ``ep`` mesh and swaps in an ``AllToAllDispatcher``. ``tp_split``: the TP
+    ranks that each route their own sequence shard through it (``parallel.split_over_tp``, when expert
+    parallelism borrows TP's ranks); 1 when every TP rank routes the same tokens, or without TP.
     With an auxiliary loss, its gradient is ``aux_loss_coeff * aux_loss_grad_scale``: the trainer
     sets ``aux_loss_grad_scale`` to the factor its main loss is scaled by (1 / micro-batches, ...).
     ``aux_loss_sum`` / ``aux_loss_count`` hold the detached losses of the forwards since ``pop_aux_loss``.
@@ -115,6 +126,7 @@ class MoE(nn.Module):
                                if args.num_shared_experts else None)
         self.dispatcher: LocalDispatcher | AllToAllDispatcher = LocalDispatcher(args.num_experts)
         self.aux_loss_grad_scale = 1.0
+        self.tp_split = 1
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float64), persistent=False)
         self.aux_loss_count = 0
@@ -160,7 +172,10 @@ class MoE(nn.Module):
                 self.aux_loss_sum += loss.detach().double()
                 self.aux_loss_count += 1
             if torch.is_grad_enabled():
-                y = _AttachAuxLoss.apply(y, loss, self.args.aux_loss_coeff * self.aux_loss_grad_scale)
+                # Split over TP, each rank's loss is one of tp (its shard's), and the router's gradient is
+                # summed over them: 1 / tp makes that sum their mean, as a data-parallel average would.
+                scale = self.args.aux_loss_coeff * self.aux_loss_grad_scale / self.tp_split
+                y = _AttachAuxLoss.apply(y, loss, scale)
         return y.view(shape)
 
     def pop_aux_loss(self) -> float | None:

@@ -13,10 +13,17 @@ weight's gradient on a rank sums that rank's tokens only. The experts scale thei
 ``1 / ep``, so that both are a mean over the data ranks once data parallelism has averaged them
 (FSDP over the ``efsdp`` ranks for the experts, over every data rank for the dense weights), with
 the trainer's loss scale unchanged and nothing asked of FSDP's reduction.
+
+When expert parallelism borrows TP's ranks, ``split_over_tp(moe, tp_mesh)`` comes first (before the
+TP plan, which then gives the layer its rank's sequence shard): each TP rank routes its own tokens, the
+router's and shared experts' gradients are summed over TP (``tp_grads.py``), and the ``ep`` ranks then
+hold ``ep / tp`` ranks' worth of different data (each data rank's tokens are spread over its ``tp`` ranks),
+so the experts scale by ``tp / ep``.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -42,5 +49,19 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
         local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
-    experts.grad_scale = 1.0 / ep
+    # The ep ranks' tokens are those of ep / tp_split data ranks (split_over_tp): the mean over those.
+    experts.grad_scale = moe.tp_split / ep
     moe.dispatcher = AllToAllDispatcher(experts.num_experts, ep_mesh.get_group())
+
+
+def split_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
+    """Make each TP rank route its own tokens through ``moe`` (expert parallelism borrowing TP's ranks):
+    the router's and shared experts' gradients summed over ``tp_mesh``. The TP plan gives the layer its
+    rank's sequence shard (``models/common/parallel.apply_tp``)."""
+    if isinstance(moe.experts.w1, DTensor):
+        raise ValueError("split the MoE layer over TP before applying expert parallelism")
+    group: dist.ProcessGroup = tp_mesh.get_group()
+    moe.tp_split = tp_mesh.size()
+    moe.router.grad_group = group
+    if moe.shared_experts is not None:
+        moe.shared_experts.grad_group = group

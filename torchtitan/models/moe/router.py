@@ -11,8 +11,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from torchtitan.models.moe.tp_grads import sum_grad_over
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 
@@ -53,6 +56,9 @@ class TokenChoiceRouter(nn.Module):
         self.norm_topk_prob, self.route_scale = norm_topk_prob, route_scale
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.gate = nn.Linear(dim, num_experts, bias=gate_bias)  # GPT-OSS's router has a learned bias
+        # The TP ranks that route different tokens with this router (moe/parallel.split_over_tp): the gate's
+        # gradient is summed over them (None: they route the same tokens, or there is no TP).
+        self.grad_group: dist.ProcessGroup | None = None
         self.expert_bias: torch.Tensor | None
         if load_balance_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
@@ -62,8 +68,9 @@ class TokenChoiceRouter(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert's score in float32, autocast off so the logits stay float32 on any device."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            bias = None if self.gate.bias is None else self.gate.bias.float()
-            logits = F.linear(x.float(), self.gate.weight.float(), bias)
+            weight = sum_grad_over(self.gate.weight, self.grad_group)
+            bias = None if self.gate.bias is None else sum_grad_over(self.gate.bias, self.grad_group).float()
+            logits = F.linear(x.float(), weight.float(), bias)
         return logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
 
     def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
