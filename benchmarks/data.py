@@ -12,10 +12,10 @@ batch, at window 0, near the end of the embedded store's epoch, and at 10^6 wind
 synthetic store.  ``step``: the data share of an emulated step, with and without the
 prefetch thread.  ``prepare``: tokens/s of ``prepare_store`` per worker count on the
 embedded corpus.  (The streaming packer every rank ran before the store, the baseline of
-the first figures in benchmarks/README.md, is gone: no run uses it.)
+the first figures in benchmarks/history.md §7, is gone: no run uses it.)
 
 The ``data:`` share of a training step comes from ``train.py``'s own log line; see
-benchmarks/README.md for the command.  The machine is shared: compare ratios from
+benchmarks/history.md §7 for the command.  The machine is shared: compare ratios from
 one run, not figures across runs.
 """
 

@@ -120,31 +120,46 @@ def time_steps(models: dict[str, Decoder], batch: int, seq_len: int, warmup: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = step_options(__doc__)
     moe_args = dataclasses.replace(model_args("qwen3", "debugmodel_moe"), max_seq_len=args.seq_len)
     dense_args, widths = dense_counterpart(moe_args)
     models = {"MoE (debugmodel_moe)": build(moe_args, {}, 0), "dense, same active": build(dense_args, widths, 0)}
     print(f"{machine_description()}; load average {load_average()}")
     describe(moe_args, dense_args, widths, models["dense, same active"], args.seq_len)
     times = time_steps(models, args.batch, args.seq_len, args.warmup, args.steps)
+    print_ratio("MoE / dense", times, args)
+
+
+def step_options(doc: str | None, flags: dict[str, str] | None = None) -> argparse.Namespace:
+    """The command line of a step-time comparison (batch, sequence, warm-up and timed steps, and the caller's
+    on/off ``flags`` with their help); one thread from here."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, text in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    return args
+
+
+def print_ratio(title: str, times: dict[str, list[tuple[float, float]]], args: argparse.Namespace) -> None:
+    """A row of step times per model (``time_steps``' two), then the first's median and minimum over the second's."""
     print(f"batch {args.batch} x seq {args.seq_len} = {args.batch * args.seq_len} tokens; float32, one thread; "
           f"median of {args.steps} steps after {args.warmup} warm-up; ms")
-    print(f"{'':>22} {'step':>8} {'min':>8} {'max':>8} {'fwd+bwd':>8} {'AdamW':>8}")
+    width = max(len(name) for name in times)
+    print(f"{'':>{width}} {'step':>8} {'min':>8} {'max':>8} {'fwd+bwd':>8} {'AdamW':>8}")
     medians, minima = {}, {}
     for name, t in times.items():
         whole = [a + b for a, b in t]
         medians[name], minima[name] = statistics.median(whole), min(whole)
-        print(f"{name:>22} {medians[name]:8.1f} {min(whole):8.1f} {max(whole):8.1f} "
+        print(f"{name:>{width}} {medians[name]:8.1f} {min(whole):8.1f} {max(whole):8.1f} "
               f"{statistics.median(a for a, _ in t):8.1f} {statistics.median(b for _, b in t):8.1f}")
-    moe, dense = list(models)
+    first, second = list(times)
     # The minima too: on a loaded machine they are the steps least disturbed.
-    print(f"MoE / dense: {medians[moe] / medians[dense]:.2f} (medians), {minima[moe] / minima[dense]:.2f} (minima); "
+    print(f"{title}: {medians[first] / medians[second]:.2f} (medians), {minima[first] / minima[second]:.2f} (minima); "
           f"load average after {load_average()}")
 
 

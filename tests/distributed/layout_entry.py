@@ -33,6 +33,21 @@ class Layout:
     spec: dict[str, Any]  # the layout as the spec wrote it, for the entry's own keys
     dumps: dict[str, Path]  # every layout's dump folder, by name: a layout may start from an earlier one's checkpoint
 
+    def copy_resume_checkpoint(self, step: int) -> None:
+        """Where the layout names ``"resume": name``: rank 0 copies that earlier layout's step-``step``
+        checkpoint into this dump folder, so that the trainer starts from it; every rank waits for the copy."""
+        import shutil
+
+        import torch.distributed as dist
+
+        resume = self.spec.get("resume")
+        if not resume:
+            return
+        if dist.get_rank() == 0:
+            folder = Path("checkpoint") / f"step-{step}"
+            shutil.copytree(self.dumps[resume] / folder, self.dump / folder)
+        dist.barrier()
+
 
 def run_layouts(train: Callable[[Layout], dict], argv: Sequence[str] | None = None) -> None:
     """The rank side: ``train`` each layout of SPEC in turn; rank 0 writes ``{name: record}`` to OUT.

@@ -13,7 +13,6 @@ it on).
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
 
 from layout_entry import Layout, run_layouts
@@ -26,18 +25,12 @@ def _digest(t) -> str:  # noqa: ANN001
 
 
 def train(layout: Layout) -> dict:
-    import torch.distributed as dist
-
     from torchtitan.config import ConfigManager
     from torchtitan.train_step.callbacks import StepEvent, StepPoint
     from torchtitan.trainer import Trainer
 
-    dump, resume = layout.dump, layout.spec.get("resume")
-    if resume:
-        if dist.get_rank() == 0:
-            src = layout.dumps[resume] / "checkpoint" / f"step-{RESUME_STEP}"
-            shutil.copytree(src, dump / "checkpoint" / f"step-{RESUME_STEP}")
-        dist.barrier()
+    dump = layout.dump
+    layout.copy_resume_checkpoint(RESUME_STEP)
     grad_norms: list[float] = []
 
     def record(event: StepEvent) -> None:

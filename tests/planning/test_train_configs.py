@@ -5,8 +5,9 @@ These are the planner's heaviest tests (and one cheap one that pins the 8B FSDP 
 70B jobs are simulated with 3 and 4 blocks and counted (planning/symmetry.py; about 2 and 4 s of CPU), and
 405B's first pipeline rank (embedding, the most micro-batches in flight; about 20 s): every simulation in one
 pool. The last pipeline rank cost as much again and is covered at small sizes by test_symmetry.py. Timings
-in benchmarks/README.md section 17 (the planner's speed). The MoE configs (Qwen3-30B-A3B, Mixtral
-8x7B) get the fast preflight at their world sizes."""
+in benchmarks/history.md section 17 (the planner's speed). Every shipped MoE config gets the fast preflight
+at its world size; GPT-OSS 20b and 120b and DeepSeek-V3 16B are dry-run too (one pool). DeepSeek-V3 671B and
+Kimi K2 (PP 16) are not: each dry run takes many minutes here (benchmarks/README.md section 28)."""
 
 from __future__ import annotations
 
@@ -50,13 +51,22 @@ def test_8b_fsdp8_row_stays_in_its_band_against_the_published_run():
     assert e.peak_memory_gib == pytest.approx(77.7, abs=0.05)
 
 
-@pytest.mark.slow
-def test_gpt_oss_20b_dry_run_fits_one_node():
-    """GPT-OSS 20b on 8 H100s (FSDP 8, EP 8): its blocks (sliding and full alike: the dense sink kernel does the
-    same work in both) counted; it fits in 80 GiB with the sink kernel's score matrices priced."""
-    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "gpt_oss_20b.toml")])
-    e = estimate(dry_run(cfg, 8), load_cluster("h100-sxm-80g"))
-    assert 40 < e.peak_memory_gib < 80, e.peak_memory_gib
+@pytest.mark.slow  # the dry runs fork: three simulations in one pool, about 35 s of CPU (benchmarks §28)
+def test_moe_configs_dry_run_and_fit_at_their_world_sizes():
+    """GPT-OSS 20b on 8 H100s and 120b on 64 (FSDP, EP 8): their blocks (sliding and full alike: the dense sink
+    kernel does the same work in both) counted, the sink kernel's score matrices priced. DeepSeek-V3 16B on 64
+    (FSDP 64, EP 8): every block simulated (the first is dense), MLA priced. Each fits in 80 GiB and holds more
+    than its parameters and optimizer state."""
+    jobs = [("gpt_oss_20b", 8), ("gpt_oss_120b", 64), ("deepseek_v3_16b", 64)]
+    runs = dry_runs([(ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / f"{c}.toml")]),
+                      world, None) for c, world in jobs])
+    cluster = load_cluster("h100-sxm-80g")
+    for run, (config, _) in zip(runs, jobs, strict=True):
+        e = estimate(run, cluster)
+        (rank,) = run.ranks
+        state = rank.memory.final["parameters"] + rank.memory.final["optimizer"]
+        assert 30 < e.peak_memory_gib < 80 and rank.memory.peak_bytes > state, (config, e.peak_memory_gib)
+        assert e.tokens_per_second_per_gpu > 0, config
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ and what the Float8 conversion counted.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import sys
 from pathlib import Path
 
@@ -29,19 +28,14 @@ def _digests(model) -> dict[str, str]:  # noqa: ANN001 - an nn.Module
 
 
 def train(layout: Layout) -> dict:
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from torchtitan.config import ConfigManager
     from torchtitan.train_step.callbacks import StepEvent, StepPoint
     from torchtitan.trainer import Trainer
 
-    dump, resume = layout.dump, layout.spec.get("resume")
-    if resume:
-        if dist.get_rank() == 0:
-            src = layout.dumps[resume] / "checkpoint" / f"step-{RESUME_STEP}"
-            shutil.copytree(src, dump / "checkpoint" / f"step-{RESUME_STEP}")
-        dist.barrier()
+    dump = layout.dump
+    layout.copy_resume_checkpoint(RESUME_STEP)
     seen: dict[str, dict[str, str]] = {}
     trainer: Trainer | None = None
 

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # Selective 'op' AC decides per op what a block keeps for backward. The linear layers' products are
 # most of the FLOPs and their outputs most of the memory, so it keeps every second one (the 1st,
 # 3rd, ... of the block: wq, wv, w1, w2 in a Llama block) and recomputes the others (wk, wo, w3):
-# three of seven forward products recomputed, for much less memory (benchmarks/README.md §17).
+# three of seven forward products recomputed, for much less memory (benchmarks/history.md §17).
 # Attention's output is kept (recomputing it costs the most per byte), and so is a tensor-parallel
 # reduce-scatter's, so that the recompute does not communicate again. Everything else (norms,
 # pointwise ops) is recomputed.

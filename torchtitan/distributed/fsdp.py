@@ -71,7 +71,7 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     # The root (embeddings, final norm, output) runs last in forward and first in backward, so
     # resharding it only re-gathers it at once. FSDP2 skips that only when the root's value is
     # left unset, and torch 2.13 honours an explicit True: it cost one extra all-gather of the
-    # root per step (measured: benchmarks/README.md section 2, "FSDP root resharding").
+    # root per step (measured: benchmarks/history.md section 2, "FSDP root resharding").
     root_reshard = reshard and cfg.parallelism.fsdp_reshard_after_forward != "default"
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     if mesh.size() == 1:

@@ -15,7 +15,20 @@ positions per forward, shared by every layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class LayerCacheSize:
+    """What one layer's cache keeps per token (an attention config's ``cache_size``): ``held`` values (what
+    ``LayerCache`` allocates), ``expanded`` values (keys and values of every key/value head, which MLA computes
+    from what it holds), and the sliding ``window`` (None: the layer reads every slot)."""
+
+    held: int
+    expanded: int
+    window: int | None = None
 
 
 class LayerCache:

@@ -15,7 +15,7 @@ repeated K/V heads); this module holds what runs instead on a CPU, in eager mode
 - the token cross-entropies: taken in row slices that stay in cache from the log-softmax to
   its gradient; the same gradient bitwise, the summed value to rounding.
 
-What each one saves is measured in benchmarks/README.md §11.
+What each one saves is measured in benchmarks/history.md §11.
 
 The linear layers' switch is ``use_onednn_linears``, run by ``distributed/parallelize.py`` on CPU before
 the parallelisms: each plain ``nn.Linear`` is replaced by a ``OneDNNLinear`` over the same parameters

@@ -188,25 +188,26 @@ class DocumentSDPA(AttentionBackend):
             return local_sink_attention(q, k, v, documents, extras.sinks, extras.window)
         if documents is None:
             return _gqa_sdpa(q, k, v, self.cpu_kernels)
+        return self.block_causal(q, k, v, documents)
+
+    def block_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask
+                     ) -> torch.Tensor:
+        """The document-masked scores: one SDPA per document on CPU; CUDA's block masks, or the dense mask when
+        compiling."""
         if q.is_cuda or torch.compiler.is_compiling():
-            return _device_block_causal(q, k, v, documents)  # CUDA's block masks, or the dense mask when compiling
+            return _device_block_causal(q, k, v, documents)
         return per_document_sdpa(q, k, v, documents.segment_lengths())
 
 
-class FlexDocument(AttentionBackend):
-    """``flex``: FlexAttention with a block mask built once per forward (CUDA)."""
+class FlexDocument(DocumentSDPA):
+    """``flex``: FlexAttention with a block mask built once per forward (CUDA); otherwise ``document_sdpa``'s."""
 
     name = "flex"
     capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), devices=frozenset({"cuda"}), sinks=True,
                                 sliding_window=True)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
-               extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
-        self._refuse(extras)
-        if extras.any:
-            return local_sink_attention(q, k, v, documents, extras.sinks, extras.window)
-        if documents is None:
-            return _gqa_sdpa(q, k, v, self.cpu_kernels)
+    def block_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask
+                     ) -> torch.Tensor:
         return _device_block_causal(q, k, v, documents)
 
 

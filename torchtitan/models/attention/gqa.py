@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.models.attention.backends import KV_CACHE_DECODE, AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
-from torchtitan.models.kv_cache import LayerCache
+from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
 
 
@@ -57,6 +57,11 @@ class GQAConfig:
     def tp_widths(self) -> list[tuple[str, int]]:
         """The widths tensor parallelism splits (preflight: each must divide by the TP degree)."""
         return [("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)]
+
+    def cache_size(self) -> LayerCacheSize:
+        """A key and a value of ``head_dim`` per key/value head and token."""
+        keys_and_values = 2 * self.n_kv_heads * self.head_dim
+        return LayerCacheSize(held=keys_and_values, expanded=keys_and_values)
 
 
 class GroupedQueryAttention(nn.Module):

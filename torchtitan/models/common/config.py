@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.models.attention.backends import AttentionNeeds
+from torchtitan.models.kv_cache import LayerCacheSize
 from torchtitan.models.layers import RopeScaling
 from torchtitan.models.moe import MoEArgs
 
@@ -43,7 +44,8 @@ class AttentionModule(Protocol):
 
 
 class AttentionConfig(Protocol):
-    """An attention's shape: the module it builds, what it needs of a backend, its size and TP widths."""
+    """An attention's shape: the module it builds, what it needs of a backend, its size, TP widths and what a
+    decoding cache keeps of it per token."""
 
     def build(self) -> AttentionModule: ...
 
@@ -52,6 +54,8 @@ class AttentionConfig(Protocol):
     def num_params(self) -> int: ...
 
     def tp_widths(self) -> list[tuple[str, int]]: ...
+
+    def cache_size(self) -> LayerCacheSize: ...
 
 
 class DecoderConfig(Protocol):

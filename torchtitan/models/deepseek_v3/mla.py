@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 
 from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
-from torchtitan.models.kv_cache import LayerCache
+from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
 
 
@@ -74,6 +74,12 @@ class MLAConfig:
     def tp_widths(self) -> list[tuple[str, int]]:
         """TP shards the heads; the latent path is whole on every rank."""
         return [("n_heads", self.n_heads)]
+
+    def cache_size(self) -> LayerCacheSize:
+        """The cache holds the normalised latent and the shared rotary key (``forward``), not the per-head keys
+        and values ``expand`` makes of them."""
+        return LayerCacheSize(held=self.kv_lora_rank + self.qk_rope_head_dim,
+                              expanded=self.n_heads * (self.head_dim + self.v_head_dim))
 
 
 class _SumGradOverGroup(torch.autograd.Function):

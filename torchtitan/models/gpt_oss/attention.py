@@ -25,7 +25,7 @@ from torchtitan.models.attention import (
     GroupedQueryAttention,
     ScoreExtras,
 )
-from torchtitan.models.kv_cache import LayerCache
+from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class SinkAttentionConfig:
 
     def tp_widths(self) -> list[tuple[str, int]]:
         return [("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)]
+
+    def cache_size(self) -> LayerCacheSize:
+        """Grouped-query attention's keys and values; the cache keeps every slot, the window masks them."""
+        keys_and_values = 2 * self.n_kv_heads * self.head_dim
+        return LayerCacheSize(held=keys_and_values, expanded=keys_and_values, window=self.window)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
