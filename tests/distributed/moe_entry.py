@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import torch.distributed as dist
 from layout_entry import Layout, run_layouts
 
 RESUME_STEP = 3  # test_moe_layouts.HALF
