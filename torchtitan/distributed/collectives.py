@@ -50,3 +50,25 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
     """The plain tensor of a loss; under loss parallel it is a replicated DTensor and every TP rank holds the full
     value."""
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; the backward all-reduces (sums) the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd's may be shared: reduce a copy
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad_over(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x``, whose gradient is summed over ``group`` in the backward (None: ``x`` unchanged). For a value each
+    rank of ``group`` uses on its own share of the work (a weight replicated over TP ranks that route their
+    own tokens; MLA's rotary key, which every TP rank's heads read)."""
+    return x if group is None else _SumGrad.apply(x, group)

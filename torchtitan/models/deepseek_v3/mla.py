@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
+from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
@@ -80,21 +81,6 @@ class MLAConfig:
         and values ``expand`` makes of them."""
         return LayerCacheSize(held=self.kv_lora_rank + self.qk_rope_head_dim,
                               expanded=self.n_heads * (self.head_dim + self.v_head_dim))
-
-
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over ``group`` (the heads of every TP rank)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -163,8 +149,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_norm(latent)
         q_rope, k_rope = backend.rotate(q_rope, k_rope.unsqueeze(2), rope_cache[..., :seqlen, :])
-        if self.tp_group is not None:
-            k_rope = _SumGradOverGroup.apply(k_rope, self.tp_group)
+        k_rope = sum_grad_over(k_rope, self.tp_group)  # every TP rank's heads read the one rotary key
         q = torch.cat([q_nope, q_rope], dim=-1) * self.query_scale
         if cache is not None:  # the latent and the shared key are what a decoding step keeps
             latent_all, k_rope_all = cache.update(latent.unsqueeze(1), k_rope.transpose(1, 2))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.moe.tp_grads import sum_grad_over
+from torchtitan.distributed.collectives import sum_grad_over
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 

@@ -3,7 +3,7 @@
 When expert parallelism borrows TP's ranks (``ParallelDims.ep_borrows_tp``), each TP rank routes its own
 sequence shard through a MoE layer. The router and the shared experts are replicated over TP, as a
 sequence-parallel norm is, and each rank's gradient of them is then the sum over its own tokens only:
-the whole gradient is the sum over the TP ranks. ``sum_grad_over(weight, group)`` is the weight in the
+the whole gradient is the sum over the TP ranks. ``sum_grad_over`` (distributed/collectives.py) is the weight in the
 forward and all-reduces its gradient over ``group`` in the backward, where the weight is used: it works the
 same under FSDP (which reduces the summed gradient over the data ranks afterwards), activation
 checkpointing and pipeline stages, and needs no DTensor on the MoE's local tensors.
@@ -16,23 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-
-class _SumGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd's may be shared: reduce a copy
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def sum_grad_over(weight: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``weight``, whose gradient is summed over ``group`` (None: unchanged)."""
-    return weight if group is None else _SumGrad.apply(weight, group)
+from torchtitan.distributed.collectives import sum_grad_over
 
 
 def call_summing_grads(module: nn.Module, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
