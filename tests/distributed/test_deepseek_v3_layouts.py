@@ -147,10 +147,11 @@ def test_layout_trains_the_one_process_model(name, runs):
         mtp_rel = _rel(mtp, want)
         print(f"{name}: mtp/loss at the logged steps {mtp}, rel {mtp_rel}")
         assert len(want) == STEPS and mtp_rel[0] <= 1e-5 and max(mtp_rel) <= 1e-4, (name, mtp_rel)
-        # and every parameter moved as far as in one process (the embedding's MTP gradient reached it)
-        moved = {k: abs(v - control["moved"][k]) / control["moved"][k] for k, v in run["moved"].items()}
-        assert run["moved"].keys() == control["moved"].keys() and max(moved.values()) <= 1e-4, (
-            name, sorted(moved.items(), key=lambda kv: -kv[1])[:3])
+    # Every parameter moved as far as in one process: the loss and norm bounds above miss a gradient that
+    # one parameter lacks (MTP's embedding copy, MLA's rotary key or a router without its sum over TP).
+    moved = {k: abs(v - control["moved"][k]) / control["moved"][k] for k, v in run["moved"].items()}
+    assert run["moved"].keys() == control["moved"].keys() and max(moved.values()) <= 1e-4, (
+        name, sorted(moved.items(), key=lambda kv: -kv[1])[:3])
 
 
 def test_a_transformers_release_gives_transformers_step1_loss(runs, release):
