@@ -167,3 +167,15 @@ def test_a_layout_that_does_not_fit_names_its_largest_consumer(fsdp2_tp2):
 
     e = estimate(fsdp2_tp2, dataclasses.replace(tiny, hbm_gib=0.001))
     assert not e.fits and e.largest_consumer.split()[0] in fsdp2_tp2.worst.memory.at_peak
+
+
+def test_the_last_pipeline_stage_keeps_no_other_micro_batchs_logits():
+    """1F1B runs each micro-batch's backward right after its forward on the last stage, so what it holds of other
+    micro-batches is small: not their logits, which a schedule keeps to return merged unless told not to (the
+    trainer reads only the losses; DeepSeek-V3 671B's last stage held 18 GiB of them)."""
+    pp = "--parallelism.pipeline_parallel_"
+    cfg = _cfg("--training.seq_len=32", f"{pp}degree=2", f"{pp}schedule=1F1B", f"{pp}microbatches=6",
+               "--training.batch_size=6", "--parallelism.data_parallel_shard_degree=1")
+    last = dry_run(cfg, 2, pp_ranks=[1], symmetry=False).ranks[0]
+    one_microbatch_logits = 32 * 2048 * 2  # tokens x vocabulary x bf16, one sequence a micro-batch
+    assert last.memory.at_peak["in_flight"] < one_microbatch_logits, last.memory.at_peak

@@ -66,6 +66,10 @@ def test_microbatches_are_counted_from_where_each_schedule_repeats(debug_blocks)
     accumulated = ("--parallelism.data_parallel_shard_degree=2", "--training.batch_size=1")
     assert counted(*accumulated, "--training.global_batch_size=12") == ((2, 3), 6)
     assert counted(*accumulated, "--training.global_batch_size=8") == (None, 4)
+    # Accumulated over a pipeline: whole schedules are counted, each with the job's micro-batches.
+    pp_accumulated = (*pp2, f"{_PP}schedule=1F1B", f"{_PP}microbatches=2", "--training.batch_size=2")
+    assert counted(*pp_accumulated, "--training.global_batch_size=12") == ((2, 3), 6)
+    assert counted(*pp_accumulated, "--training.global_batch_size=8") == (None, 4)
 
 
 @pytest.mark.slow  # six simulations (forked) of a small step, a few seconds in all
@@ -111,4 +115,17 @@ def test_counted_blocks_and_accumulation_equal_the_whole_step(debug_blocks, monk
     assert counted.plan.grad_accum == 5
     assert any("blocks counted: 3 and 4 of the 5" in n for n in counted.notes)
     assert any("accumulated micro-batches counted: 2 and 3 of the 5" in n for n in counted.notes)
+    _assert_equal(counted.ranks[0], every.ranks[0])
+
+
+@pytest.mark.slow  # two simulations (forked) of a small pipeline step and one of the whole step
+def test_counted_accumulation_over_a_pipeline_equals_the_whole_step(debug_blocks):
+    """PP 2 (1F1B, 2 micro-batches) x FSDP 2 accumulating 5 micro-steps: simulated with 2 and 3 schedules and
+    counted, pp rank 0 equals the simulation of all 5 (the Kimi K2 plan accumulates 64)."""
+    cfg = debug_config(f"--model.flavor={debug_blocks(2)}", *_SMALL, f"{_PP}degree=2", f"{_PP}schedule=1F1B",
+                       f"{_PP}microbatches=2", "--training.batch_size=2", "--training.global_batch_size=20",
+                       "--parallelism.data_parallel_shard_degree=2")
+    counted, every = dry_run(cfg, 4, pp_ranks=[0]), dry_run(cfg, 4, pp_ranks=[0], symmetry=False)
+    assert counted.plan.grad_accum == 5
+    assert any("accumulated pipeline schedules counted: 2 and 3 of the 5" in n for n in counted.notes)
     _assert_equal(counted.ranks[0], every.ranks[0])

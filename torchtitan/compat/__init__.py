@@ -62,6 +62,7 @@ from torchtitan.compat.pipelining import (
     in_pipeline_shape_inference,
     mark_pipeline_shape_inference,
     skip_pipeline_shape_exchange,
+    step_keeping_no_outputs,
 )
 from torchtitan.compat.torchft import (
     semi_sync_local_step,
@@ -79,7 +80,7 @@ __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
     "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh", "fsdp_storage_hooks",
     "functional_collective_ops", "in_autograd_backward", "member_groups_only", "missing", "op_name", "op_schema",
-    "resolve_process_group",
+    "resolve_process_group", "step_keeping_no_outputs",
     "skip_pipeline_shape_exchange", "storage_id", "in_pipeline_shape_inference", "mark_pipeline_shape_inference",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_as_on", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",

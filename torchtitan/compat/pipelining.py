@@ -3,6 +3,7 @@ shape-inference forward from a real one."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torchtitan.compat.errors import missing
@@ -60,3 +61,14 @@ def mark_pipeline_shape_inference(stage: Any) -> None:
 def in_pipeline_shape_inference() -> bool:
     """Whether a pipeline stage marked by ``mark_pipeline_shape_inference`` is inferring its shapes now."""
     return _SHAPE_INFERENCE[0] > 0
+
+
+def step_keeping_no_outputs(schedule: Any) -> dict[str, bool]:
+    """Keyword arguments for ``schedule.step`` that stop the last stage from keeping every micro-batch's output.
+
+    By default a schedule's last stage keeps each micro-batch's output (the logits) until the step ends,
+    to return them merged: on a large vocabulary that is a whole step's logits at once (DeepSeek-V3 671B's
+    last stage: 24 micro-batches of 4096 x 129280 logits, 18 GiB). The trainer reads only the losses.
+    A release without the flag (``return_outputs``) keeps them.
+    """
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}

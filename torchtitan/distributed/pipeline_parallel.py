@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch import Batch
-from torchtitan.compat import in_pipeline_shape_inference, mark_pipeline_shape_inference
+from torchtitan.compat import in_pipeline_shape_inference, mark_pipeline_shape_inference, step_keeping_no_outputs
 from torchtitan.distributed.collectives import local_value
 from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
 
@@ -158,7 +158,8 @@ class PipelineRunner:
         self.loss.scale = scale
         # Only the first stage consumes the tokens; the schedule hands the labels to the last stage's loss.
         args = (batch.inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=batch.labels, **batch.model_kwargs(), **(extra or {}))
+        self.schedule.step(*args, target=batch.labels, **batch.model_kwargs(), **(extra or {}),
+                           **step_keeping_no_outputs(self.schedule))
         total = torch.zeros((), dtype=torch.float64, device=scale.device)
         for loss in self.loss.take_main():  # one at a time, in order: the same rounding as a sum of Python floats
             total = total + loss
