@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import CI_CONFIG, REPO, load_script
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # starts processes; waits on timeouts (tests/tiers.py)
 
 CONFIG = CI_CONFIG
 ENTRY = str(REPO / "tests" / "fault_entry.py")

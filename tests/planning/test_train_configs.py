@@ -25,7 +25,7 @@ from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
     ("llama3_405b", 512, {"dp_shard": 8, "tp": 8, "pp": 8}), ("qwen3_30b_a3b", 64, {"dp_shard": 64, "ep": 8}),
     ("mixtral_8x7b", 64, {"dp_shard": 64, "ep": 8}), ("deepseek_v3_16b", 64, {"dp_shard": 64, "ep": 8}),
     ("deepseek_v3_671b", 2048, {"dp_shard": 128, "pp": 16, "ep": 64}),
-    ("kimi_k2", 256, {"dp_shard": 16, "pp": 16, "ep": 16}), ("gpt_oss_20b", 8, {"dp_shard": 8, "ep": 8}),
+    ("kimi_k2", 1024, {"dp_shard": 64, "pp": 16, "ep": 16}), ("gpt_oss_20b", 8, {"dp_shard": 8, "ep": 8}),
     ("gpt_oss_120b", 64, {"dp_shard": 64, "ep": 8})])
 def test_shipped_configs_pass_the_preflight_at_their_world_sizes(config, world, layout):
     """The launch checks alone (no dry run, well under a second each): degrees, batch, pipeline split."""
