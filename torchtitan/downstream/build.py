@@ -6,6 +6,7 @@ import torch
 
 from torchtitan.batch import Batch
 from torchtitan.config.job_config import JobConfig
+from torchtitan.datasets.layout import DataLayout
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
 from torchtitan.downstream.encoding import check_lengths
@@ -58,8 +59,9 @@ def build_downstream_evaluator(cfg: JobConfig, tokenizer: Tokenizer, runner: Mod
     if not cfg.eval.tasks:
         return None
     dp_rank, dp_degree = dims.rank_and_size("dp")
-    layout = RowLayout(local_batch=eval_batch_size(cfg), dp_rank=dp_rank, dp_degree=dp_degree,
-                       seq_len=cfg.training.seq_len, bos_id=tokenizer.bos_id, pad_id=tokenizer.eos_id,
+    rows = DataLayout(seq_len=cfg.training.seq_len, local_batch_size=eval_batch_size(cfg), dp_rank=dp_rank,
+                      dp_degree=dp_degree)
+    layout = RowLayout(rows, bos_id=tokenizer.bos_id, pad_id=tokenizer.eos_id,
                        positions=cfg.model.attn_mask_type == "block_causal")
 
     def row_forward(batch: Batch) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.batch import Batch
+from torchtitan.datasets.layout import DataLayout
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed.collectives import start_sum
 from torchtitan.downstream.encoding import ScoredChoice, request_rows, row_tensors
@@ -66,27 +67,25 @@ class EncodedTask:
 
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
-    """How rows become batches on this rank: ``local_batch`` rows per forward, the ``dp_rank``-th slice of each
-    global batch; ``seq_len`` and the token ids rows are padded with; positions for document-masked models."""
+    """How rows become batches on this rank: ``data``'s local batch of rows per forward, its slice of each global
+    batch and its sequence length (the data layer's ``DataLayout``); the token ids rows are padded with; positions
+    for document-masked models."""
 
-    local_batch: int
-    dp_rank: int
-    dp_degree: int
-    seq_len: int
+    data: DataLayout
     bos_id: int
     pad_id: int
     positions: bool
 
     def batches(self, task: EncodedTask) -> Iterator[tuple[list[int], Batch]]:
         """This rank's batches, each with the task row index of every batch row (-1: padding)."""
-        per_global = self.local_batch * self.dp_degree
+        data, per_global = self.data, self.data.global_batch_size
         for b in range(math.ceil(len(task.rows) / per_global)):
-            first = b * per_global + self.dp_rank * self.local_batch
-            ids = [i if i < len(task.rows) else -1 for i in range(first, first + self.local_batch)]
-            pairs = [row_tensors(task.rows[i] if i >= 0 else None, self.bos_id, self.pad_id, self.seq_len)
+            first = b * per_global + data.first_row
+            ids = [i if i < len(task.rows) else -1 for i in range(first, first + data.local_batch_size)]
+            pairs = [row_tensors(task.rows[i] if i >= 0 else None, self.bos_id, self.pad_id, data.seq_len)
                      for i in ids]
             inputs, labels = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-            positions = torch.arange(self.seq_len).expand_as(inputs).clone() if self.positions else None
+            positions = torch.arange(data.seq_len).expand_as(inputs).clone() if self.positions else None
             yield ids, Batch(inputs, labels, positions)
 
 
