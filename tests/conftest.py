@@ -214,6 +214,20 @@ def _no_leaked_rank_variables() -> Iterator[None]:
             os.environ[var] = value
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group() -> Iterator[None]:
+    """A test that joins a process group in this process leaves without it: the dry run (planning/) refuses to
+    start in a process that has one, and it forks its simulations from here. The group is destroyed and the test
+    that left it fails, so the leak is found where it is, not in whatever test this process runs next."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a process group in the pytest process: destroy it (dist.destroy_process_group) "
+                    "before the test ends", pytrace=False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The ``gpu`` tier needs CUDA: on a machine without it those tests are reported as skipped, with the
     command that runs them where a GPU is (they check CUDA kernels that have no CPU path)."""

@@ -16,6 +16,7 @@ from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
 from torchtitan.batch import Batch
+from torchtitan.distributed.lifecycle import shutdown_distributed
 from torchtitan.ops.cpu_matmul import preferred_cpu_matmul
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -274,7 +275,11 @@ def test_tokens_per_second_count_the_wait_for_the_device(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.readout, "read", read_after_the_device)
     monkeypatch.setattr(trainer.metrics_logger, "log",
                         lambda step, metrics: (logged.append(metrics), log(step, metrics)))
-    trainer.train()
+    try:
+        trainer.train()
+    finally:  # the trainer's one-rank group lives in this pytest process: end it as train.py does
+        trainer.close()
+        shutdown_distributed(ok=True, timeout_seconds=60)
     second = [m for m in logged if "step_time_s" in m][1]
     assert second["step_time_s"] >= backlog_s
     assert second["tps"] <= trainer.cfg.training.batch_size * trainer.cfg.training.seq_len / backlog_s

@@ -169,6 +169,7 @@ def test_a_layout_that_does_not_fit_names_its_largest_consumer(fsdp2_tp2):
     assert not e.fits and e.largest_consumer.split()[0] in fsdp2_tp2.worst.memory.at_peak
 
 
+@pytest.mark.slow  # the dry run forks its simulation: about 3 s
 def test_the_last_pipeline_stage_keeps_no_other_micro_batchs_logits():
     """1F1B runs each micro-batch's backward right after its forward on the last stage, so what it holds of other
     micro-batches is small: not their logits, which a schedule keeps to return merged unless told not to (the
