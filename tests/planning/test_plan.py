@@ -173,7 +173,7 @@ def test_a_layout_that_does_not_fit_names_its_largest_consumer(fsdp2_tp2):
 def test_the_last_pipeline_stage_keeps_no_other_micro_batchs_logits():
     """1F1B runs each micro-batch's backward right after its forward on the last stage, so what it holds of other
     micro-batches is small: not their logits, which a schedule keeps to return merged unless told not to (the
-    trainer reads only the losses; DeepSeek-V3 671B's last stage held 18 GiB of them)."""
+    trainer reads only the losses; DeepSeek-V3 671B's last stage held 23 GiB of them)."""
     pp = "--parallelism.pipeline_parallel_"
     cfg = _cfg("--training.seq_len=32", f"{pp}degree=2", f"{pp}schedule=1F1B", f"{pp}microbatches=6",
                "--training.batch_size=6", "--parallelism.data_parallel_shard_degree=1")

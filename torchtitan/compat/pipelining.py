@@ -68,7 +68,7 @@ def step_keeping_no_outputs(schedule: Any) -> dict[str, bool]:
 
     By default a schedule's last stage keeps each micro-batch's output (the logits) until the step ends,
     to return them merged: on a large vocabulary that is a whole step's logits at once (DeepSeek-V3 671B's
-    last stage: 24 micro-batches of 4096 x 129280 logits, 18 GiB). The trainer reads only the losses.
+    last stage: 23 of its 24 micro-batches of 4096 x 129280 bf16 logits, 23 GiB). The trainer reads only the losses.
     A release without the flag (``return_outputs``) keeps them.
     """
     return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
