@@ -24,6 +24,7 @@ from reference import reference_model, reference_scores
 
 from torchtitan.datasets import build_tokenizer
 from torchtitan.distributed.layout_init import gather_full_state_dict
+from torchtitan.distributed.lifecycle import shutdown_distributed
 from torchtitan.downstream.tasks import load_tasks
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,8 @@ def runs(tmp_path_factory) -> dict:
     layouts["one process"] = {"scores": {str(s): v for s, v in one.eval_scores.items()},
                               "validation_bytes": {str(s): r.text_bytes for s, r in one.validation_results.items()},
                               "state": gather_full_state_dict(one.model_parts[0])}
+    one.close()
+    shutdown_distributed(ok=True, timeout_seconds=60)  # its one-rank group lives in this pytest process
     return {"layouts": layouts, "cfg": debug_config(*common[2:], *ONE)}
 
 
