@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import CI_CONFIG, REPO, load_script
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # starts processes; waits on timeouts (scripts/test.sh)
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 CONFIG = CI_CONFIG
 ENTRY = str(REPO / "tests" / "fault_entry.py")

@@ -22,7 +22,7 @@ import pytest
 from conftest import CI_CONFIG, REPO
 from integration_tests import read_losses
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # starts processes; waits on timeouts (scripts/test.sh)
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 CONFIG = CI_CONFIG
 # HSDP across the nodes, the multi-node layout of the project (TP over two agents is trained by the matrix's

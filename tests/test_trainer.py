@@ -201,7 +201,6 @@ def _one_rank_goes_silent(rank: int, world_size: int, dump: str) -> tuple[str, f
     return outcome, seconds
 
 
-@pytest.mark.alone  # a 5 s training timeout (scripts/test.sh)
 def test_a_silent_rank_makes_the_others_fail_after_the_train_timeout(tmp_path):
     # The harness sets up the group with a 60 s timeout; only the 5 s training timeout explains a quick failure.
     (outcome, seconds), _ = run_ranks(_one_rank_goes_silent, 2, str(tmp_path), collective_timeout=60)

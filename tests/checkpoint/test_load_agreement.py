@@ -17,7 +17,7 @@ import torch.distributed as dist
 from checkpoint.helpers import FSDP2, make_trainer
 from dist_harness import run_ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # starts processes; waits on timeouts (scripts/test.sh)
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 INJECTED = "injected: this rank's manifest is unreadable"
 

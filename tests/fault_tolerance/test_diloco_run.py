@@ -37,7 +37,7 @@ from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.llama3 import llama3_flavors
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # starts processes; waits on timeouts (scripts/test.sh)
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS, SYNC, FRAGMENTS, KILL_AT, CKPT_EVERY, RESTART_AT = 16, 4, 2, 4, 4, 12
 RESTART_LATE_S = 2.0

@@ -53,7 +53,7 @@ from conftest import CI_CONFIG, torchrun_command, torchrun_env
 
 from torchtitan.distributed.lifecycle import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # starts processes; waits on timeouts (scripts/test.sh)
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ENTRY = str(Path(__file__).with_name("ft_entry.py"))
 CONFIG = CI_CONFIG

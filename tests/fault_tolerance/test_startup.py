@@ -27,7 +27,7 @@ import pytest
 from conftest import torchrun_command
 from test_ft_runs import COMMON, ENTRY, _by_step, _env, _lighthouse, _records, _wait, stop
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # starts processes; waits on timeouts (scripts/test.sh)
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 LATE_STEPS, LATE_S = 3, 5.0
 ALONE_STEPS, ALONE_TIMEOUT = 6, 2
