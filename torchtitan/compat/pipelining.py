@@ -4,6 +4,7 @@ shape-inference forward from a real one."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan.compat.errors import missing
@@ -63,12 +64,12 @@ def in_pipeline_shape_inference() -> bool:
     return _SHAPE_INFERENCE[0] > 0
 
 
-def step_keeping_no_outputs(schedule: Any) -> dict[str, bool]:
-    """Keyword arguments for ``schedule.step`` that stop the last stage from keeping every micro-batch's output.
+def step_keeping_no_outputs(step: Callable[..., object]) -> dict[str, bool]:
+    """Keyword arguments for a schedule's ``step`` that stop the last stage from keeping every micro-batch's output.
 
     By default a schedule's last stage keeps each micro-batch's output (the logits) until the step ends,
     to return them merged: on a large vocabulary that is a whole step's logits at once (DeepSeek-V3 671B's
     last stage: 23 of its 24 micro-batches of 4096 x 129280 bf16 logits, 23 GiB). The trainer reads only the losses.
     A release without the flag (``return_outputs``) keeps them.
     """
-    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(step).parameters else {}

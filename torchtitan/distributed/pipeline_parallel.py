@@ -159,7 +159,7 @@ class PipelineRunner:
         # Only the first stage consumes the tokens; the schedule hands the labels to the last stage's loss.
         args = (batch.inputs,) if self.has_first else ()
         self.schedule.step(*args, target=batch.labels, **batch.model_kwargs(), **(extra or {}),
-                           **step_keeping_no_outputs(self.schedule))
+                           **step_keeping_no_outputs(self.schedule.step))
         total = torch.zeros((), dtype=torch.float64, device=scale.device)
         for loss in self.loss.take_main():  # one at a time, in order: the same rounding as a sum of Python floats
             total = total + loss
