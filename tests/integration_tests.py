@@ -362,9 +362,8 @@ def build_flavors() -> list[Flavor]:
           (Phase(("--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint"), 1, trains=False),
            _phase(4, 2, {"dp_shard": 2, "tp": 2}, *_dp(1, 2), *_tp(2), *CKPT, "--training.seed=7")),
           requires=("checkpoint", "tp"), parity_phase=1),
-        # ---- bad configs: exit 2 on every rank before any collective (with moe_bad_ep above). The other
-        # refusals (global batch, TP and heads, pipeline schedules) are the same preflight's, tested in
-        # tests/test_preflight.py and tests/distributed/test_pipeline_parallel.py ----
+        # ---- bad configs: exit 2 on every rank before any collective (with moe_bad_ep above); each costs one
+        # preflight, no rank ----
         f("bad_degrees", "dp_shard 3 on 4 ranks",
           (Phase(("--parallelism.data_parallel_shard_degree=3",), 4),), parity_phase=None,
           expect_error=r"config error: --parallelism\.data_parallel_shard_degree=3 = 3, but world_size=4"),
@@ -372,6 +371,15 @@ def build_flavors() -> list[Flavor]:
           (Phase(("--parallelism.tensor_paralel_degree=2",), 2),), parity_phase=None,
           expect_error=r"config error: unknown option --parallelism\.tensor_paralel_degree; "
                        r"did you mean 'parallelism\.tensor_parallel_degree'\?"),
+        f("bad_global_batch", "global batch 6 on 4 data-parallel ranks",
+          (Phase(("--training.global_batch_size=6", "--training.batch_size=1"), 4),), parity_phase=None,
+          expect_error=r"config error: --training\.global_batch_size=6 is not a multiple of"),
+        f("bad_tp_heads", "TP 3 does not divide the debug model's 16 heads",
+          (Phase((*_tp(3),), 3),), parity_phase=None, requires=("tp",),
+          expect_error=r"config error: .*(head|divisible)"),
+        f("bad_pp_schedule", "an unknown pipeline schedule lists the choices",
+          (Phase((*_pp(2, "OneFOneB"),), 2),), parity_phase=None, requires=("pp",),
+          expect_error=r"config error: .*OneFOneB.*1F1B"),
     ]
     names = [fl.name for fl in flavors]
     assert len(names) == len(set(names)), "flavor names must be unique"
