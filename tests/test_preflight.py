@@ -259,3 +259,31 @@ def test_expert_parallel_layouts_pass_and_balancing_options_reach_the_model():
                                           f"--parallelism.enable_sequence_parallel={sp}", config=MOE_CONFIG), 4)
         assert borrowed.dims.ep_borrows_tp and borrowed.dims.degree("efsdp") == 1
     assert not args.moe_args().load_balance_bias
+
+
+# torch modules the launcher's preflight (a process of its own before torchrun: run_llama_train.sh) has no use
+# for: DCP and pipelining (which imports the compiler stack) cost it about 1.3 s of CPU a launch.
+_NOT_FOR_THE_PREFLIGHT = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.pipelining")
+_PREFLIGHT_IMPORTS = """
+import runpy, sys
+config, unwanted = sys.argv[1], sys.argv[2:]
+sys.argv = ["train.py", "--preflight_only", "--job.config_file", config]
+try:
+    runpy.run_path("train.py", run_name="__main__")
+except SystemExit as e:
+    assert e.code == 0, e.code
+print(",".join(m for m in unwanted if m in sys.modules))
+"""
+
+
+@pytest.mark.slow  # starts a Python process: the imports of this one are the suite's
+def test_the_launch_preflight_imports_neither_dcp_nor_pipelining():
+    import subprocess
+    import sys
+
+    from conftest import CI_CONFIG
+
+    done = subprocess.run([sys.executable, "-c", _PREFLIGHT_IMPORTS, CI_CONFIG, *_NOT_FOR_THE_PREFLIGHT], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", f"the preflight imported {done.stdout.strip()}"

@@ -31,7 +31,7 @@ import torch
 
 from torchtitan.checkpoint.location import is_remote, store_problems
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint, model_shapes, own_checkpoint_exists
-from torchtitan.checkpoint.store import STATE_KEYS, scan
+from torchtitan.checkpoint.store import scan
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.datasets import DATASETS, HeldOutSplit, Tokenizer, build_tokenizer, check_training_data
 from torchtitan.distributed import ParallelDims
@@ -282,10 +282,8 @@ def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[]
     if remote:
         return remote  # the folder cannot be listed: nothing more to check there
     problems = _check_initial_load(cfg, model_args) if model_args is not None else []
-    unknown = [k for k in ck.exclude_from_loading if k not in STATE_KEYS]
-    if unknown:
-        problems.append(f"--checkpoint.exclude_from_loading: unknown state(s) {', '.join(unknown)}; "
-                        f"choose from {', '.join(STATE_KEYS)}")
+    if ck.exclude_from_loading:
+        problems += _unknown_states(ck.exclude_from_loading)
     if ck.load_step < -1:
         problems.append(f"--checkpoint.load_step={ck.load_step}: use a step >= 0, or -1 for the latest checkpoint")
     if ck.create_seed_checkpoint:
@@ -303,6 +301,17 @@ def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[]
         shapes = model_shapes(model_factory) if listing.committed else None
         problems += choose_checkpoint(cfg, shapes)[2]
     return problems
+
+
+def _unknown_states(names: list[str]) -> list[str]:
+    """``--checkpoint.exclude_from_loading`` names a state no checkpoint holds: one line, with the choices."""
+    from torchtitan.checkpoint.states import STATE_KEYS  # torch's DCP: imported only when states are named
+
+    unknown = [k for k in names if k not in STATE_KEYS]
+    if not unknown:
+        return []
+    return [f"--checkpoint.exclude_from_loading: unknown state(s) {', '.join(unknown)}; "
+            f"choose from {', '.join(STATE_KEYS)}"]
 
 
 def _check_object_store(cfg: JobConfig) -> list[str]:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.pipeline_parallel import prune_to_stage
-from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan
+from torchtitan.distributed.pipeline_plan import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan, schedules
 
 DEBUG = DEBUG_CONFIG
 STEPS = 4
@@ -41,7 +41,7 @@ STEP1_RTOL, CURVE_RTOL = 1e-6, 1e-4  # as in test_layout_parity.py
 # test_trainer.py); leaving out a stage's share (no reduction over pp) would be off by tens of percent.
 NORM_RTOL = 2e-4
 
-MULTI_STAGE = [s for s in SCHEDULES if s not in SINGLE_STAGE_SCHEDULES]
+MULTI_STAGE = [s for s in schedules() if s not in SINGLE_STAGE_SCHEDULES]
 # 4 ranks x 2 stages = 8 stages for 6 layers: the embedding and the output each count as a layer.
 WEIGHTS = ["--parallelism.pipeline_parallel_embedding_weight=1", "--parallelism.pipeline_parallel_output_weight=1"]
 
@@ -53,7 +53,7 @@ def _pp(schedule: str, degree: int = 2) -> list[str]:
 # world size -> {layout name: overrides}; the local batch is 8 / dp degree.
 LAYOUTS: dict[int, dict[str, list[str]]] = {
     2: {
-        **{f"PP 2 {s}": [*_pp(s), "--training.batch_size=8"] for s in SCHEDULES if s not in ("GPipe", "LoopedBFS")},
+        **{f"PP 2 {s}": [*_pp(s), "--training.batch_size=8"] for s in schedules() if s not in ("GPipe", "LoopedBFS")},
         # Two local batches per step: gradients accumulate over two schedule steps.
         # The validation batch defaults to the local training batch; the control validates on 8.
         "PP 2 GPipe, 2 accumulation steps": [*_pp("GPipe"), "--training.batch_size=4",
@@ -215,7 +215,7 @@ def test_bad_configs_fail_on_every_rank_without_a_collective(runs):
     errors = runs["errors 2"]
     assert errors[0] == errors[1]
     assert "OneFOneB: unknown; choose one of" in errors[0]["unknown schedule"]
-    assert all(s in errors[0]["unknown schedule"] for s in SCHEDULES)
+    assert all(s in errors[0]["unknown schedule"] for s in schedules())
     assert "8 stages (2 ranks x 4 per rank) but the model has only 6 layers" in errors[0]["too few layers"]
     assert "batch_size=8 is not divisible by 3 microbatches" in errors[0]["batch not divisible"]
 
@@ -257,7 +257,7 @@ def test_embedding_and_output_weights_shift_layers_off_the_end_stages():
     assert plan.describe().endswith("stage 7: norm+output")
 
 
-@pytest.mark.skipif(V_SHAPED_SCHEDULES[0] not in SCHEDULES, reason="this torch has no ZBVZeroBubble")
+@pytest.mark.skipif(V_SHAPED_SCHEDULES[0] not in schedules(), reason="this torch has no ZBVZeroBubble")
 def test_v_schedule_places_stages_in_a_v():
     plan = _plan(*_pp("ZBVZeroBubble", 4), *WEIGHTS)
     assert [plan.stage_ids(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
@@ -289,7 +289,7 @@ def test_schedule_constraints_are_config_errors():
         *_pp("Interleaved1F1B", 2), "--training.batch_size=10", "--parallelism.pipeline_parallel_microbatches=5")
     assert "without layers" in _plan_error(*_pp("Interleaved1F1B", 2),
                                            "--parallelism.pipeline_parallel_output_weight=8")
-    if "ZBVZeroBubble" in SCHEDULES:
+    if "ZBVZeroBubble" in schedules():
         assert "exactly 2 stages per rank" in _plan_error(*_pp("ZBVZeroBubble"), "--training.batch_size=6",
                                                           "--parallelism.pipeline_parallel_stages_per_rank=3")
         assert "--training.compile" in _plan_error(*_pp("ZBVZeroBubble"), "--training.compile")

@@ -36,10 +36,6 @@ from typing import Any
 
 from torchtitan.checkpoint.location import Location, RemotePath, put_if_absent, remove_tree
 
-# The names of the states every checkpoint may hold, from their registry (preflight checks
-# ``exclude_from_loading`` against them); states.py knows nothing of the folder, so no circle.
-from torchtitan.checkpoint.states import STATE_KEYS as STATE_KEYS  # noqa: F401 - re-exported
-
 MANIFEST = "checkpoint.json"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 1

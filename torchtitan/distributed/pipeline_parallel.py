@@ -43,7 +43,7 @@ from torch.distributed.pipelining import PipelineStage
 from torchtitan.batch import Batch
 from torchtitan.compat import in_pipeline_shape_inference, mark_pipeline_shape_inference, step_keeping_no_outputs
 from torchtitan.distributed.collectives import local_value
-from torchtitan.distributed.pipeline_plan import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelinePlan
+from torchtitan.distributed.pipeline_plan import SINGLE_STAGE_SCHEDULES, PipelinePlan, schedules
 
 # (stage, the layers it keeps, is it the first stage, is it the last) -> None: prunes the stage in place.
 PruneStage = Callable[[torch.nn.Module, range, bool, bool], None]
@@ -198,7 +198,7 @@ def build_pipeline(
         mark_pipeline_shape_inference(stage)  # so that an MoE does not count the forward that learns shapes
         stages.append(stage)
     loss = ScaledLoss(loss_fn, extra_loss)
-    cls = SCHEDULES[plan.schedule]
+    cls = schedules()[plan.schedule]
     # scale_grads=False: the loss already carries the step's normalisation (see ScaledLoss).
     if plan.schedule in SINGLE_STAGE_SCHEDULES:
         schedule = cls(stages[0], n_microbatches=plan.microbatches, loss_fn=loss, scale_grads=False)

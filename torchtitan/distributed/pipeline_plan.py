@@ -8,10 +8,10 @@ exists. ``pipeline_parallel.py`` builds and runs the stages the plan describes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from torchtitan.config import ConfigError, JobConfig
 
@@ -24,10 +24,21 @@ SCHEDULE_CLASS_NAMES = {
     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
     "ZBVZeroBubble": "ScheduleZBVZeroBubble",
 }
-# Only what the installed torch provides is offered.
-SCHEDULES: dict[str, type] = {
-    name: getattr(torch_schedules, cls) for name, cls in SCHEDULE_CLASS_NAMES.items() if hasattr(torch_schedules, cls)
-}
+
+
+@functools.cache
+def schedules() -> dict[str, type]:
+    """Our schedule name -> its class, for the schedules the installed torch provides.
+
+    Imported on first use: torch's pipelining imports its compiler stack (about a second of CPU), which the
+    launcher's preflight, a process of its own before torchrun, has no other use for.
+    """
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    return {name: getattr(torch_schedules, cls) for name, cls in SCHEDULE_CLASS_NAMES.items()
+            if hasattr(torch_schedules, cls)}
+
+
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # These split backward into input and weight passes, which torch does not support on compiled modules.
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
@@ -41,7 +52,7 @@ _PP = "--parallelism.pipeline_parallel_"
 class PipelinePlan:
     """The stage layout of a pipeline, worked out from the config alone."""
 
-    schedule: str  # canonical name, a key of SCHEDULES
+    schedule: str  # canonical name, a key of schedules()
     pp: int  # pipeline ranks
     microbatches: int  # per local batch
     layer_starts: tuple[int, ...]  # stage s holds layers [layer_starts[s], layer_starts[s + 1])
@@ -114,11 +125,12 @@ def even_layer_starts(n_layers: int, num_stages: int, embed_weight: int, output_
 # ---- the phases of from_config ----------------------------------------------
 def _schedule(name: str) -> str:
     """The canonical schedule name (matched case-insensitively); an unknown one ends the check."""
-    schedule = {n.lower(): n for n in SCHEDULES}.get(name.lower())
+    available = schedules()
+    schedule = {n.lower(): n for n in available}.get(name.lower())
     if schedule is None:
-        missing = [n for n in SCHEDULE_CLASS_NAMES if n not in SCHEDULES]
+        missing = [n for n in SCHEDULE_CLASS_NAMES if n not in available]
         note = f" ({', '.join(missing)} need a newer torch than {torch.__version__})" if missing else ""
-        raise ConfigError([f"{_PP}schedule={name}: unknown; choose one of {', '.join(SCHEDULES)}{note}"])
+        raise ConfigError([f"{_PP}schedule={name}: unknown; choose one of {', '.join(available)}{note}"])
     return schedule
 
 
@@ -182,7 +194,7 @@ def _stages_per_rank_problems(schedule: str, v: int) -> list[str]:
     if schedule in SINGLE_STAGE_SCHEDULES and v != 1:
         problems.append(
             f"{_PP}schedule={schedule} runs one stage per rank, but the config asks for {v}; use one of "
-            f"{', '.join(n for n in SCHEDULES if n not in SINGLE_STAGE_SCHEDULES)} for several stages per rank"
+            f"{', '.join(n for n in schedules() if n not in SINGLE_STAGE_SCHEDULES)} for several stages per rank"
         )
     if schedule not in SINGLE_STAGE_SCHEDULES and v < 2:
         problems.append(

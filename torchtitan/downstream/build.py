@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from torchtitan.batch import Batch
@@ -14,7 +16,9 @@ from torchtitan.downstream.evaluator import DownstreamEvaluator, EncodedTask, Ro
 from torchtitan.downstream.request import TaskError
 from torchtitan.downstream.tasks import load_tasks
 from torchtitan.loss import cross_entropy_rows
-from torchtitan.train_step.runner import ModelRunner
+
+if TYPE_CHECKING:  # the preflight imports this module; the runner (torch's pipelining) only the trainer needs
+    from torchtitan.train_step.runner import ModelRunner
 
 
 def eval_batch_size(cfg: JobConfig) -> int:
