@@ -11,6 +11,7 @@ import torch
 
 from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.states import BUILTIN, FROM_STEP_0, STATE_KEYS, Holders, StateRegistry
+from torchtitan.preflight import _unknown_states
 
 
 class _Position:
@@ -50,6 +51,10 @@ def _holders(seed: int) -> Holders:
 
 def test_the_registry_names_each_state_once_in_saving_order():
     assert STATE_KEYS == ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+    # The preflight checks --checkpoint.exclude_from_loading against the registry's names, and offers them all.
+    (problem,) = _unknown_states(["optimiser", *STATE_KEYS])
+    assert "unknown state(s) optimiser;" in problem and problem.endswith(", ".join(STATE_KEYS))
+    assert _unknown_states(list(STATE_KEYS)) == []
     registry = StateRegistry(_holders(0), {"semi_sync": _Counter(3)})
     # The manifest lists the built-in states alphabetically, then the extra ones, as before the registry.
     assert registry.names(model_only=False) == ["dataloader", "lr_scheduler", "model", "optimizer", "rng",
