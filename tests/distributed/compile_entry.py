@@ -1,4 +1,4 @@
-"""Rank side of test_compile_tp.py, started by torchrun: train each layout eager, then compiled.
+"""Rank side of test_compile_tp.py: train each layout eager, then compiled.
 
 ``compile_entry.py SPEC OUT``, the spec and loop of layout_entry.py: every rank trains each layout
 twice in the one process group (eager, then ``--training.compile``) and rank 0 records
@@ -15,7 +15,7 @@ from layout_entry import Layout, run_layouts
 MODES = (("eager", []), ("compiled", ["--training.compile"]))
 
 
-def train(overrides: list[str]) -> dict:
+def train_once(overrides: list[str]) -> dict:
     """This rank's losses, and how many of its blocks run compiled."""
     import torch
 
@@ -30,11 +30,11 @@ def train(overrides: list[str]) -> dict:
     return {"losses": trainer.train(), "blocks": len(blocks), "compiled_blocks": compiled}
 
 
-def train_both(layout: Layout) -> dict[str, dict]:
+def train(layout: Layout) -> dict[str, dict]:
     """The layout eager, then compiled, each in a dump folder of its own."""
-    return {mode: train([*layout.overrides, f"--job.dump_folder={layout.dump / mode}", *extra])
+    return {mode: train_once([*layout.overrides, f"--job.dump_folder={layout.dump / mode}", *extra])
             for mode, extra in MODES}
 
 
 if __name__ == "__main__":
-    run_layouts(train_both)
+    run_layouts(train)

@@ -1,11 +1,14 @@
-"""Train several layouts in one torchrun launch: the spec, the rank side's loop and the test side's launch.
+"""Train several layouts in one launch: the spec, the rank side's loop and the test side's launch.
 
 A test calls ``launch(entry, root, common, layouts, nproc=...)``: it writes the spec ``{"common":
-[overrides], "layouts": {name: {"overrides": [...], ...}}}`` under ``root`` and starts the entry
-script (``ENTRY SPEC OUT``) under torchrun. The entry calls ``run_layouts(train)``: every rank
-trains each layout in turn, in spec order, in the one process group (one start-up for the lot),
-and rank 0 writes ``{name: train(layout)}`` to OUT, which ``launch`` returns. What a run records
-is the entry's own, and so is any key of a layout other than ``overrides``.
+[overrides], "layouts": {name: {"overrides": [...], ...}}}`` under ``root`` and runs the entry
+script's ``train`` on ``nproc`` ranks forked from the test session's preloaded forkserver
+(tests/dist_harness.py), which spares each rank the seconds of importing torch and the trainer that a
+torchrun start pays. Every rank trains each layout in turn, in spec order, in the one default group
+(``run_layouts``), and rank 0 writes ``{name: train(layout)}`` to OUT, which ``launch`` returns. What a
+run records is the entry's own, and so is any key of a layout other than ``overrides``.
+
+An entry also runs under torchrun by hand (``torchrun --nproc_per_node N ENTRY SPEC OUT``), the same loop.
 """
 
 from __future__ import annotations
@@ -70,25 +73,42 @@ def run_layouts(train: Callable[[Layout], dict], argv: Sequence[str] | None = No
         start = time.monotonic()
         records[name] = train(Layout(name, [*spec["common"], *layout["overrides"]], dumps[name], layout, dumps))
         if dist.get_rank() == 0:  # shown with the failure if a later layout hangs
-            print(f"{Path(sys.argv[0]).stem}: {name}: {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
+            print(f"{Path(spec_path).parent.name}: {name}: {time.monotonic() - start:.0f}s", file=sys.stderr,
+                  flush=True)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(records))
     shutdown_distributed(ok=True, timeout_seconds=120)  # the trainer's ending: no gloo group left to the exit
 
 
+def _rank_main(rank: int, world_size: int, entry: str, spec: str, out: str) -> None:
+    """A forked rank: ``run_layouts`` with the ``train`` of the entry script at path ``entry``."""
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location(Path(entry).stem, entry)
+    assert module_spec is not None and module_spec.loader is not None, entry
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(Path(entry).parent))  # the entry's own imports, as when it runs as a script
+    module_spec.loader.exec_module(module)
+    run_layouts(module.train, [spec, out])
+
+
 def launch(entry: Path, root: Path, common: list[str], layouts: dict[str, dict], *, nproc: int, timeout: float,
            env: dict[str, str] | None = None) -> dict:
-    """The test side: run ``entry`` on ``nproc`` ranks over ``layouts`` (``{name: {"overrides": [...], ...}}``),
-    with ``common`` before each layout's overrides, and return what its rank 0 wrote.
+    """The test side: run ``entry``'s ``train`` on ``nproc`` ranks over ``layouts`` (``{name: {"overrides":
+    [...], ...}}``), with ``common`` before each layout's overrides, and return what its rank 0 wrote.
 
-    ``root`` is an empty folder for the spec, the result and the dump folders; ``env`` adds to the launch's
-    environment. A failed launch fails the test with the end of its output.
+    ``root`` is an empty folder for the spec, the result and the dump folders; ``env`` adds to the ranks'
+    environment. A rank that fails fails the test with its traceback; ``timeout`` bounds the wait for
+    each rank's end.
     """
-    # conftest is the test suite's, on the path of pytest but not of the ranks, which import this module too.
-    from conftest import run_torchrun
+    # dist_harness is the test suite's, on the path of pytest but not of a torchrun-started entry, which
+    # imports this module too.
+    from dist_harness import run_ranks
 
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"common": common, "layouts": layouts}))
-    done = run_torchrun(entry, str(spec), str(out), nproc=nproc, timeout=timeout, env=env)
-    assert done.returncode == 0, done.stderr[-8000:]
+    # The default group's timeout before the trainer sets its own: a first step on 8 ranks sharing 2 cores
+    # (or compiling) keeps a rank out of collectives for minutes.
+    run_ranks(_rank_main, nproc, str(entry), str(spec), str(out), timeout=timeout, collective_timeout=900,
+              env={"OMP_NUM_THREADS": "1", **(env or {})}, log_dir=str(root))
     return json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""Rank side of test_moe_layouts.py, started by torchrun: train each MoE layout in turn in one process group.
+"""Rank side of test_moe_layouts.py: train each MoE layout in turn in one process group.
 
 ``moe_entry.py SPEC OUT``, the spec and loop of layout_entry.py. A layout may name ``"resume": name``:
 it starts from the step-``RESUME_STEP`` checkpoint that the named layout (trained earlier in this

@@ -1,6 +1,6 @@
-"""torch.compile trains every tensor-parallel layout as eager does, through torchrun.
+"""torch.compile trains every tensor-parallel layout as eager does.
 
-Each layout trains 3 steps eager, then compiled, in one 4-rank torchrun launch
+Each layout trains 3 steps eager, then compiled, in one 4-rank launch
 (tests/distributed/compile_entry.py); their losses must agree within 1e-4 relative at every step.
 Three layouts cover TP with and without sequence parallel, TP x PP, TP x CP and FSDP x TP. Without
 ``compat.wait_async_collective`` on the embedding's output, every one of them fails in backward

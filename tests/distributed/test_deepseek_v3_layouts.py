@@ -1,5 +1,5 @@
 """Every layout trains the one-process DeepSeek-V3 debug model (MLA with a query LoRA and YaRN, 8 experts in
-2 groups, one shared, the first layer dense), through torchrun on CPU, float32, block-causal masks,
+2 groups, one shared, the first layer dense), on CPU, float32, block-causal masks,
 ``training.deterministic``, the same global batch of 4 sequences everywhere, the routing bias moving.
 
 All 4-rank layouts train in one launch (tests/distributed/moe_entry.py); one process is the control. Each

@@ -4,7 +4,7 @@ scores it.
 The debug model (train_configs/gpt_oss_debug.toml: sinks, a 16-key window on alternate layers, biased q/k/v/o,
 biased experts, a router bias; every bias and sink drawn non-zero), CPU float32, block-causal masks over the
 data's documents, a sequence (32) longer than the window, ``training.deterministic``, the same global batch of 4
-sequences in every layout. All 4-rank layouts train in one torchrun launch (tests/distributed/moe_entry.py); one
+sequences in every layout. All 4-rank layouts train in one launch (tests/distributed/moe_entry.py); one
 process is the control. Each layout starts bitwise from the control's weights (not under PP, whose ranks hold
 different layers), and its step-1 loss is within 1e-5 and 10 steps within 1e-4 of the control's.
 

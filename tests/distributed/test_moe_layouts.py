@@ -3,7 +3,7 @@
 The Qwen3-MoE debug model (8 experts, top-2, one dense layer), CPU float32, block-causal masks,
 ``training.deterministic``, the same global batch of 8 sequences in every layout, with both
 balancers on: the auxiliary-loss-free routing bias (``--moe.load_balance_coeff``, default) and
-DeepSeek's sequence-wise auxiliary loss. All 8-rank layouts train in one torchrun launch
+DeepSeek's sequence-wise auxiliary loss. All 8-rank layouts train in one launch
 (tests/distributed/moe_entry.py); one process is the control:
 
 - each layout starts from bitwise the one-process weights (EP 4 on TP 2 included: expert parallelism borrowing

@@ -1,4 +1,4 @@
-"""Rank side of test_eval_layouts.py, started by torchrun: train each layout with ``[eval]`` in one process group.
+"""Rank side of test_eval_layouts.py: train each layout with ``[eval]`` in one process group.
 
 ``eval_entry.py SPEC OUT``, the spec and loop of tests/distributed/layout_entry.py. For each layout
 rank 0 records the downstream scores of every step that scored, the ``eval/`` and

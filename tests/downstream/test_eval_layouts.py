@@ -4,7 +4,7 @@ The debug model trains 2 steps and scores two tasks after the second: the shippe
 ``continuation`` (3 requests) and a task file of this test (a context ending in a space, an
 empty context, a context longer than ``seq_len`` that is cut from the left), 17 rows in all,
 3 rows a forward per data-parallel rank, so the last batch is part padding. The layouts run in
-one torchrun launch of 2 ranks (``eval_entry.py``): FSDP 2, TP 2 (loss parallel), PP 2 (the
+one launch of 2 ranks (``eval_entry.py``): FSDP 2, TP 2 (loss parallel), PP 2 (the
 forward-only pass) and CP 2 (each rank a share of every row). One process runs in this process.
 Each layout saves its trained model; ``reference.py`` scores it one choice at a time, and every
 score must match to 1e-6. The scores must also be what TensorBoard got, and each validation must

@@ -1,4 +1,4 @@
-"""Rank side of test_float8_layouts.py, started by torchrun: train each layout in turn in one process group.
+"""Rank side of test_float8_layouts.py: train each layout in turn in one process group.
 
 ``float8_entry.py SPEC OUT``, the spec and loop of tests/distributed/layout_entry.py. A layout may name
 ``"resume": name``: it starts from the step-``RESUME_STEP`` checkpoint of that layout (trained earlier in

@@ -1,7 +1,7 @@
 """Float8 in every layout: the one-process model, trained alike; checkpoints that do not care about precision.
 
 Debug model, float32 on CPU/gloo, deterministic, a global batch of 4 sequences in every layout, 4 steps.
-Three torchrun launches (1, 2 and 4 ranks) train their layouts one after another in one process group
+Three launches (1, 2 and 4 ranks) train their layouts one after another in one process group
 each (tests/distributed/layout_entry.py). Every layout must start from bitwise the one-process model
 and track the one-process Float8 run's losses within ``FP8_LAYOUT_BOUND`` (why that bound: below).
 """

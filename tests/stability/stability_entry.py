@@ -1,4 +1,4 @@
-"""Rank side of test_bad_steps.py, started by torchrun: train each layout in turn in one process group.
+"""Rank side of test_bad_steps.py: train each layout in turn in one process group.
 
 ``stability_entry.py SPEC OUT``, the spec and loop of tests/distributed/layout_entry.py. Rank 0 records
 for each layout, after every step: one digest of the whole model and one of the whole optimizer state

@@ -1,6 +1,6 @@
 """Bad steps through the launchers: skipped bitwise in every layout, and rolled back past after too many.
 
-- One torchrun launch of 2 ranks trains each layout in turn (tests/stability/stability_entry.py, which
+- One launch of 2 ranks trains each layout in turn (tests/stability/stability_entry.py, which
   records the full model and optimizer state after every step): FSDP 2 with everything off; FSDP 2 with
   the spike detector on, which must train bitwise as the run without it (and judge steps, not only warm
   up); FSDP 2, PP 2 and TP 2 (loss parallel) with a NaN gradient injected at step 5, z-loss on, where
