@@ -3,13 +3,16 @@
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each of which
 initializes ``torch.distributed`` with gloo, calls ``fn(rank, world_size, *args)``
 and sends back its (picklable) return value. Any rank's exception fails the
-call with that rank's traceback; a rank that hangs fails it after ``timeout``.
+call with that rank's traceback; a rank that dies without answering (a signal) fails it
+as soon as its exit is seen; a rank that hangs fails it after ``timeout``. ``log_dir``
+gives each rank a log file, whose end comes with the failure of a rank that died or hung.
 ``fn`` must be a module-level function so the spawned processes can import it.
 
 The processes are forked from a forkserver that imported torch and the trainer once per test
 session, so a world starts in about a second instead of paying for those imports in every
 process (8 spawned ranks on 2 cores took 16.5 s under load). Each process takes the caller's
-environment as it is at the call, as a spawned one would, and meets the others in a barrier
+environment as it is at the call (plus ``env``), as a spawned one would, with the settings torch
+reads at import applied again, and meets the others in a barrier
 before ``fn``, so no rank tears down while a peer is still connecting, and again through the
 store after it (``shutdown_distributed``), so the rank hosting the store outlives its last use.
 """
@@ -23,6 +26,8 @@ import signal
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -119,7 +124,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, c
     return [out[r] for r in range(world_size)]
 
 
-def _collect(procs: list, results: Any, timeout: float, out: dict[int, Any], errors: list[str]) -> list[int]:
+def _collect(procs: list[BaseProcess], results: Queue, timeout: float, out: dict[int, Any],
+             errors: list[str]) -> list[int]:
     """Every rank's answer into ``out`` (or ``errors``), until all answered, one died silently, or ``timeout``
     passed with no answer; returns the ranks that never answered."""
     answered: set[int] = set()
