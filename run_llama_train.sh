@@ -31,6 +31,8 @@ LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
 # One OpenMP thread per process: 8 CPU ranks on a small machine would otherwise oversubscribe it.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# A rank that dies of a native crash (SIGSEGV, SIGABRT) prints its Python stacks, not only torchrun's signal number.
+export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
 if [[ "$NNODES" == 1 ]]; then
   launch=(--standalone)
 else

@@ -36,6 +36,9 @@ DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 CI_CONFIG = str(REPO / "train_configs" / "debug_model_ci.toml")
 # Variables torchrun sets for its ranks: a launch from a process that has them would inherit them.
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Every process a test starts (torchrun's ranks included) prints its Python stacks if it dies of a native crash
+# (SIGSEGV, SIGABRT), instead of leaving only a signal number in torchrun's report.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def debug_config(*overrides: str, config: str = DEBUG_CONFIG) -> JobConfig:

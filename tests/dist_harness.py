@@ -19,6 +19,7 @@ store after it (``shutdown_distributed``), so the rank hosting the store outlive
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
@@ -42,6 +43,8 @@ def _child(fn, rank, world_size, port, args, results, collective_timeout, enviro
         log = os.open(_log_path(log_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(log, 1)
         os.dup2(log, 2)
+    # A native crash (SIGSEGV, SIGABRT) leaves the Python stack of every thread in the log, not only a signal.
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(

@@ -25,6 +25,8 @@ def test_a_rank_killed_by_a_signal_fails_the_call_at_once_with_the_end_of_its_ou
     message = str(failure.value)
     assert "rank 1 died without answering: killed by SIGABRT" in message
     assert "rank 1 is about to abort" in message  # its log's end, written through the redirected stderr
+    # and the Python stack where it died, which a native crash's log otherwise lacks (faulthandler)
+    assert "Fatal Python error: Aborted" in message and "in _abort_on_rank_1" in message
     assert "timed out" not in message
 
 

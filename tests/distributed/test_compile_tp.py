@@ -1,6 +1,6 @@
 """torch.compile trains every tensor-parallel layout as eager does.
 
-Each layout trains 3 steps eager, then compiled, in one 4-rank launch
+Each layout trains 5 steps eager, then compiled, in one 4-rank launch
 (tests/distributed/compile_entry.py); their losses must agree within 1e-4 relative at every step.
 Three layouts cover TP with and without sequence parallel, TP x PP, TP x CP and FSDP x TP. Without
 ``compat.wait_async_collective`` on the embedding's output, every one of them fails in backward
@@ -17,7 +17,7 @@ from layout_entry import launch
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
-STEPS = 3
+STEPS = 5
 TP2 = "--parallelism.tensor_parallel_degree=2"
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "debug_model_ci.toml"), f"--training.steps={STEPS}",
           "--metrics.enable_tensorboard=false", "--parallelism.data_parallel_shard_degree=1"]

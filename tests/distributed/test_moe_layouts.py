@@ -11,7 +11,7 @@ DeepSeek's sequence-wise auxiliary loss. All 8-rank layouts train in one launch
   whose ranks hold different layers), its step-1 loss is within 1e-5 and 6 steps within 1e-4 of
   the control's, and its routing biases end equal to the control's up to a few flipped choices;
 - "EP2 x FSDP8" saves at step 3: the same layout resumed from it repeats steps 4-6 bitwise (routing
-  bias included), and EP 1 resumes it within 1e-4.
+  bias included), and EP 1 and EP 2 x TP 2 resume it within 1e-4.
 
 Degrees: "FSDP n" is the experts' ``efsdp`` = dp_shard x cp / ep; the dense weights shard over dp_shard x cp.
 """
@@ -47,6 +47,7 @@ TB = "--metrics.enable_tensorboard=true"  # the MoE metrics are read back from T
 PP2 = ["--parallelism.pipeline_parallel_microbatches=2"]
 PARITY = {
     "EP2 x FSDP4": _dims() + SAVE,  # dense FSDP 8; experts: 2 EP ranks x 4 efsdp ranks
+    "EP8": _dims(ep=8),  # whole experts per rank, no expert sharding: the all-to-all over all 8 ranks
     "HSDP2 x FSDP2, EP2": _dims(shard=4, rep=2),
     # Gradient accumulation: the auxiliary loss and the counts add up over the micro-batches.
     "EP2 x TP2 x FSDP2, 2 micro-batches": _dims(shard=4, tp=2) + ["--training.gradient_accumulation_steps=2", TB],
@@ -63,7 +64,8 @@ PARITY = {
 }
 RESUMED = {  # resumed at step HALF from "EP2 x FSDP4"
     "same layout": _dims(),
-    "EP1": _dims(ep=1),  # (TP and pipeline layouts resume as any: tests/checkpoint)
+    "EP1": _dims(ep=1),
+    "EP2 x TP2": _dims(shard=4, batch=2, tp=2),  # (pipeline layouts resume as any: tests/checkpoint)
 }
 SOURCE = "EP2 x FSDP4"
 

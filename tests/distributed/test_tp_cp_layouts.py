@@ -1,7 +1,7 @@
 """Tensor- and context-parallel layouts train the same model as one process.
 
 Same method as test_layout_parity.py (same seed, data and global batch of 8
-sequences, float32, deterministic), over 4 steps to keep CI short (the tied flavor's
+sequences, float32, deterministic), over 6 steps (the tied flavor's
 layouts are test_layout_parity.py's and test_releases.py's): the gathered
 initial weights must equal the single-process init bitwise, every step's loss must
 stay within the parity tolerance of the control's, and so must the validation loss
@@ -17,7 +17,7 @@ from test_layout_parity import _init_and_train, assert_validation_parity, spawn_
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-STEPS = 4
+STEPS = 6
 TP2, CP2 = "--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2"
 
 
