@@ -285,6 +285,8 @@ def build_flavors() -> list[Flavor]:
           (_phase(4, 4, {"dp_shard": 4}, *_dp(1, 4), ac_full),)),
         f("fsdp_selective_ac_layer", "FSDP 2 + selective AC, every 2nd block",
           (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), ac_sel, "--activation_checkpoint.selective_ac_option=2"),)),
+        f("fsdp_selective_ac_op", "FSDP 2 + selective AC, op policy (every second linear output and attention kept)",
+          (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), ac_sel, "--activation_checkpoint.selective_ac_option=op"),)),
         # Inductor fuses and reorders float32 ops: equal to rounding, not bitwise (tests/test_trainer.py).
         f("fsdp_compile", "FSDP 2 + torch.compile of each block (one compile flavor: slow on CPU)",
           (_phase(2, 2, {"dp_shard": 2}, *_dp(1, 2), "--training.compile"),), parity_rtol=1e-4),
@@ -304,10 +306,13 @@ def build_flavors() -> list[Flavor]:
           checks=(_both_agents_ran,)),
         # ---- tensor and context parallel ----
         # tests/distributed/test_tp_cp_layouts.py trains the 8-rank shapes (FSDP 4 x TP 2, TP 2 without SP,
-        # FSDP 4 x CP 2, HSDP x CP, ...) against a control; the matrix takes the smallest shape of each
-        # composition that pytest does not train, or another one.
+        # FSDP 4 x CP 2, HSDP x CP, ...) against a control; the matrix trains the smallest shape of each
+        # composition through the launcher.
         f("fsdp_tp", "FSDP 2 x TP 2 (sequence parallel, loss parallel)",
           (_phase(4, 2, {"dp_shard": 2, "tp": 2}, *_dp(1, 2), *_tp(2)),), requires=("tp",)),
+        f("tp2_no_sp", "TP 2 without sequence parallel", (_phase(
+            2, 1, {"tp": 2}, *_dp(1, 1), *_tp(2), "--parallelism.enable_sequence_parallel=false"),),
+          requires=("tp",)),
         f("tp2_no_loss_parallel", "TP 2 with logits gathered before the loss", (_phase(
             2, 1, {"tp": 2}, *_dp(1, 1), *_tp(2), "--parallelism.disable_loss_parallel"),), requires=("tp",)),
         # HSDP 2x2 x TP 2 trains in test_tp_cp_layouts.py; replicate 2 x TP 2 on 4 ranks here.
@@ -315,6 +320,8 @@ def build_flavors() -> list[Flavor]:
           (_phase(4, 2, {"dp_replicate": 2, "tp": 2}, *_dp(2, 1), *_tp(2)),), requires=("tp",)),
         f("cp2", "CP 2 alone (the sequence split over 2 ranks, load-balanced)",
           (_phase(2, 1, {"cp": 2}, *_dp(1, 1), *_cp(2)),), requires=("cp",)),
+        f("fsdp_cp", "FSDP 2 x CP 2", (_phase(4, 2, {"dp_shard": 2, "cp": 2}, *_dp(1, 2), *_cp(2)),),
+          requires=("cp",)),
         f("fsdp_tp_cp", "FSDP 2 x TP 2 x CP 2",
           (_phase(8, 2, {"dp_shard": 2, "cp": 2, "tp": 2}, *_dp(1, 2), *_tp(2), *_cp(2)),), requires=("tp", "cp")),
         # ---- pipeline parallel (tests/distributed/test_pipeline_parallel.py trains PP 2 x FSDP 4,
@@ -323,6 +330,8 @@ def build_flavors() -> list[Flavor]:
         f("pp_gpipe", "PP 2, GPipe", (_phase(2, 1, {"pp": 2}, *_dp(1, 1), *_pp(2, "GPipe")),), requires=("pp",)),
         f("pp_interleaved_1f1b", "PP 2, Interleaved1F1B (2 stages per rank)",
           (_phase(2, 1, {"pp": 2}, *_dp(1, 1), *_pp(2, "Interleaved1F1B")),), requires=("pp",)),
+        f("pp_tp", "PP 2 x TP 2", (_phase(4, 1, {"pp": 2, "tp": 2}, *_dp(1, 1), *_pp(2, "1F1B"), *_tp(2)),),
+          requires=("pp", "tp")),
         f("pp_tp_fsdp", "PP 2 x FSDP 2 x TP 2 (3-D)",
           (_phase(8, 2, {"pp": 2, "dp_shard": 2, "tp": 2}, *_dp(1, 2), *_pp(2, "1F1B"), *_tp(2)),),
           requires=("pp", "tp")),
