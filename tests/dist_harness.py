@@ -5,7 +5,8 @@ initializes ``torch.distributed`` with gloo, calls ``fn(rank, world_size, *args)
 and sends back its (picklable) return value. Any rank's exception fails the
 call with that rank's traceback; a rank that dies without answering (a signal) fails it
 as soon as its exit is seen; a rank that hangs fails it after ``timeout``. ``log_dir``
-gives each rank a log file, whose end comes with the failure of a rank that died or hung.
+gives each rank a log file, whose end comes with the failure of a rank that died or hung (with the Python
+stacks of a rank that died of a native crash: each rank enables ``faulthandler``).
 ``fn`` must be a module-level function so the spawned processes can import it.
 
 The processes are forked from a forkserver that imported torch and the trainer once per test
