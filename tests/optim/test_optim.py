@@ -1,12 +1,17 @@
+import json
+import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from torchtitan.checkpoint.states import BUILTIN
 from torchtitan.optim import build_lr_scheduler, build_optimizer, lr_factor
 from torchtitan.optim.lr_scheduler import resolve_decay_steps
 
 PEAK_LR = 1e-3
+SCHEDULE_SPEC = next(spec for spec in BUILTIN if spec.name == "lr_scheduler")
 
 
 def _optimizer(name: str = "AdamW", lr: float = PEAK_LR) -> torch.optim.Optimizer:
@@ -97,8 +102,9 @@ def test_decay_steps_rounding():
     assert resolve_decay_steps(total_steps=100, warmup_steps=10, decay_ratio=None) == 90
 
 
-def test_scheduler_state_dict_holds_no_schedule():
-    # On resume the schedule must come from the config, not the checkpoint.
+def test_scheduler_state_dict_holds_no_schedule_function():
+    # On resume the schedule must come from the config, not the checkpoint: the state holds the
+    # step and the settings (compared on load, never applied), no function.
     optimizer = _optimizer()
     scheduler = build_lr_scheduler(
         optimizer, warmup_steps=2, decay_ratio=None, decay_type="linear", lr_min=0.0, total_steps=10
@@ -108,6 +114,73 @@ def test_scheduler_state_dict_holds_no_schedule():
     state = scheduler.state_dict()
     assert state["last_epoch"] == 1
     assert state["lr_lambdas"] == [{}]
+    assert state["schedule"]["training.steps"] == 10
+
+
+# --- resume ---------------------------------------------------------------
+
+DEBUG_SCHEDULE = dict(warmup_steps=2, decay_ratio=None, decay_type="linear", lr_min=0.1)
+
+
+def _checkpointed_schedule(steps: int, total_steps: int, lr: float = 8e-4) -> str:
+    """The LR schedule's checkpoint value (through its checkpoint state spec) after ``steps`` steps."""
+    optimizer = _optimizer(lr=lr)
+    scheduler = build_lr_scheduler(optimizer, total_steps=total_steps, **DEBUG_SCHEDULE)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return SCHEDULE_SPEC.save(SimpleNamespace(lr_scheduler=scheduler), steps)
+
+
+def _resumed_lrs(saved: str, total_steps: int, lr: float, steps: int) -> list[float]:
+    """The lrs of the ``steps`` steps after loading ``saved`` into a run of this schedule (the optimizer's
+    loaded state holds the lr the checkpoint's schedule set, as a real resume's does)."""
+    optimizer = _optimizer(lr=lr)
+    scheduler = build_lr_scheduler(optimizer, total_steps=total_steps, **DEBUG_SCHEDULE)
+    optimizer.param_groups[0]["lr"] = json.loads(saved)["_last_lr"][0]
+    SCHEDULE_SPEC.apply(SimpleNamespace(lr_scheduler=scheduler), saved)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_resume_with_the_same_schedule_is_silent_and_continues_it(caplog):
+    uninterrupted = [lr * 8e-4 / PEAK_LR for lr in _lrs(10, **DEBUG_SCHEDULE)]
+    with caplog.at_level(logging.WARNING):
+        resumed = _resumed_lrs(_checkpointed_schedule(4, 10), total_steps=10, lr=8e-4, steps=6)
+    assert resumed == pytest.approx(uninterrupted[4:], rel=1e-12)
+    assert _warnings(caplog) == []
+
+
+def test_resume_with_another_schedule_warns_once_and_applies_it_from_the_next_step(caplog):
+    # Issue 60: steps 10 -> 20 ran step 11 at the old schedule's 8e-5, step 12 at the new one's 4e-4,
+    # and a new --optimizer.lr was ignored (the checkpoint's base lr was kept), all without a word.
+    with caplog.at_level(logging.WARNING):
+        resumed = _resumed_lrs(_checkpointed_schedule(10, 10), total_steps=20, lr=4e-4, steps=3)
+    fresh = [lr * 4e-4 / PEAK_LR for lr in _lrs(20, **DEBUG_SCHEDULE)]
+    assert resumed == pytest.approx(fresh[10:13], rel=1e-12)
+    [line] = _warnings(caplog)
+    assert "--training.steps 10 -> 20" in line and "--optimizer.lr 0.0008 -> 0.0004" in line, line
+    assert "lr 0.00022 at step 11 where the checkpoint's gave 8e-05" in line, line
+    assert "warmup_steps" not in line and "\n" not in line, line
+
+
+def test_resume_of_a_checkpoint_without_recorded_settings_warns_when_the_lr_moves(caplog):
+    saved = json.loads(_checkpointed_schedule(10, 10))
+    del saved["schedule"]  # as written before the settings were recorded
+    with caplog.at_level(logging.WARNING):
+        _resumed_lrs(json.dumps(saved), total_steps=10, lr=8e-4, steps=1)
+        assert _warnings(caplog) == []
+        _resumed_lrs(json.dumps(saved), total_steps=20, lr=8e-4, steps=1)
+    [line] = _warnings(caplog)
+    assert "does not record its settings" in line and "lr 0.00044 at step 11 where the checkpoint's gave 8e-05" in line
 
 
 # --- validation -----------------------------------------------------------
