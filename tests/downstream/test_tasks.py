@@ -38,7 +38,10 @@ def tokenizer(shipped_tokenizer):
     ([GOOD, "{not json"], "line 2: not JSON"),
     ([{"context": "x", "choices": [" a", " b"]}], "line 1: missing label"),
     ([{**GOOD, "label": 2}], "line 1: label 2 is out of range for 2 choices"),
-    ([{**GOOD, "label": True}], "label True is out of range"),
+    # Issue 60: a boolean was "out of range" for 2 choices; it is refused for what it is, with what to give.
+    ([{**GOOD, "label": True}], "label true is a boolean, not a choice's index; give the index of the right "
+                                "choice, an integer 0..1"),
+    ([{**GOOD, "label": "1"}], 'label "1" is not an integer; give the index of the right choice, an integer 0..1'),
     ([{**GOOD, "choices": [" a"]}], "at least two non-empty strings"),
     ([{**GOOD, "context": 3}], "context must be a string"),
 ])

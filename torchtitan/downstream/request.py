@@ -49,7 +49,19 @@ def parse_request(line: str, where: str) -> Request:
         raise TaskError(f"{where}: context must be a string")
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise TaskError(f"{where}: choices must be a list of at least two non-empty strings")
-    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
-        raise TaskError(f"{where}: label {label!r} is out of range for {len(choices)} choices (give 0.."
-                        f"{len(choices) - 1})")
+    _check_label(label, len(choices), where)
     return Request(context, tuple(choices), label)
+
+
+def _check_label(label: object, n_choices: int, where: str) -> None:
+    """The label is the right choice's index. A boolean is refused rather than read as 1/0: whether ``true``
+    is choice 1 depends on the order the export wrote the choices in (``["yes", "no"]`` makes it 0), and a
+    wrong guess inverts every score without a word."""
+    allowed = f"give the index of the right choice, an integer 0..{n_choices - 1}"
+    if isinstance(label, bool):
+        raise TaskError(f"{where}: label {json.dumps(label)} is a boolean, not a choice's index; {allowed} (for a "
+                        "true/false dataset, the index of the choice that means true or false)")
+    if not isinstance(label, int):
+        raise TaskError(f"{where}: label {json.dumps(label)} is not an integer; {allowed}")
+    if not 0 <= label < n_choices:
+        raise TaskError(f"{where}: label {label} is out of range for {n_choices} choices; {allowed}")
