@@ -20,7 +20,7 @@ from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.location import Location
 from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
-from torchtitan.checkpoint.selection import choose_checkpoint
+from torchtitan.checkpoint.selection import choose_checkpoint, leftover_warnings
 from torchtitan.checkpoint.states import StateRegistry
 from torchtitan.checkpoint.store import CheckpointKind, dcp_reader, read_dcp_metadata, scan, verify
 from torchtitan.config import JobConfig
@@ -95,11 +95,9 @@ class Loader:
             path, manifest, error = None, {}, f"{type(e).__name__}: {e}"
         names = self.agreement.outcomes(error, "choosing the checkpoint", None if path is None else path.name)
         self.agreement.same_checkpoint(names)
-        if path is not None and self.rank == 0:
-            for _step, leftovers in sorted(listing.partial.items()):
-                for leftover in leftovers:
-                    logger.warning("Checkpoint: skipping %s: an incomplete save (interrupted or still being "
-                                   "written)", leftover)
+        if self.rank == 0:
+            for line in leftover_warnings(listing, self.folder, path):
+                logger.warning("%s", line)
         return path, manifest
 
     def _states_to_load(self, manifest: dict[str, Any], path: Location) -> list[str]:

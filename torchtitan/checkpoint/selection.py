@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchtitan.checkpoint.location import Location, is_remote, location
-from torchtitan.checkpoint.store import scan, verify
+from torchtitan.checkpoint.store import Listing, scan, verify
 from torchtitan.config import JobConfig
 
 
@@ -62,6 +62,27 @@ def choose_checkpoint(
         problems.append(f"nothing was deleted; to load another complete checkpoint pass --checkpoint.load_step=<step> "
                         f"(other steps in {folder}: {others}), or move {path.name} away")
     return path, manifest, problems
+
+
+def leftover_warnings(listing: Listing, folder: Location, chosen: Location | None) -> list[str]:
+    """One WARNING line per incomplete save in ``listing`` (``step-N.tmp``, or an object store's ``step-N/``
+    without a manifest), which no run loads; ``chosen``: the checkpoint this run loads (None: none).
+
+    With nothing committed yet the run starts from step 0, and the line names the leftover's step and
+    what to do: another job still writing it shares the folder with this one; an interrupted save is lost.
+    """
+    lines = []
+    for step, leftovers in sorted(listing.partial.items()):
+        for leftover in leftovers:
+            if chosen is not None:
+                lines.append(f"Checkpoint: skipping {leftover}: an incomplete save (interrupted or still being "
+                             f"written); loading {chosen} instead")
+            else:
+                lines.append(f"Checkpoint: {folder} holds no complete checkpoint, only an incomplete save of step "
+                             f"{step} ({leftover}), which cannot be loaded: this run starts from step 0; if another "
+                             "job is still writing it, stop this one or give it another --checkpoint.folder, else "
+                             "that save was interrupted and the leftover can be deleted")
+    return lines
 
 
 def own_checkpoint_exists(cfg: JobConfig) -> bool:
