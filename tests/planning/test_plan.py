@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from conftest import DEBUG_CONFIG, REPO, debug_config, torchrun_env
 
+from torchtitan.planning.cli import plan_main
 from torchtitan.planning.clusters import ClusterError, load_cluster
 from torchtitan.planning.cost import estimate
 from torchtitan.planning.dry_run import dry_run
@@ -149,6 +150,12 @@ def test_plan_json_and_bad_inputs(tmp_path):
     result = json.loads(out.stdout)
     assert {"fits", "peak_memory_gib", "step_time_s", "tokens_per_second_per_gpu", "mfu", "compute_s",
             "exposed_comm_s", "bubble_s", "comm_bytes_per_step"} <= set(result)
+    # While it simulates, it says so on stderr: what, and how many of how many (stdout stays one JSON object)
+    progress = [line.split("]: ", 1)[1] for line in out.stderr.splitlines() if line.startswith("plan [")]
+    assert len(progress) == 3, out.stderr
+    assert progress[:2] == ["simulating 1 rank step(s) on fake tensors, 1 at a time; the longest first",
+                            "[1/1] rank 0, 6 blocks, 1 micro-batch(es): started"], out.stderr
+    assert progress[2].startswith("done 1 of 1: rank 0, 6 blocks, 1 micro-batch(es) ("), out.stderr
     unknown = _run("scripts/plan.py", "--cluster", "tpu-v9", "--world_size", "2", "--job.config_file", DEBUG)
     assert unknown.returncode == 2 and "h100-sxm-80g" in unknown.stderr and "b200" in unknown.stderr
     partial = tmp_path / "mine.toml"
@@ -158,6 +165,15 @@ def test_plan_json_and_bad_inputs(tmp_path):
     odd = _run("scripts/plan.py", "--cluster", "h100-sxm-80g", "--world_size", "6", "--job.config_file", DEBUG,
                "--parallelism.tensor_parallel_degree=4")
     assert odd.returncode == 2 and "world_size" in odd.stderr
+
+
+def test_plan_help_prints_usage_and_exits_0(capsys):
+    # --help wins over the required options that are missing, and over any others given
+    for argv in (["--help"], ["--cluster", "h100-sxm-80g", "-h", "--job.config_file", DEBUG]):
+        assert plan_main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: scripts/plan.py --world_size WORLD_SIZE") and "--search_float8" in out
+        assert "python train.py --help" in out
 
 
 @pytest.mark.slow

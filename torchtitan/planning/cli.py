@@ -5,6 +5,8 @@
     python train.py --dry_run --world_size N [train.py overrides]
 
 A config problem prints the preflight's lines (``config error: ...``) and exits 2, as a launch does.
+``--help`` prints the planner's own options and exits 0. While it simulates, the planner says on
+stderr what it simulates and how many of how many (``progress.py``); the report goes to stdout.
 """
 
 from __future__ import annotations
@@ -14,10 +16,17 @@ import json
 import sys
 
 from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.planning.progress import Progress
 
 
 def _parser(with_cluster: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+    # No argparse help option: the arguments it does not know are train.py's, and are passed on.
+    p = argparse.ArgumentParser(
+        prog="scripts/plan.py" if with_cluster else "train.py --dry_run", add_help=False,
+        description="Plan a training job from one CPU: memory per rank, traffic"
+                    + (", step time and MFU on a cluster, or the best layouts (--search)." if with_cluster else "."),
+        epilog="Every other argument is train.py's (--job.config_file FILE, --section.key VALUE; "
+               "`python train.py --help` lists them). See docs/planning.md.")
     p.add_argument("--world_size", type=int, required=True, help="ranks of the job to plan")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--pp_ranks", type=str, default=None,
@@ -43,6 +52,7 @@ def _config_errors(e: ConfigError) -> int:
 
 def dry_run_main(argv: list[str]) -> int:
     """``train.py --dry_run``: the dry run's memory and traffic, no cluster model."""
+    progress = Progress()  # its clock starts before torch's import, which is part of the wait
     own, rest = _parser(False).parse_known_args(argv)
     from torchtitan.planning.dry_run import dry_run
     from torchtitan.planning.report import dry_run_text
@@ -51,7 +61,7 @@ def dry_run_main(argv: list[str]) -> int:
         return bad
     try:
         run = dry_run(ConfigManager().parse_args(rest), own.world_size, pp_ranks=_ranks(own.pp_ranks),
-                      symmetry=not own.no_symmetry, moe_imbalance=own.moe_imbalance)
+                      symmetry=not own.no_symmetry, moe_imbalance=own.moe_imbalance, progress=progress)
     except ConfigError as e:
         return _config_errors(e)
     if own.json:
@@ -80,7 +90,12 @@ def _ranks(text: str | None) -> list[int] | None:
 
 def plan_main(argv: list[str]) -> int:
     """``scripts/plan.py``: dry run plus the step-time model of a cluster, or the layout search."""
-    own, rest = _parser(True).parse_known_args(argv)
+    parser = _parser(True)
+    if "--help" in argv or "-h" in argv:
+        parser.print_help()
+        return 0
+    progress = Progress()  # its clock starts before torch's import, which is part of the wait
+    own, rest = parser.parse_known_args(argv)
     from torchtitan.planning.clusters import ClusterError, load_cluster
 
     try:
@@ -93,13 +108,13 @@ def plan_main(argv: list[str]) -> int:
     try:
         cfg = ConfigManager().parse_args(rest)
         if own.search:
-            return _search(rest, own, cluster)
+            return _search(rest, own, cluster, progress)
         from torchtitan.planning.cost import estimate
         from torchtitan.planning.dry_run import dry_run
         from torchtitan.planning.report import dry_run_text, estimate_text
 
         run = dry_run(cfg, own.world_size, pp_ranks=_ranks(own.pp_ranks), symmetry=not own.no_symmetry,
-                      moe_imbalance=own.moe_imbalance)
+                      moe_imbalance=own.moe_imbalance, progress=progress)
     except ConfigError as e:
         return _config_errors(e)
     est = estimate(run, cluster)
@@ -111,10 +126,11 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-def _search(args: list[str], own, cluster) -> int:
+def _search(args: list[str], own, cluster, progress: Progress) -> int:
     from torchtitan.planning.search import search
 
-    results = search(args, own.world_size, cluster, moe_imbalance=own.moe_imbalance, float8=own.search_float8)
+    results = search(args, own.world_size, cluster, moe_imbalance=own.moe_imbalance, float8=own.search_float8,
+                     progress=progress)
     if own.json:
         print(json.dumps({"layouts": [r.to_json() for r in results]}))
         return 0

@@ -63,6 +63,7 @@ from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.moe import GPU_GROUPED_MM_DTYPES, assume_routing, check_imbalance, moe_notes
 from torchtitan.planning.pipeline import make_stages_static, stage_io
+from torchtitan.planning.progress import Progress, simulation_label
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
 from torchtitan.planning.repeats import (
     Repeats,
@@ -168,21 +169,24 @@ def ranks_to_simulate(dims: ParallelDims, pp_ranks: list[int] | None = None,
 
 
 def dry_run(cfg: JobConfig, world_size: int, steps: int = 1, pp_ranks: list[int] | None = None,
-            workers: int | None = None, symmetry: bool = True, moe_imbalance: float = 1.0) -> DryRun:
+            workers: int | None = None, symmetry: bool = True, moe_imbalance: float = 1.0,
+            progress: Progress | None = None) -> DryRun:
     """LaunchPlan ``cfg`` on ``world_size`` ranks and simulate each rank that differs: the optimizer state
-    as a first step makes it, then ``steps`` recorded steps. ``moe_imbalance``: see ``planning/moe.py``."""
-    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers, symmetry, moe_imbalance)[0]
+    as a first step makes it, then ``steps`` recorded steps. ``moe_imbalance``: see ``planning/moe.py``;
+    ``progress``: a line on stderr per simulation started and finished (``progress.py``)."""
+    return dry_runs([(cfg, world_size, pp_ranks)], steps, workers, symmetry, moe_imbalance, progress)[0]
 
 
 def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1,
-             workers: int | None = None, symmetry: bool = True, moe_imbalance: float = 1.0) -> list[DryRun]:
+             workers: int | None = None, symmetry: bool = True, moe_imbalance: float = 1.0,
+             progress: Progress | None = None) -> list[DryRun]:
     """``dry_run`` of several jobs (config, world size, pipeline ranks), every simulated rank of every job in
     one pool of worker processes, so that a search or a set of configs keeps every core busy.
 
     With ``symmetry``, one pp rank per stage shape is simulated unless ``pp_ranks`` names them
     (``symmetry.py``), and each counts its identical blocks and micro-batches (``repeats.py``); without it,
     every pp rank (or those named), every block and every micro-batch. Each job is planned first, so a bad one
-    raises its ``ConfigError`` before anything is simulated.
+    raises its ``ConfigError`` before anything is simulated (and before any progress line).
     """
     check_imbalance(moe_imbalance)
     runs, tasks, repeats = [], [], []
@@ -199,22 +203,45 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
                   for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline if by_shape else None)]
         run.notes += [*counted.notes, *([describe_symmetry(run.plan.pipeline) or ""] if by_shape else [])]
         run.notes = [line for line in run.notes if line]
-    # One forked process per simulation: DTensor caches meshes (and their process-group names)
-    # across process groups, so each simulated rank needs a process of its own.
     flat = [args for _, sims in tasks for args in sims]
-    # The longest first, so that the last one to finish is a short one.
-    order = sorted(range(len(flat)), key=lambda j: -_blocks_run(flat[j][1]))
-    workers = max(1, min(len(flat), workers or (os.cpu_count() or 1)))
-    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-        done_in_order = pool.starmap(simulate_rank, [flat[j] for j in order], chunksize=1)
-    by_task = dict(zip(order, done_in_order, strict=True))
-    results = iter(by_task[j] for j in range(len(flat)))
+    labels = [simulation_label(args[3], args[1], i, len(jobs)) for i, sims in tasks for args in sims]
+    results = iter(_simulate_all(flat, labels, workers, progress))
     for i, sims in tasks:
         rank_run = count_back([next(results) for _ in sims], repeats[i])
         if symmetry and jobs[i][2] is None:  # ranks chosen by shape: each stands for the pp ranks of its shape
             rank_run.stands_for = representatives(runs[i].plan.pipeline).get(rank_run.coords.get("pp", 0), [])
         runs[i].ranks.append(rank_run)
     return runs
+
+
+def _simulate_all(flat: list[tuple], labels: list[str], workers: int | None,
+                  progress: Progress | None) -> list[RankRun]:
+    """``simulate_rank(*args)`` of each of ``flat``, in a pool of ``workers`` processes; the runs in ``flat``'s order.
+
+    One forked process per simulation: DTensor caches meshes (and their process-group names) across
+    process groups, so each simulated rank needs a process of its own.
+    """
+    # The longest first, so that the last one to finish is a short one.
+    order = sorted(range(len(flat)), key=lambda j: -_blocks_run(flat[j][1]))
+    workers = max(1, min(len(flat), workers or (os.cpu_count() or 1)))
+    if progress is not None:
+        progress.say(f"simulating {len(flat)} rank step(s) on fake tensors, {workers} at a time; the longest first")
+    numbered = [(j, f"[{n}/{len(flat)}] {labels[j]}", progress, flat[j]) for n, j in enumerate(order, 1)]
+    runs: dict[int, RankRun] = {}
+    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
+        for j, run in pool.imap_unordered(_simulate_numbered, numbered, chunksize=1):
+            runs[j] = run
+            if progress is not None:
+                progress.say(f"done {len(runs)} of {len(flat)}: {labels[j]} ({run.seconds:.1f} s)")
+    return [runs[j] for j in range(len(flat))]
+
+
+def _simulate_numbered(task: tuple[int, str, Progress | None, tuple]) -> tuple[int, RankRun]:
+    """In a pool worker: say which simulation starts, run it, and hand it back with its index."""
+    j, label, progress, args = task
+    if progress is not None:
+        progress.say(f"{label}: started")
+    return j, simulate_rank(*args)
 
 
 def _blocks_run(plan: LaunchPlan) -> int:

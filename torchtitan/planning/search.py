@@ -20,6 +20,7 @@ from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.planning.clusters import Cluster
 from torchtitan.planning.cost import StepEstimate, estimate
 from torchtitan.planning.dry_run import dry_runs, plan_job
+from torchtitan.planning.progress import Progress
 
 TP_DEGREES = (1, 2, 4, 8)
 PP_DEGREES = (1, 2, 4, 8, 16)
@@ -102,15 +103,18 @@ def _config_dp(cfg: JobConfig, world_size: int) -> int:
 
 
 def search(args: list[str], world_size: int, cluster: Cluster, moe_imbalance: float = 1.0,
-           float8: bool = False) -> list[Layout]:
+           float8: bool = False, progress: Progress | None = None) -> list[Layout]:
     """The layouts that the preflight accepts and that fit, best predicted tokens/s first.
 
     ``args`` are the job's train.py arguments; each layout's overrides are appended to them. ``float8``:
-    also try each layout in Float8, where the cluster has an FP8 peak.
+    also try each layout in Float8, where the cluster has an FP8 peak. ``progress``: lines on stderr.
     """
     cfg = ConfigManager().parse_args(args)
     accepted, jobs = [], []
-    for overrides in searched_overrides(cfg, world_size, cluster, float8):
+    candidates = searched_overrides(cfg, world_size, cluster, float8)
+    if progress is not None:
+        progress.say(f"checking {len(candidates)} candidate layouts for {world_size} ranks with the preflight")
+    for overrides in candidates:
         trial = ConfigManager().parse_args([*args, *overrides])
         try:
             plan_job(trial, world_size)
@@ -121,7 +125,9 @@ def search(args: list[str], world_size: int, cluster: Cluster, moe_imbalance: fl
         # stand for the pipeline: a search prices many layouts.
         accepted.append(overrides)
         jobs.append((trial, world_size, sorted({0, pp - 1})))
-    runs = dry_runs(jobs, moe_imbalance=moe_imbalance)
+    if progress is not None:
+        progress.say(f"{len(jobs)} of {len(candidates)} layouts pass the preflight; simulating each")
+    runs = dry_runs(jobs, moe_imbalance=moe_imbalance, progress=progress)
     layouts = [Layout(overrides, estimate(run, cluster)) for overrides, run in zip(accepted, runs, strict=True)]
     return sorted([layout for layout in layouts if layout.estimate.fits],
                   key=lambda layout: -layout.estimate.tokens_per_second_per_gpu)
