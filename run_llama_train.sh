@@ -2,7 +2,8 @@
 # Train on this machine, or on one node of several: one process per GPU, or 8 CPU processes
 # (gloo) when there is no GPU.
 #   NGPU           processes to start on this node (default: the number of GPUs, or 8 without one)
-#   CONFIG_FILE    TOML config (default: train_configs/debug_model.toml)
+#   CONFIG_FILE    TOML config (default: train_configs/debug_model.toml); --job.config_file FILE among
+#                  the arguments does the same, and naming different files in both is refused
 #   LOG_RANK       local ranks whose output is shown, comma-separated (default: 0)
 #   LAUNCH_PREFLIGHT  1 (default): check the config once here before torchrun, so a config error
 #                  exits 2 with only its lines; 0 skips that (every rank still checks), one
@@ -26,7 +27,21 @@ PY=${PYTHON:-python3}
 if [[ -z "${NGPU:-}" ]]; then
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() or 8)")
 fi
-CONFIG_FILE=${CONFIG_FILE:-"$here/train_configs/debug_model.toml"}
+# The config: CONFIG_FILE, else the arguments' own --job.config_file, else the debug model. Both given
+# are both passed on, and the config manager refuses them (exit 2, in the check below) if the files differ.
+names_config_file() {
+  local arg
+  for arg in "$@"; do
+    [[ "$arg" == --job.config_file || "$arg" == --job.config_file=* ]] && return 0
+  done
+  return 1
+}
+config=()
+if [[ -n "${CONFIG_FILE:-}" ]]; then
+  config=(--job.config_file "$CONFIG_FILE")
+elif ! names_config_file "$@"; then
+  config=(--job.config_file "$here/train_configs/debug_model.toml")
+fi
 LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
 # One OpenMP thread per process: 8 CPU ranks on a small machine would otherwise oversubscribe it.
@@ -51,9 +66,9 @@ fi
 # Check the job once before any rank starts: a config problem exits 2 here with one line per
 # problem, not inside torchrun's report of failed ranks. Each rank still checks for itself.
 if [[ "${LAUNCH_PREFLIGHT:-1}" != 0 ]]; then
-  WORLD_SIZE=$((NGPU * NNODES)) "$PY" "$here/train.py" --preflight_only --job.config_file "$CONFIG_FILE" "$@" \
+  WORLD_SIZE=$((NGPU * NNODES)) "$PY" "$here/train.py" --preflight_only ${config[@]+"${config[@]}"} "$@" \
     || exit $?
 fi
 # torchrun as a module of that interpreter: it starts the ranks with the same one.
 exec "$PY" -m torch.distributed.run "${launch[@]}" --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
-  "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"
+  "$here/train.py" ${config[@]+"${config[@]}"} "$@"

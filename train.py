@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from torchtitan.agent_watch import exit_if_agent_gone, watch_agent
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.logging_setup import init_logger
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callable] = ()) -> i
         from torchtitan.planning.cli import dry_run_main
 
         return dry_run_main(argv[1:])
+    watch_agent()  # under torchrun: a rank whose agent is gone stops at once (torchtitan/agent_watch.py)
     trainer, status = None, 1
     shutdown_timeout = 60.0
     try:
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callable] = ()) -> i
         status = 2
         _wait_for_peer_reports("config_error")
     except Exception as e:
+        exit_if_agent_gone()  # a peer stopped for it and failed this rank's collective: the agent's line, not this
         status = _failure_status(e)
     finally:
         # Runs on every path, KeyboardInterrupt included: a barrier with a timeout on success,
@@ -111,5 +114,6 @@ def preflight_only(manager: ConfigManager, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     # An ordinary exit: by now no thread of ours runs (the data prefetch thread is joined when its
-    # iterator closes, and at exit at the latest) and every process group is destroyed.
+    # iterator closes, and at exit at the latest; the agent watch is a daemon that only polls a pid)
+    # and every process group is destroyed.
     sys.exit(main())

@@ -92,6 +92,24 @@ def test_missing_config_file(tmp_path):
     assert "not found" in msg and "nope.toml" in msg
 
 
+def test_config_file_given_twice_is_one_file_or_refused(tmp_path, monkeypatch):
+    first = write(tmp_path, "[training]\nsteps = 3\n")
+    second = tmp_path / "other.toml"
+    second.write_text("[training]\nsteps = 7\n")
+    # Two different files (the second one missing, or present): neither is read, one line names both.
+    for other in (str(tmp_path / "missing.toml"), str(second)):
+        (msg,) = problems("--job.config_file", first, f"--job.config_file={other}")
+        assert msg.startswith("--job.config_file is given 2 times, naming 2 different files") and first in msg
+        assert other in msg
+    assert len(problems("--job.config_file", first, "--job.config_file", "none")) == 1  # none is no file
+    (msg,) = problems("--job.config_file=", "--training.steps=2")
+    assert msg.startswith("--job.config_file is empty")
+    # The same file by two paths is one file: read, and the CLI still overrides it.
+    monkeypatch.chdir(tmp_path)
+    cfg = parse("--job.config_file", first, "--job.config_file", "./job.toml")
+    assert cfg.training.steps == 3 and cfg.job.config_file == "./job.toml"
+
+
 @pytest.mark.parametrize(
     "arg, needle",
     [

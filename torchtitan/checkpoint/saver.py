@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from torchtitan.agent_watch import exit_if_agent_gone
 from torchtitan.checkpoint import integrity, space
 from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.location import Location, RemotePath, remove_tree
@@ -147,6 +148,7 @@ class Saver:
         if isinstance(writer, integrity.ChecksummingWriter):
             tmp = tmp_dir(self.folder, step, self.tmp_tag)
             manifest["checksums"] = integrity.collect(tmp, writer.metadata_checksum())
+        exit_if_agent_gone()  # a rank left running by a killed launcher must not commit (agent_watch.py)
         path = commit(self.folder, step, manifest, self.tmp_tag)
         logger.info("Checkpoint step %d saved to %s (%s, %.2fs)", step, path, kind, time.monotonic() - started)
         # Never the checkpoint this run loaded, nor the one just written (an older run may have left higher steps).

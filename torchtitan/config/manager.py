@@ -152,7 +152,7 @@ class ConfigManager:
         problems: list[str] = []
         overrides = self._parse_cli(argv, problems)
         cfg = JobConfig()
-        config_file = next((v for (s, k), v in overrides if (s, k) == ("job", "config_file")), None)
+        config_file = _config_file([v for (s, k), v in overrides if (s, k) == ("job", "config_file")], problems)
         if config_file:
             self._apply_toml(cfg, config_file, problems)
         for (section, key), raw in overrides:
@@ -249,6 +249,26 @@ class ConfigManager:
             problems.append(f"{where}: {problem}")
             return
         setattr(getattr(cfg, section), key, value)
+
+
+def _config_file(given: list[str], problems: list[str]) -> str | None:
+    """The one TOML file that ``--job.config_file`` names, however often it is given; None for none.
+
+    A launcher that adds its default file before the user's arguments, or a command line built up in
+    pieces, can name two files; reading either one would train a config the user did not ask for.
+    The same file named twice (by any path) is one file; ``none`` names no file.
+    """
+    names = [value.strip() for value in given]
+    if "" in names:
+        problems.append("--job.config_file is empty: name a TOML file, or leave the option out")
+        return None
+    files = {None if name.lower() in ("none", "null") else os.path.realpath(name): name for name in names}
+    if len(files) > 1:
+        problems.append(f"--job.config_file is given {len(names)} times, naming {len(files)} different files "
+                        f"({', '.join(files.values())}): name one (run_llama_train.sh passes CONFIG_FILE as one "
+                        "of them)")
+        return None
+    return next((name for key, name in files.items() if key is not None), None)
 
 
 def _check_range(value: Any, f: dataclasses.Field) -> str | None:
