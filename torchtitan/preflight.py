@@ -49,6 +49,7 @@ from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
 from torchtitan.quantization import converter_problems
 from torchtitan.quantization.converters import device_problems as converter_device_problems
+from torchtitan.quantization.converters import model_problems as converter_model_problems
 from torchtitan.stability.checks import stability_problems
 
 
@@ -80,6 +81,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     args, found = configured_model_args(cfg, tokenizer)
     problems += found
     problems += check_parallelism(args, dims, cfg, spec)
+    problems += converter_model_problems(cfg, lambda: spec.build(args))  # --float8.filter_fqns against the model
     pipeline = None
     if dims.pp_enabled:
         try:

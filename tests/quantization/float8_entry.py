@@ -4,7 +4,7 @@
 ``"resume": name``: it starts from the step-``RESUME_STEP`` checkpoint of that layout (trained earlier in
 this launch). Rank 0 records the losses, the digests of the whole model when built (not under PP) and
 when the first step starts (after a resume: the loaded weights), the digests after step ``RESUME_STEP``,
-and what the Float8 conversion counted.
+what the Float8 conversion counted, and its dump folder (where its checkpoints are).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def train(layout: Layout) -> dict:
     gathered = sum(type(p.to_local() if isinstance(p, DTensor) else p).__name__ == "WeightWithDynamicFloat8CastTensor"
                    for part in trainer.model_parts for p in part.parameters())
     losses = trainer.train()
-    return {"losses": losses, "init": init, "classes": classes, "fp8_gathered_weights": gathered, **seen}
+    return {"losses": losses, "init": init, "classes": classes, "fp8_gathered_weights": gathered, "dump": str(dump),
+            **seen}
 
 
 if __name__ == "__main__":

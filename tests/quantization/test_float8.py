@@ -10,11 +10,14 @@ from conftest import debug_config
 from torch import nn
 
 from torchtitan import compat
+from torchtitan.config import ConfigError
 from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.moe import experts as experts_module
 from torchtitan.models.moe.experts import ClampedSwiGLUExperts, GroupedExperts
 from torchtitan.models.moe.float8_experts import ALIGN, aligned_rows, padded_grouped_mm
+from torchtitan.preflight import preflight
 from torchtitan.quantization import checks, converter_problems
+from torchtitan.quantization.converters import model_problems
 from torchtitan.quantization.float8 import convert_to_float8, skip_reason
 
 FP8 = "--model.converters=float8"
@@ -48,10 +51,42 @@ def test_dense_model_converts_every_linear_but_the_output_and_keeps_its_state_di
     assert adapter.to_hf(model.state_dict(), args).keys() == adapter.to_hf(plain.state_dict(), args).keys()
 
 
-def test_filter_fqns_keep_linears_in_high_precision():
+def test_filter_fqns_add_to_the_built_in_filter():
     model = _build("llama3", "debugmodel")
-    counts = convert_to_float8(model, debug_config(FP8, "--float8.filter_fqns=output,feed_forward"), "cpu")
-    assert counts == {"converted": 24, "filtered": 19}  # 6 x 3 feed-forward linears and the output
+    counts = convert_to_float8(model, debug_config(FP8, "--float8.filter_fqns=feed_forward"), "cpu")
+    assert counts == {"converted": 24, "filtered": 19}  # 6 x 3 feed-forward linears, and the output all the same
+    assert type(model.get_submodule("output")) is nn.Linear
+
+
+def test_a_filter_that_matches_no_linear_is_refused_in_one_line():
+    bad = debug_config(FP8, "--float8.filter_fqns=feed_forward,nosuchmodule")
+    with pytest.raises(ConfigError) as info:  # the launcher's preflight: exit 2 before any rank starts
+        preflight(bad, 2)
+    assert info.value.problems == [
+        "--float8.filter_fqns: no linear layer of llama3 debugmodel has 'nosuchmodule' in its FQN, so it filters "
+        "nothing; name part of a linear's FQN such as layers.0.attention.wq, or drop it"]
+    with pytest.raises(ValueError, match="'nosuchmodule'"):  # a direct caller, before the model changes
+        convert_to_float8(_build("llama3", "debugmodel"), bad, "cpu")
+    # The built-in patterns may be named again (a TorchTitan config does), even where a model has no router.
+    dense = dataclasses.replace(model_args("llama3", "debugmodel"), vocab_size=2048)
+    named_again = debug_config(FP8, "--float8.filter_fqns=output,router.gate")
+    assert model_problems(named_again, lambda: get_model_spec("llama3").build(dense)) == []
+
+
+def test_checkpoint_model_state_is_plain_under_the_fp8_all_gather_and_a_load_drops_precomputed_scales():
+    from torchtitan.checkpoint.states import BUILTIN, Holders, StateRegistry
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+    convert_to_float8(model, debug_config(FP8, "--float8.enable_fsdp_float8_all_gather"), "cpu")
+    weight = model.get_parameter("0.weight")
+    assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"  # what the FP8 all-gather casts
+    holders = Holders(model, optimizer=None, lr_scheduler=None, dataset=None, rank=0)  # type: ignore[arg-type]
+    saved = next(spec for spec in BUILTIN if spec.name == "model").save(holders, 0)
+    assert {type(t) for t in saved.values()} <= {torch.Tensor, nn.Parameter}  # no torchao class for DCP to pickle
+    assert saved["0.weight"].data_ptr() == weight._tensor.data_ptr()  # the weight itself, not a copy
+    weight._precomputed_scale = torch.tensor(2.0)  # as precompute_float8_dynamic_scale_for_fsdp leaves it
+    StateRegistry(holders).apply({})
+    assert weight._precomputed_scale is None  # the next all-gather computes it from the loaded weights
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])

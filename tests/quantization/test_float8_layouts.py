@@ -4,6 +4,8 @@ Debug model, float32 on CPU/gloo, deterministic, a global batch of 4 sequences i
 Three launches (1, 2 and 4 ranks) train their layouts one after another in one process group
 each (tests/distributed/layout_entry.py). Every layout must start from bitwise the one-process model
 and track the one-process Float8 run's losses within ``FP8_LAYOUT_BOUND`` (why that bound: below).
+Checkpoints resume across precisions; the FSDP FP8-all-gather one holds no torchao class and resumes
+with precomputed scales bitwise.
 """
 
 from __future__ import annotations
@@ -43,14 +45,20 @@ def _dp(replicate: int, shard: int) -> list[str]:
 
 
 ONE = _dp(1, 1)
+FSDP_ALL_GATHER = "FSDP 2 (FP8 all-gather)"
 LAYOUTS_2 = {
-    "FSDP 2 (FP8 all-gather)": [FP8, *_dp(1, 2), *ALL_GATHER],
+    FSDP_ALL_GATHER: [FP8, *_dp(1, 2), *ALL_GATHER, *SAVE],
     "FSDP 2 rowwise + AC": [FP8, *_dp(1, 2), "--float8.recipe_name=rowwise", "--activation_checkpoint.mode=full"],
     "TP 2 (FP8 styles)": [FP8, *ONE, "--parallelism.tensor_parallel_degree=2"],
     "PP 2": [FP8, *ONE, "--parallelism.pipeline_parallel_degree=2"],
     "CP 2": [FP8, *ONE, "--parallelism.context_parallel_degree=2"],
 }
 LAYOUTS_4 = {"HSDP 2x2 (FP8 all-gather)": [FP8, *_dp(2, 2), *ALL_GATHER]}
+# Resumed from FSDP_ALL_GATHER's step-2 checkpoint in the same launch, after it: with the FP8 all-gather and
+# precomputed scales (bitwise that run's steps 3-4), and in high precision (the weights loaded bitwise).
+RESUMED_ALL_GATHER = "FSDP 2 (FP8 all-gather) resumed"
+RESUMED_HIGH_PRECISION = "FSDP 2 high precision resumed from the FP8 all-gather"
+RESUMES_2 = {RESUMED_ALL_GATHER: [FP8, *_dp(1, 2), *ALL_GATHER, *SAVE], RESUMED_HIGH_PRECISION: [*_dp(1, 2), *SAVE]}
 ROWWISE_CONTROL = "one process rowwise"
 
 
@@ -65,8 +73,9 @@ def runs(tmp_path_factory) -> dict:
     }
     env = {"OMP_NUM_THREADS": "1"}
     out = launch(ENTRY, tmp_path_factory.mktemp("fp8_one"), COMMON, one, nproc=1, timeout=900, env=env)
+    resumes = {name: {"overrides": o, "resume": FSDP_ALL_GATHER} for name, o in RESUMES_2.items()}
     for layouts, nproc in ((LAYOUTS_2, 2), (LAYOUTS_4, 4)):
-        spec = {name: {"overrides": o} for name, o in layouts.items()}
+        spec = {name: {"overrides": o} for name, o in layouts.items()} | (resumes if nproc == 2 else {})
         out.update(launch(ENTRY, tmp_path_factory.mktemp(f"fp8_{nproc}"), COMMON, spec, nproc=nproc, timeout=1800,
                           env=env))
     return out
@@ -116,3 +125,20 @@ def test_checkpoint_resumes_across_precisions(resumed, source, runs):
     rel = max(abs(a - b) / b for a, b in zip(run["losses"], src["losses"][2:]))
     print(f"\n{resumed}: steps 3-4 rel to {source}'s {rel:.2e}")
     assert 0 < rel <= FP8_VS_HIGH_PRECISION
+
+
+def test_fp8_all_gather_resume_with_precomputed_scales_is_bitwise(runs):
+    # The resumed run's first all-gather casts with the loaded weights' scales, as the run that went on did.
+    run, src = runs[RESUMED_ALL_GATHER], runs[FSDP_ALL_GATHER]
+    assert run["first_step"] == src["after_resume_step"]
+    assert run["losses"] == src["losses"][2:]
+
+
+def test_fp8_all_gather_checkpoint_holds_no_float8_class_and_loads_in_high_precision(runs):
+    src = runs[FSDP_ALL_GATHER]
+    files = [f for f in (Path(src["dump"]) / "checkpoint" / "step-2").rglob("*") if f.is_file()]
+    assert files
+    # A pickled torchao class would make a process without torchao (or Float8) refuse the checkpoint.
+    holding = [f.name for f in files if b"torchao" in f.read_bytes()]
+    assert not holding, holding
+    assert runs[RESUMED_HIGH_PRECISION]["first_step"] == src["after_resume_step"]

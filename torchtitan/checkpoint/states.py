@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.checkpoint.no_pickle import from_json, to_json
+from torchtitan.quantization.float8_state import forget_precomputed_scales, plain_weights
 
 # Optimizer state keyed per parameter ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"). The
 # nested form keeps each param group as one list of FQNs, which differs between pipeline
@@ -160,8 +161,9 @@ def _nothing(h: Holders, value: object) -> None:
 
 
 BUILTIN: tuple[StateSpec, ...] = (
-    StateSpec("model", save=lambda h, step: get_model_state_dict(h.model),
-              template=lambda h, saved: get_model_state_dict(h.model),
+    # Float8's cast-on-gather weights as the plain tensors they wrap: no torchao class in a checkpoint.
+    StateSpec("model", save=lambda h, step: plain_weights(get_model_state_dict(h.model)),
+              template=lambda h, saved: plain_weights(get_model_state_dict(h.model)),
               apply=lambda h, value: set_model_state_dict(h.model, value), model_only=True),
     StateSpec("optimizer", save=lambda h, step: _optimizer_state(h), template=lambda h, saved: _optimizer_state(h),
               apply=lambda h, value: set_optimizer_state_dict(h.model, h.optimizer, value, options=OPTIM_OPTIONS)),
@@ -229,3 +231,4 @@ class StateRegistry:
         for name, spec in self.specs.items():
             if name in state:
                 spec.apply(self.holders, state[name])
+        forget_precomputed_scales(self.holders.model)  # computed from the weights before the load

@@ -2,7 +2,8 @@
 
 ``--model.converters float8`` swaps linears for torchao's Float8 training linears (``float8.py``)
 and, on CUDA, routes the MoE experts through FP8 grouped GEMMs (``models/moe/float8_experts.py``); what a job
-asks of them is checked before any process group (``checks.py``). docs/float8.md.
+asks of them is checked before any process group (``checks.py``), and checkpoints see plain tensors
+(``float8_state.py``). docs/float8.md.
 """
 
 from torchtitan.quantization.converters import CONVERTERS, apply_converters, converter_problems

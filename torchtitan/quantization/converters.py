@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from torchtitan import compat
@@ -22,6 +24,19 @@ def converter_problems(cfg: JobConfig) -> list[str]:
         problems += [problem] if problem else []
         problems += checks.recipe_problems(cfg)
     return problems
+
+
+def model_problems(cfg: JobConfig, model_factory: Callable[[], torch.nn.Module]) -> list[str]:
+    """Problems of the converters' options with the model ``model_factory`` builds (on the meta device)."""
+    if "float8" not in cfg.model.converters or not cfg.float8.filter_fqns:
+        return []
+    from torchtitan.quantization.float8 import unmatched_filter_problem
+
+    with torch.device("meta"):
+        model = model_factory()
+    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    problem = unmatched_filter_problem(cfg, linears)
+    return [problem] if problem else []
 
 
 def device_problems(cfg: JobConfig) -> list[str]:

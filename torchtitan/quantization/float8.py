@@ -1,11 +1,13 @@
 """Float8 linears with torchao: which linears convert, the conversion, and the scales after each step.
 
-A linear converts unless its FQN contains one of ``--float8.filter_fqns`` (by default the output
-head and the MoE router gate, which decide the loss and the routing and are small) or a dimension
-is not a multiple of 16 (what FP8 tensor cores take). torchao's ``Float8Linear`` keeps the
-parameter (same FQN, dtype and values), so checkpoints and Hugging Face exports do not change; it
-casts weight, input and output gradient to FP8 with dynamic scales computed over the whole tensor
-(a DTensor's amax is reduced over its mesh), so every layout casts with the same scales.
+A linear converts unless its FQN contains one of ``ALWAYS_HIGH_PRECISION`` (the output head and
+the MoE router gates, which decide the loss and the routing and are small) or of
+``--float8.filter_fqns`` (added to those), or a dimension is not a multiple of 16 (what FP8 tensor
+cores take). torchao's ``Float8Linear`` keeps the parameter (same FQN, dtype and values), so
+checkpoints and Hugging Face exports do not change (with the FP8 all-gather, see
+``float8_state.py``); it casts weight, input and output gradient to FP8 with dynamic scales
+computed over the whole tensor (a DTensor's amax is reduced over its mesh), so every layout casts
+with the same scales.
 
 On a CPU build of torch without an FP8 ``_scaled_mm`` (and wherever ``--float8.emulate`` asks)
 the casts stay real and the products run in high precision. The routed experts of an MoE model
@@ -27,6 +29,10 @@ from torchtitan.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
+# Linears that stay in high precision whatever ``--float8.filter_fqns`` adds: the output head (it sets the
+# loss) and the MoE router gates (they set the routing, and the router computes in float32).
+ALWAYS_HIGH_PRECISION = ("output", "router.gate")
+
 
 def emulated(cfg: JobConfig, device_type: str) -> bool:
     """Whether the FP8 products run emulated: asked for, or no FP8 matmul on this CPU build."""
@@ -41,6 +47,25 @@ def float8_linear_config(cfg: JobConfig, device_type: str):  # noqa: ANN201 - to
     config = Float8LinearConfig.from_recipe_name(f8.recipe_name)
     return dataclasses.replace(config, emulate=emulated(cfg, device_type),
                                enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+
+
+def filter_patterns(cfg: JobConfig) -> tuple[str, ...]:
+    """Every FQN pattern that keeps a linear in high precision: the built-in ones, then the user's."""
+    return (*ALWAYS_HIGH_PRECISION, *cfg.float8.filter_fqns)
+
+
+def unmatched_filter_problem(cfg: JobConfig, linear_fqns: Iterable[str]) -> str | None:
+    """One line naming ``--float8.filter_fqns`` and its patterns that are part of no linear's FQN (each would
+    filter nothing), or None; the built-in patterns pass (a model may have no router)."""
+    fqns = list(linear_fqns)
+    unmatched = [p for p in cfg.float8.filter_fqns
+                 if p not in ALWAYS_HIGH_PRECISION and not any(p in fqn for fqn in fqns)]
+    if not unmatched:
+        return None
+    example = f" such as {fqns[0]}" if fqns else ""
+    return (f"--float8.filter_fqns: no linear layer of {cfg.model.name} {cfg.model.flavor} has "
+            f"{' or '.join(map(repr, unmatched))} in its FQN, so it filters nothing; name part of a linear's FQN"
+            f"{example}, or drop it")
 
 
 def skip_reason(module: nn.Module, fqn: str, filter_fqns: Iterable[str]) -> str | None:
@@ -62,9 +87,13 @@ def convert_to_float8(model: nn.Module, cfg: JobConfig, device_type: str) -> dic
     """
     from torchao.float8 import convert_to_float8_training
 
-    f8 = cfg.float8
+    patterns = filter_patterns(cfg)
     reasons: dict[str, str | None] = {
-        fqn: skip_reason(m, fqn, f8.filter_fqns) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+        fqn: skip_reason(m, fqn, patterns) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # Preflight refuses this first; a direct caller is told here, before the model changes.
+    problem = unmatched_filter_problem(cfg, reasons)
+    if problem is not None:
+        raise ValueError(problem)
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return reasons.get(fqn, "not a linear") is None
