@@ -43,6 +43,18 @@ def _assert_loaded_exactly(result: dict, checkpoint) -> None:
     assert result["loaded"]["optimizer"] == optim
 
 
+def test_seed_checkpoint_script_reads_the_config_file_it_is_given(tmp_path):
+    """--job.config_file given to the script is the config it reads, not a second file beside its default."""
+    missing = tmp_path / "no_such_config.toml"
+    script = REPO / "scripts" / "create_seed_checkpoint.sh"
+    dump = f"--job.dump_folder={tmp_path / 'seed'}"
+    out = subprocess.run(["bash", str(script), "--job.config_file", str(missing), dump],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"config file '{missing}' not found" in out.stderr
+    assert "2 times" not in out.stderr  # the script passed one file: the one it was given
+
+
 def test_seed_checkpoint_starts_two_layouts_from_the_same_weights(tmp_path):
     seed_dump = tmp_path / "seed"
     out = subprocess.run(["bash", str(REPO / "scripts" / "create_seed_checkpoint.sh"), f"--job.dump_folder={seed_dump}",
