@@ -81,22 +81,31 @@ def windows_path(work: Path, ranks: int, batch: int, seq: int, steps: int) -> Pa
 
 
 def dump_windows(work: Path, ranks: int, batch: int, seq: int, steps: int) -> Path:
-    """The windows the project's loader gives each data rank at each step (its own code, its order)."""
+    """The windows the project's loader gives each data rank at each step (its own code, its order), saved."""
+    import torch
+
+    path = windows_path(work, ranks, batch, seq, steps)
+    if not path.is_file():
+        windows = loader_windows(str(work / "tokenizer" / "tokenizer.json"), str(work / "store"), ranks, batch, seq,
+                                 steps)
+        torch.save(windows, path)
+    return path
+
+
+def loader_windows(tokenizer_path: str, dataset_path: str | None, ranks: int, batch: int, seq: int, steps: int):
+    """``[steps, ranks, batch, seq + 1]`` int64: each data rank's inputs with the last label, step by step, from
+    the project's loader of ``dataset_path`` (None: the embedded corpus)."""
     import torch
 
     from torchtitan.datasets import DataLayout, build_dataloader
     from torchtitan.datasets.tokenizer import build_tokenizer
 
-    path = windows_path(work, ranks, batch, seq, steps)
-    if path.is_file():
-        return path
-    tokenizer = build_tokenizer(str(work / "tokenizer" / "tokenizer.json"))
+    tokenizer = build_tokenizer(tokenizer_path)
     per_rank = []
     for rank in range(ranks):
-        loader = build_dataloader(dataset_name="embedded", dataset_path=str(work / "store"), tokenizer=tokenizer,
+        loader = build_dataloader(dataset_name="embedded", dataset_path=dataset_path, tokenizer=tokenizer,
                                   layout=DataLayout(seq, batch, rank, ranks))
         it = iter(loader)
         batches = [next(it) for _ in range(steps)]
         per_rank.append(torch.stack([torch.cat([x, y[:, -1:]], dim=1) for x, y in batches]))
-    torch.save(torch.stack(per_rank, dim=1).contiguous(), path)
-    return path
+    return torch.stack(per_rank, dim=1).contiguous()

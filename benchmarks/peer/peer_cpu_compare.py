@@ -69,38 +69,47 @@ def project_worker(args: argparse.Namespace) -> None:
     steps, batch, seq = windows.shape[0], windows.shape[2], windows.shape[3] - 1
     out = Path(args.out)
     trainer = build_trainer(str(out / "project_out"), project_overrides(Path(args.work), batch, seq, steps))
-    rank, records = trainer.rank, []
-    run_step, log = trainer._run_step, trainer._log
-
-    def timed_step(data_iter):
-        records.append({**stamp(),
-                        "lr": trainer.lr_scheduler.get_last_lr()[0]})
-        return run_step(_checked(data_iter, windows[len(records) - 1, rank]))
-
-    def timed_log(loss, grad_norm, lr):
-        records[-1].update(loss=float(loss), grad_norm=float(grad_norm))
-        return log(loss, grad_norm, lr)
-
-    trainer._run_step, trainer._log = timed_step, timed_log
-    with _maybe_profile(args.profile_dir, rank, out / "project_profile.txt"):
+    records = instrument(trainer, windows)
+    with _maybe_profile(args.profile_dir, trainer.rank, out / "project_profile.txt"):
         trainer.train()
     records.append(stamp())
-    (out / f"project_rank{rank}.json").write_text(json.dumps(records))
+    (out / f"project_rank{trainer.rank}.json").write_text(json.dumps(records))
     end_worker(trainer)
 
 
-class _checked:
-    """The data iterator, asserting that the step's batch is the window the peer is given."""
+def instrument(trainer, windows) -> list[dict]:
+    """The records of ``trainer``'s steps, filled as it trains: a ``peer_cpu.stamp`` and the lr at each step's
+    start (before its data is read), its loss and grad norm when it logs (the debug config logs every step).
+    Each step's micro-batches must be the windows the peer is given (``windows[step, rank]``).
 
-    def __init__(self, it, window):
-        self.it, self.window = it, window
+    Wraps the step strategy's ``next_step`` (the step from its data on) and ``run`` (the step over its
+    batches), and the trainer's ``_log``: the trainer's loop itself is unchanged.
+    """
+    from peer_cpu import stamp
 
-    def __next__(self):
-        batch = next(self.it)
-        inputs, labels = batch[:2]
-        if not (inputs.equal(self.window[:, :-1]) and labels.equal(self.window[:, 1:])):
-            raise AssertionError("the project's loader and the dumped windows disagree")
-        return batch
+    from torchtitan.batch import Batch
+
+    strategy, rank, records = trainer.step_strategy, trainer.rank, []
+    next_step, run, log = strategy.next_step, strategy.run, trainer._log
+
+    def timed_step(step, loaded=None):
+        records.append({**stamp(), "lr": trainer.lr_scheduler.get_last_lr()[0]})
+        return next_step(step, loaded)
+
+    def checked_run(batches, step):
+        window = windows[len(records) - 1, rank]
+        for item in batches:
+            b = Batch.of(item)
+            if not (b.inputs.equal(window[:, :-1]) and b.labels.equal(window[:, 1:])):
+                raise AssertionError(f"step {step}: the project's loader and the dumped windows disagree")
+        return run(batches, step)
+
+    def timed_log(loss, now, lr, scores):
+        records[-1].update(loss=float(loss), grad_norm=float(now["grad_norm"]))
+        return log(loss, now, lr, scores)
+
+    strategy.next_step, strategy.run, trainer._log = timed_step, checked_run, timed_log
+    return records
 
 
 def _maybe_profile(folder: str | None, rank: int, path: Path):

@@ -1,6 +1,8 @@
 """The CPU peer comparison's own logic, without the peer installed: the learning-rate schedule it
-gives the project matches the one it gives the peer at every step, and the per-step medians
-are read as documented (rank 0's wall, CPU summed over ranks, warm-up and last step left out)."""
+gives the project matches the one it gives the peer at every step, the per-step medians
+are read as documented (rank 0's wall, CPU summed over ranks, warm-up and last step left out), and
+the project's side runs: its options parse and its instrumentation of the trainer records every step
+and checks every batch (a one-process trainer here; the driver runs it under torchrun)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks" / "peer"))
+sys.path.insert(0, str(REPO / "benchmarks"))  # common.py, as the scripts find it
 import peer_cpu  # noqa: E402
+import peer_cpu_assets  # noqa: E402
 import peer_cpu_compare  # noqa: E402
 
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.distributed.lifecycle import shutdown_distributed  # noqa: E402
 from torchtitan.optim.lr_scheduler import lr_factor, resolve_decay_steps  # noqa: E402
 
 
@@ -79,3 +85,27 @@ def test_compare_traces_reports_the_largest_gap_of_the_two_sides(tmp_path):
     # Order matters (the peer is the reference), and identical traces have no gap.
     assert peer_cpu_compare.compare_traces(peer, project)["lr_rel"] == pytest.approx(1.0)
     assert peer_cpu_compare.compare_traces(peer, peer)["loss_rel"] == 0.0
+
+
+def test_the_project_side_options_parse(tmp_path):
+    overrides = peer_cpu_compare.project_overrides(tmp_path, batch=1, seq=64, steps=12)
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+                                      *overrides])
+    assert cfg.training.dataset_path == str(tmp_path / "store") and cfg.checkpoint.initial_load_format == "hf"
+
+
+def test_the_project_side_records_each_step_and_checks_its_batch(tmp_path, trainer_factory, shipped_tokenizer):
+    # Issue 60: the worker wrapped a trainer method whose argument had gone (TypeError at the first step), and
+    # nothing ran it. Here the trainer's loader gives step 1 the window dumped for it; step 2's is altered.
+    windows = peer_cpu_assets.loader_windows(shipped_tokenizer, None, ranks=1, batch=1, seq=64, steps=2)
+    windows[1, 0, 0, 0] += 1
+    trainer = trainer_factory(tmp_path, "--training.steps=2", "--lr_scheduler.warmup_steps=0")
+    records = peer_cpu_compare.instrument(trainer, windows)
+    try:
+        with pytest.raises(AssertionError, match="step 2: the project's loader and the dumped windows disagree"):
+            trainer.train()
+    finally:  # the trainer's one-rank group lives in this pytest process: end it as train.py does
+        shutdown_distributed(ok=False, timeout_seconds=60)
+    first = records[0]
+    assert first["lr"] == pytest.approx(8e-4 * 0.55) and first["loss"] > 0 and first["grad_norm"] > 0, first
+    assert {"wall", "cpu", "sys", "minflt"} <= set(first) and len(records) == 2 and "loss" not in records[1]
