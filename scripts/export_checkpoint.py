@@ -5,8 +5,10 @@
 
 ``--format hf`` writes safetensors shards with their index, a ``config.json`` for
 ``LlamaForCausalLM``, a ``generation_config.json`` (BOS/EOS) and the tokenizer files (Hugging
-Face ones beside the weights; Meta's tiktoken file as ``original/tokenizer.model`` and, converted,
-as ``tokenizer.json`` + ``tokenizer_config.json``), into a new or empty folder. ``--dtype
+Face ones beside the weights; Meta's tiktoken file as ``original/tokenizer.model``, a SentencePiece model
+as ``tokenizer.model``, and either converted to the ``tokenizer.json`` + ``tokenizer_config.json`` that
+``AutoTokenizer`` reads, or a warning line saying why not), into a new or empty folder. The weights are
+read as the trainer and generation read them (``load_into``), the routing bias included. ``--dtype
 bfloat16|float32`` sets the weights' dtype; by default it is that of the release the run started
 from (``checkpoint.initial_load_path``), else bfloat16. A tied model writes no ``lm_head.weight``. A MoE
 trained with the routing bias (``--moe.load_balance_coeff``) is refused where the family's format has no
@@ -22,6 +24,7 @@ accepts. Both run on one process with no process group and need the memory for t
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -49,7 +52,7 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
               max_shard_gib: float, dtype: str | None = None, drop_routing_bias: bool = False) -> str:
     import torch
 
-    from torchtitan.checkpoint.formats import check_export_target, find_run_config, read_model_weights
+    from torchtitan.checkpoint.formats import check_export_target, find_run_config, load_model, model_shape_differences
     from torchtitan.checkpoint.formats import export_hf as write_hf
     from torchtitan.config import ConfigManager
     from torchtitan.datasets import build_tokenizer
@@ -63,24 +66,19 @@ def export_hf(checkpoint: Path, output: Path, config: Path | None, tokenizer_pat
         raise ValueError(f"no config.toml found above {checkpoint}; pass the run's config with --config")
     cfg = ConfigManager().parse_args(["--job.config_file", str(config)])
     tokenizer = build_tokenizer(tokenizer_path or cfg.model.tokenizer_path)
-    weights = read_model_weights(checkpoint)
     args, _ = configured_model_args(cfg, tokenizer)  # its problems (the run's layout) do not matter here
-    if args.tie_word_embeddings:
-        weights.pop("output.weight", None)  # the checkpoint names the one tied tensor twice
-    from torchtitan.models import get_model_spec
-
-    with torch.device("meta"):
-        model = get_model_spec(cfg.model.name).build(args)
     # Parameters and persistent buffers (an MoE router's bias: the format decides whether it is written).
-    saved = model.state_dict(keep_vars=True)
-    expected = {k: tuple(p.shape) for k, p in model.named_parameters()}
-    expected.update({k: tuple(b.shape) for k, b in model.named_buffers() if k in saved})
-    found = {k: tuple(v.shape) for k, v in weights.items()}
-    if found != expected:
-        differ = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+    differ = model_shape_differences(checkpoint, args)
+    if differ:
+        fqn, found, expected = differ[0]
         raise ValueError(f"{checkpoint} does not hold a {cfg.model.flavor} model with the vocabulary of "
-                         f"{tokenizer.model_path} ({len(differ)} tensors differ, e.g. {differ[0]}: "
-                         f"{found.get(differ[0])} vs {expected.get(differ[0])}); pass the run's --config")
+                         f"{tokenizer.model_path} ({len(differ)} tensors differ, e.g. {fqn}: {found} vs {expected}); "
+                         "pass the run's --config")
+    # Read as generation and the trainer read it (load_into); the full model on this one process.
+    model = load_model(checkpoint, "dcp", args, device=torch.device("cpu"))
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:
+        weights.pop("output.weight", None)  # the state dict names the one tied tensor twice
     files = write_hf(weights, args, output, tokenizer=tokenizer, max_shard_bytes=int(max_shard_gib * 2**30),
                      dtype=export_dtype(dtype, cfg), drop_routing_bias=drop_routing_bias)
     total = sum(t.numel() for t in weights.values())
@@ -103,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                              "to a format without a place for it, accepting that the export routes otherwise")
     parser.add_argument("--max_shard_gib", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
+    # The export's warnings (a tokenizer it could not convert) as one line each on stderr.
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     from torchtitan.checkpoint.location import is_remote
 
     if is_remote(args.checkpoint) or is_remote(args.output):

@@ -13,16 +13,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers  # a test-only dependency (the dev extra)
-from conftest import DEBUG_CONFIG, REPO, load_script, run_torchrun
+from conftest import DEBUG_CONFIG, REPO, SHIPPED_TOKENIZER, load_script, run_torchrun
 from dist_harness import run_ranks
 from helpers import hf_logits, hf_loss, reference_batch
 
-from torchtitan.checkpoint.formats import check_source, export_hf, load_into
+from torchtitan.checkpoint.formats import check_source, export_hf, load_into, load_model
+from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.llama3 import ffn_hidden_dim, llama3_flavors
 from torchtitan.models.llama3.convert import args_with_fields, fields_from_hf_config
@@ -179,6 +181,108 @@ def test_bad_sources_are_config_errors_before_any_collective(hf_dir, tmp_path) -
     assert sorted(p.name for p in hf_dir.iterdir()) == sorted(p.name for p in (tmp_path / "wide").iterdir())
 
 
+def test_export_writes_a_sentencepiece_tokenizer_autotokenizer_reads(tmp_path, caplog, monkeypatch) -> None:
+    """A run on the project's SentencePiece tokenizer exports it converted (tokenizer.json, tokenizer_config.json,
+    and the .model beside them): transformers' AutoTokenizer encodes and decodes as the run did. Where transformers
+    cannot convert it, the weights are still written and one warning line says why."""
+    import random
+
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    from torchtitan.models.llama3 import ModelArgs
+
+    tok = build_tokenizer(SHIPPED_TOKENIZER)
+    args = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=tok.n_words, multiple_of=16, max_seq_len=64)
+    files = export_hf(Decoder(args).state_dict(), args, tmp_path / "out", tokenizer=tok)
+    assert {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} <= {f.name for f in files}
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (theirs.bos_token_id, theirs.eos_token_id, len(theirs)) == (tok.bos_id, tok.eos_id, tok.n_words)
+    rng = random.Random(0)
+    alphabet = "abcdefghij KLMNOP 0123456789.,;:!?\n\t'\"()[]{}/\\éß日🙂"
+    texts = ["The cat sat on the mat.", "  spaced   out  ", "x = 42\n"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(40)]
+    for text in texts:
+        ids = tok.encode(text, bos=True, eos=False)
+        assert theirs(text)["input_ids"] == ids, text  # BOS added, as the run's documents start
+        assert theirs.decode(ids, skip_special_tokens=True) == tok.decode(ids), text
+    # A transformers without the converter: the weights and the .model are written, and one line says why.
+    monkeypatch.delattr(SpmConverter, "build_tokenizer_from_spm_proto")
+    with caplog.at_level("WARNING", logger="torchtitan.checkpoint.formats"):
+        files = export_hf(Decoder(args).state_dict(), args, tmp_path / "old", tokenizer=tok)
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    line = record.getMessage()
+    assert "no tokenizer.json written" in line and "upgrade transformers" in line and "\n" not in line, line
+    assert not (tmp_path / "old" / "tokenizer.json").exists() and (tmp_path / "old" / "tokenizer.model").is_file()
+
+
+# ---------------------------------------------------------------- FP8 releases with a scale missing
+
+FP8_BLOCK = 16  # a release's 128 x 128 blocks, scaled down to the tiny weights
+FP8_DENSE, FP8_EXPERT = "model.layers.1.self_attn.kv_b_proj.weight", "model.layers.1.mlp.experts.1.down_proj.weight"
+
+
+def _fp8_release(folder: Path, without_scale: str | None, quantization_config: bool = True) -> Path:
+    """A tiny DeepSeek-V3 saved by transformers, its two weights ``FP8_DENSE`` and ``FP8_EXPERT`` stored as
+    float8_e4m3fn codes with a ``_scale_inv`` each, as DeepSeek-V3's FP8 release is; ``without_scale``: the
+    weight whose scale is left out."""
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64, num_mtp_layers=0)
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
+    for name in (FP8_DENSE, FP8_EXPERT):
+        w = state[name]
+        scale = w.abs().max() / 448.0  # one scale for every block: the codes span float8's range
+        state[name] = (w / scale).to(torch.float8_e4m3fn)
+        if name != without_scale:
+            state[name + "_scale_inv"] = torch.full((-(-w.shape[0] // FP8_BLOCK), -(-w.shape[1] // FP8_BLOCK)), scale)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if quantization_config:
+        hf = json.loads((folder / "config.json").read_text())
+        hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK] * 2}
+        (folder / "config.json").write_text(json.dumps(hf))
+    return folder
+
+
+@pytest.mark.parametrize("case", ["dense", "expert", "no_quantization_config"])
+def test_float8_weights_without_their_scales_are_refused_in_one_line(tmp_path, case) -> None:
+    """A float8 weight whose ``_scale_inv`` is missing (or whose release states no quantization) has no value:
+    preflight, the load, generation and the in-memory conversion each refuse it in one line naming the tensor,
+    the scale (or the missing quantization_config) and the file."""
+    from safetensors.torch import load_file
+
+    from torchtitan.generation import describe
+    from torchtitan.models import get_model_spec, model_args
+
+    tensor = FP8_EXPERT if case == "expert" else FP8_DENSE
+    folder = _fp8_release(tmp_path / "release", None if case == "no_quantization_config" else tensor,
+                          quantization_config=case != "no_quantization_config")
+    missing = "states no fp8 quantization_config" if case == "no_quantization_config" else f"{tensor}_scale_inv"
+    args = model_args("deepseek_v3", str(folder))
+    (problem,) = check_source(str(folder), "hf", args)
+    assert tensor in problem and missing in problem and str(folder / "model.safetensors") in problem, problem
+    assert "\n" not in problem
+    with pytest.raises(ValueError) as e:  # the trainer's load, generation's and the export's (load_into)
+        load_into(get_model_spec("deepseek_v3").build(args), str(folder), "hf", args)
+    assert tensor in str(e.value) and missing in str(e.value)
+    shutil.copyfile(SHIPPED_TOKENIZER, folder / "tokenizer.model")
+    with pytest.raises(ValueError) as e:  # before generation reads any weight
+        describe(folder)
+    assert tensor in str(e.value) and missing in str(e.value)
+    if case != "no_quantization_config":
+        with pytest.raises(ValueError, match=f"without its scale {tensor}_scale_inv"):
+            get_model_spec("deepseek_v3").state_dict_adapter.from_hf(load_file(folder / "model.safetensors"), args)
+    else:  # with the quantization stated, the same folder loads: the scale, not the tensor, was missing
+        _fp8_release(tmp_path / "stated", None)
+        assert check_source(str(tmp_path / "stated"), "hf", args) == []
+
+
 def _two_rank_layout_losses(rank: int, world_size: int, dump: str, hf: str) -> dict:
     """Several runs in one world: HF into TP 2, PP 2, CP 2 and DDP 2, DCP into PP 2, and the own checkpoint winning."""
     import logging
@@ -271,21 +375,20 @@ def test_torchrun_fsdp2_from_hf_then_export_round_trip(hf_dir, tmp_path, capsys)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     exported = tmp_path / "exported"
     assert export([checkpoint, str(exported), "--format", "hf", "--max_shard_gib=0.001"]) == 0
-    # The tokenizer is the shipped SentencePiece one, so no tokenizer file is copied; config.json names its BOS/EOS.
+    # The tokenizer is the shipped SentencePiece one, converted for AutoTokenizer; config.json names its BOS/EOS.
     config = json.loads((exported / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["architectures"]) == (1, 2, ["LlamaForCausalLM"])
+    assert transformers.AutoTokenizer.from_pretrained(exported)("Hello world")["input_ids"] == build_tokenizer(
+        SHIPPED_TOKENIZER).encode("Hello world", bos=True, eos=False)
     original = {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
     back = {k: v for f in exported.glob("*.safetensors") for k, v in load_file(f).items()}
     assert len(list(exported.glob("*.safetensors"))) > 1
     assert back.keys() == original.keys()
     for name, t in original.items():
         assert torch.equal(back[name], t) and back[name].dtype == t.dtype, name
-    # from_pretrained reads it, and its logits are the project's model's.
+    # from_pretrained reads it, and its logits are the project's model's (read as generation reads it).
     args = dataclasses.replace(FLAVOR, max_seq_len=SEQ)
-    from torchtitan.checkpoint.formats import read_model_weights
-
-    ours = Decoder(args)
-    ours.load_state_dict(read_model_weights(dump / "checkpoint" / "step-1"))
+    ours = load_model(dump / "checkpoint" / "step-1", "dcp", args, device=torch.device("cpu"))
     tokens, _ = reference_batch(BATCH)
     with torch.no_grad():
         diff = (ours(tokens) - hf_logits(exported, tokens)).abs().max().item()

@@ -54,12 +54,12 @@ def random_model(args, seed: int = 0) -> Decoder:
 
 
 def write_hf(folder: Path, args, seed: int = 0, with_tokenizer: bool = True) -> Path:
-    """A random model of ``args`` exported as a Hugging Face folder (fp32), the shipped tokenizer beside it."""
+    """A random model of ``args`` exported as a Hugging Face folder (fp32) with the shipped SentencePiece tokenizer,
+    which the export converts to tokenizer.json (generation reads that); without it when ``with_tokenizer`` is
+    False."""
     model = random_model(args, seed)
     export_hf({k: v.detach() for k, v in model.state_dict().items()}, args, folder,
-              tokenizer=build_tokenizer(SHIPPED_TOKENIZER), dtype=torch.float32)
-    if with_tokenizer:  # a SentencePiece tokenizer is not exported; a release keeps its tokenizer beside the weights
-        shutil.copyfile(SHIPPED_TOKENIZER, folder / "tokenizer.model")
+              tokenizer=build_tokenizer(SHIPPED_TOKENIZER) if with_tokenizer else None, dtype=torch.float32)
     return folder
 
 
@@ -273,9 +273,11 @@ def test_moe_decoder_families_greedy_equals_transformers_generate(case, tmp_path
     assert len({tuple(t) for t in cached.tokens}) == 3  # rows differ: the prompts (and the padding) reach them
 
 
-def test_deepseek_v3_greedy_equals_transformers_generate(tmp_path) -> None:
+def test_deepseek_v3_greedy_equals_transformers_generate(tmp_path, capsys) -> None:
     """MLA's cache (the latent and the shared rotary key) decodes as transformers' DeepseekV3ForCausalLM
-    generates: query LoRA, YaRN, a dense layer then experts with a shared one, left-padded rows."""
+    generates: query LoRA, YaRN, a dense layer then experts with a shared one, left-padded rows. The release's
+    routing bias (``e_score_correction_bias``, never zero in DeepSeek-V3's) is loaded, not reset after the load,
+    and ``scripts/generate.py`` gives transformers' greedy tokens."""
     config = transformers.DeepseekV3Config(
         vocab_size=TINY.vocab_size, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
         num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -291,15 +293,25 @@ def test_deepseek_v3_greedy_equals_transformers_generate(tmp_path) -> None:
                 p.mul_(10.0)
             elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+        bias = theirs.model.layers[1].mlp.gate.e_score_correction_bias  # a buffer, zero at init
+        bias.copy_(torch.randn_like(bias))
     theirs.save_pretrained(tmp_path)
     shutil.copyfile(SHIPPED_TOKENIZER, tmp_path / "tokenizer.model")
     source = describe(tmp_path)
     assert source.spec.name == "deepseek_v3"
     loaded = load(source, device=torch.device("cpu"))
+    assert torch.equal(loaded.model.layers["1"].feed_forward.router.expert_bias, bias)
     prompt_tokens = [loaded.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
     cached = decode(loaded.model, prompt_tokens, NEW, Sampling(), stop_ids=[], max_len=loaded.args.max_seq_len)
     full = decode(loaded.model, prompt_tokens, NEW, Sampling(), stop_ids=[], max_len=loaded.args.max_seq_len,
                   use_cache=False)
     assert cached.tokens == full.tokens
-    assert cached.tokens == hf_greedy(tmp_path, prompt_tokens, NEW, transformers.DeepseekV3ForCausalLM)
+    expected = hf_greedy(tmp_path, prompt_tokens, NEW, transformers.DeepseekV3ForCausalLM)
+    assert cached.tokens == expected
     assert len({tuple(t) for t in cached.tokens}) == 3
+    # The script: its rows stop at the end token, so each is the start of transformers' row.
+    assert _script().main([str(tmp_path), *[a for p in PROMPTS for a in ("--prompt", p)], "--max_new_tokens",
+                           str(NEW), "--json"]) == 0
+    rows = [o["tokens"] for o in json.loads(capsys.readouterr().out)["outputs"]]
+    assert all(row == want[:len(row)] and (len(row) == NEW or row[-1] == loaded.tokenizer.eos_id)
+               for row, want in zip(rows, expected)), (rows, expected)

@@ -1,6 +1,11 @@
-"""Generation from a checkpoint of a short FSDP training run: on one process (DCP reshards it) and under
-``torchrun`` with tensor parallelism over 2 ranks, through ``scripts/generate.py``; both give the same
-greedy tokens. A tokenizer that does not fit the checkpoint's vocabulary is refused in one line."""
+"""Generation from checkpoints of short training runs, through ``scripts/generate.py``.
+
+An FSDP run's checkpoint generates the same greedy tokens on one process (DCP reshards it) and under
+``torchrun`` with tensor parallelism over 2 ranks; a tokenizer that does not fit the checkpoint's
+vocabulary is refused in one line. A DeepSeek-V3 MoE trained with the routing bias moving generates,
+from its checkpoint, what transformers generates from the exported Hugging Face folder: the bias is read
+with the weights on every path (``checkpoint/formats.load_into``), never reset after.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SHIPPED_TOKENIZER, torchrun_env
+from conftest import REPO, SHIPPED_TOKENIZER, load_script, make_trainer, torchrun_env
 
 from torchtitan.datasets.tokenizer import build_tokenizer
 
@@ -80,3 +85,73 @@ def test_one_process_and_tp2_generate_the_same_from_an_fsdp_checkpoint(trained, 
     assert _script().main([str(trained / "checkpoint"), "--prompt", "the dog", "--tokenizer", str(small)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(6 tokens) does not match the vocabulary of" in err, err
+
+
+def _generate_json(path: Path, capsys, max_new_tokens: int = 8) -> list[dict]:  # noqa: ANN001 - pytest's capsys
+    argv = [str(path), *[a for p in PROMPTS for a in ("--prompt", p)], "--max_new_tokens", str(max_new_tokens),
+            "--json"]
+    assert _script().main(argv) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)["outputs"]
+
+
+def _train_moe_with_routing_bias(dump: Path) -> Path:
+    """The checkpoint of 2 steps of the DeepSeek-V3 debug model, in this process, the routing bias moving fast
+    (``--moe.load_balance_coeff=1``: its update is the coefficient times a sign)."""
+    import logging
+
+    from torchtitan.distributed.lifecycle import shutdown_distributed
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level  # the trainer installs its own; pytest's come back after
+    config = str(REPO / "train_configs" / "deepseek_v3_debug.toml")
+    trainer = make_trainer(dump, "--training.steps=2", "--training.seq_len=32", "--moe.load_balance_coeff=1.0",
+                           "--checkpoint.enable_checkpoint", "--checkpoint.interval=2",
+                           "--checkpoint.model_weights_only", config=config)
+    trainer.train()
+    trainer.close()
+    shutdown_distributed(ok=True, timeout_seconds=60)  # its one-rank group lives in this pytest process
+    root.handlers[:], root.level = handlers, level
+    return dump / "checkpoint" / "step-2"
+
+
+def test_a_moe_trained_with_the_routing_bias_generates_as_transformers_does_from_its_export(tmp_path, capsys) -> None:
+    """From the checkpoint, scripts/generate.py gives transformers' greedy tokens of the exported folder, whose
+    e_score_correction_bias is the trained bias; the script on the export gives them too, and AutoTokenizer reads
+    the export's tokenizer (the run's SentencePiece model, converted). The logits agree where dropping the bias
+    moves them 100 times more than the tolerance, so a reset bias cannot pass unseen."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+    from test_generate import hf_greedy
+
+    from torchtitan.generation import describe, load
+
+    checkpoint = _train_moe_with_routing_bias(tmp_path / "dump")
+    ours = _generate_json(checkpoint.parent, capsys)
+    export = load_script("scripts/export_checkpoint.py").main
+    exported = tmp_path / "hf"
+    assert export([str(checkpoint), str(exported), "--format", "hf", "--dtype", "float32"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    hf = {k: v for f in exported.glob("*.safetensors") for k, v in load_file(f).items()}
+    biases = {k: v for k, v in hf.items() if k.endswith("mlp.gate.e_score_correction_bias")}
+    assert len(biases) == 3 and any(bool(b.abs().max() > 0.1) for b in biases.values()), biases  # 3 MoE layers
+    prompt_tokens = [o["prompt_tokens"] for o in ours]
+    theirs = hf_greedy(exported, prompt_tokens, 8, transformers.DeepseekV3ForCausalLM)
+    eos = build_tokenizer(SHIPPED_TOKENIZER).eos_id
+    for row, want in zip([o["tokens"] for o in ours], theirs):
+        assert row == want[:len(row)] and (len(row) == 8 or row[-1] == eos), (row, want)
+    from_export = _generate_json(exported, capsys)
+    assert [(o["prompt_tokens"], o["tokens"]) for o in from_export] == [(o["prompt_tokens"], o["tokens"]) for o in ours]
+    assert transformers.AutoTokenizer.from_pretrained(exported)(PROMPTS[0])["input_ids"] == prompt_tokens[0]
+
+    model = load(describe(checkpoint), device=torch.device("cpu")).model
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    tokens = torch.tensor([prompt_tokens[0]])
+    with torch.no_grad():
+        got, want = model(tokens), reference(tokens).logits
+        for bias in biases:
+            reference.get_buffer(bias).zero_()
+        unbiased = reference(tokens).logits
+    tolerance = 1e-5 * want.abs().max().item()
+    assert (got - want).abs().max().item() <= tolerance
+    assert (unbiased - want).abs().max().item() > 100 * tolerance

@@ -8,12 +8,18 @@ In (``--checkpoint.initial_load_path`` / ``initial_load_format``):
 
 ``check_source`` runs in preflight on every rank before any process group exists: it reads
 only ``config.json``/``params.json``, file headers and sizes, and names every problem.
-``load_into`` fills a model of any layout: each rank reads the region of every tensor it
-holds (safetensors slices; DCP's own sharded reads), so no rank reads the whole model
-unless it holds it (Meta's pickled files are memory-mapped, so only the touched pages are read).
+``load_into`` is the one way weights are read, by the trainer, generation, the export and the tests
+(``load_model`` builds the whole model for those that need one). It fills a model of any layout: each
+rank reads the region of every tensor it holds (safetensors slices; DCP's own sharded reads), so no rank
+reads the whole model unless it holds it (Meta's pickled files are memory-mapped, so only the touched
+pages are read). The state (parameters, and persistent buffers such as an MoE router's bias) is read;
+the derived buffers (the rotary table) are rebuilt before the read, so nothing read is reset after it.
+An FP8 release's float8 weights are dequantized with their block scales; float8 codes without their
+scales are refused in one line (in preflight already).
 
 Out: ``export_hf`` writes safetensors shards, their index, ``config.json``, ``generation_config.json``
-and the tokenizer files (Meta's tiktoken file also converted to ``tokenizer.json``).
+and the tokenizer files (Meta's tiktoken file and a SentencePiece model also converted to
+``tokenizer.json``, ``hf_tokenizer.py``).
 The name and layout mapping itself is the model family's ``StateDictAdapter`` (its ``ModelSpec``,
 ``torchtitan/models/spec.py``), found from the model's args.
 """
@@ -27,11 +33,13 @@ import re
 import shutil
 import struct
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.checkpoint.location import Location, RemotePath, location
 from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
@@ -45,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_FLOAT8_DTYPES = ("F8_E4M3", "F8_E5M2")  # the safetensors names of float8 tensors (FP8 releases' weights)
 _SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                        "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -100,9 +109,11 @@ class HFSource:
             raise ValueError(f"{index} names file(s) that are not there: {', '.join(missing)}; download them again")
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.file_of: dict[str, str] = {}
+        self.dtypes: dict[str, str] = {}  # as the headers spell them: F32, BF16, F8_E4M3, ...
         for name in files:
             for tensor, entry in safetensors_header(folder / name).items():
                 self.shapes[tensor], self.file_of[tensor] = tuple(entry["shape"]), name
+                self.dtypes[tensor] = entry["dtype"]
         if weight_map:
             absent = sorted(t for t, f in weight_map.items() if self.file_of.get(t) != f)
             if absent:
@@ -139,8 +150,47 @@ class HFSource:
             return (len(experts), *self.shapes[experts[0]])
         return self.shapes.get(self.tensor_for(fqn))
 
+    def float8_problem(self, name: str) -> str | None:
+        """Why tensor ``name`` has no value to load: stored in float8 without the block scales that give it one
+        (its codes alone are thousands of times too large); None: it has one."""
+        dtype = self.dtypes.get(name)
+        if dtype not in _FLOAT8_DTYPES:
+            return None
+        where = f"{self.folder / self.file_of[name]}: {name} is stored as {dtype}"
+        if self.fp8_block is None:
+            return (f"{where}, but {self.folder / 'config.json'} states no fp8 quantization_config to dequantize it "
+                    "with; add the release's quantization_config, or dequantize the release first")
+        if name + SCALE_SUFFIX not in self.shapes:
+            return (f"{where} without its scale {name}{SCALE_SUFFIX} (in no file of {self.folder}); the release is "
+                    "incomplete: download it again")
+        return None
+
+    def float8_problems(self, fqns: Iterable[str], args: DecoderConfig) -> list[str]:
+        """One line for the tensors read for ``fqns`` that are float8 without their scales (the first, and how
+        many more: a release without its scale files lacks thousands); empty when every one has a value."""
+        found = [problem for fqn in fqns for name in self.stored_names(fqn, args)
+                 if (problem := self.float8_problem(name)) is not None]
+        if len(found) > 1:
+            return [f"{found[0]} (and {len(found) - 1} more float8 tensor(s) like it)"]
+        return found
+
+    def stored_names(self, fqn: str, args: DecoderConfig) -> list[str]:
+        """The folder's tensors read as they are stored for our ``fqn`` (none for a family's conversion, which
+        dequantizes its own format)."""
+        if self.conversion(fqn, args) is not None:
+            return []
+        experts = self.expert_names(fqn, args)
+        if experts is not None:
+            return experts
+        name = self.tensor_for(fqn)
+        return [name] if name in self.shapes else []
+
     def _read_one(self, name: str, region: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
-        """Tensor ``name`` (or its ``region``) as stored, an FP8 block-quantized weight as float32."""
+        """Tensor ``name`` (or its ``region``) as stored, an FP8 block-quantized weight as float32; ValueError
+        (one line) for float8 codes without their scales."""
+        problem = self.float8_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
         if self.fp8_block is not None and name + SCALE_SUFFIX in self.shapes:
             whole = dequantize_fp8_blocks(self._read_plain(name, None), self._read_plain(name + SCALE_SUFFIX, None),
                                           self.fp8_block)
@@ -255,7 +305,7 @@ def dcp_checkpoint_path(path: Location) -> Location:
     return scan(path).committed[latest]
 
 
-def _expected_shapes(args: DecoderConfig, buffers: bool = False) -> dict[str, tuple[int, ...]]:
+def expected_shapes(args: DecoderConfig, buffers: bool = False) -> dict[str, tuple[int, ...]]:
     """FQN -> shape of the model's parameters (a release's tensors), with ``buffers`` its persistent buffers
     too (a checkpoint's: an MoE router's bias)."""
     with torch.device("meta"):
@@ -277,7 +327,7 @@ def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
                 "URI takes --checkpoint.initial_load_format=dcp, a checkpoint of this project)"]
     if not where.is_dir():
         return [f"{flag}: no such folder"]
-    expected = _expected_shapes(args)
+    expected = expected_shapes(args)
     spec = spec_for_args(args)
     adapter = spec.state_dict_adapter
     try:
@@ -295,7 +345,9 @@ def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
                 shape = source.shape_of(fqn, args)
                 if shape is not None:
                     found[fqn] = shape
-            return shape_problems(where, found, expected)
+            # float8 codes without their scales: the shapes are right, the values thousands of times too large
+            return shape_problems(where, found, expected) or [f"{flag}: {problem}" for problem in
+                                                               source.float8_problems(expected, args)]
         if fmt == "meta":
             if not (where / "params.json").is_file():
                 return [f"{flag}: no params.json there; --checkpoint.initial_load_format=meta wants Meta's release "
@@ -310,7 +362,7 @@ def check_source(path: str, fmt: str, args: DecoderConfig) -> list[str]:
                 return problems + ["choose the --model.flavor and --model.tokenizer_path that match these weights"]
             return shape_problems(where, spec.meta_release.shapes(source.shapes(), expected, args), expected)
         ckpt = dcp_checkpoint_path(where)
-        problems, manifest = verify(ckpt, _expected_shapes(args, buffers=True))
+        problems, manifest = verify(ckpt, expected_shapes(args, buffers=True))
         if not problems and "model" not in manifest.get("states", []):
             problems.append(f"{flag}: checkpoint {ckpt} holds no model weights")
         return problems
@@ -349,10 +401,24 @@ def _release_buffer(source: HFSource | MetaSource, fqn: str) -> str | None:
 
 
 def load_into(model: torch.nn.Module, path: str, fmt: str, args: DecoderConfig, process_group=None) -> int:
-    """Fill ``model`` (any layout; a pipeline rank's parts as one view) from ``path``; returns tensors loaded."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    """Fill ``model``'s state from ``path``: every parameter and persistent buffer; returns the tensors loaded.
 
+    The one way weights are read: the trainer's initial load (``checkpoint/loader.py``), generation, the
+    export and the tests all come here (``load_model`` builds the whole model for those that need one).
+    ``model`` is materialized (``to_empty``) in the layout and dtype it runs in, or is a pipeline rank's parts
+    as one view (``stage_view.py``).
+
+    Buffers: the derived ones (the rotary table, the expert counts) are rebuilt first by the model's
+    ``init_buffers``, which also sets the state's buffers (an MoE router's bias) to their initial value;
+    then the read fills the whole state, the routing bias included, and nothing re-initializes it after.
+    A release that has no place for the bias leaves it at its initial value (zero: no bias). A pipeline
+    view has no ``init_buffers``: its stages built their buffers when they were made.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    init_buffers = getattr(model, "init_buffers", None)
+    if callable(init_buffers):
+        init_buffers()  # before the read: the state it fills is never reset after
     # A model's state dict holds tensors only (torch types it for any state dict).
     state = cast(dict[str, torch.Tensor], get_model_state_dict(model))
     where = location(path)
@@ -365,29 +431,72 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: DecoderConfig, 
     assert isinstance(where, Path)  # preflight refuses a remote hf or meta source
     spec = spec_for_args(args)
     source = HFSource(where, spec.state_dict_adapter) if fmt == "hf" else MetaSource(where, spec.meta_release)
-    filled: dict[str, Any] = {}
-    # A persistent buffer (an MoE router's bias) keeps its initial value unless the release names it
-    # (DeepSeek-V3's e_score_correction_bias).
     buffers = {fqn for fqn, _ in model.named_buffers()}
-    for fqn, value in state.items():
-        if fqn in buffers:
-            name = _release_buffer(source, fqn)
-            filled[fqn] = value if name is None else source.read(fqn, args, None).to(value.dtype).to(value.device)
-            continue
-        region = _region(value)
-        if isinstance(value, DTensor):
-            if region is not None:
-                local = source.read(fqn, args, region).to(value.dtype)
-                filled[fqn] = DTensor.from_local(local.to(value.to_local().device), value.device_mesh,
-                                                 value.placements, run_check=False, shape=value.shape,
-                                                 stride=value.stride())
-            else:  # e.g. strided shards of FSDP x TP: split the full tensor locally, no communication
-                full = source.read(fqn, args, None).to(value.dtype).to(value.to_local().device)
-                filled[fqn] = distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None)
-        else:
-            filled[fqn] = source.read(fqn, args, None).to(dtype=value.dtype, device=value.device)
+    filled: dict[str, Any] = {fqn: _read_release_tensor(source, fqn, value, args, fqn in buffers)
+                              for fqn, value in state.items()}
     set_model_state_dict(model, filled)
     return len(filled)
+
+
+def _read_release_tensor(source: HFSource | MetaSource, fqn: str, value: torch.Tensor, args: DecoderConfig,
+                         buffer: bool) -> torch.Tensor:
+    """Our ``fqn`` read from a release into the dtype, device and layout of ``value`` (the model's own)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if buffer:
+        # A persistent buffer (an MoE router's bias) keeps its initial value unless the release names it
+        # (DeepSeek-V3's e_score_correction_bias).
+        name = _release_buffer(source, fqn)
+        return value if name is None else source.read(fqn, args, None).to(value.dtype).to(value.device)
+    if not isinstance(value, DTensor):
+        return source.read(fqn, args, None).to(dtype=value.dtype, device=value.device)
+    region = _region(value)
+    if region is None:  # e.g. strided shards of FSDP x TP: split the full tensor locally, no communication
+        full = source.read(fqn, args, None).to(value.dtype).to(value.to_local().device)
+        return distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None)
+    local = source.read(fqn, args, region).to(value.dtype)
+    return DTensor.from_local(local.to(value.to_local().device), value.device_mesh, value.placements,
+                              run_check=False, shape=value.shape, stride=value.stride())
+
+
+def load_model(path: str | Path, fmt: str, args: DecoderConfig, *, device: torch.device,
+               dtype: torch.dtype = torch.float32, tp_mesh: DeviceMesh | None = None) -> torch.nn.Module:
+    """The whole model of ``args`` on ``device`` in ``dtype`` (tensor parallel over ``tp_mesh``), in eval mode,
+    its weights read by ``load_into``: generation, the export and the tests load a model this way.
+
+    Built on the meta device and cast before the read, so every value is read once, in its dtype; the
+    derived buffers that ``load_into`` rebuilds keep theirs (the rotary table stays float32).
+    """
+    spec = spec_for_args(args)
+    with torch.device("meta"):
+        model = spec.build(args)
+    if tp_mesh is not None:
+        spec.apply_tp(model, tp_mesh, False, False)  # no sequence or loss parallelism
+    model.to_empty(device=device)
+    model.to(dtype)
+    with warnings.catch_warnings():
+        # DCP warns that it reads on a single process: that is what a one-process load does.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_into(model, str(path), fmt, args)
+    return model.eval()
+
+
+def checkpoint_model_shapes(path: Location) -> dict[str, tuple[int, ...]]:
+    """Our FQN -> shape of every model tensor a checkpoint of this project holds (``path``: a step folder, or a
+    checkpoint folder: its latest step), from its ``.metadata`` alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(dcp_checkpoint_path(path)).state_dict_metadata
+    return {key[len("model."):]: tuple(md.size) for key, md in metadata.items()
+            if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+
+
+def model_shape_differences(path: Location, args: DecoderConfig) -> list[tuple[str, tuple | None, tuple | None]]:
+    """(FQN, shape in the checkpoint, shape in ``args``'s model) of every model tensor in which the checkpoint
+    at ``path`` and the model differ (None: absent there); empty when it holds exactly that model."""
+    found, expected = checkpoint_model_shapes(path), expected_shapes(args, buffers=True)
+    return [(k, found.get(k), expected.get(k)) for k in sorted(found.keys() | expected.keys())
+            if found.get(k) != expected.get(k)]
 
 
 # ---------------------------------------------------------------- writing a Hugging Face folder
@@ -463,11 +572,21 @@ def export_hf(state: dict[str, torch.Tensor], args: DecoderConfig, out_dir: str 
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2))
     written += [out / INDEX_FILE, out / "config.json", out / "generation_config.json"]
     if tokenizer is not None:
-        written += copy_tokenizer_files(tokenizer, out)
-        if tokenizer.kind == "tiktoken":
-            from torchtitan.checkpoint.hf_tokenizer import write_hf_tokenizer
+        written += write_tokenizer(tokenizer, out, args.max_seq_len)
+    return written
 
-            written += write_hf_tokenizer(tokenizer, out, model_max_length=args.max_seq_len)
+
+def write_tokenizer(tokenizer, out: Path, model_max_length: int) -> list[Path]:  # noqa: ANN001 - a Tokenizer
+    """The tokenizer's own files, and for a tiktoken or SentencePiece one the ``tokenizer.json`` transformers'
+    ``AutoTokenizer`` reads (``hf_tokenizer.py``), or a warning line saying why it was not written."""
+    from torchtitan.checkpoint.hf_tokenizer import NotConverted, write_hf_tokenizer
+
+    written = copy_tokenizer_files(tokenizer, out)
+    if tokenizer.kind in ("tiktoken", "sentencepiece"):
+        try:
+            written += write_hf_tokenizer(tokenizer, out, model_max_length)
+        except NotConverted as e:
+            logger.warning("Export: %s", e)
     return written
 
 
@@ -490,15 +609,17 @@ def release_dtype(path: str | Path, fmt: str) -> torch.dtype | None:
 
 
 def copy_tokenizer_files(tokenizer, out: Path) -> list[Path]:
-    """Hugging Face files go next to the weights; Meta's tiktoken file to ``original/`` as the hub lays it out."""
+    """Hugging Face files go next to the weights, a SentencePiece model too (as ``tokenizer.model``); Meta's
+    tiktoken file to ``original/`` as the hub lays it out."""
     if tokenizer.kind == "huggingface":
         targets = [(f, out / f.name) for f in tokenizer.files]
     elif tokenizer.kind == "tiktoken":
         targets = [(tokenizer.files[0], out / "original" / "tokenizer.model")]
+    elif tokenizer.kind == "sentencepiece":
+        targets = [(tokenizer.files[0], out / "tokenizer.model")]
     else:
-        logger.info("Export: the %s tokenizer is not copied (only Hugging Face and tiktoken files are)",
-                    tokenizer.kind)
-        return []
+        raise ValueError(f"the {tokenizer.kind} tokenizer {tokenizer.model_path} cannot be exported (Hugging Face, "
+                         "tiktoken and SentencePiece ones are)")
     for src, dst in targets:
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)

@@ -4,7 +4,8 @@ DeepSeek-V3's (and Kimi K2's) FP8 releases state ``quantization_config`` ``{"qua
 "fmt": "e4m3", "weight_block_size": [128, 128]}``: a quantized weight ``W`` [out, in] is stored as
 float8_e4m3fn beside ``W_scale_inv`` [ceil(out / 128), ceil(in / 128)] float32, and its value is each
 128 x 128 block times its scale. Tensors without a ``_scale_inv`` (norms, the router, embeddings) are
-stored plainly. A family's adapter may dequantize a method of its own
+stored plainly; a float8 tensor without one has no value and is refused in one line naming it and the
+missing scale (``formats.HFSource.float8_problem``). A family's adapter may dequantize a method of its own
 (``StateDictAdapter.quant_methods``: GPT-OSS's MXFP4 experts). Anything else is refused in one
 line: loading it as if plain would train on garbage.
 """

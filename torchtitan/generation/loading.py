@@ -7,13 +7,13 @@
 - Meta's release folder (``meta``): ``params.json`` + ``consolidated.*.pth``, with its ``tokenizer.model``.
 
 The family comes from the run's ``model.name`` or, for a release, from the first registered family
-that reads it. Weights load through ``checkpoint/formats.py``'s ``load_into``: DCP reshards into one
-process, or into the tensor-parallel layout when a ``tp_mesh`` is given.
+that reads it. Weights load as the trainer's do, through ``checkpoint/formats.py``'s ``load_model``
+(``load_into``): DCP reshards into one process, or into the tensor-parallel layout when a ``tp_mesh`` is
+given; the routing bias is read with the weights and the rotary table rebuilt before the read.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.checkpoint.formats import _expected_shapes, dcp_checkpoint_path, find_run_config, load_into
+from torchtitan.checkpoint.formats import (
+    HFSource,
+    expected_shapes,
+    find_run_config,
+    load_model,
+    model_shape_differences,
+)
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer, resolve_tokenizer_path
 from torchtitan.models import DecoderConfig, get_model_spec, model_names
 from torchtitan.models.spec import ModelSpec
@@ -82,24 +88,26 @@ def _release_args(path: Path, model_name: str | None) -> tuple[DecoderConfig, Mo
     raise ValueError(errors[0] if len(errors) == 1 else f"{path}: no model family reads it ({'; '.join(errors)})")
 
 
-def _check_vocabulary(path: Path, fmt: str, args: DecoderConfig, tokenizer: Tokenizer) -> None:
-    """The tokenizer must fit the weights: a project checkpoint's shapes must be those of its args
-    (whose vocabulary is the tokenizer's), and a release must hold every token id of the tokenizer."""
-    from torchtitan.checkpoint.store import read_dcp_metadata
-
+def _check_weights(path: Path, fmt: str, args: DecoderConfig, spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    """The weights must be usable before any is read: a project checkpoint must hold the model of its args (whose
+    vocabulary is the tokenizer's); a release must hold every token id of the tokenizer, and no float8 weight
+    without its scales."""
+    if fmt == "hf":
+        source = HFSource(path, spec.state_dict_adapter)
+        float8 = source.float8_problems(expected_shapes(args), args)
+        if float8:
+            raise ValueError(float8[0])
     if fmt != "dcp":
         if tokenizer.n_words > args.vocab_size:
             raise ValueError(f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} tokens, more than the "
                              f"vocabulary of {path} ({args.vocab_size}); use the release's own tokenizer")
         return
-    metadata = read_dcp_metadata(dcp_checkpoint_path(path)).state_dict_metadata
-    # Model entries are tensors (TensorStorageMetadata); BytesStorageMetadata has no size.
-    found = {k[len("model."):]: tuple(getattr(m, "size", ())) for k, m in metadata.items() if k.startswith("model.")}
-    differ = sorted(k for k, shape in _expected_shapes(args).items() if k in found and found[k] != shape)
+    differ = model_shape_differences(path, args)
     if differ:
+        fqn, found, expected = differ[0]
         raise ValueError(f"tokenizer {tokenizer.model_path} ({tokenizer.n_words} tokens) does not match the "
-                         f"vocabulary of {path} ({differ[0]} is {found[differ[0]]}, expected "
-                         f"{_expected_shapes(args)[differ[0]]}); use the tokenizer the run trained with")
+                         f"vocabulary of {path} ({fqn} is {found}, expected {expected}); use the tokenizer the run "
+                         "trained with")
 
 
 @dataclass
@@ -129,7 +137,7 @@ def describe(path: str | Path, *, config: Path | None = None, tokenizer_path: st
                 raise ValueError(f"{path} holds no tokenizer (tokenizer.json, tokenizer.model or "
                                  "original/tokenizer.model); pass the release's with --tokenizer") from None
         tokenizer = build_tokenizer(tokenizer_path)
-    _check_vocabulary(path, fmt, args, tokenizer)
+    _check_weights(path, fmt, args, spec, tokenizer)
     if not spec.supports_kv_cache:
         raise ValueError(f"model family {spec.name} has no KV-cache forward; generation cannot run it")
     return Source(path, fmt, args, spec, tokenizer)
@@ -138,15 +146,5 @@ def describe(path: str | Path, *, config: Path | None = None, tokenizer_path: st
 def load(source: Source, *, device: torch.device, dtype: torch.dtype = torch.float32,
          tp_mesh: DeviceMesh | None = None) -> Loaded:
     """The model of ``source`` on ``device`` in ``dtype`` (tensor-parallel over ``tp_mesh`` when given)."""
-    with torch.device("meta"):
-        model = source.spec.build(source.args)
-    if tp_mesh is not None:
-        source.spec.apply_tp(model, tp_mesh, False, False)  # no sequence or loss parallelism
-    model.to_empty(device=device)
-    with warnings.catch_warnings():
-        # DCP warns that it reads on a single process: that is what a one-process load does.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_into(model, str(source.path), source.fmt, source.args)
-    model.to(dtype)
-    model.init_buffers(device)  # pyright: ignore[reportCallIssue] - a FamilyModel method; after the cast: the rotary table stays float32 whatever the weights' dtype
-    return Loaded(model.eval(), source.args, source.spec, source.tokenizer, source.fmt)
+    model = load_model(source.path, source.fmt, source.args, device=device, dtype=dtype, tp_mesh=tp_mesh)
+    return Loaded(model, source.args, source.spec, source.tokenizer, source.fmt)

@@ -95,6 +95,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * full
 
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _EMBEDDING = "tok_embeddings.weight"
 _OUTPUT = "output.weight"
 
@@ -178,12 +179,18 @@ class WeightMap:
         return out
 
     def _unscaled(self, fqn: str, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``state[name]`` with its scales multiplied in; ValueError (one line) for float8 codes without them."""
         t, _ = self._find(fqn)
-        if t.scale is None:
-            return state[name]
-        found = t.match_theirs(name) or {}
-        scale = t.scale.format(layer=found.get("layer", ""), expert=found.get("expert", ""))
-        return dequantize(state[name], state[scale]) if scale in state else state[name]
+        scale = name + "_scale_inv"
+        if t.scale is not None:
+            found = t.match_theirs(name) or {}
+            scale = t.scale.format(layer=found.get("layer", ""), expert=found.get("expert", ""))
+            if scale in state:
+                return dequantize(state[name], state[scale])
+        if state[name].dtype in _FLOAT8:  # the codes alone are thousands of times too large
+            raise ValueError(f"the Hugging Face weights hold {name} (for our {fqn}) as {state[name].dtype} without "
+                             f"its scale {scale}; the release is incomplete: download it again")
+        return state[name]
 
 
 QWEN_EXPERT_NAMES = ("gate_proj", "down_proj", "up_proj")
