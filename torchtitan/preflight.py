@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from torchtitan.checkpoint.location import is_remote, store_problems
+from torchtitan.checkpoint import s3_client
+from torchtitan.checkpoint.location import is_remote, store_problems, uri_problem
 from torchtitan.checkpoint.selection import checkpoint_folder, choose_checkpoint, model_shapes, own_checkpoint_exists
 from torchtitan.checkpoint.store import scan
 from torchtitan.config import ConfigError, JobConfig
@@ -317,11 +318,16 @@ def _unknown_states(names: list[str]) -> list[str]:
 
 
 def _check_object_store(cfg: JobConfig) -> list[str]:
-    """Object-store URIs in ``checkpoint.folder`` / ``initial_load_path``: their driver, and what cannot use them."""
+    """Object-store URIs in ``checkpoint.folder`` / ``initial_load_path``: well formed, their driver, the bucket
+    (reached with the job's S3 timeouts, which this process keeps), and what cannot use them."""
     ck = cfg.checkpoint
+    s3_client.configure(s3_client.S3Timeouts.from_config(ck))
     problems = []
     for flag, uri in (("--checkpoint.folder", ck.folder), ("--checkpoint.initial_load_path", ck.initial_load_path)):
-        if uri and is_remote(uri):
+        problem = uri_problem(uri) if uri else None
+        if problem:
+            problems.append(f"{flag}={uri}: {problem}")
+        elif uri and is_remote(uri):
             problems += [f"{flag}={uri}: {line}" for line in store_problems(uri)]
     if is_remote(ck.folder) and ck.enable_checkpoint and cfg.fault_tolerance.enable:
         problems.append(f"--checkpoint.folder={ck.folder}: fault-tolerant replica groups each commit a folder of "

@@ -1,20 +1,25 @@
 """Checkpoints in object storage, without processes: the folder logic on ``memory://``, the conditional
-commit on moto's S3 server, checksums of uploaded objects, states read without pickle, and the refusals."""
+commit on moto's S3 server, checksums of uploaded objects, states and DCP's ``.metadata`` read without
+running a pickle's code, the S3 client's timeouts, and the refusals (malformed URIs among them)."""
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, debug_config, load_script
+from conftest import DEBUG_CONFIG, REPO, debug_config, load_script
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan.checkpoint import integrity, store
+from torchtitan.checkpoint import integrity, s3_client, store
 from torchtitan.checkpoint.loader import _one_line
-from torchtitan.checkpoint.location import RemotePath, location, store_problems
+from torchtitan.checkpoint.location import RemotePath, location, store_problems, uri_problem
 from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner, OldFormatError
 from torchtitan.checkpoint.selection import checkpoint_folder
 
@@ -197,3 +202,122 @@ def test_initial_weights_load_from_a_uri(tmp_path):
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
     assert REPO.is_dir()
+
+
+# ---- DCP's .metadata: read by the restricted unpickler everywhere ----------------------------------
+class _RunsShell:
+    """A crafted ``.metadata``: unpickling it runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def _crafted_step(folder, marker: Path):
+    """A committed step whose ``.metadata`` was replaced by ``_RunsShell``; the refusal line its readers give."""
+    step = _save(folder, 1, {"model": {"w": torch.ones(2)}}, checksums=False)
+    metadata = step / store.DCP_METADATA
+    if isinstance(metadata, RemotePath):
+        metadata.fs.pipe_file(metadata.path, pickle.dumps(_RunsShell(marker)))
+    else:
+        metadata.write_bytes(pickle.dumps(_RunsShell(marker)))
+    return step, (f"{metadata} is refused: it names {os.system.__module__}.system, which DCP's metadata never "
+                  "holds, so unpickling it could run code (a crafted or foreign file); nothing of it was loaded or run")
+
+
+def test_a_crafted_metadata_is_refused_by_the_launch_preflight_and_the_export_and_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    step, refusal = _crafted_step(tmp_path / "checkpoint", marker)
+    train = load_script("train.py")
+    # run_llama_train.sh's check before torchrun: exit 2, the refusal naming the file.
+    assert train.main(["--preflight_only", "--job.config_file", DEBUG_CONFIG, f"--job.dump_folder={tmp_path}",
+                       "--checkpoint.enable_checkpoint"]) == 2
+    assert f"config error: {refusal}\n" in capsys.readouterr().err
+    export = load_script("scripts/export_checkpoint.py")
+    assert export.main([str(step), str(tmp_path / "model.pt")]) == 2
+    assert capsys.readouterr().err == f"error: {refusal}\n"
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_crafted_metadata_is_refused_where_the_ranks_read_it_and_runs_nothing(tmp_path, where):
+    marker = tmp_path / "ran"
+    step, refusal = _crafted_step(tmp_path / "checkpoint" if where == "local" else _memory("crafted-md/run"), marker)
+    # The loader's choice and verification (as preflight's) read it first...
+    problems, _ = store.verify(step, None)
+    assert problems == [refusal]
+    # ...and DCP's load reads it again through the project's reader: refused as one line, not DCP's fallback.
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load({"model": {"w": torch.zeros(2)}}, storage_reader=store.dcp_reader(step),
+                 planner=NoPickleLoadPlanner(), no_dist=True)
+    assert _one_line(raised.value) == f"UnsafeMetadataError: {refusal}"
+    assert not marker.exists()
+
+
+def test_the_restricted_reader_reads_what_dcp_writes_as_dcp_reads_it(tmp_path):
+    """Every class a ``.metadata`` of this torch holds is admitted: the result equals DCP's own reader's."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+              torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+    state = {"model": {str(dtype): torch.zeros(2, 3, dtype=dtype) for dtype in dtypes},
+             "train_state": {"step": 3, "text": "x", "list": [1, 2.5, None]}}
+    for folder, reader in ((location(tmp_path), FileSystemReader), (_memory("md/run"), FsspecReader)):
+        dcp.save(state, storage_writer=integrity.checkpoint_writer(folder, False), no_dist=True)
+        ours, theirs = store.read_dcp_metadata(folder), reader(str(folder)).read_metadata()
+        assert ours.storage_meta is not None and theirs.storage_meta is not None
+        theirs.storage_meta.load_id = ours.storage_meta.load_id  # a fresh id per reader
+        assert ours == theirs, folder
+
+
+# ---- URIs and the S3 client ----------------------------------------------------------------------
+@pytest.mark.parametrize(("flag", "uri", "problem"), [
+    ("--checkpoint.folder", "s3://", "no bucket after s3://: give s3://bucket/prefix"),
+    ("--checkpoint.folder", "s3:///run", "no bucket after s3://: give s3://bucket/prefix"),
+    ("--checkpoint.folder", "foo://bucket/run", "unknown storage scheme foo://: give s3://bucket/prefix (another "
+     "fsspec scheme such as gs:// or az:// needs its driver), or a local path"),
+    ("--checkpoint.initial_load_path", "s3://", "no bucket after s3://: give s3://bucket/prefix"),
+])
+def test_a_malformed_uri_is_refused_by_name_before_any_rank_starts(tmp_path, monkeypatch, capsys, flag, uri,
+                                                                     problem):
+    monkeypatch.chdir(tmp_path)  # where fsspec would have made a local folder "s3:"
+    train = load_script("train.py")
+    assert train.main(["--preflight_only", "--job.config_file", DEBUG_CONFIG, f"--job.dump_folder={tmp_path}",
+                       "--checkpoint.enable_checkpoint", f"{flag}={uri}"]) == 2
+    assert capsys.readouterr().err == f"config error: {flag}={uri}: {problem}\n"
+    with pytest.raises(ValueError, match=f"^{uri}: "):
+        location(uri)  # nothing reads or writes through it either
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_uri_problems_name_the_fix_and_pass_paths():
+    assert uri_problem("s3:/bucket/run") == "one slash after s3: is a local path, not a URI: give s3://bucket/prefix"
+    assert uri_problem("file:///data/ckpt") == "file:// is not needed for a local folder: give the path itself " \
+                                               "(/data/ckpt)"
+    assert uri_problem("://bucket") == "no storage scheme before ://: give s3://bucket/prefix, or a local path"
+    for fine in ("checkpoint", "/data/ckpt", "C:/ckpt", "run:2", "s3://bucket", "s3a://b/run", "memory://x/y"):
+        assert uri_problem(fine) is None, fine
+
+
+def test_the_configured_s3_timeouts_reach_every_s3_client(s3_bucket, tmp_path):
+    import s3fs
+
+    cfg = debug_config(f"--job.dump_folder={tmp_path}", f"--checkpoint.folder={s3_bucket.url}/run",
+                       "--checkpoint.s3_connect_timeout_seconds=4", "--checkpoint.s3_read_timeout_seconds=7",
+                       "--checkpoint.s3_max_attempts=2")
+    from torchtitan.preflight import check_checkpoint
+
+    settings = s3_client.current()
+    try:
+        assert check_checkpoint(cfg, 1, lambda: torch.nn.Linear(1, 1)) == []
+        # The project's own file system, and the one DCP's reader makes from the URL on its own.
+        for fs in (location(f"{s3_bucket.url}/run").fs, store.dcp_reader(location(f"{s3_bucket.url}/run")).fs.fs):
+            config = fs.s3.meta.config
+            assert (config.connect_timeout, config.read_timeout, config.retries) == (
+                4, 7, {"mode": "standard", "total_max_attempts": 2})
+        assert s3fs.S3FileSystem.retries == 1  # s3fs does not multiply botocore's attempts
+    finally:
+        s3_client.configure(settings)

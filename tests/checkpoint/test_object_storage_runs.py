@@ -8,25 +8,36 @@
   (``load_step`` ends the job naming the object; the latest falls back to the step before and
   trains on bitwise), a SIGTERM saves its step and stops, and one process reads the FSDP
   checkpoint back whole.
+- A store that stops answering (moto's server, in a process of its own, stopped by SIGSTOP as a
+  save uploads) fails the save within its timeouts, with one line naming the endpoint.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
 import re
 import signal
 import subprocess
+import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
+import torch
 import torch.distributed as dist
 from checkpoint.helpers import FSDP2, checkpoint_tensors, digest, full_model_digests, make_trainer
-from conftest import DEBUG_CONFIG, REPO, run_torchrun
+from conftest import DEBUG_CONFIG, REPO, debug_config, run_torchrun
 from dist_harness import run_ranks
 
-from torchtitan.checkpoint import integrity
+from torchtitan.checkpoint import integrity, s3_client
+from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.location import location
+from torchtitan.checkpoint.saver import Saver
 from torchtitan.checkpoint.store import read_manifest, scan
 from torchtitan.train_step.callbacks import StepEvent, StepPoint
 
@@ -157,3 +168,94 @@ def test_async_save_does_not_hold_up_the_step_and_a_corrupted_object_is_caught(s
     assert _all_files_verify(step_4)
     whole = {k[len("model."):]: digest(v) for k, v in checkpoint_tensors(step_4, "model.").items()}
     assert whole == out[0]["straight_weights"]
+
+
+# ---- a store that stops answering --------------------------------------------------------------
+@pytest.fixture
+def stoppable_s3(free_port, monkeypatch) -> Iterator[tuple[subprocess.Popen, str]]:
+    """moto's S3 server in a process of its own, which SIGSTOP stalls (the session's ``s3_server`` runs in this
+    one): the process and its endpoint, with this test's S3 clients pointed at it; SIGCONT and stopped after."""
+    import s3fs
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for var, value in dict(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                           AWS_DEFAULT_REGION="us-east-1", AWS_REQUEST_CHECKSUM_CALCULATION="when_required",
+                           AWS_RESPONSE_CHECKSUM_VALIDATION="when_required", NO_PROXY="127.0.0.1").items():
+        monkeypatch.setenv(var, value)
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+    settings = s3_client.current()
+    s3fs.S3FileSystem.clear_instance_cache()  # no client of the session's server is reused
+    try:
+        _wait_until_it_answers(endpoint, server)
+        yield server, endpoint
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3_client.configure(settings)
+
+
+def _wait_until_it_answers(endpoint: str, server: subprocess.Popen) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answered
+        except OSError:
+            time.sleep(0.05)  # not listening yet
+    pytest.fail(f"moto's S3 server did not start at {endpoint} (exit status {server.poll()})")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_store_that_stops_answering_fails_the_save_in_bounded_time_naming_the_endpoint(stoppable_s3, tmp_path,
+                                                                                          caplog, monkeypatch):
+    """moto's server is stopped (SIGSTOP) as an async save starts uploading: with 1 s timeouts and 2 attempts the
+    save fails within seconds, the next step logs one line naming the endpoint, the next save raises it."""
+    import s3fs
+
+    server, endpoint = stoppable_s3
+    s3_client.configure(s3_client.S3Timeouts(connect_seconds=1, read_seconds=1, max_attempts=2))
+    s3fs.S3FileSystem().mkdir("stall")
+    folder = location("s3://stall/run")
+    upload = integrity.RemoteChecksummingWriter.write_data
+
+    def stall_then_upload(self, plan, planner):
+        os.kill(server.pid, signal.SIGSTOP)  # the store stops answering as the save starts uploading
+        return upload(self, plan, planner)
+
+    monkeypatch.setattr(integrity.RemoteChecksummingWriter, "write_data", stall_then_upload)
+    ck = debug_config(f"--job.dump_folder={tmp_path}").checkpoint
+    saver = Saver(ck, folder, cast(Any, None), Agreement(None, folder), rank=0, layout={})
+    expected = (rf"^checkpoint step 2 was not saved: the object store at {re.escape(endpoint)} did not answer "
+                r"\(.+\) in 2 attempt\(s\) of --checkpoint.s3_connect_timeout_seconds=1 / "
+                r"--checkpoint.s3_read_timeout_seconds=1 \(--checkpoint.s3_max_attempts\); check the store")
+    started = time.monotonic()
+    saver.write(2, "full", {"w": torch.arange(8.0)}, sync=False)
+    assert saver.pending is not None
+    concurrent.futures.wait([saver.pending.future], timeout=60)
+    failed_after = time.monotonic() - started
+    with caplog.at_level(logging.ERROR, logger="torchtitan.checkpoint.saver"):
+        saver.finish_pending(block=False)  # the next step sees the failure: logged at once, on this rank
+    assert len([r for r in caplog.records if re.match(expected, r.getMessage())]) == 1, caplog.text
+    with pytest.raises(s3_client.StoreUnansweredError, match=expected):
+        saver.finish_pending()  # the next save, or the end: the job ends with that line
+    assert failed_after < 20, failed_after  # seen: 3 s (2 attempts of 1 s, a backoff, DCP's cleanup)
+    # A synchronous save to the still stalled store: its first listing fails in time, with the same line.
+    started = time.monotonic()
+    with pytest.raises(s3_client.StoreUnansweredError, match=expected.replace("step 2", "step 3")):
+        saver.write(3, "full", {"w": torch.arange(8.0)}, sync=True)
+    assert time.monotonic() - started < 20

@@ -655,7 +655,7 @@ def read_model_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         # DCP warns that it reads on a single process: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_loader.load(template, checkpoint_id=str(path), no_dist=True)
+        dcp_loader.load(template, storage_reader=dcp_reader(path), no_dist=True)  # .metadata: no pickle's code
     return {key[len("model."):]: value for key, value in template.items()}
 
 

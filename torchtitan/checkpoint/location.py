@@ -9,19 +9,27 @@ manifest, written last with a conditional put (``put_if_absent``; see ``store.py
 
 Credentials and the endpoint come from the usual AWS variables (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``),
-which botocore, under s3fs, reads itself. Listings are never served from s3fs's cache: another
-process (another rank, a killed writer, a second run) may have changed the prefix since.
+which botocore, under s3fs, reads itself; its timeouts and retries are ``s3_client.py``'s. Listings
+are never served from s3fs's cache: another process (another rank, a killed writer, a second run)
+may have changed the prefix since.
+
+A URI is checked before it is used (``uri_problem``): ``s3://`` without a bucket would otherwise
+become a local folder named ``s3:`` (fsspec reads ``s3:`` as a relative path), an unknown scheme
+an error about credentials, and ``file:///x`` a folder ``file:`` under the dump folder.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
+
+from torchtitan.checkpoint import s3_client
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -37,12 +45,47 @@ def is_remote(spec: str | os.PathLike) -> bool:
     return "://" in text and text.split("://", 1)[0] not in _LOCAL_PROTOCOLS
 
 
+# A scheme and the slashes after its colon: ``s3://b/x``, and the mistyped ``s3:/b/x``, ``s3:///x``, ``s3:b``.
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)(.*)$", re.DOTALL)
+
+
+def uri_problem(spec: str) -> str | None:
+    """Why ``spec`` cannot name a checkpoint location, in words that end with the fix; None when it can.
+
+    Refused: an unknown scheme (``foo://``), an object-store URI without a bucket (``s3://``,
+    ``s3:///x``), a known scheme with one slash (``s3:/b``), and ``file://`` (give the path itself).
+    A path with a colon but no ``://`` and no known scheme before it (``C:/x``, ``run:2``) passes.
+    """
+    match = _URI.match(spec)
+    if match is None:  # is_remote takes anything with :// for a URI
+        return None if "://" not in spec else "no storage scheme before ://: give s3://bucket/prefix, or a local path"
+    scheme, slashes, rest = match.groups()
+    if not slashes:
+        return None
+    from fsspec import available_protocols
+
+    if scheme not in available_protocols():
+        if len(slashes) < 2:
+            return None  # a path such as C:/x
+        return (f"unknown storage scheme {scheme}://: give s3://bucket/prefix (another fsspec scheme such as "
+                "gs:// or az:// needs its driver), or a local path")
+    if scheme in _LOCAL_PROTOCOLS:
+        return f"{scheme}:// is not needed for a local folder: give the path itself ({'/' + rest.lstrip('/')})"
+    if len(slashes) == 1:
+        return f"one slash after {scheme}: is a local path, not a URI: give {scheme}://bucket/prefix"
+    if len(slashes) == 2 and rest.split("/", 1)[0]:
+        return None
+    return f"no bucket after {scheme}://: give {scheme}://bucket/prefix"
+
+
 def _file_system(url: str) -> AbstractFileSystem:
     try:
         from fsspec.core import url_to_fs
     except ImportError:
         raise ImportError(f"{url}: object storage needs fsspec (pip install fsspec)") from None
     try:
+        if url.split("://", 1)[0] in s3_client.PROTOCOLS:
+            s3_client.apply()  # before the first S3 file system: every later one, DCP's too, has the timeouts
         fs, _ = url_to_fs(url)
     except ImportError as e:
         raise ImportError(f"{url}: the driver for this storage is not installed ({e}); for s3:// run "
@@ -59,6 +102,10 @@ class RemotePath:
     """A file or prefix in an fsspec file system, with the ``pathlib.Path`` subset the checkpoint code needs."""
 
     def __init__(self, url: str, fs: AbstractFileSystem | None = None, info: dict | None = None) -> None:
+        """``url`` is checked (``uri_problem``: ValueError) unless ``fs`` comes with it, from a checked parent."""
+        problem = None if fs is not None else uri_problem(url)
+        if problem:
+            raise ValueError(f"{url}: {problem}")
         self.url = url.rstrip("/")
         self.protocol = self.url.split("://", 1)[0]
         self.fs = fs if fs is not None else _file_system(self.url)
@@ -163,10 +210,11 @@ def store_problems(url: str) -> list[str]:
             bucket = RemotePath(f"{path.protocol}://{path.path.split('/', 1)[0]}", path.fs)
             if not bucket.exists():
                 return [f"the bucket {bucket} does not exist (or these credentials cannot see it); create it first"]
-    except ImportError as e:
+    except (ImportError, ValueError) as e:  # no driver; a URI that uri_problem refuses
         return [str(e)]
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, network: all are this one problem
-        return [f"cannot reach the store ({type(e).__name__}: {e}); check AWS_ENDPOINT_URL and the credentials"]
+        return [s3_client.unanswered_line(e, "cannot reach the store")
+                or f"cannot reach the store ({type(e).__name__}: {e}); check AWS_ENDPOINT_URL and the credentials"]
     return []
 
 

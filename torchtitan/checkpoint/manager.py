@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from torchtitan.checkpoint import s3_client
 from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.loader import Loader
 from torchtitan.checkpoint.preemption import PreemptionWatch
@@ -74,6 +75,7 @@ class CheckpointManager:
         self.writes: Callable[[], bool] = writes or _always
         if not self.active:
             return
+        s3_client.configure(s3_client.S3Timeouts.from_config(ck))  # as preflight did: a stalled store fails in time
         holders = Holders(model=model_view(model_parts), optimizer=optimizer, lr_scheduler=lr_scheduler,
                           dataset=dataloader.dataset, rank=rank)
         states = StateRegistry(holders, extra_states)

@@ -7,6 +7,9 @@ one ``DiskFullError`` line on every rank (``space.py``). An async save runs DCP'
 in the background and is committed later, at the next save, ``maybe_save`` or ``close``.
 In an object store (``location.py``) the save is written straight into ``step-N/`` and its
 manifest, put only if absent, commits it; there is no free space to measure, so that check is skipped.
+A store that stops answering fails the save within its timeouts (``s3_client.py``) with one
+``StoreUnansweredError`` line naming the endpoint; an async save's failure is logged as soon as a
+step sees it, and raised on every rank at the next save or at the end, as any failed async save is.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from torchtitan.agent_watch import exit_if_agent_gone
-from torchtitan.checkpoint import integrity, space
+from torchtitan.checkpoint import integrity, s3_client, space
 from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.location import Location, RemotePath, remove_tree
 from torchtitan.checkpoint.states import StateRegistry
@@ -41,6 +44,7 @@ class _PendingSave:
     started: float
     writer: FileSystemWriter
     needed: int
+    reported: bool = False  # its failure was logged when a step first saw it
 
 
 class Saver:
@@ -69,6 +73,13 @@ class Saver:
 
     def write(self, step: int, kind: str, state: dict[str, Any], sync: bool) -> None:
         """Write ``state`` as checkpoint ``step`` of ``kind``: committed here when ``sync``, else later."""
+        try:
+            self._write(step, kind, state, sync)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._raise_if_unanswered(e, step)
+            raise
+
+    def _write(self, step: int, kind: str, state: dict[str, Any], sync: bool) -> None:
         self.finish_pending()
         tmp = tmp_dir(self.folder, step, self.tmp_tag)
         if self.rank == 0 and tmp.exists():
@@ -136,6 +147,25 @@ class Saver:
         raise space.DiskFullError(space.disk_full_line(self.folder, step, needed, space.free_bytes(self.folder),
                                                        midway=True)) from None
 
+    def _raise_if_unanswered(self, error: BaseException, step: int) -> None:
+        """A save (its listing, writes or commit) that failed because the object store did not answer: one line
+        naming the endpoint."""
+        if isinstance(error, s3_client.StoreUnansweredError):
+            return  # already that line (a pending save's, raised by the next save)
+        line = s3_client.unanswered_line(error, f"checkpoint step {step} was not saved")
+        if line is not None:
+            raise s3_client.StoreUnansweredError(line) from None
+
+    def _report_if_unanswered(self, pending: _PendingSave) -> None:
+        """An async save that failed in the background because the store did not answer: logged at once."""
+        if pending.reported or not pending.future.done() or pending.future.exception() is None:
+            return
+        error = cast(BaseException, pending.future.exception())
+        line = s3_client.unanswered_line(error, f"checkpoint step {pending.step} was not saved")
+        if line is not None:
+            pending.reported = True
+            logger.error("%s; the job ends at the next save or at its end", line)
+
     def _commit(self, step: int, kind: str, started: float, writer: FileSystemWriter) -> None:
         # DCP's save returns on rank 0 only after every rank reported its writes and the
         # global metadata is written, so rank 0 alone can make the checkpoint visible.
@@ -164,9 +194,19 @@ class Saver:
         them. ``together``: every rank is here (``close`` after a failure on this rank is not).
         """
         pending = self.pending
-        if pending is None or (not block and not (pending.future.done() and pending.future.exception() is None)):
+        if pending is None:
+            return
+        if not block and not (pending.future.done() and pending.future.exception() is None):
+            self._report_if_unanswered(pending)
             return
         self.pending = None
+        try:
+            self._finish(pending, together)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._raise_if_unanswered(e, pending.step)
+            raise
+
+    def _finish(self, pending: _PendingSave, together: bool) -> None:
         try:
             pending.future.result()  # re-raises a failed save on this rank
         except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -108,20 +108,23 @@ def read_manifest(path: Location) -> dict[str, Any]:
 
 
 def dcp_reader(path: Location):
-    """DCP's reader of a checkpoint folder: the local one, or the fsspec one for an object store."""
+    """DCP's reader of a checkpoint folder (the local one, or the fsspec one for an object store) whose
+    ``.metadata`` is read by the restricted unpickler: loading a crafted checkpoint runs none of its code."""
+    from torchtitan.checkpoint.no_pickle import SafeMetadataFsspecReader, SafeMetadataReader  # DCP: when needed
+
     if isinstance(path, RemotePath):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(str(path))
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    return FileSystemReader(str(path))
+        return SafeMetadataFsspecReader(str(path))
+    return SafeMetadataReader(str(path))
 
 
 def read_dcp_metadata(path: Location):
-    """DCP's global metadata (tensor names, global shapes, dtypes); ValueError when unreadable."""
+    """DCP's global metadata (tensor names, global shapes, dtypes); ValueError when unreadable or refused."""
+    from torchtitan.checkpoint.no_pickle import UnsafeMetadataError
+
     try:
         return dcp_reader(path).read_metadata()
+    except UnsafeMetadataError as e:
+        raise ValueError(str(e)) from None  # names the file and what it asked for
     except Exception as e:  # noqa: BLE001 - pickle, OS and truncation errors all mean the same here
         raise ValueError(f"checkpoint {path} is corrupt: {DCP_METADATA} is unreadable ({type(e).__name__}: {e})") \
             from None

@@ -270,6 +270,15 @@ class Checkpoint:
         "hf", "Format of initial_load_path: hf (*.safetensors + config.json), meta (consolidated.*.pth + "
         "params.json), dcp (a checkpoint folder of this project)", choices=("hf", "meta", "dcp"),
     )
+    s3_connect_timeout_seconds: int = field_with_help(
+        10, "Object store (s3://): seconds a connection to the store may take (docs/object_storage.md)", min=1)
+    s3_read_timeout_seconds: int = field_with_help(
+        30, "Object store (s3://): seconds a request may wait for the store to answer, or to take its body, "
+        "before the attempt fails", min=1)
+    s3_max_attempts: int = field_with_help(
+        3, "Object store (s3://): attempts of one request, the first included (retried with a backoff after a "
+        "timeout, throttling or a 5xx answer); a store that stops answering fails a request after about "
+        "s3_max_attempts x s3_read_timeout_seconds", min=1)
 
 
 @dataclass
