@@ -4,7 +4,8 @@
 
 The state is what a full checkpoint holds of the model: the weights and AdamW's two
 moments (12 bytes a parameter in float32), for the debug model (5.8M parameters, vocabulary
-2048) and for the 53M shape of ``benchmarks/ft_heal.py``. For each repeat, and alternating
+2048) and for the 53M shape of ``benchmarks/ft_heal.py`` (``tiny``: the debug model cut to one
+block and 256 words, which checks the script, not the cost). For each repeat, and alternating
 the order, it saves with DCP's ``FileSystemWriter`` and with the project's
 ``ChecksummingWriter`` (plus folding the side files into the manifest, as rank 0 does at
 commit), and loads plainly and after verifying every file. Saves fsync as the trainer's do;
@@ -38,8 +39,10 @@ from torchtitan.models.llama3 import ModelArgs, llama3_flavors  # noqa: E402
 
 
 def _state(shape: str) -> dict:
-    if shape == "debug":
+    if shape in ("debug", "tiny"):
         args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=2048, max_seq_len=64)
+        if shape == "tiny":
+            args = dataclasses.replace(args, vocab_size=256, n_layers=1)
     else:
         args = ModelArgs(**LARGE, max_seq_len=64)
     torch.manual_seed(0)

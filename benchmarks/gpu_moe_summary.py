@@ -58,6 +58,7 @@ def write_flavors(folder: Path, layers: int) -> None:
     (llama / "params.json").write_text(json.dumps({  # Meta's Llama 3 8B params.json, fewer layers
         "dim": 4096, "n_layers": layers, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "multiple_of": 1024,
         "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5, "rope_theta": 500000.0}))
+    print(f"release folders in {folder}: {', '.join(name for name, _ in hf_cut.values())}, {llama.name}")
 
 
 def planned(log: Path) -> str:

@@ -1,6 +1,6 @@
 """MoE experts on CPU: ``torch._grouped_mm`` against the exact per-expert loop, forward and backward.
 
-    python benchmarks/moe_grouped_mm.py [--rounds 5] [--repeats 3] [--device cuda]
+    python benchmarks/moe_grouped_mm.py [--rounds 5] [--repeats 3] [--device cuda] [--rows N]
 
 One process, one thread (as each rank of a CPU run has). For a few expert shapes it times a
 ``GroupedExperts`` (``torchtitan/models/moe/experts.py``) forward plus backward on tokens
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--rows", type=int, default=None, help="tokens of every shape (default: each shape's own)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     where = torch.cuda.get_device_name(0) + f", torch {torch.__version__}" if args.device == "cuda" \
@@ -99,6 +100,7 @@ def main() -> None:
     print(f"{'shape':>24} {'rows':>6} {'D':>5} {'F':>5} {'E':>3} {'dtype':>9} {'grouped':>8} {'loop':>8} "
           f"{'loop/grouped':>12} {'max gap':>8}")
     for label, rows, dim, hidden, num_experts, dtype in (CUDA_SHAPES if args.device == "cuda" else SHAPES):
+        rows = args.rows or rows
         grouped, loop, gap = compare(rows, dim, hidden, num_experts, dtype, args.rounds, args.repeats, args.device)
         print(f"{label:>24} {rows:6d} {dim:5d} {hidden:5d} {num_experts:3d} {str(dtype)[6:]:>9} {grouped:8.1f} "
               f"{loop:8.1f} {loop / grouped:12.2f} {gap:8.1e}")

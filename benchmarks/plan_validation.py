@@ -1,6 +1,7 @@
 """The planner's predictions against published runs (docs/planning.md, benchmarks/README.md §17).
 
     python benchmarks/plan_validation.py [ROW ...]     # all rows, or the named ones
+    python benchmarks/plan_validation.py --list        # the rows' names
 
 Each row is a published run: its layout as train.py overrides, its cluster, and its published
 tokens/s per GPU (or MFU) and memory. The script prints one JSON line per row with the prediction.
@@ -9,6 +10,7 @@ Nothing here feeds back into the model: the cluster constants come from their ci
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -23,7 +25,7 @@ from torchtitan.planning.cost import estimate  # noqa: E402
 from torchtitan.planning.dry_run import dry_run  # noqa: E402
 
 TT = "h100-hbm2e-96g-500w"
-C8, C70, C405 = (f"train_configs/llama3_{m}.toml" for m in ("8b", "70b", "405b"))
+C8, C70, C405 = (str(REPO / "train_configs" / f"llama3_{m}.toml") for m in ("8b", "70b", "405b"))
 _8B = ["--job.config_file", C8, "--training.seq_len=8192"]
 _CP = ["--job.config_file", C8, "--activation_checkpoint.mode=full", "--training.batch_size=1"]
 _405 = ["--job.config_file", C405, "--training.batch_size=32", "--parallelism.pipeline_parallel_microbatches=32",
@@ -110,8 +112,18 @@ ROWS = {
 }
 
 
-def main(names: list[str]) -> None:
-    for name in names or list(ROWS):
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rows", nargs="*", metavar="ROW", help="rows to predict (default: all; --list names them)")
+    p.add_argument("--list", action="store_true", help="print the rows' names and stop")
+    a = p.parse_args(argv)
+    unknown = [name for name in a.rows if name not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(unknown)}; --list names the rows")
+    if a.list:
+        print("\n".join(ROWS))
+        return
+    for name in a.rows or list(ROWS):
         cluster, world, args, pp_ranks, tps, mfu, gib = ROWS[name]
         start = time.perf_counter()
         e = estimate(dry_run(ConfigManager().parse_args(args), world, pp_ranks=pp_ranks), load_cluster(cluster))
@@ -125,4 +137,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

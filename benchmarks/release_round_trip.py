@@ -2,6 +2,7 @@
 
     python benchmarks/release_round_trip.py                 # 3.2 1B, 3.2 3B, 3.1 8B; 2 layers, vocab 2048
     python benchmarks/release_round_trip.py --vocab 128256 --releases 3.2-1B,3.2-3B  # the real vocabulary
+    python benchmarks/release_round_trip.py --tiny --layers 1 --vocab 64 --seq 8   # checks the script in a second
 
 For each published ``config.json`` (the values of tests/checkpoint/test_releases.py), cut to
 ``--layers`` layers and ``--vocab`` words, widths and heads as released: ``transformers`` makes
@@ -23,7 +24,13 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# The published configs are tests/checkpoint/test_releases.py's; that module imports its folder's helpers.
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "checkpoint"))
+from checkpoint.test_releases import PUBLISHED  # noqa: E402
+
+# --tiny: a release's rope, tying and GQA ratio kept, its widths cut.
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
 def measure(name: str, config: dict, folder: Path, tokens: torch.Tensor) -> dict:
@@ -66,14 +73,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--releases", default="3.2-1B,3.2-3B,3.1-8B", help="comma-separated subset")
+    parser.add_argument("--tiny", action="store_true",
+                        help="cut the widths too (64 wide, 4 heads of 16, 2 KV heads, FFN 128): checks the script")
     opts = parser.parse_args()
-    from checkpoint.test_releases import PUBLISHED
-
+    unknown = [name for name in opts.releases.split(",") if name not in PUBLISHED]
+    if unknown:
+        parser.error(f"--releases: unknown {', '.join(unknown)}; choose from {', '.join(PUBLISHED)}")
     tokens = torch.randint(0, opts.vocab, (2, opts.seq), generator=torch.Generator().manual_seed(0))
     for name in opts.releases.split(","):
         published = PUBLISHED[name]
         config = {**published, "num_hidden_layers": opts.layers, "vocab_size": opts.vocab, "bos_token_id": 1,
-                  "eos_token_id": 2}
+                  "eos_token_id": 2, **(TINY if opts.tiny else {})}
         with tempfile.TemporaryDirectory() as tmp:
             row = measure(name, config, Path(tmp), tokens)
         print(" | ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v:,}" if isinstance(v, int)
