@@ -4,9 +4,10 @@ Each folder's smoke test (``tests/benchmarks/test_benchmark_smoke.py``, ``tests/
 lists every script of its folder with how the suite covers it (a ``Smoke``), and ``coverage_problems`` keeps
 the list complete: a new script fails the test until it has an entry. A script is covered by any of:
 
-- ``runs``: its ``main`` at a tiny shape. All runs of a folder share one Python process, started once
-  (``run_all``: this file is that process's entry), so they pay for one torch import between them;
-  each run's output must hold its ``expect`` text.
+- ``runs``: its ``main`` at a tiny shape; the run's output must hold its ``expect`` text. The benchmarks'
+  runs share one Python process, started once (``run_all``: this file is that process's entry), so that
+  they pay for one torch import between them and leave no torch state (threads, generators, process
+  groups) in the pytest process.
 - ``help``: ``--help`` prints its usage. For a script that needs a GPU, the peer (TorchTitan from PyPI) or
   a cluster, or whose smallest run starts several ranks (seconds of CPU each): ``why`` says which.
   Checked in the pytest process (an import and the argument parser; nothing runs).
