@@ -261,6 +261,7 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int, sm
         "variant": variant, "layers": layers, "seq": seq, "step_s": step_time, "tokens_per_s": tps,
         "tflops": flops / 1e12, "mfu_pct": 100 * flops / peak if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "loss_first_last": [losses[0], losses[-1]],
         "params": sum(p.numel() for p in model.parameters()),
@@ -298,9 +299,12 @@ def run_peer(variant: str, layers: int, seq: int, steps: int, warmup: int, peer_
     flops = flops_per_token(args, seq) * tps
     name = torch.cuda.get_device_name(0)
     peak = peak_flops(name)
+    # The peer resets the device's peak statistics at every log step, so a peak read when it ends covers only
+    # the time after its last step (its parameters and optimizer state): its memory figure is the largest
+    # reserved peak its own step lines report over the timed steps. No allocated peak covers its steps.
     return {"variant": variant, "layers": layers, "seq": seq, "step_s": seq / tps, "tokens_per_s": tps,
-            "tflops": flops / 1e12, "mfu_pct": 100 * flops / peak if peak else None,
-            "peak_mem_gib": info["torch_peak_mem_gib"], "device": name, "torch": torch.__version__,
+            "tflops": flops / 1e12, "mfu_pct": 100 * flops / peak if peak else None, "peak_mem_gib": None,
+            "peak_reserved_gib": steps_info["peak_mem_gib"], "device": name, "torch": torch.__version__,
             "peer_version": info["peer_version"], "loss_first_last": [float("nan"), float("nan")]}
 
 
@@ -313,6 +317,39 @@ def default_layers() -> int:
     # fp32 weights + grads + AdamW = 16 B/param: 4 layers (1.9 B params, ~31 GiB) leave an
     # 80 GB H100 room for 8K-token activations and the 128K-vocab logits; a 141 GB H200 fits 8.
     return 8 if total > 100 else 4
+
+
+def print_summary(results: list[dict]) -> None:
+    """The table of the variants, then each project / peer ratio and each Float8 / bf16 ratio."""
+    ref = {r["variant"].split("-", 1)[1]: r for r in results
+           if r["variant"].startswith("reference") and "error" not in r}
+    # mem: the allocated peak; rsv: the reserved peak (the only one the peer's own log gives over its steps)
+    print(f"{'variant':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU %':>6s} {'mem GiB':>8s} {'rsv GiB':>8s} "
+          f"{'vs ref':>7s}  loss first->last")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:22s} failed")
+            continue
+        base = ref.get(r["variant"].split("-")[1])
+        vs = f"{r['tokens_per_s'] / base['tokens_per_s']:7.3f}" if base else "      -"
+        mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
+        mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "       -"
+        reserved = r.get("peak_reserved_gib")
+        mem += f" {reserved:8.1f}" if reserved is not None else "        -"
+        print(f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {mfu} {mem} {vs}  "
+              f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}")
+    ok = {r["variant"]: r for r in results if "error" not in r}
+    for mode in ("eager", "compile", "compile-sac"):
+        ours, peer = ok.get(f"project-{mode}"), ok.get(f"torchtitan-{mode}")
+        if ours and peer:
+            print(f"project-{mode} / torchtitan-{mode} ({peer['peer_version']}): "
+                  f"{ours['tokens_per_s'] / peer['tokens_per_s']:.3f}x tokens/s, reserved peak "
+                  f"{ours.get('peak_reserved_gib') or 0:.1f} vs {peer.get('peak_reserved_gib') or 0:.1f} GiB")
+    for r in results:  # Float8 against the same variant in bf16
+        base = ok.get(r["variant"].rsplit("-", 1)[0]) if r["variant"].split("-")[-1] in FLOAT8_RECIPES else None
+        if base and "error" not in r:
+            print(f"{r['variant']} / {base['variant']}: {r['tokens_per_s'] / base['tokens_per_s']:.3f}x tokens/s, "
+                  f"peak memory {r['peak_mem_gib'] or 0:.1f} vs {base['peak_mem_gib'] or 0:.1f} GiB")
 
 
 def main() -> None:
@@ -364,31 +401,7 @@ def main() -> None:
             continue
         results.append(json.loads(lines[-1][len("RESULT "):]))
         print(json.dumps(results[-1]), flush=True)
-    ref = {r["variant"].split("-", 1)[1]: r for r in results
-           if r["variant"].startswith("reference") and "error" not in r}
-    print(f"{'variant':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU %':>6s} {'mem GiB':>8s} {'vs ref':>7s}  "
-          "loss first->last")
-    for r in results:
-        if "error" in r:
-            print(f"{r['variant']:22s} failed")
-            continue
-        base = ref.get(r["variant"].split("-")[1])
-        vs = f"{r['tokens_per_s'] / base['tokens_per_s']:7.3f}" if base else "      -"
-        mfu = f"{r['mfu_pct']:6.1f}" if r["mfu_pct"] is not None else "     -"
-        mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else "       -"
-        print(f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {mfu} {mem} {vs}  "
-              f"{r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}")
-    ok = {r["variant"]: r for r in results if "error" not in r}
-    for mode in ("eager", "compile", "compile-sac"):
-        ours, peer = ok.get(f"project-{mode}"), ok.get(f"torchtitan-{mode}")
-        if ours and peer:
-            print(f"project-{mode} / torchtitan-{mode} ({peer['peer_version']}): "
-                  f"{ours['tokens_per_s'] / peer['tokens_per_s']:.3f}x tokens/s")
-    for r in results:  # Float8 against the same variant in bf16
-        base = ok.get(r["variant"].rsplit("-", 1)[0]) if r["variant"].split("-")[-1] in FLOAT8_RECIPES else None
-        if base and "error" not in r:
-            print(f"{r['variant']} / {base['variant']}: {r['tokens_per_s'] / base['tokens_per_s']:.3f}x tokens/s, "
-                  f"peak memory {r['peak_mem_gib'] or 0:.1f} vs {base['peak_mem_gib'] or 0:.1f} GiB")
+    print_summary(results)
     if results and "device" in results[0]:
         print(f"device: {results[0]['device']}, torch {results[0]['torch']}, {layers} layers, seq {args.seq}")
     if args.json:
