@@ -8,11 +8,12 @@
 every rank does the same work).  ``mixture``: the same for a weighted mixture of three
 stores against the one store, at DP degree 1/8/64 (every rank runs the interleave over
 the whole global batch).  ``resume``: seconds from ``load_state_dict`` to the first
-batch, at window 0, near the end of the embedded store's epoch, and at 10^6 windows of a
-synthetic store.  ``step``: the data share of an emulated step, with and without the
-prefetch thread.  ``prepare``: tokens/s of ``prepare_store`` per worker count on the
-embedded corpus.  (The streaming packer every rank ran before the store, the baseline of
-the first figures in benchmarks/history.md §7, is gone: no run uses it.)
+batch, at window 0, near the end of the embedded store's epoch, and in the middle and at the
+end of a synthetic store of 10^6 windows (``--synthetic-windows``).  ``step``: the data share of
+an emulated step (100 steps, fewer when ``--steps`` is smaller), with and without the prefetch
+thread.  ``prepare``: tokens/s of ``prepare_store`` per worker count on the embedded corpus.  (The
+streaming packer every rank ran before the store, the baseline of the first figures in
+benchmarks/history.md §7, is gone: no run uses it.)
 
 The ``data:`` share of a training step comes from ``train.py``'s own log line; see
 benchmarks/history.md §7 for the command.  The machine is shared: compare ratios from
@@ -116,7 +117,7 @@ def _first_batch_seconds(make, state: dict) -> float:
     return time.perf_counter() - start
 
 
-def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
+def bench_resume(tokenizer, cache, seq: int, batch: int, synthetic_windows: int) -> None:
     from torchtitan.datasets import DataLayout
     from torchtitan.datasets.prepare import write_synthetic_store
     from torchtitan.datasets.store_dataset import TokenStoreDataset
@@ -137,15 +138,16 @@ def bench_resume(tokenizer, cache, seq: int, batch: int) -> None:
     synth_seq = 32
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        path = write_synthetic_store(tmp, (10**6 + 1000) * (synth_seq + 1))
+        path = write_synthetic_store(tmp, (synthetic_windows + 1000) * (synth_seq + 1))
         written = time.perf_counter() - t0
-        for window in (0, 0, 500_000, 10**6 - 8 * batch):  # the first one warms the page cache up
+        # The first one warms the page cache up.
+        for window in (0, 0, synthetic_windows // 2, synthetic_windows - 8 * batch):
             def make():
                 return TokenStoreDataset(store=TokenStore(path),
                                          layout=DataLayout(synth_seq, batch, 0, 8), shuffle=True)
             seconds = _first_batch_seconds(make, dict(base, seq_len=synth_seq, next_window=window))
-            print(f"| synthetic store, {10**6 + 1000:,} windows of {synth_seq + 1}, DP 8: window {window:,} "
-                  f"| {seconds:.3f} |")
+            print(f"| synthetic store, {synthetic_windows + 1000:,} windows of {synth_seq + 1}, DP 8: window "
+                  f"{window:,} | {seconds:.3f} |")
         print(f"(writing the synthetic store took {written:.1f} s)")
 
 
@@ -232,6 +234,8 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=20.0, help="compute time of an emulated training step")
     p.add_argument("--copies", type=int, default=8, help="copies of the embedded corpus to prepare")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of the loader section")
+    p.add_argument("--synthetic-windows", type=int, default=10**6,
+                   help="resume: windows of the synthetic store resumed at its middle and end")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torchtitan.datasets import build_tokenizer
@@ -246,9 +250,9 @@ def main() -> None:
         if "mixture" in args.sections:
             bench_mixture(tokenizer, cache, args.seq, args.batch, args.steps, args.rounds)
         if "resume" in args.sections:
-            bench_resume(tokenizer, cache, args.seq, args.batch)
+            bench_resume(tokenizer, cache, args.seq, args.batch, args.synthetic_windows)
         if "step" in args.sections:
-            bench_step(tokenizer, cache, args.seq, args.batch, 100, args.step_ms, args.rounds)
+            bench_step(tokenizer, cache, args.seq, args.batch, min(100, args.steps), args.step_ms, args.rounds)
     if "prepare" in args.sections:
         bench_prepare(args.workers, args.copies)
 
