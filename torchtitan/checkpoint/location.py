@@ -62,8 +62,10 @@ def uri_problem(spec: str) -> str | None:
     scheme, slashes, rest = match.groups()
     if not slashes:
         return None
-    from fsspec import available_protocols
-
+    try:
+        from fsspec import available_protocols
+    except ImportError:
+        return "a URI needs fsspec: pip install fsspec"
     if scheme not in available_protocols():
         if len(slashes) < 2:
             return None  # a path such as C:/x
@@ -83,9 +85,9 @@ def _file_system(url: str) -> AbstractFileSystem:
         from fsspec.core import url_to_fs
     except ImportError:
         raise ImportError(f"{url}: object storage needs fsspec (pip install fsspec)") from None
+    if url.split("://", 1)[0] in s3_client.PROTOCOLS:
+        s3_client.apply()  # before the first S3 file system: every later one, DCP's too, has the timeouts
     try:
-        if url.split("://", 1)[0] in s3_client.PROTOCOLS:
-            s3_client.apply()  # before the first S3 file system: every later one, DCP's too, has the timeouts
         fs, _ = url_to_fs(url)
     except ImportError as e:
         raise ImportError(f"{url}: the driver for this storage is not installed ({e}); for s3:// run "

@@ -68,8 +68,11 @@ def apply() -> None:
     if _applied == _wanted:
         return
     import fsspec.config
-    import s3fs
 
+    try:
+        import s3fs
+    except ImportError:
+        raise ImportError("s3:// needs the s3fs driver: pip install s3fs") from None
     config = _client_config(_wanted)
     _check_supported(config)
     s3fs.S3FileSystem.retries = 1  # one s3fs attempt of botocore's bounded ones, not five of them
