@@ -74,13 +74,18 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callable] = ()) -> i
 
 
 def _failure_status(error: Exception) -> int:
-    """Log a training failure; its exit status: a full checkpoint disk has its own, with one line and no traceback."""
+    """Log a training failure; its exit status. A full checkpoint disk (its own status) and an object store that
+    stopped answering are told in their one line, naming the folder or the endpoint, without a traceback."""
+    from torchtitan.checkpoint.s3_client import StoreUnansweredError
     from torchtitan.checkpoint.space import DiskFullError
 
     if isinstance(error, DiskFullError):
         logging.getLogger(__name__).error("%s", error)
         _wait_for_peer_reports("disk_full")
         return DiskFullError.exit_status
+    if isinstance(error, StoreUnansweredError):
+        logging.getLogger(__name__).error("%s", error)
+        return 1
     logging.getLogger(__name__).exception("Training failed")
     return 1
 
