@@ -37,6 +37,8 @@ from torchtitan.checkpoint import integrity  # noqa: E402
 from torchtitan.models.common.decoder import Decoder  # noqa: E402
 from torchtitan.models.llama3 import ModelArgs, llama3_flavors  # noqa: E402
 
+SHAPES = ("tiny", "debug", "large")
+
 
 def _state(shape: str) -> dict:
     if shape in ("debug", "tiny"):
@@ -105,6 +107,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
     args = parser.parse_args()
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.folder) as work:

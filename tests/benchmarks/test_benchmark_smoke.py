@@ -104,6 +104,18 @@ def test_tiny_run(path, run, runs):
     assert result["status"] == 0 and run.expect in result["output"], result["output"]
 
 
+@pytest.mark.parametrize("path, argv, expected", [
+    ("benchmarks/checkpoint_integrity.py", ["--shapes", "huge"], "--shapes: unknown huge; choose from tiny, debug"),
+    ("benchmarks/plan_deepseek_v3.py", ["deepseek_v3_1t", "8"], "deepseek_v3_1t.toml does not exist"),
+    ("benchmarks/plan_validation.py", ["8b-fsdp9"], "unknown row(s) 8b-fsdp9; --list names the rows"),
+    ("benchmarks/release_round_trip.py", ["--releases", "3.3-1B"], "--releases: unknown 3.3-1B; choose from 3.2-1B"),
+])
+def test_a_bad_argument_is_refused_in_one_line(path, argv, expected, capsys):
+    # On 8ccae30 the shape ran the large model, the config and the row ended in tracebacks (IndexError, KeyError).
+    assert call_main(load(path), argv) == 2
+    assert expected in capsys.readouterr().err
+
+
 def test_gpu_moe_summary_reads_the_step_lines_the_trainer_prints(tmp_path):
     # The table's regex against the trainer's own step line: tokens/s of the steps after the third, and the
     # reserved memory of the last one.
