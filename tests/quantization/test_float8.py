@@ -162,6 +162,9 @@ def test_aligned_rows_start_every_group_at_a_multiple_of_16():
     destination, offsets, capacity = aligned_rows(counts, int(counts.sum()))
     assert offsets.tolist() == [16, 16, 48, 64, 80] and offsets.dtype == torch.int32
     assert capacity >= 80
+    # The buffer's rows are a multiple of 16 too: the weight gradient reads it transposed (16-byte FP8 strides).
+    for sizes in ([3, 0, 17, 16, 1], [3, 0, 17], [1]):
+        assert aligned_rows(torch.tensor(sizes), sum(sizes))[2] % ALIGN == 0, sizes
     starts = [0, 16, 16, 48, 64]
     expected = [s + i for s, n in zip(starts, counts.tolist()) for i in range(n)]
     assert destination.tolist() == expected

@@ -42,7 +42,10 @@ def aligned_rows(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.T
     group = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=rows)
     first_of_group = torch.cumsum(counts, dim=0) - counts
     destination = (ends - padded)[group] + torch.arange(rows, device=counts.device) - first_of_group[group]
-    capacity = rows + (ALIGN - 1) * counts.shape[0]
+    # The buffer's row count is a multiple of ALIGN too: the weight gradient reads the buffer transposed,
+    # and the FP8 kernel needs every stride to be a multiple of 16 bytes (one byte per FP8 element).
+    worst = rows + (ALIGN - 1) * counts.shape[0]
+    capacity = (worst + ALIGN - 1) // ALIGN * ALIGN
     return destination, ends.to(torch.int32), capacity
 
 
