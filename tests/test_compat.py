@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -58,6 +59,33 @@ def _timeout_takes_effect(rank: int) -> float | None:
     finally:
         store.set("compat/barrier_done", "1")
     raise AssertionError("a barrier that rank 1 never joined returned")
+
+
+def _group_timeouts() -> dict[str, Any]:
+    """A gloo group's timeout as its backend applies it, before and after compat.set_pg_timeout, and a fake
+    group's (no timeout: set_pg_timeout leaves it, without torch's warning that it set none)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
+    before = compat.group_timeouts(group)
+    world = init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
+    fake = compat.unflatten_mesh(world, (2, 1), ("fake_x", "fake_y"), fake=("fake_x", "fake_y")).get_group("fake_x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        set_gloo = compat.set_pg_timeout(timedelta(seconds=5), group)
+        set_fake = compat.set_pg_timeout(timedelta(seconds=5), fake)
+    # A setter that sets nothing (as torch's does, with a warning, for a backend it does not know) is refused.
+    setter = "torch.distributed.set_timeout" if hasattr(dist, "set_timeout") else \
+        "torch.distributed.distributed_c10d._set_pg_timeout"
+    with mock.patch(setter, lambda *args, **kwargs: None):
+        try:
+            compat.set_pg_timeout(timedelta(seconds=7), group)
+            refused = "not refused"
+        except compat.CompatError as e:
+            refused = str(e)
+    return {"before": before, "after": compat.group_timeouts(group), "set": (set_gloo, set_fake),
+            "fake": (fake.size(), compat.group_timeouts(fake)), "refused": refused, "name": group.group_name}
 
 
 def _store_exchange(rank: int) -> str:
@@ -119,6 +147,7 @@ def _world_probes(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     mesh = init_device_mesh("cpu", (world_size,))
     _probe("set_pg_timeout", lambda: _timeout_takes_effect(rank), out)
+    _probe("group_timeouts", _group_timeouts, out)
     _probe("default_store", lambda: _store_exchange(rank), out)
     _probe("all_process_groups", lambda: (len(compat.all_process_groups()),
                                           dist.group.WORLD in compat.all_process_groups()), out)
@@ -168,6 +197,17 @@ def test_set_pg_timeout_changes_a_live_groups_timeout(world):
     seconds, _ = _ok(world, "set_pg_timeout")
     assert seconds < 30, (f"a barrier under a 1 s timeout (set by compat.set_pg_timeout) waited {seconds:.0f} s: "
                           "the timeout setter no longer reaches the group's backend")
+
+
+@pytest.mark.slow
+def test_group_timeouts_read_what_each_backend_applies(world):
+    # ProcessGroup._device_types / _get_backend, and each backend's options._timeout.
+    for got in _ok(world, "group_timeouts"):
+        assert got["before"] == {"gloo": timedelta(seconds=60)}, got
+        assert got["after"] == {"gloo": timedelta(seconds=5)}, (
+            f"compat.set_pg_timeout did not reach the gloo backend's options, or options._timeout moved: {got}")
+        assert got["set"] == (True, False) and got["fake"] == (2, {"fake": None}), got
+        assert f"({got['name']}): " in got["refused"] and "gloo still applies 5 s" in got["refused"], got["refused"]
 
 
 @pytest.mark.slow
@@ -246,6 +286,55 @@ def test_redistribute_logger_name():
     module = importlib.import_module(compat.REDISTRIBUTE_LOGGER)
     assert module.logger.name == compat.REDISTRIBUTE_LOGGER, (
         f"DTensor's redistribution no longer logs as {compat.REDISTRIBUTE_LOGGER}: grads.py would not quiet it")
+
+
+def _logged(logger_name: str, msg: str, args: tuple = (), pathname: str = "x.py") -> bool:
+    """Whether a WARNING record of ``logger_name`` passes that logger's filters (compat's import-noise filters)."""
+    import logging
+
+    logger = logging.getLogger(logger_name)
+    record = logger.makeRecord(logger_name, logging.WARNING, pathname, 1, msg, args, None)
+    return bool(logger.filter(record))
+
+
+def test_import_noise_filters_drop_only_torchao_import_warnings_that_do_not_apply(tmp_path):
+    # torchtitan/compat/import_noise.py, put on its loggers by importing torchtitan.compat.
+    import enum
+
+    from torchtitan.compat import import_noise
+
+    (tmp_path / "_C_cuda.so").write_bytes(b"\x7fELF" + b"\0" * 64 + b"libc10.so\0libcudart.so.13\0libtorch_cuda.so")
+    (tmp_path / "_C_cpu.so").write_bytes(b"\x7fELF" + b"\0" * 64 + b"libc10.so\0libtorch_cpu.so")
+    init = str(tmp_path / "__init__.py")  # torchao's package file: its libraries are beside it
+
+    def load_failure(library: str) -> bool:
+        return _logged(import_noise.TORCHAO_LOGGER, f"Failed to load {tmp_path / library}: Could not load", (), init)
+
+    cuda_build = torch.backends.cuda.is_built()
+    # A CUDA library on a build without CUDA is dropped; any other library's failure shows, and every one with CUDA.
+    assert load_failure("_C_cuda.so") is cuda_build
+    assert load_failure("_C_cpu.so") and load_failure("../elsewhere/_C_cuda.so")
+    assert _logged(import_noise.TORCHAO_TRITON_LOGGER,
+                   "Warning: Detected no triton, on systems without Triton certain kernels will not work") is cuda_build
+    assert _logged(import_noise.TORCHAO_LOGGER, "another torchao warning", (), init)
+    assert _logged(import_noise.TORCHAO_TRITON_LOGGER, "another intmm warning")
+
+    # torch's Enum deprecation: dropped for torchao's enums only.
+    theirs, ours = enum.Enum("KernelPreference", "AUTO"), enum.Enum("Ours", "A")
+    theirs.__module__ = "torchao.float8.config"
+    deprecation = ("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type. "
+                   "Calling register_constant() on Enum subclasses is deprecated")
+    assert not _logged(import_noise.PYTREE_LOGGER, deprecation, (theirs,))
+    assert _logged(import_noise.PYTREE_LOGGER, deprecation, (ours,))
+    assert _logged(import_noise.PYTREE_LOGGER, "another pytree warning: %s", (theirs,))
+    import_noise.quiet_import_noise()  # a second call adds no second filter
+    assert all(len(logging_filters(name)) == 1 for name in import_noise.import_noise_filters())
+
+
+def logging_filters(name: str) -> list:
+    import logging
+
+    return list(logging.getLogger(name).filters)
 
 
 def test_lower_right_causal_bias_has_no_storage_and_attends_as_the_public_one():

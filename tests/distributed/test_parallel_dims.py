@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch.distributed as dist
 from dist_harness import run_ranks
 
+from torchtitan.compat import all_process_groups, group_timeouts
 from torchtitan.distributed import FLATTENED_VIEWS, ParallelDims, manual_seed
+from torchtitan.distributed.lifecycle import set_collective_timeout
 from torchtitan.distributed.parallel_dims import ROOT_MESHES, same_layout
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -169,7 +172,24 @@ def _describe_meshes(rank: int, world_size: int, layouts: dict) -> dict:
             "routing": _ranks(dims.routing_mesh()),
             "seed": manual_seed(100, dims=dims, sharded_dims=["pp", "dp_shard", "cp", "tp", "ep"]),
         }
+    out["timeouts"] = _training_timeouts()
     return out
+
+
+TRAIN_TIMEOUT_S = 77
+
+
+def _training_timeouts() -> list[tuple[str, float | None]]:
+    """The trainer's training timeout set on every group the layouts made, then each backend's timeout as it
+    applies it, over every group of several ranks: ``("gloo", TRAIN_TIMEOUT_S)``, and ``("fake", None)`` for the
+    placement-only dims (a fake group waits for nobody: it has no timeout)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch only warns where it sets no timeout
+        set_collective_timeout(TRAIN_TIMEOUT_S)
+    applied = {(backend, None if timeout is None else timeout.total_seconds())
+               for group in all_process_groups() if group.size() > 1
+               for backend, timeout in group_timeouts(group).items()}
+    return sorted(applied, key=str)
 
 
 def _ranks(mesh) -> list[int] | None:  # noqa: ANN001 - a DeviceMesh or None
@@ -251,6 +271,8 @@ def test_meshes_on_eight_ranks():
     assert results[0]["tp2_fsdp4"]["labels"] == ["dp_shard", "tp"]
     assert results[0]["cp2_tp2_fsdp2"]["labels"] == ["cp", "dp_cp", "dp_shard", "dp_shard_cp", "tp"]
     assert results[0]["pp2_tp2_cp2"]["labels"] == ["cp", "pp", "tp"]
+    # Every group the layouts made (dims, views, both roots) applies the training timeout, or is fake.
+    assert all(r["timeouts"] == [("fake", None), ("gloo", TRAIN_TIMEOUT_S)] for r in results), results[0]["timeouts"]
 
 
 @pytest.mark.slow
@@ -306,6 +328,8 @@ def test_sparse_mesh_at_ep_two():
     assert results[5]["hsdp2x2_tp2_ep4"]["views"]["ep"] == (1, 4, [4, 5, 6, 7])
     assert results[2]["fsdp2_tp4_ep4"]["views"]["efsdp"] == (0, 2, [2, 6])
     assert results[3]["pp2_fsdp2_tp2_ep4"]["routing"] == [0, 1, 2, 3]
+    # The expert groups apply the training timeout too.
+    assert all(r["timeouts"] == [("fake", None), ("gloo", TRAIN_TIMEOUT_S)] for r in results), results[0]["timeouts"]
     # manual_seed over ParallelDims reaches ep: ranks 0 and 1 of ep2_fsdp8 differ in dp_shard and ep.
     assert [r["ep2_fsdp8"]["seed"] for r in results[:2]] == [100, 100 + 1 * 2 + 1]
 

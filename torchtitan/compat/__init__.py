@@ -12,7 +12,8 @@ fails there first. Tested versions: docs/versions.md.
 The modules: ``c10d`` (process groups, c10d ops), ``mesh`` (DeviceMesh, DTensor), ``compile`` (async
 collectives into compiled code), ``fsdp`` (FSDP2), ``pipelining`` (schedules and stages), ``autograd``
 (dispatch and the autograd engine), ``kernels`` (grouped GEMM, causal bias, fused optimizers),
-``torchft`` (LocalSGD / DiLoCo), ``errors`` (``CompatError``). ``from torchtitan.compat import X`` reaches
+``torchft`` (LocalSGD / DiLoCo), ``import_noise`` (the warnings torchao's import logs that do not apply,
+dropped at their loggers), ``errors`` (``CompatError``). ``from torchtitan.compat import X`` reaches
 every function of them.
 
 The package imports torch only (torchft objects come in as arguments), so every layer of the
@@ -33,6 +34,8 @@ from torchtitan.compat.c10d import (
     default_store,
     fake_process_group_store,
     functional_collective_ops,
+    group_timeouts,
+    last_collectives,
     member_groups_only,
     resolve_process_group,
     set_pg_timeout,
@@ -40,6 +43,7 @@ from torchtitan.compat.c10d import (
 from torchtitan.compat.compile import wait_async_collective
 from torchtitan.compat.errors import CompatError, missing
 from torchtitan.compat.fsdp import fsdp_hooked_parameters, fsdp_param_groups, fsdp_storage_hooks
+from torchtitan.compat.import_noise import quiet_import_noise
 from torchtitan.compat.kernels import (
     cuda_capability,
     fused_kernel_devices,
@@ -71,6 +75,10 @@ from torchtitan.compat.torchft import (
     set_semi_sync_local_step,
 )
 
+# Before anything imports torchao (only Float8 and the MoE FP8 kernels do, lazily): the warnings its import logs
+# that do not apply to the run, dropped by logger and message (compat/import_noise.py says which and why).
+quiet_import_noise()
+
 if TYPE_CHECKING:  # what the lazy names below are, for the type checker
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: F401
     from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
@@ -79,13 +87,15 @@ if TYPE_CHECKING:  # what the lazy names below are, for the type checker
 __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
     "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh", "fsdp_storage_hooks",
-    "functional_collective_ops", "in_autograd_backward", "member_groups_only", "missing", "op_name", "op_schema",
+    "functional_collective_ops", "group_timeouts", "in_autograd_backward", "last_collectives", "member_groups_only",
+    "missing", "op_name", "op_schema",
     "resolve_process_group", "step_keeping_no_outputs",
     "skip_pipeline_shape_exchange", "storage_id", "in_pipeline_shape_inference", "mark_pipeline_shape_inference",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_as_on", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
-    "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step", "unflatten_mesh",
+    "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step",
+    "unflatten_mesh",
     "wait_async_collective", "cuda_capability", "scaled_grouped_mm_available", "scaled_mm_supported",
 ]
 
