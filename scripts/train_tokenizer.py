@@ -23,6 +23,7 @@ import argparse
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -133,7 +134,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--input {input_path!r} does not exist")
 
     start = time.perf_counter()
-    train(input_path, args.output, args.vocab_size)
+    try:
+        train(input_path, args.output, args.vocab_size)
+    except RuntimeError as e:
+        # The floor depends on the corpus (its characters, the 256 byte pieces and the specials): SentencePiece
+        # finds it only while training and says so in a C++ assertion; name the option and the size it needs.
+        needed = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e))
+        if needed is None:
+            raise
+        floor = needed.group(1)
+        parser.error(f"--vocab-size {args.vocab_size} is too small for {input_path}: its characters, the 256 byte "
+                     f"pieces and the 3 specials need at least {floor}; give --vocab-size >= {floor}")
     elapsed = time.perf_counter() - start
     size = args.output.stat().st_size
     print(f"wrote {args.output} ({size} bytes, vocab {args.vocab_size}) from {input_path} in {elapsed:.1f}s")

@@ -76,3 +76,15 @@ def test_tiny_run(path, run, tmp_path, capsys):
         (tmp_path / name).write_text(text)
     assert call_main(load(path), [a.replace("{tmp}", str(tmp_path)) for a in run.argv]) == 0
     assert run.expect in capsys.readouterr().out
+
+
+def test_train_tokenizer_names_the_vocab_size_a_corpus_needs(tmp_path, capsys):
+    """Too small a vocabulary for the corpus's characters is one line naming the option and the size it needs,
+    not SentencePiece's C++ assertion."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(chr(0x4E00 + i) * 3 for i in range(120)), encoding="utf-8")  # 120 characters
+    status = call_main(load("scripts/train_tokenizer.py"),
+                       ["--vocab-size", "300", "--input", str(corpus), "--output", str(tmp_path / "t.model")])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "--vocab-size 300 is too small" in err and "give --vocab-size >= " in err, err
