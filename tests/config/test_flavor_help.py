@@ -15,6 +15,12 @@ def test_flavor_help_lists_every_family_and_its_flavors():
         assert f"{name}: {', '.join(model_flavors(name))}" in help_line, (name, help_line)
 
 
+def test_family_help_lists_every_family():
+    lines = ConfigManager().help_text().splitlines()
+    help_line = lines[lines.index("  --model.name (str)") + 1]
+    assert f"names it: {', '.join(model_names())} (default: llama3)" in help_line, help_line
+
+
 def test_the_help_is_written_when_first_read_and_once():
     written: list[str] = []
 

@@ -59,6 +59,13 @@ def flavor_help() -> str:
             "Hugging Face config.json or Meta's params.json, or the file itself")
 
 
+def family_help() -> str:
+    """``--model.name``'s help: the families the model registry knows."""
+    from torchtitan.models.registry import model_names
+
+    return f"Model family, as the model registry names it: {', '.join(model_names())}"
+
+
 @dataclass
 class Job:
     config_file: str | None = field_with_help(None, "TOML file to read; CLI flags override its values")
@@ -70,7 +77,7 @@ class Job:
 @dataclass
 class Model:
     # The families are those the model registry knows (torchtitan/models/registry.py); preflight checks the name.
-    name: str = field_with_help("llama3", "Model family, as the model registry names it (llama3)")
+    name: str = field_with_help("llama3", family_help)
     flavor: str = field_with_help("debugmodel", flavor_help)
     tokenizer_path: str = field_with_help(
         "torchtitan/datasets/assets/tokenizer.model",
