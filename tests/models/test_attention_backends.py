@@ -2,7 +2,10 @@
 preflight compares with the model's needs; a run through the launcher refuses a backend that lacks one.
 
 - ``select_backend`` gives each backend for the mask, device and context parallelism it is asked for;
-- ``backend_problems`` names each missing capability in one line (and nothing when the backend fits);
+- ``backend_problems`` names each missing capability in one line (and nothing when the backend fits), and every
+  capability field differs between two backends (a field equal on all would be a check that never fires);
+- decoding goes through the backend the attention is handed, MLA's and GPT-OSS's included; a training backend
+  refuses a cache in one line, and ``decoding_backend`` keeps the run's CPU kernels;
 - the backend a model is given decides its kernels: ``sdpa`` refuses a document mask at run time, and the
   ``document_sdpa`` and ``sdpa`` backends give the same output on a causal forward;
 - the KV cache sizes keys and values apart (a value head size other than the key's, as MLA has);
@@ -21,15 +24,19 @@ import pytest
 import torch
 from conftest import CI_CONFIG, REPO
 
+from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.attention import (
     BACKENDS,
+    NO_EXTRAS,
     AttentionNeeds,
     Capabilities,
     DocumentSDPA,
     FlexDocument,
+    KVCacheDecode,
     ScoreExtras,
     SDPACausal,
     backend_problems,
+    decoding_backend,
     select_backend,
 )
 from torchtitan.models.common.decoder import Decoder
@@ -37,7 +44,7 @@ from torchtitan.models.kv_cache import KVCache
 from torchtitan.models.llama3 import llama3_flavors
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=2, max_seq_len=32, vocab_size=64)
-GQA = AttentionNeeds(mask="block_causal", head_dim=16, v_head_dim=16)
+GQA = AttentionNeeds(mask="block_causal")
 
 
 @pytest.mark.parametrize("choice,mask,device,expected", [
@@ -54,14 +61,7 @@ def test_select_backend_is_the_one_choice(choice, mask, device, expected):
     assert select_backend(choice, mask, device, cpu_kernels=device == "cpu") is backend  # one object per choice
 
 
-class CausalOnly(SDPACausal):
-    """A backend that states no sinks and no sliding windows (every shipped one applies both)."""
-
-    name = "sdpa"
-    capabilities = Capabilities(masks=frozenset({"causal"}))
-
-
-def test_backend_problems_name_each_missing_capability_in_one_line(monkeypatch):
+def test_backend_problems_name_each_missing_capability_in_one_line():
     assert backend_problems("auto", GQA, "cpu", context_parallel=False) == []
     assert backend_problems("auto", GQA, "cpu", context_parallel=True) == []  # the context_parallel backend
     assert backend_problems("document_sdpa", GQA, "cuda", context_parallel=False) == []
@@ -70,22 +70,57 @@ def test_backend_problems_name_each_missing_capability_in_one_line(monkeypatch):
         "(--model.attn_mask_type); use --model.attention_backend=auto"]
     problems = backend_problems("flex", GQA, "cpu", context_parallel=True)
     assert len(problems) == 2 and "context parallelism" in problems[0] and "cpu devices" in problems[1]
-    sinks = dataclasses.replace(GQA, mask="causal", sinks=True, sliding_window=True, v_head_dim=8)
-    for cp in (False, True):  # sdpa (causal), context_parallel: both apply sinks and windows (GPT-OSS)
-        assert backend_problems("auto", sinks, "cpu", context_parallel=cp) == []
-    monkeypatch.setitem(BACKENDS, "sdpa", CausalOnly)
-    problems = backend_problems("auto", sinks, "cpu", context_parallel=False)
-    assert [p.split("does not apply ")[1].split(";")[0] for p in problems] == ["attention sinks", "sliding windows"]
+
+
+def test_every_capability_field_tells_two_backends_apart():
+    for field in dataclasses.fields(Capabilities):
+        values = {repr(getattr(backend.capabilities, field.name)) for backend in BACKENDS.values()}
+        assert len(values) > 1, f"Capabilities.{field.name} is {values.pop()} on every backend"
 
 
 def test_a_backend_refuses_at_run_time_what_it_lacks():
     q = k = v = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        CausalOnly().attend(q, k, v, None, ScoreExtras(sinks=torch.zeros(2)))
     with pytest.raises(ValueError, match="causal mask only"):
         model = Decoder(ARGS)
         model.use_attention_backend(SDPACausal())
         model(torch.zeros(1, 8, dtype=torch.long), positions=torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="^the document_sdpa attention backend does not decode against a KV cache"):
+        DocumentSDPA().attend_cached(q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    assert type(decoding_backend(SDPACausal())) is KVCacheDecode
+    decode = decoding_backend(DocumentSDPA(cpu_kernels=True))
+    assert type(decode) is KVCacheDecode and decode.cpu_kernels
+
+
+class CountingDecode(KVCacheDecode):
+    """The kv_cache backend, counting the layers that decode through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
+        self.calls += 1
+        return super().attend_cached(q, k, v, mask, extras)
+
+
+@pytest.mark.parametrize("family", ["llama3", "gpt_oss", "deepseek_v3"])  # GQA, sinks with windows, MLA
+def test_decoding_goes_through_the_backend_the_attention_is_handed(family):
+    args = dataclasses.replace(model_args(family, "debugmodel"), vocab_size=64, max_seq_len=32)
+    torch.manual_seed(0)
+    model = get_model_spec(family).build(args)
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 64, (2, 6))
+    outs = []
+    for backend in (None, CountingDecode()):
+        if backend is not None:
+            model.use_attention_backend(backend)
+        cache = KVCache(torch.zeros(2, dtype=torch.long), capacity=8)
+        with torch.no_grad():
+            outs.append(torch.cat([model(tokens[:, :4], cache=cache), model(tokens[:, 4:], cache=cache)], dim=1))
+    assert backend is not None and backend.calls == 2 * args.n_layers  # two forwards, every layer
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_the_models_backend_decides_its_kernels():

@@ -137,6 +137,21 @@ def test_the_cache_holds_the_latent_and_decodes_as_the_full_forward():
         1, args.kv_lora_rank, 1, args.qk_rope_head_dim)
 
 
+def test_the_tp_plan_is_a_query_and_apply_tp_gives_mla_its_group():
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate
+
+    from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
+
+    attention = DeepSeekV3Model(model_args("deepseek_v3", "debugmodel")).layers["0"].attention
+    assert isinstance(attention, MultiHeadLatentAttention)
+    mesh = SimpleNamespace(get_group=lambda: "the tp group")  # tp_plan must not ask the mesh for anything
+    assert set(attention.tp_plan(Replicate(), mesh)) == {"", "wq_b", "wkv_b", "wo"}  # type: ignore[arg-type]
+    assert attention.tp_group is None
+    assert get_model_spec("deepseek_v3").apply_tp.__module__ == "torchtitan.models.deepseek_v3.parallel"
+
+
 @pytest.mark.parametrize("flavor, total, active", [
     ("16B", 15.96e9, 2.91e9), ("671B", 671e9, 37e9), ("kimi_k2", 1.03e12, 32.9e9)])
 def test_flavors_have_the_published_parameter_counts(flavor, total, active):

@@ -5,7 +5,6 @@ docs/attention_masks.md describe them."""
 from torchtitan.models.attention.backends import (
     BACKEND_CHOICES,
     BACKENDS,
-    KV_CACHE_DECODE,
     NO_EXTRAS,
     AttentionBackend,
     AttentionNeeds,
@@ -18,6 +17,7 @@ from torchtitan.models.attention.backends import (
     SDPACausal,
     backend_name,
     backend_problems,
+    decoding_backend,
     describe_backend,
     select_backend,
 )
@@ -36,9 +36,9 @@ from torchtitan.models.attention.masks import (
     per_document_sdpa,
 )
 
-__all__ = ["BACKENDS", "BACKEND_CHOICES", "KV_CACHE_DECODE", "MASK_TYPES", "NO_EXTRAS", "AttentionBackend",
-           "AttentionNeeds", "Capabilities", "ContextParallel", "DocumentMask", "DocumentSDPA", "FlexDocument",
-           "GQAConfig", "GroupedQueryAttention", "KVCacheDecode", "SDPACausal", "ScoreExtras", "backend_name",
-           "backend_problems", "block_causal_attention", "describe_backend", "build_document_mask", "check_mask_type",
-           "cp_block_causal_attention", "cp_document_mask", "dense_mask", "document_causal_mask_mod", "document_ids",
-           "per_document_sdpa", "select_backend"]
+__all__ = ["BACKENDS", "BACKEND_CHOICES", "MASK_TYPES", "NO_EXTRAS", "AttentionBackend", "AttentionNeeds",
+           "Capabilities", "ContextParallel", "DocumentMask", "DocumentSDPA", "FlexDocument", "GQAConfig",
+           "GroupedQueryAttention", "KVCacheDecode", "SDPACausal", "ScoreExtras", "backend_name", "backend_problems",
+           "block_causal_attention", "build_document_mask", "check_mask_type", "cp_block_causal_attention",
+           "cp_document_mask", "decoding_backend", "dense_mask", "describe_backend", "document_causal_mask_mod",
+           "document_ids", "per_document_sdpa", "select_backend"]

@@ -16,15 +16,15 @@ needs (``AttentionNeeds``), one line per gap, and the decoder's preflight check 
 
 The backends (``BACKENDS``):
 
-==================  ==================  ========  ==========  ====  ========  =====  ==============
-name                masks               devices   CP          KV    D_v≠D_qk  sinks  sliding window
-==================  ==================  ========  ==========  ====  ========  =====  ==============
-``sdpa``            causal              any       no          no    yes       yes    yes
-``document_sdpa``   causal, documents   any       no          no    yes       yes    yes
-``flex``            causal, documents   cuda      no          no    yes       yes    yes
-``context_parallel``causal, documents   any       yes         no    yes       yes    yes
-``kv_cache``        the cache's own     any       no          yes   yes       yes    yes
-==================  ==================  ========  ==========  ====  ========  =====  ==============
+==================  ==================  ========  ==========  ========
+name                masks               devices   CP          KV cache
+==================  ==================  ========  ==========  ========
+``sdpa``            causal              any       no          no
+``document_sdpa``   causal, documents   any       no          no
+``flex``            causal, documents   cuda      no          no
+``context_parallel``causal, documents   any       yes         no
+``kv_cache``        the cache's own     any       no          yes
+==================  ==================  ========  ==========  ========
 
 - ``sdpa``: causal SDPA over whole windows; on an eager CPU with the CPU kernels on, SDPA reads each
   K/V head for its query group itself (``enable_gqa``) instead of repeated copies (ops/cpu_kernels.py).
@@ -34,15 +34,16 @@ name                masks               devices   CP          KV    D_v≠D_qk  
 - ``context_parallel``: both masks over this rank's two load-balanced chunks against the whole
   sequence's keys (all-gathered over the ``cp`` mesh); document masks from the whole sequence's positions.
 - ``kv_cache``: decoding (``models/kv_cache.py``): the new tokens' queries against every cached key,
-  under the cache's padding and causal mask. The decoder's cached forward uses it.
+  under the cache's padding and causal mask (``attend_cached``; the attention module appends this step's
+  keys and values to its layer's cache first, in its own form: MLA keeps the latent). The decoder's cached
+  forward hands every block ``decoding_backend``'s choice: the run's backend when it decodes, else this one.
 
-A learned per-head sink logit (``ScoreExtras.sinks``) and a sliding window (``ScoreExtras.window``,
-composed with the document mask) are arguments every backend receives (GPT-OSS's attention passes them);
-each backend here applies them with the kernels of ``sinks.py`` (FlexAttention rescaled by the sink on
-CUDA, explicit scores with the sink column elsewhere, per chunk under context parallelism, a window over
-the cache's slots in decoding), and a backend whose capabilities lack them refuses them. MLA's value head size
-(``D_v``) differs from the query/key size, which every backend here accepts (SDPA and FlexAttention
-take it, and the KV cache sizes keys and values apart).
+Every backend here applies what the shipped attentions pass beyond q, k and v, so no capability states
+it: a learned per-head sink logit (``ScoreExtras.sinks``) and a sliding window (``ScoreExtras.window``,
+composed with the document mask), which GPT-OSS's attention passes, run the kernels of ``sinks.py``
+(FlexAttention rescaled by the sink on CUDA, explicit scores with the sink column elsewhere, per chunk under
+context parallelism, a window over the cache's slots in decoding); and MLA's value head size (``D_v``),
+other than the query/key size, which SDPA, FlexAttention and the KV cache all take.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ from torchtitan.models.attention.masks import (
 )
 from torchtitan.models.attention.masks import block_causal_attention as _device_block_causal
 from torchtitan.models.attention.sinks import cached_sink_attention, cp_sink_attention, local_sink_attention
-from torchtitan.models.kv_cache import LayerCache
 from torchtitan.models.layers import apply_rotary_emb, repeat_kv
 from torchtitan.ops.cpu_kernels import eager_cpu, rotate_pairs_complex
 
@@ -80,27 +80,20 @@ class Capabilities:
     masks: frozenset[str]  # of attention.masks.MASK_TYPES
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     context_parallel: bool = False
-    kv_cache: bool = False
-    distinct_v_head_dim: bool = True  # v's head size may differ from q's and k's (MLA)
-    sinks: bool = False  # a learned per-head logit in the softmax's denominator
-    sliding_window: bool = False  # keys older than a window masked out (composed with the document mask)
-    max_head_dim: int | None = None
+    kv_cache: bool = False  # attend_cached: decoding against a layer's cache
 
 
 @dataclass(frozen=True)
 class AttentionNeeds:
-    """What a model's attention asks of its backend (the attention module's config states it)."""
+    """What a model's attention asks of its backend (the attention module's config states it): a mask of
+    ``attention.masks.MASK_TYPES``. Sinks, windows and a value head of its own size every backend applies."""
 
     mask: str
-    head_dim: int  # of queries and keys
-    v_head_dim: int
-    sinks: bool = False
-    sliding_window: bool = False
 
 
 @dataclass(frozen=True)
 class ScoreExtras:
-    """Per-call score modifiers beyond q, k and v; a backend refuses those its capabilities lack."""
+    """Per-call score modifiers beyond q, k and v (every backend applies both)."""
 
     sinks: torch.Tensor | None = None  # [H] learned logits (one per query head)
     window: int | None = None  # keys at most this many positions back
@@ -152,22 +145,23 @@ class AttentionBackend(ABC):
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
         """Attention outputs [B, H, L, D_v]; ``documents`` None: causal over the whole window."""
 
-
-    def _refuse(self, extras: ScoreExtras) -> None:
-        caps = self.capabilities
-        if extras.sinks is not None and not caps.sinks or extras.window is not None and not caps.sliding_window:
-            raise NotImplementedError(f"the {self.name} attention backend applies neither sinks nor sliding windows")
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
+        """Decoding: the new tokens' queries q [B, H, new, D_qk] against every key and value a layer's cache
+        holds (k [B, H_kv, filled, D_qk], v [B, H_kv, filled, D_v], this step's appended), where ``mask``
+        [B, 1, new, filled] allows (the cache's padding and causal mask) -> [B, H, new, D_v]."""
+        raise ValueError(f"the {self.name} attention backend does not decode against a KV cache; hand the "
+                         f"attention the {KVCacheDecode.name} backend (decoding_backend)")
 
 
 class SDPACausal(AttentionBackend):
     """``sdpa``: causal scaled-dot-product attention over whole windows."""
 
     name = "sdpa"
-    capabilities = Capabilities(masks=frozenset({"causal"}), sinks=True, sliding_window=True)
+    capabilities = Capabilities(masks=frozenset({"causal"}))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
-        self._refuse(extras)
         if documents is not None:
             raise ValueError("the sdpa attention backend applies the causal mask only")
         if extras.any:
@@ -179,11 +173,10 @@ class DocumentSDPA(AttentionBackend):
     """``document_sdpa``: the block-causal mask as one causal SDPA per document (dense mask under compile)."""
 
     name = "document_sdpa"
-    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), sinks=True, sliding_window=True)
+    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
-        self._refuse(extras)
         if extras.any:
             return local_sink_attention(q, k, v, documents, extras.sinks, extras.window)
         if documents is None:
@@ -203,8 +196,7 @@ class FlexDocument(DocumentSDPA):
     """``flex``: FlexAttention with a block mask built once per forward (CUDA); otherwise ``document_sdpa``'s."""
 
     name = "flex"
-    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), devices=frozenset({"cuda"}), sinks=True,
-                                sliding_window=True)
+    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), devices=frozenset({"cuda"}))
 
     def block_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask
                      ) -> torch.Tensor:
@@ -217,8 +209,7 @@ class ContextParallel(AttentionBackend):
     over ``mesh``; the document mask comes from the whole sequence's positions."""
 
     name = "context_parallel"
-    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), context_parallel=True, sinks=True,
-                                sliding_window=True)
+    capabilities = Capabilities(masks=frozenset({"causal", "block_causal"}), context_parallel=True)
 
     def __init__(self, mesh: DeviceMesh, cpu_kernels: bool = False) -> None:
         super().__init__(cpu_kernels)
@@ -229,7 +220,6 @@ class ContextParallel(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
-        self._refuse(extras)
         if extras.any:
             return cp_sink_attention(q, k, v, documents, extras.sinks, extras.window, self.mesh)
         if documents is None:
@@ -241,24 +231,19 @@ class KVCacheDecode(AttentionBackend):
     """``kv_cache``: decoding; the new tokens' queries against every key the layer's cache holds."""
 
     name = "kv_cache"
-    capabilities = Capabilities(masks=frozenset({"causal"}), kv_cache=True, sinks=True, sliding_window=True)
+    capabilities = Capabilities(masks=frozenset({"causal"}), kv_cache=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
                extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
         raise ValueError("the kv_cache attention backend decodes against a cache: call attend_cached")
 
-    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       extras: ScoreExtras = NO_EXTRAS) -> torch.Tensor:
-        """Append the new tokens' ``k, v`` to ``cache``; their queries attend to every filled slot."""
-        self._refuse(extras)
         if extras.any:
-            return cached_sink_attention(q, k, v, cache, extras.sinks, extras.window)
-        k, v = cache.update(k, v)
+            return cached_sink_attention(q, k, v, mask, extras.sinks, extras.window)
         n_rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=cache.mask)
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask)
 
-
-KV_CACHE_DECODE = KVCacheDecode()
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     b.name: b for b in (SDPACausal, DocumentSDPA, FlexDocument, ContextParallel, KVCacheDecode)}
@@ -305,6 +290,14 @@ def select_backend(choice: str, mask_type: str, device_type: str, *, cp_mesh: De
     return _local_backend(name, cpu_kernels)
 
 
+def decoding_backend(backend: AttentionBackend) -> AttentionBackend:
+    """The backend a decoding forward hands its blocks: ``backend`` (the run's) when it decodes against a
+    cache, else the ``kv_cache`` backend with the same choice of CPU kernels (its rotation stays the run's)."""
+    if backend.capabilities.kv_cache:
+        return backend
+    return _local_backend(KVCacheDecode.name, backend.cpu_kernels)
+
+
 @functools.cache
 def _local_backend(name: str, cpu_kernels: bool) -> AttentionBackend:
     # One object per choice: a compiled block guards on the backend it is passed, so a fresh one per
@@ -324,18 +317,10 @@ def backend_problems(choice: str, needs: AttentionNeeds, device_type: str, conte
         gaps.append(f"the {needs.mask} mask (--model.attn_mask_type)")
     if device_type not in caps.devices:
         gaps.append(f"{device_type} devices (it runs on {', '.join(sorted(caps.devices))})")
-    if needs.v_head_dim != needs.head_dim and not caps.distinct_v_head_dim:
-        gaps.append(f"a value head size ({needs.v_head_dim}) other than the query/key head size ({needs.head_dim})")
-    if caps.max_head_dim is not None and needs.head_dim > caps.max_head_dim:
-        gaps.append(f"head size {needs.head_dim} (at most {caps.max_head_dim})")
-    if needs.sinks and not caps.sinks:
-        gaps.append("attention sinks")
-    if needs.sliding_window and not caps.sliding_window:
-        gaps.append("sliding windows")
     return [f"{opt}: the {name} attention backend does not apply {gap}; {fix}" for gap in gaps]
 
 
-__all__ = ["BACKENDS", "BACKEND_CHOICES", "KV_CACHE_DECODE", "NO_EXTRAS", "AttentionBackend", "AttentionNeeds",
+__all__ = ["BACKENDS", "BACKEND_CHOICES", "NO_EXTRAS", "AttentionBackend", "AttentionNeeds",
            "Capabilities", "ContextParallel", "DocumentSDPA", "FlexDocument", "KVCacheDecode", "SDPACausal",
-           "ScoreExtras", "backend_name", "describe_backend", "backend_problems", "select_backend"]
+           "ScoreExtras", "backend_name", "decoding_backend", "describe_backend", "backend_problems", "select_backend"]
 

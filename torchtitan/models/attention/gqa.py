@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchtitan.models.attention.backends import KV_CACHE_DECODE, AttentionBackend, AttentionNeeds
+from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
@@ -47,7 +47,7 @@ class GQAConfig:
         return GroupedQueryAttention(self)
 
     def needs(self, mask_type: str) -> AttentionNeeds:
-        return AttentionNeeds(mask=mask_type, head_dim=self.head_dim, v_head_dim=self.head_dim)
+        return AttentionNeeds(mask=mask_type)
 
     def num_params(self) -> int:
         """Projections and norms of one layer."""
@@ -103,7 +103,7 @@ class GroupedQueryAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, backend: AttentionBackend,
                 documents: DocumentMask | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         """``backend``: the decoder's (rotation and scores); ``cache``: decoding (models/kv_cache.py) appends
-        this forward's keys and values to it and attends to all it holds (the ``kv_cache`` backend)."""
+        this forward's keys and values to it and attends to all it holds (``backend.attend_cached``)."""
         bs, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism these are the local heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -114,7 +114,8 @@ class GroupedQueryAttention(nn.Module):
         xq, xk = backend.rotate(xq, xk, rope_cache[..., :seqlen, :])
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         if cache is not None:
-            out = KV_CACHE_DECODE.attend_cached(q, k, v, cache)
+            k, v = cache.update(k, v)
+            out = backend.attend_cached(q, k, v, cache.mask)
         else:
             out = backend.attend(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))

@@ -28,7 +28,6 @@ from torchtitan.models.attention.masks import (
     flex_block_mask,
     sliding_window_mask_mod,
 )
-from torchtitan.models.kv_cache import LayerCache
 from torchtitan.models.layers import repeat_kv
 
 
@@ -121,11 +120,11 @@ def cp_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documen
     return torch.cat(outs, dim=2)
 
 
-def cached_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+def cached_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                           sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """Decoding: the cache's mask (padding, causal) further limited to the window by slot distance."""
-    k, v = cache.update(k, v)
-    allowed = cache.mask
+    """Decoding: the new tokens' queries against every cached key and value (this step's the last), under the
+    cache's ``mask`` (padding, causal) further limited to the window by slot distance."""
+    allowed = mask
     if window is not None:
         filled, new = k.shape[2], q.shape[2]
         slots = torch.arange(filled - new, filled, device=q.device)

@@ -33,6 +33,7 @@ from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_no
 from torchtitan.models.attention import (
     AttentionBackend,
     DocumentMask,
+    decoding_backend,
     select_backend,
 )
 from torchtitan.models.aux_loss import return_aux_losses
@@ -262,7 +263,7 @@ class Decoder(nn.Module):
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One decoding forward: the new tokens attend to the cache's keys; each layer appends its own."""
-        backend = self.backend_for(tokens.device)
+        backend = decoding_backend(self.backend_for(tokens.device))
         h = self.embed_input(tokens)
         rope = self.rope_cache[cache.begin(tokens.shape[1])]
         for key, layer in self.layers.items():

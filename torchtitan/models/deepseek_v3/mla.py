@@ -13,10 +13,12 @@ Rotation and scores are the backend's (``models/attention/backends.py``); the ba
 ``1/sqrt(head)``, so the queries are multiplied by ``softmax_scale * sqrt(head)`` first. Under tensor
 parallelism the heads are sharded (``tp_plan``: ``wq``/``wq_b`` and ``wkv_b`` column-parallel, ``wo``
 row-parallel) and the latent path is whole on every rank: the shared rotary key's gradient is then a sum
-over each rank's heads, which ``tp_group`` completes.
+over each rank's heads, which the TP group (``use_tp_group``, from deepseek_v3/parallel.py's ``apply_tp``)
+completes.
 
 Decoding caches the normalised latent and the rotated shared key (``kv_lora_rank + qk_rope_head_dim``
-values per token and layer, whatever the head count or TP degree) and expands them for every step.
+values per token and layer, whatever the head count or TP degree) and expands them for every step; the
+backend it is handed (the ``kv_cache`` one) attends to what they expand to.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -62,7 +63,7 @@ class MLAConfig:
         return MultiHeadLatentAttention(self)
 
     def needs(self, mask_type: str) -> AttentionNeeds:
-        return AttentionNeeds(mask=mask_type, head_dim=self.head_dim, v_head_dim=self.v_head_dim)
+        return AttentionNeeds(mask=mask_type)
 
     def num_params(self) -> int:
         """Projections and norms of one layer."""
@@ -107,7 +108,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
         # the backends scale by 1/sqrt(head_dim): the queries carry the rest of the softmax scale
         self.query_scale = c.softmax_scale * math.sqrt(c.head_dim)
-        self.tp_group: dist.ProcessGroup | None = None  # set by tp_plan
+        self.tp_group: dist.ProcessGroup | None = None  # use_tp_group
 
     def in_projections(self) -> list[nn.Linear]:
         """The projections into the heads and the latent (init treats them alike)."""
@@ -119,12 +120,17 @@ class MultiHeadLatentAttention(nn.Module):
     def tp_plan(self, seq: Shard | Replicate, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
         """This module's TP plan (names relative to it): heads sharded, the latent path whole. The input is
         gathered to the whole sequence and handed in as a plain tensor; each column-parallel projection sums
-        its input's gradient over TP (its input is Replicate), and the shared rotary key's sum is ours."""
-        self.tp_group = tp_mesh.get_group()
+        its input's gradient over TP (its input is Replicate), and the shared rotary key's sum is ours
+        (``use_tp_group``). A query: the module is left as it is."""
         return {"": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
                                        use_local_output=True),
                 "wq" if self.wq is not None else "wq_b": ColwiseParallel(), "wkv_b": ColwiseParallel(),
                 "wo": RowwiseParallel(output_layouts=seq)}
+
+    def use_tp_group(self, group: dist.ProcessGroup) -> None:
+        """Under TP, after the plan: the group over which the shared rotary key's gradient is summed (every
+        rank's heads read the one key)."""
+        self.tp_group = group
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.wq is not None:
@@ -154,8 +160,7 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:  # the latent and the shared key are what a decoding step keeps
             latent_all, k_rope_all = cache.update(latent.unsqueeze(1), k_rope.transpose(1, 2))
             k, v = self.expand(latent_all.squeeze(1), k_rope_all.transpose(1, 2))
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=cache.mask)
+            out = backend.attend_cached(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache.mask)
         else:
             k, v = self.expand(latent, k_rope)
             out = backend.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's preflight checks, job options and pipeline pruning; its TP plan is the decoder's, MLA giving
-its own part (``mla.py``: heads sharded, the latent path whole), and CP and EP are the decoder's. Under PP the
+"""DeepSeek-V3's preflight checks, job options, TP and pipeline pruning; its TP plan is the decoder's, MLA giving
+its own part (``mla.py``: heads sharded, the latent path whole) and then summing its shared rotary key's
+gradient over the TP group (``apply_tp``); CP and EP are the decoder's. Under PP the
 multi-token prediction modules sit on the last stage, with a copy of the embedding (``prune_stage``)."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -15,6 +18,7 @@ from torchtitan.distributed.pipeline_plan import V_SHAPED_SCHEDULES
 from torchtitan.models.common import parallel
 from torchtitan.models.common.decoder_spec import DECODER_EXPERTS
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 
 
@@ -43,6 +47,16 @@ def _mtp_problems(args: DeepSeekV3Args, dims: ParallelDims, cfg: JobConfig) -> l
                         "puts the first and the last stage, which both hold the embedding the MTP modules share, "
                         "on one rank; use a looped schedule (1F1B, Interleaved1F1B, ...) or --model.mtp_layers=0")
     return problems
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """The decoder's TP plan (MLA's part from its ``tp_plan``), then every MLA, the MTP blocks' included, sums
+    its shared rotary key's gradient over ``tp_mesh``."""
+    parallel.apply_tp(model, tp_mesh, sequence_parallel, loss_parallel)
+    group = tp_mesh.get_group()
+    for module in model.modules():
+        if isinstance(module, MultiHeadLatentAttention):
+            module.use_tp_group(group)
 
 
 def prune_stage(stage: nn.Module, layers: range, first: bool, last: bool) -> None:

@@ -19,6 +19,7 @@ SPEC = dataclasses.replace(
     decoder_spec("deepseek_v3", DeepSeekV3Args, deepseek_v3_flavors, read_release, DeepSeekV3HFAdapter(),
                  experts=True),
     build=DeepSeekV3Model, flops_per_token=flops_per_token, check=parallel.check, prune_stage=parallel.prune_stage,
+    apply_tp=parallel.apply_tp,  # + MLA's TP group
     release_holds_routing_bias=True,  # the release's e_score_correction_bias
     experts=dataclasses.replace(DECODER_EXPERTS, with_moe_options=parallel.with_job_options))  # + --model.mtp_*
 register_model_spec(SPEC)

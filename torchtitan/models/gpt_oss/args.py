@@ -65,8 +65,7 @@ class GptOssArgs(DecoderArgs):
 
     def attention(self) -> SinkAttentionConfig:  # pyright: ignore[reportIncompatibleMethodOverride]
         """The model's attention as preflight and the counts see it (the window of a layer: ``layer_attention``)."""
-        return SinkAttentionConfig(self.dim, self.n_heads, self.n_kv_heads, self.head_dim,
-                                   any_window="sliding_attention" in self.layer_types)
+        return SinkAttentionConfig(self.dim, self.n_heads, self.n_kv_heads, self.head_dim)
 
     def layer_attention(self, layer: int) -> SinkAttentionConfig:
         """Layer ``layer``'s attention: with its window when ``layer_types`` names it sliding."""

@@ -1,9 +1,9 @@
 """GPT-OSS attention: grouped-query attention with biased projections, a learned sink logit per head, and
 a sliding window on the layers the config names.
 
-``SinkAttentionConfig`` states what it needs of a backend (sinks, and a sliding window when any layer has
-one: ``AttentionNeeds``), so preflight refuses a backend that lacks them; the module passes its sinks and
-window to the decoder's backend as ``ScoreExtras`` (the kernels are ``models/attention/sinks.py``).
+The module passes its sinks and window to the backend it is handed as ``ScoreExtras``, in training and in
+decoding alike; every backend applies both (the kernels are ``models/attention/sinks.py``), so what
+``SinkAttentionConfig`` needs of a backend is the mask alone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.models.attention import (
-    KV_CACHE_DECODE,
     AttentionBackend,
     AttentionNeeds,
     DocumentMask,
@@ -31,21 +30,19 @@ from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 @dataclass(frozen=True)
 class SinkAttentionConfig:
     """Grouped-query attention (``GQAConfig``'s widths) with biases and sinks; ``window``: this layer's sliding
-    window (None: full); ``any_window``: some layer of the model has one (what preflight asks of the backend)."""
+    window (None: full)."""
 
     dim: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
     window: int | None = None
-    any_window: bool = True
 
     def build(self) -> SinkAttention:
         return SinkAttention(self)
 
     def needs(self, mask_type: str) -> AttentionNeeds:
-        return AttentionNeeds(mask=mask_type, head_dim=self.head_dim, v_head_dim=self.head_dim, sinks=True,
-                              sliding_window=self.any_window)
+        return AttentionNeeds(mask=mask_type)
 
     def num_params(self) -> int:
         """Projections (weights and biases) and the sinks of one layer."""
@@ -99,7 +96,8 @@ class SinkAttention(GroupedQueryAttention):
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         extras = ScoreExtras(sinks=_local(self.sinks), window=self.window)
         if cache is not None:
-            out = KV_CACHE_DECODE.attend_cached(q, k, v, cache, extras)
+            k, v = cache.update(k, v)
+            out = backend.attend_cached(q, k, v, cache.mask, extras)
         else:
             out = backend.attend(q, k, v, documents, extras)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
