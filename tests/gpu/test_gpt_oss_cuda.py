@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from torchtitan.models.attention import build_document_mask
-from torchtitan.models.attention.sinks import flex_sink_attention, layer_block_mask, layer_mask, sink_attention
+from torchtitan.models.attention.kernels import flex_sink_attention, sink_attention
+from torchtitan.models.attention.masks import layer_block_mask, layer_mask
 
 pytestmark = pytest.mark.gpu
 

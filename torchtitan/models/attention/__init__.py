@@ -1,6 +1,6 @@
-"""Attention: masks and score kernels (``masks``), the backends that apply them with their capabilities
-(``backends``), and the attention modules a block is given (``gqa``). docs/models.md and
-docs/attention_masks.md describe them."""
+"""Attention: the masks (``masks``), the score kernels that apply them (``kernels``), the backends that choose
+among the kernels, with their capabilities (``backends``), and the attention module a block is given
+(``gqa``). docs/models.md and docs/attention_masks.md describe them."""
 
 from torchtitan.models.attention.backends import (
     BACKEND_CHOICES,
@@ -22,18 +22,16 @@ from torchtitan.models.attention.backends import (
     select_backend,
 )
 from torchtitan.models.attention.gqa import GQAConfig, GroupedQueryAttention
+from torchtitan.models.attention.kernels import block_causal_attention, cp_block_causal_attention, per_document_sdpa
 from torchtitan.models.attention.masks import (
     MASK_TYPES,
     DocumentMask,
-    block_causal_attention,
     build_document_mask,
     check_mask_type,
-    cp_block_causal_attention,
     cp_document_mask,
     dense_mask,
     document_causal_mask_mod,
     document_ids,
-    per_document_sdpa,
 )
 
 __all__ = ["BACKENDS", "BACKEND_CHOICES", "MASK_TYPES", "NO_EXTRAS", "AttentionBackend", "AttentionNeeds",

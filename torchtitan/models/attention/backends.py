@@ -40,7 +40,7 @@ name                masks               devices   CP          KV cache
 
 Every backend here applies what the shipped attentions pass beyond q, k and v, so no capability states
 it: a learned per-head sink logit (``ScoreExtras.sinks``) and a sliding window (``ScoreExtras.window``,
-composed with the document mask), which GPT-OSS's attention passes, run the kernels of ``sinks.py``
+composed with the document mask), which GPT-OSS's attention passes, run the sink kernels of ``kernels.py``
 (FlexAttention rescaled by the sink on CUDA, explicit scores with the sink column elsewhere, per chunk under
 context parallelism, a window over the cache's slots in decoding); and MLA's value head size (``D_v``),
 other than the query/key size, which SDPA, FlexAttention and the KV cache all take.
@@ -58,15 +58,15 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.context_parallel import cp_attention
-from torchtitan.models.attention.masks import (
-    DocumentMask,
-    build_document_mask,
+from torchtitan.models.attention.kernels import block_causal_attention as _device_block_causal
+from torchtitan.models.attention.kernels import (
+    cached_sink_attention,
     cp_block_causal_attention,
-    cp_document_mask,
+    cp_sink_attention,
+    local_sink_attention,
     per_document_sdpa,
 )
-from torchtitan.models.attention.masks import block_causal_attention as _device_block_causal
-from torchtitan.models.attention.sinks import cached_sink_attention, cp_sink_attention, local_sink_attention
+from torchtitan.models.attention.masks import DocumentMask, build_document_mask, cp_document_mask
 from torchtitan.models.layers import apply_rotary_emb, repeat_kv
 from torchtitan.ops.cpu_kernels import eager_cpu, rotate_pairs_complex
 

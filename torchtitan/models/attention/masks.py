@@ -1,4 +1,4 @@
-"""Attention masks of the language models, and the score kernels that apply them.
+"""Attention masks of the language models: one definition each, and the forms the kernels take.
 
 Two masks (``ModelArgs.attn_mask_type``):
 
@@ -8,54 +8,44 @@ Two masks (``ModelArgs.attn_mask_type``):
   document. Documents are read from the per-token ``positions`` the data loader yields:
   a position of 0 starts a document (``document_ids``).
 
-One definition, ``document_causal_mask_mod``, says which (query, key) pairs are kept.
-Every kernel is derived from it, so they cannot drift apart:
-
-- CUDA: FlexAttention with a ``BlockMask`` built from the mask_mod once per forward
-  (``create_block_mask``); no dense S x S mask is ever made.
-- CPU, eager: the rows' documents laid end to end and split at the document
-  boundaries, one causal SDPA per document (``per_document_sdpa``). Less work survives
-  the mask than in a causal window, and the causal kernel keeps its block skipping; a
-  dense boolean mask turns that off (benchmarks/README.md, "Document masks").
-  The tests check it against the dense mask of the mask_mod.
-- CPU under ``torch.compile`` and under context parallelism: SDPA with the dense
-  boolean mask that the mask_mod gives (``dense_mask``): traceable, and what CP's
-  chunked queries need.
+One definition, ``document_causal_mask_mod``, says which (query, key) pairs are kept; every form
+of the mask is derived from it, so they cannot drift apart: FlexAttention's ``BlockMask`` (CUDA,
+built once per forward: ``build_document_mask``), the dense boolean mask (``dense_mask``), and the
+rows' document runs (``DocumentMask.segment_lengths``). GPT-OSS's layers limit it to a sliding window
+(``sliding_window_mask_mod``; ``layer_mask`` and ``layer_block_mask`` keep each window's form for the
+other layers of the forward).
 
 Under context parallelism the mask is built from the *global* positions: each rank
 all-gathers the positions of the whole sequence once per forward (``cp_document_mask``),
 so a document that crosses a chunk boundary, or starts in one rank's chunk and
 continues in another's, is masked exactly as in one process.
 
-Which of these kernels a run uses is the attention backend's choice (``backends.py``); this
-module holds the masks and the kernels themselves.
+The kernels that apply these masks are ``kernels.py``'s; which of them a run uses is the attention
+backend's choice (``backends.py``).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.distributed.context_parallel import attend_chunks, chunk_ids, gather_sequence
+from torchtitan.distributed.context_parallel import chunk_ids, gather_sequence
 
 __all__ = [
     "MASK_TYPES",
     "DocumentMask",
-    "block_causal_attention",
     "build_document_mask",
     "causal_mask_mod",
     "check_mask_type",
-    "cp_block_causal_attention",
     "cp_document_mask",
     "dense_mask",
     "document_causal_mask_mod",
     "document_ids",
-    "flex_attention_with_lse",
     "flex_block_mask",
+    "layer_block_mask",
+    "layer_mask",
     "sliding_window_mask_mod",
 ]
 
@@ -183,32 +173,6 @@ def cp_document_mask(positions: torch.Tensor, batch: int | None = None, *, mesh:
     return mask
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex() -> Callable:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # Inside a compiled block dynamo lowers flex_attention itself; eager needs the compiled wrapper
-    # (the uncompiled one materializes the scores).
-    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def flex_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            block_mask) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 - a BlockMask
-    """FlexAttention's output [B, H, L, D] and log-sum-exp of the scores [B, H, L] (float32), both differentiable:
-    what a kernel that rescales the output afterwards needs (GPT-OSS's sinks)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
-
-
 def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device):  # noqa: ANN201
     """The FlexAttention ``BlockMask`` of ``mask_mod`` (heads broadcast)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -216,73 +180,30 @@ def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, devi
     return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
-def _runs(segments: list[int], seq: int) -> list[tuple[int, int]]:
-    """(rows, length) pieces: consecutive one-document rows merge into one batched piece."""
-    runs: list[tuple[int, int]] = []
-    for n in segments:
-        if n == seq and runs and runs[-1][1] == seq:
-            runs[-1] = (runs[-1][0] + 1, seq)
-        else:
-            runs.append((1, n))
-    return runs
+def layer_block_mask(documents: DocumentMask | None, window: int | None, batch: int, seq: int,
+                     device: torch.device):  # noqa: ANN201 - a BlockMask
+    """``layer_mask`` as FlexAttention's ``BlockMask`` (CUDA), kept on ``documents`` for the other layers."""
+    key = ("sink", window, seq)
+    if documents is not None and key in documents.block_masks:
+        return documents.block_masks[key]
+    base = causal_mask_mod() if documents is None else document_causal_mask_mod(documents.docs)
+    block_mask = flex_block_mask(base if window is None else sliding_window_mask_mod(base, window), batch, seq, seq,
+                                 device)
+    if documents is not None:
+        documents.block_masks[key] = block_mask
+    return block_mask
 
 
-def per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
-    """One causal SDPA per document: q, k [B, H(_kv), L, D], v [B, H_kv, L, Dv] -> [B, H, L, Dv].
-
-    The rows are laid end to end as [B*L, heads, D] (free when the tensors are head-transposed
-    views of [B, L, heads, D], as in the model) and cut with one ``split``, so backward gathers
-    the pieces' gradients with one concatenation instead of a full-size buffer per piece.
-    Consecutive rows that hold one document each go through one batched call.
-    """
-    batch, heads, seq, _ = q.shape
-    runs = _runs(segments, seq)
-    sizes = [rows * length for rows, length in runs]
-
-    def pieces(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]).split(sizes)
-
-    gqa = heads != k.shape[1]
-    v_dim = v.shape[-1]  # may differ from the query/key head (MLA)
-    outs = []
-    for (rows, length), a, b, c in zip(runs, pieces(q), pieces(k), pieces(v)):
-        a, b, c = (t.reshape(rows, length, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (a, b, c))
-        out = F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
-        outs.append(out.transpose(1, 2).reshape(rows * length, heads, v_dim))
-    return torch.cat(outs).view(batch, seq, heads, v_dim).transpose(1, 2)
-
-
-def _dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
-    """Document-masked attention of whole sequences: q [B, H, L, D]; k, v [B, H_kv, L, D] (grouped-query)."""
-    seq = q.shape[2]
-    if q.is_cuda:
-        return _flex(q, k, v, mask.block_masks[(0, seq, seq)])
-    if torch.compiler.is_compiling():
-        return _dense_sdpa(q, k, v, dense_mask(document_causal_mask_mod(mask.docs), q.shape[0], seq, seq, q.device))
-    return per_document_sdpa(q, k, v, mask.segment_lengths())
-
-
-def cp_block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
-                              mesh: DeviceMesh) -> torch.Tensor:
-    """``block_causal_attention`` of this CP rank's two load-balanced chunks against the whole sequence's keys.
-
-    Keys and values are all-gathered (backward: reduce-scatter), as for causal CP; each local
-    query chunk ``g`` attends to the keys up to its own end (``attend_chunks``, the one CP loop),
-    under the mask_mod shifted by the chunk's global offset.
-    """
-    k_all = gather_sequence(k.contiguous(), mesh, dim=2)
-    v_all = gather_sequence(v.contiguous(), mesh, dim=2)
-
-    def score(q_chunk: torch.Tensor, g: int, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
-        chunk, n_kv = q_chunk.shape[2], k_g.shape[2]
-        offset = g * chunk
-        if q_chunk.is_cuda:
-            return _flex(q_chunk, k_g, v_g, mask.block_masks[(offset, chunk, n_kv)])
-        allowed = dense_mask(document_causal_mask_mod(mask.docs, offset), q.shape[0], chunk, n_kv, q.device)
-        return _dense_sdpa(q_chunk, k_g, v_g, allowed)
-
-    return attend_chunks(q, k_all, v_all, mesh, score)
+def layer_mask(documents: DocumentMask | None, window: int | None, batch: int, q_offset: int, q_len: int,
+               kv_len: int, device: torch.device) -> torch.Tensor:
+    """The dense mask [B, 1, q_len, kv_len]: block-causal over ``documents`` (None: causal), limited to ``window``
+    (None: full), for queries from ``q_offset``. Kept on ``documents`` for the other layers of the forward."""
+    key = (window, batch, q_offset, q_len, kv_len)
+    if documents is not None and key in documents.dense_masks:
+        return documents.dense_masks[key]
+    base = causal_mask_mod(q_offset) if documents is None else document_causal_mask_mod(documents.docs, q_offset)
+    mod = base if window is None else sliding_window_mask_mod(base, window, q_offset)
+    allowed = dense_mask(mod, batch, q_len, kv_len, device)
+    if documents is not None:
+        documents.dense_masks[key] = allowed
+    return allowed

@@ -2,7 +2,7 @@
 a sliding window on the layers the config names.
 
 The module passes its sinks and window to the backend it is handed as ``ScoreExtras``, in training and in
-decoding alike; every backend applies both (the kernels are ``models/attention/sinks.py``), so what
+decoding alike; every backend applies both (the kernels are ``models/attention/kernels.py``), so what
 ``SinkAttentionConfig`` needs of a backend is the mask alone.
 """
 
