@@ -436,6 +436,39 @@ def test_missing_internal_names_itself():
         compat.semi_sync_local_step(NotAnAlgorithm())
 
 
+def test_dcp_fsspec_storage_and_set_state_dict_element():
+    from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+
+    # the object-store file system, writer and reader that checkpoint/integrity.py and no_pickle.py subclass
+    assert issubclass(compat.fsspec_file_system_type(), FileSystemBase)
+    assert issubclass(compat.fsspec_writer_type(), FileSystemWriter)
+    assert issubclass(compat.fsspec_reader_type(), FileSystemReader)
+    root: dict[str, Any] = {"optimizer": {"state": [{"step": 0}]}}
+    compat.set_state_dict_element(root, ("optimizer", "state", 0, "step"), 7)
+    compat.set_state_dict_element(root, ("model", "w"), 1)
+    assert root == {"optimizer": {"state": [{"step": 7}]}, "model": {"w": 1}}
+
+
+def test_no_module_outside_compat_imports_a_private_torch_module():
+    import ast
+    from pathlib import Path
+
+    package = Path(compat.__file__).parent.parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "torch":
+                names = [f"torch.{a.name}" for a in node.names]
+            found += [f"{path.relative_to(package)}:{node.lineno} {name}" for name in names
+                      if name.split(".")[0] == "torch" and any(part.startswith("_") for part in name.split("."))]
+    assert not found, "private torch imports outside torchtitan/compat/ (give each a function there): " + \
+        ", ".join(found)
+
+
 def test_grouped_mm_runs_on_cpu_and_equals_per_group_products():
     # torch._grouped_mm: the MoE experts' grouped GEMM (CPU kernel from torch 2.9).
     assert compat.grouped_mm_supported(torch.device("cpu"), torch.float32), (

@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 import xxhash
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
 
 from torchtitan.checkpoint.location import Location, RemotePath, location
+from torchtitan.compat import fsspec_file_system_type, fsspec_writer_type
 
 ALGORITHM = "xxh3_64"
 SIDECAR_SUFFIX = ".checksums.json"
@@ -172,11 +171,12 @@ class _HashingFileSystem(FileSystem):
         self.hashes.renamed(path, new_path)
 
 
-class _HashingFsspecFileSystem(FsspecFileSystem):
+class _HashingFsspecFileSystem(fsspec_file_system_type()):
     """DCP's fsspec file system (object stores) whose upload streams hash what they send."""
 
-    def __init__(self, inner: FsspecFileSystem, hashes: _Hashes) -> None:
+    def __init__(self, inner: FileSystemBase, hashes: _Hashes) -> None:
         super().__init__()
+        assert isinstance(inner, fsspec_file_system_type())  # the writer's own, holding the store's fsspec instance
         self.fs, self.hashes = inner.fs, hashes
 
     @contextmanager
@@ -203,7 +203,7 @@ class ChecksummingWriter(FileSystemWriter):
         self.hashes = _Hashes()
         self.fs = self._hashing_file_system()
 
-    def _hashing_file_system(self) -> FileSystem | FsspecFileSystem:
+    def _hashing_file_system(self) -> FileSystemBase:
         return _HashingFileSystem(self.hashes)
 
     @property
@@ -234,11 +234,10 @@ class ChecksummingWriter(FileSystemWriter):
         return self.hashes.of(DCP_METADATA)
 
 
-class RemoteChecksummingWriter(ChecksummingWriter, FsspecWriter):
+class RemoteChecksummingWriter(ChecksummingWriter, fsspec_writer_type()):
     """``ChecksummingWriter`` into an object store: DCP's ``FsspecWriter`` with hashing upload streams."""
 
-    def _hashing_file_system(self) -> FileSystem | FsspecFileSystem:
-        assert isinstance(self.fs, FsspecFileSystem)  # FsspecWriter's, holding the store's fsspec instance
+    def _hashing_file_system(self) -> FileSystemBase:
         return _HashingFsspecFileSystem(self.fs, self.hashes)
 
 
@@ -246,7 +245,7 @@ def checkpoint_writer(path: Location, checksums: bool) -> FileSystemWriter:
     """DCP's writer into ``path``: hashing or not, local or into an object store (where fsync means nothing)."""
     if isinstance(path, RemotePath):
         return RemoteChecksummingWriter(str(path), sync_files=False) if checksums else \
-            FsspecWriter(str(path), sync_files=False)
+            fsspec_writer_type()(str(path), sync_files=False)
     return ChecksummingWriter(str(path)) if checksums else FileSystemWriter(str(path))
 
 

@@ -25,12 +25,12 @@ import pickle
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from torchtitan.compat import fsspec_reader_type, set_state_dict_element
 
 
 class OldFormatError(ValueError):
@@ -52,7 +52,7 @@ class NoPickleLoadPlanner(DefaultLoadPlanner):
         except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError or RuntimeError alike
             raise OldFormatError(f"{old_format_line(f'checkpoint value {fqn!r}')} ({type(e).__name__})") from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            set_state_dict_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
@@ -156,7 +156,7 @@ class SafeMetadataReader(FileSystemReader):
         return _read_metadata(self, kwargs.get("rank"))
 
 
-class SafeMetadataFsspecReader(FsspecReader):
+class SafeMetadataFsspecReader(fsspec_reader_type()):
     """DCP's reader of an object-store checkpoint, reading ``.metadata`` with ``MetadataUnpickler``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

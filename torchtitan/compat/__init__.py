@@ -12,7 +12,8 @@ fails there first. Tested versions: docs/versions.md.
 The modules: ``c10d`` (process groups, c10d ops), ``mesh`` (DeviceMesh, DTensor), ``compile`` (async
 collectives into compiled code), ``fsdp`` (FSDP2), ``pipelining`` (schedules and stages), ``autograd``
 (dispatch and the autograd engine), ``kernels`` (grouped GEMM, causal bias, fused optimizers),
-``torchft`` (LocalSGD / DiLoCo), ``import_noise`` (the warnings torchao's import logs that do not apply,
+``dcp`` (distributed checkpointing's fsspec storage and state-dict traversal), ``torchft`` (LocalSGD /
+DiLoCo), ``import_noise`` (the warnings torchao's import logs that do not apply,
 dropped at their loggers), ``errors`` (``CompatError``). ``from torchtitan.compat import X`` reaches
 every function of them.
 
@@ -41,6 +42,12 @@ from torchtitan.compat.c10d import (
     set_pg_timeout,
 )
 from torchtitan.compat.compile import wait_async_collective
+from torchtitan.compat.dcp import (
+    fsspec_file_system_type,
+    fsspec_reader_type,
+    fsspec_writer_type,
+    set_state_dict_element,
+)
 from torchtitan.compat.errors import CompatError, missing
 from torchtitan.compat.fsdp import fsdp_hooked_parameters, fsdp_param_groups, fsdp_storage_hooks
 from torchtitan.compat.import_noise import quiet_import_noise
@@ -97,6 +104,7 @@ __all__ = [
     "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step",
     "unflatten_mesh",
     "wait_async_collective", "cuda_capability", "scaled_grouped_mm_available", "scaled_mm_supported",
+    "fsspec_file_system_type", "fsspec_reader_type", "fsspec_writer_type", "set_state_dict_element",
 ]
 
 # Private classes and functions used as they are (a base class, a mode), read on first use: where one is
