@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.batch import Batch
 from torchtitan.distributed.lifecycle import shutdown_distributed
 from torchtitan.ops.cpu_matmul import preferred_cpu_matmul
+from torchtitan.train_step.objective import TokenTerm
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -257,10 +258,31 @@ def test_layouts_without_data_parallelism_compute_in_the_configured_dtype(tmp_pa
             assert abs(got - want) < 2e-3 * want, (name, outs[0]["losses"], one["losses"])
 
 
+class _LogitPeak(TokenTerm):
+    """A loss term no module ships (a logit statistic): trained with weight 0, its window's peak logged."""
+
+    name = "logit_peak"
+
+    def __init__(self) -> None:
+        self.peak = 0.0
+
+    def __call__(self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        self.peak = max(self.peak, float(outputs[0].detach().amax()))
+        return outputs[0].amax() * 0.0
+
+    def metrics(self, groups) -> dict[str, float]:
+        peak, self.peak = self.peak, 0.0
+        return {self.name: peak}
+
+
 def test_tokens_per_second_count_the_wait_for_the_device(tmp_path, monkeypatch):
     """On a GPU the host runs ahead of the device until the loss read of a log step waits for it; a log window's
     tokens/s must count that wait. A read that sleeps stands in for the device's backlog here (step 2's read: the
-    first step also pays for the set-up)."""
+    first step also pays for the set-up). The same run has a loss term added in one registration
+    (``LOSS_TERMS``): it is trained and logged with no other change."""
+    from torchtitan.train_step import build as build_module
+
+    monkeypatch.setattr(build_module, "LOSS_TERMS", (*build_module.LOSS_TERMS, lambda sources: _LogitPeak()))
     trainer = conftest.make_trainer(tmp_path, "--metrics.log_freq=1", "--training.steps=2")
     backlog_s, read, reads = 2.0, trainer.readout.read, []
 
@@ -280,5 +302,7 @@ def test_tokens_per_second_count_the_wait_for_the_device(tmp_path, monkeypatch):
         trainer.close()
         shutdown_distributed(ok=True, timeout_seconds=60)
     second = [m for m in logged if "step_time_s" in m][1]
+    assert [term.name for term in trainer.runner.objective.terms] == ["loss", "logit_peak"]
+    assert all(m["logit_peak"] > 0 for m in logged if "step_time_s" in m)  # each step's own log entry
     assert second["step_time_s"] >= backlog_s
     assert second["tps"] <= trainer.cfg.training.batch_size * trainer.cfg.training.seq_len / backlog_s

@@ -301,9 +301,10 @@ class Trainer:
         return scores
 
     def _read_now(self, out: StepOutput) -> dict[str, torch.Tensor | None]:
-        """The step's values read with its loss: the grad norm, z-loss, and [stability]'s counters."""
+        """The step's values read with its loss: the grad norm, the loss terms' (z-loss), and [stability]'s
+        counters."""
         guard = self.guard
-        return {"grad_norm": out.grad_norm, "z_loss": out.z_loss,
+        return {"grad_norm": out.grad_norm, **out.terms,
                 "skipped_steps": None if guard is None else guard.skipped,
                 "rollback_due": None if guard is None else guard.rollback_due}
 
@@ -320,9 +321,10 @@ class Trainer:
         metrics = {"loss": loss, "grad_norm": math.nan, **now, "lr": lr, **scores, **self.throughput.metrics(),
                    **device_memory(self.device), **mixture_metrics(self.dataloader),
                    **(experts.metrics() if experts is not None else {})}
-        if self.runner.mtp is not None:  # a collective over the data ranks, on logging steps
-            meshes = (self.loss_mesh, self.dims.get_mesh("pp"))  # the data ranks; the stages (the last holds it)
-            metrics.update(self.runner.mtp.metrics([m.get_group() for m in meshes if m is not None]))
+        # the loss terms' own values (collectives, on logging steps) over the data ranks and the stages (the last
+        # holds them)
+        meshes = (self.loss_mesh, self.dims.get_mesh("pp"))
+        metrics.update(self.runner.objective.metrics([m.get_group() for m in meshes if m is not None]))
         self.throughput.reset_window()
         if self.rank == 0:
             logger.info(format_step_line(self.step, metrics))

@@ -18,7 +18,8 @@ from torchtitan.metrics.logger import format_step_line
 from torchtitan.models import model_args
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.preflight import preflight
-from torchtitan.train_step.mtp import MTPLoss, mtp_settings
+from torchtitan.train_step.mtp import MTPTerm, mtp_settings
+from torchtitan.train_step.objective import CrossEntropyTerm, Objective
 
 VOCAB, L, B, D, LAMBDA = 64, 24, 2, 2, 0.3
 
@@ -56,9 +57,10 @@ def test_mtp_loss_is_the_reports_definition():
     t = torch.randint(0, VOCAB, (B, L + 1), generator=torch.Generator().manual_seed(3))
     tokens, labels = t[:, :-1], t[:, 1:]
     assert mtp_settings(model) == (D, LAMBDA)
-    loss = MTPLoss(D, LAMBDA, cross_entropy_sum, cross_entropy_sum)
+    term = MTPTerm(D, LAMBDA, cross_entropy_sum)
+    loss = Objective([CrossEntropyTerm(cross_entropy_sum), term])
     with torch.no_grad():
-        outputs = model(tokens, **MTPLoss.model_kwargs(tokens))
+        outputs = model(tokens, **loss.model_kwargs(tokens))
         objective = loss(outputs, labels)
         main = cross_entropy_sum(outputs[0], labels)
         got = (objective - main) / labels.numel()  # the depths' part, over the step's 1/T (its loss scale)
@@ -66,7 +68,7 @@ def test_mtp_loss_is_the_reports_definition():
         plain = model(tokens)  # without the MTP keyword: the main logits alone, as with MTP off
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
     assert len(outputs) == 1 + D and expected > 0.1 and torch.equal(outputs[0], plain)
-    assert loss.pop_main(torch.device("cpu")) == main.double()  # the logged loss: the main one alone
+    assert loss.logged_loss(objective.double(), torch.device("cpu")) == main.double()  # the main one alone
     metrics = loss.metrics([None])  # the logged value: the depths' mean of sum / T
     assert metrics["mtp/loss"] == pytest.approx(float(expected) / LAMBDA, rel=1e-5)
     assert "mtp_loss: " in format_step_line(1, {"loss": 3.0, **metrics})
@@ -85,8 +87,7 @@ def test_mtp_gradients_reach_the_shared_weights_and_its_own():
     model = _model()
     tokens = torch.randint(0, VOCAB, (B, L))
     outputs = model(tokens, mtp_tokens=tokens)
-    MTPLoss(D, LAMBDA, lambda logits, labels: torch.zeros(()), cross_entropy_sum)(
-        outputs, torch.roll(tokens, -1, 1)).backward()  # the depths' loss alone
+    MTPTerm(D, LAMBDA, cross_entropy_sum)(outputs, torch.roll(tokens, -1, 1)).backward()  # the depths' loss alone
     assert model.mtp is not None and model.tok_embeddings is not None and model.output is not None
     for p in (model.tok_embeddings.weight, model.output.weight, model.layers["1"].attention.wkv_a.weight,
               *model.mtp.parameters()):

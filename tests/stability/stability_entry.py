@@ -58,7 +58,7 @@ def train(layout: Layout) -> dict:
             out = event.output
             model, optim = _state_digests(trainer)
             steps.append({"step": event.step, "model": model, "optim": optim, "loss": float(out.loss),
-                          "z_loss": None if out.z_loss is None else float(out.z_loss),
+                          "z_loss": float(out.terms["z_loss"]) if "z_loss" in out.terms else None,
                           "skipped": None if out.skipped is None else bool(out.skipped),
                           "lr": out.lr})
 

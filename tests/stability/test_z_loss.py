@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from torchtitan.loss import IGNORE_INDEX, cross_entropy_sum
-from torchtitan.stability import WithZLoss, z_loss_sum
+from torchtitan.stability import ZLossTerm, z_loss_sum
+from torchtitan.train_step.objective import CrossEntropyTerm, Objective
 
 
 def _batch():
@@ -34,12 +35,14 @@ def test_gradient_matches_autograd_of_logsumexp():
     assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_with_z_loss_trains_on_the_sum_and_keeps_the_parts_apart():
+def test_z_loss_term_trains_on_the_sum_and_keeps_the_parts_apart():
     logits, labels = _batch()
-    fn = WithZLoss(cross_entropy_sum, 1e-4)
-    total = fn(logits[:1], labels[:1]) + fn(logits[1:], labels[1:])
-    loss, z = fn.pop(torch.device("cpu"))
+    objective = Objective([CrossEntropyTerm(cross_entropy_sum), ZLossTerm(1e-4)])
+    total = objective(logits[:1], labels[:1]) + objective(logits[1:], labels[1:])
+    loss = objective.logged_loss(total.double(), torch.device("cpu"))  # the cross-entropy alone
+    z = objective.take_step_sums(torch.device("cpu"))["z_loss"]
     assert torch.allclose(loss, cross_entropy_sum(logits, labels).double(), rtol=1e-6)
     assert torch.allclose(z, z_loss_sum(logits, labels, 1e-4).double(), rtol=1e-6)
     assert torch.allclose(total.double(), loss + z, rtol=1e-6)
-    assert [float(x) for x in fn.pop(torch.device("cpu"))] == [0.0, 0.0], "pop starts again"
+    cpu = torch.device("cpu")
+    assert [float(objective.logged_loss(total, cpu)), float(objective.take_step_sums(cpu)["z_loss"])] == [0.0, 0.0]

@@ -9,6 +9,6 @@ The step's side (where the guard runs, the injected NaN of ``--debug.inject_nonf
 
 from torchtitan.stability.guard import BadStepGuard
 from torchtitan.stability.running_stats import RunningStats
-from torchtitan.stability.z_loss import WithZLoss, z_loss_sum
+from torchtitan.stability.z_loss import ZLossTerm, z_loss_sum
 
-__all__ = ["BadStepGuard", "RunningStats", "WithZLoss", "z_loss_sum"]
+__all__ = ["BadStepGuard", "RunningStats", "ZLossTerm", "z_loss_sum"]

@@ -9,16 +9,13 @@ DTensor reduces over the tensor-parallel ranks, so no rank gathers the whole voc
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.loss import IGNORE_INDEX
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from torchtitan.train_step.objective import TermSources, TokenTerm
 
 
 def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
@@ -43,32 +40,34 @@ def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor, multiplier: float) ->
     return (lse.square() * scored).sum() * multiplier
 
 
-class WithZLoss:
-    """A training loss plus z-loss; keeps the detached sums of both parts since the last ``pop``.
+class ZLossTerm(TokenTerm):
+    """z-loss as a term of the step's objective (``train_step/objective.py``): added after the cross-entropy to
+    what is back-propagated, its sum kept apart and logged as ``z_loss`` (per token, over the data ranks).
 
-    The step back-propagates ``loss_fn + z_loss`` and logs the two sums apart. Through the pipeline it runs
-    on the last stage only (inside the schedule), where the schedule's shape inference also calls it on
-    stand-in tensors (not counted); the other stages' sums stay 0.
+    Through the pipeline it runs on the last stage only (inside the schedule), where the schedule's shape
+    inference also calls it on stand-in tensors (not counted); the other stages' sums stay 0.
     """
 
-    def __init__(self, loss_fn: LossFn, multiplier: float):
-        self.loss_fn, self.multiplier = loss_fn, multiplier
-        self._sums: tuple[torch.Tensor, torch.Tensor] | None = None
+    name = "z_loss"
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(logits, labels)
-        z = z_loss_sum(logits, labels, self.multiplier)
-        if in_pipeline_shape_inference():  # a schedule's first step learns shapes on stand-in tensors: not counted
-            return loss + z
-        parts = (local_value(loss).detach().double(), local_value(z).detach().double())
-        self._sums = parts if self._sums is None else (self._sums[0] + parts[0], self._sums[1] + parts[1])
-        return loss + z
+    def __init__(self, multiplier: float):
+        self.multiplier = multiplier
+        self._sum: torch.Tensor | None = None  # float64: the sum since the last ``take_step_sum``
 
-    def pop(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (loss, z-loss) sums since the last pop (zeros on ``device`` when none), and start again."""
-        sums = self._sums
-        self._sums = None
-        if sums is None:
-            zero = torch.zeros((), dtype=torch.float64, device=device)
-            return zero, zero.clone()
-        return sums
+    @staticmethod
+    def of(sources: TermSources) -> ZLossTerm | None:
+        """The term of a job with ``--stability.z_loss_multiplier`` above 0, else None."""
+        multiplier = sources.cfg.stability.z_loss_multiplier
+        return ZLossTerm(multiplier) if multiplier > 0 else None
+
+    def __call__(self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        z = z_loss_sum(outputs[0], labels, self.multiplier)
+        if not in_pipeline_shape_inference():  # a schedule's first step learns shapes on stand-in tensors
+            kept = local_value(z).detach().double()
+            self._sum = kept if self._sum is None else self._sum + kept
+        return z
+
+    def take_step_sum(self, device: torch.device) -> torch.Tensor:
+        """The z-loss sum since the last call (zero on ``device`` when none), and start again."""
+        kept, self._sum = self._sum, None
+        return kept if kept is not None else torch.zeros((), dtype=torch.float64, device=device)

@@ -11,26 +11,32 @@ the router's gradient is summed over TP: 1 / tp makes that sum their mean), else
 loss; through the pipeline, the last stage's loss (``ScaledLoss``) does. Either way the gradient each
 layer's loss receives is ``float32(coeff / forwards)``, and the logged loss stays the main one.
 
+It is a term of the step's objective (``train_step/objective.py``): the value the forward carries.
 What is logged: ``moe/aux_loss``, the mean over the layers and the forwards since the last log
-(``pop``), on the ranks whose loss saw the sums (the pipeline's last stage).
+(``metrics``: kept on the ranks whose loss saw the sums, the pipeline's last stage, then averaged over
+every rank that kept some).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.models.aux_loss import split_aux_loss
+from torchtitan.train_step.objective import CarriedTerm, Groups, Outputs, TermSources
 
 
-class AuxLossTerm:
+class AuxLossTerm(CarriedTerm):
     """``coeff / forwards`` times the model's summed auxiliary loss, in the step's loss; see the module docstring.
 
     ``num_layers``: the MoE layers of the whole model (every pipeline stage's), for the logged mean;
     ``tp_split``: the TP ranks that route their own tokens (see the module docstring).
     """
+
+    name = "moe/aux_loss"
 
     def __init__(self, coeff: float, num_layers: int, tp_split: int = 1):
         self.coeff, self.num_layers, self.tp_split = coeff, num_layers, tp_split
@@ -43,8 +49,16 @@ class AuxLossTerm:
         self.weight = self.coeff * (1.0 / forwards) / self.tp_split
 
     @staticmethod
-    def split(output: torch.Tensor | tuple[torch.Tensor, ...]
-              ) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor | None]:
+    def of(sources: TermSources) -> AuxLossTerm | None:
+        """The term when the (whole, meta) model's MoE layers have an auxiliary loss, else None; split over TP
+        where expert parallelism borrows TP's ranks (``parallelize`` splits the layers so)."""
+        layers = sources.plan.model_spec.expert_layers(sources.model)
+        coeff = max((layer.aux_loss_coeff for layer in layers), default=0.0)
+        dims = sources.dims
+        tp_split = dims.tp if dims.tp_enabled and dims.ep_borrows_tp else 1
+        return AuxLossTerm(coeff, len(layers), tp_split) if coeff > 0 else None
+
+    def split(self, output: Outputs) -> tuple[Outputs, torch.Tensor | None]:
         """(the forward's output, its summed auxiliary loss or None)."""
         return split_aux_loss(output)
 
@@ -68,3 +82,15 @@ class AuxLossTerm:
         if total is None or forwards == 0:
             return torch.zeros((), dtype=torch.float64, device=device), 0
         return local_value(total).to(device) / forwards, self.num_layers
+
+    def metrics(self, groups: Groups) -> dict[str, float]:
+        """``moe/aux_loss`` since the last call: the sums of every rank (the whole world: expert parallelism
+        borrowing TP's ranks gives each its own) over their layers; a collective on logging steps."""
+        total, layers = self.pop(torch.device("cpu"))
+        sums = torch.tensor([float(total), layers], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else sums.device
+            reduced = sums.to(device)
+            dist.all_reduce(reduced)
+            sums = reduced.cpu()
+        return {self.name: float(sums[0] / sums[1])} if sums[1] > 0 else {}

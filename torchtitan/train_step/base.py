@@ -22,7 +22,7 @@ device tensors, and the trainer reads them only on the steps that need them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -84,7 +84,8 @@ class StepOutput:
     lr: float  # the learning rate the optimizer step ran at
     tokens: int = 0  # input positions of this rank's micro-batches (before any context-parallel split)
     skipped: torch.Tensor | None = None  # [stability]: whether the guard skipped the step (0-dim bool)
-    z_loss: torch.Tensor | None = None  # the mean z-loss per token, when z-loss is on (float64, 0-dim)
+    # the loss terms' means per token that are logged each step, by name (``z_loss`` when z-loss is on; float64)
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class StepStrategy:
@@ -161,8 +162,8 @@ class StepStrategy:
         are dropped).
         """
         parts = self.parts
-        z_loss_sum = parts.runner.take_z_loss_sum()
-        z_total = None if z_loss_sum is None else self.global_sum(z_loss_sum)
+        # the loss terms' per-step sums (z-loss), summed over the data ranks meanwhile
+        term_totals = {name: self.global_sum(local) for name, local in parts.runner.take_step_sums().items()}
         grad_norm = self.clip()
         if not self.commit():
             self.zero_grad()
@@ -181,7 +182,7 @@ class StepStrategy:
         self.after_step()
         tokens = scale.global_tokens
         return StepOutput(step=self.step_taken(step), loss=loss_sum() / tokens, grad_norm=grad_norm, lr=lr,
-                          skipped=skipped, z_loss=None if z_total is None else z_total() / tokens)
+                          skipped=skipped, terms={name: total() / tokens for name, total in term_totals.items()})
 
     def global_sum(self, local: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start summing a rank's share of a step total over the ranks that see different tokens (and, under

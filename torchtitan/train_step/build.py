@@ -3,7 +3,9 @@
     model on meta -> model converters (Float8) -> (pipeline: prune to this rank's stages) -> parallelize
     -> allocate -> initialize -> (pipeline: the copies the first and last stage share made equal)
     -> optimizer over every part's parameters -> LR schedule -> (MoE) the experts' balancing
-    and the auxiliary loss term of the step's loss
+
+The step's objective, the list of loss terms (``train_step/objective.py``), is built once from the whole
+model, before the pipeline split: the cross-entropy, then each ``LOSS_TERMS`` entry the job turns on.
 
 The dry run builds what the trainer builds through this same function, with ``BuildOptions`` saying
 where it differs: it parallelizes for the GPU it plans for (``device_type="cuda"``), allocates under
@@ -34,17 +36,22 @@ from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.quantization import apply_converters
 from torchtitan.quantization.float8 import install_after_step
-from torchtitan.stability.z_loss import WithZLoss
+from torchtitan.stability.z_loss import ZLossTerm
 from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.experts import ExpertBalance
-from torchtitan.train_step.mtp import MTPLoss, mtp_settings
+from torchtitan.train_step.mtp import MTPTerm
+from torchtitan.train_step.objective import TermBuilder, TermSources, build_objective
 from torchtitan.train_step.runner import ModelRunner
 
 if TYPE_CHECKING:
     from torchtitan.launch_plan import LaunchPlan
 
 logger = logging.getLogger(__name__)
+
+# The loss terms after the cross-entropy, in the order the step adds them (the order is part of the bits):
+# each builds its term from the job, or None where the job has none. A new term is one line here.
+LOSS_TERMS: tuple[TermBuilder, ...] = (ZLossTerm.of, MTPTerm.of, AuxLossTerm.of)
 
 
 @dataclass(frozen=True)
@@ -63,24 +70,18 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     """This rank's model parts (parallelized, allocated on ``device``, initialized), the pipeline schedule
     over them when PP is on, the optimizer and the LR schedule."""
     device_type = options.device_type or device.type
-    loss_fn = training_loss(device_type)
-    multiplier = cfg.stability.z_loss_multiplier
-    z_loss = WithZLoss(loss_fn, multiplier) if multiplier > 0 else None
     spec = plan.model_spec
     with torch.device("meta"):
         model = spec.build(plan.model_args)
         apply_converters(model, cfg, device_type)  # before the pipeline split and TP: they see the new classes
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
-    aux_loss = _aux_loss_term(model, plan, dims)
+    objective = build_objective(TermSources(cfg, plan, model, dims, training_loss(device_type)), LOSS_TERMS)
     if options.describe:
         _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
 
     def materialize(module: torch.nn.Module) -> torch.nn.Module:
         return _materialize(module, cfg, dims, plan, device, device_type, options)
 
-    train_loss = z_loss if z_loss is not None else loss_fn  # what the step back-propagates
-    depths, weight = mtp_settings(model)
-    mtp = MTPLoss(depths, weight, train_loss, loss_fn) if depths else None  # + the MTP depths' loss
     pp_runner, stage_copies = None, None
     if plan.pipeline is None:
         model_parts = [materialize(model)]
@@ -94,8 +95,8 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
             return stage
 
         pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize_stage,
-                                                mtp if mtp is not None else train_loss, spec.prune_stage,
-                                                stage_io=options.stage_io, extra_loss=aux_loss)
+                                                objective, spec.prune_stage, stage_io=options.stage_io,
+                                                extra_loss=objective.carried)
         stage_copies = StageCopies.of(model, plan.pipeline, spec.prune_stage, dims, model_parts)
         if stage_copies is not None and options.init_weights:
             stage_copies.sync_values()
@@ -110,20 +111,9 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
         lr_min=s.lr_min, total_steps=cfg.training.steps,
     )
-    experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims,
-                               aux_loss)
-    return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, loss_fn, dims, device,
-                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts, z_loss, mtp,
-                       stage_copies, aux_loss)
-
-
-def _aux_loss_term(model: torch.nn.Module, plan: LaunchPlan, dims: ParallelDims) -> AuxLossTerm | None:
-    """The step's auxiliary loss term when the (whole, meta) model's MoE layers have an auxiliary loss; split
-    over TP where expert parallelism borrows TP's ranks (``parallelize`` splits the layers so)."""
-    layers = plan.model_spec.expert_layers(model)
-    coeff = max((layer.aux_loss_coeff for layer in layers), default=0.0)
-    tp_split = dims.tp if dims.tp_enabled and dims.ep_borrows_tp else 1
-    return AuxLossTerm(coeff, len(layers), tp_split) if coeff > 0 else None
+    experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims)
+    return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, objective, dims, device,
+                       callbacks if callbacks is not None else StepCallbacks(), fpt, experts, stage_copies)
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,

@@ -7,12 +7,10 @@
   its own layers), and each
   router's bias moves toward balance (``models/expert_balance.py``). The counts exclude activation
   recompute (a layer counts in the original forward only).
-- **Auxiliary loss**: it travels with the model's output and the step's loss weighs it
-  (``train_step/aux_loss.py``); here only its logged mean is read from that loss.
-- **What is logged** (``metrics``, on logging steps, every rank): the auxiliary loss (mean over
-  layers and forwards), the load imbalance (max over mean tokens per expert of each layer: the
-  mean and the max over layers) and the tokens each expert received (over all sparse layers),
-  since the last log.
+- **Auxiliary loss**: a term of the step's objective (``train_step/aux_loss.py``), which logs itself.
+- **What is logged** (``metrics``, on logging steps, every rank): the load imbalance (max over mean
+  tokens per expert of each layer: the mean and the max over layers) and the tokens each expert
+  received (over all sparse layers), since the last log.
 
 The MoE layers come from the family's ``ModelSpec.expert_layers`` as ``ExpertLayer``s: the step never
 imports the MoE component (``models/moe``).
@@ -30,18 +28,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.expert_balance import ExpertLayer, imbalance, reduce_counts, update_expert_bias
 from torchtitan.models.spec import ModelSpec
-from torchtitan.train_step.aux_loss import AuxLossTerm
 
 
 class ExpertBalance:
     """The MoE layers of this rank's model parts, balanced at each step's tail; see the module docstring."""
 
-    def __init__(self, moes: list[ExpertLayer], num_experts: int, coeff: float, dims: ParallelDims,
-                 aux_loss: AuxLossTerm | None = None):
+    def __init__(self, moes: list[ExpertLayer], num_experts: int, coeff: float, dims: ParallelDims):
         # A pipeline stage may hold no MoE layer; it still takes part in the logging collectives.
         self.moes = moes
         self.num_experts = num_experts
-        self.coeff, self.dims, self.aux_loss = coeff, dims, aux_loss
+        self.coeff, self.dims = coeff, dims
         # dp x cp, and tp where expert parallelism borrows TP's ranks (each TP rank then routes its own tokens)
         routing_mesh: DeviceMesh | None = dims.routing_mesh()
         self.group = None if routing_mesh is None else routing_mesh.get_group()
@@ -50,15 +46,14 @@ class ExpertBalance:
         self.window_reduced = self.biased  # the bias update sums the counts over dp x cp each step
 
     @staticmethod
-    def of(model_parts: Sequence[torch.nn.Module], spec: ModelSpec, args: Any, coeff: float, dims: ParallelDims,
-           aux_loss: AuxLossTerm | None = None) -> ExpertBalance | None:
-        """The balance of the MoE layers of ``model_parts``, a model of ``spec`` (None for a dense model);
-        ``aux_loss``: the step's auxiliary loss term, whose logged mean ``metrics`` reads."""
+    def of(model_parts: Sequence[torch.nn.Module], spec: ModelSpec, args: Any, coeff: float,
+           dims: ParallelDims) -> ExpertBalance | None:
+        """The balance of the MoE layers of ``model_parts``, a model of ``spec`` (None for a dense model)."""
         num_experts = spec.num_experts(args)
         if not num_experts:
             return None
         moes = [m for part in model_parts for m in spec.expert_layers(part)]
-        return ExpertBalance(moes, num_experts, coeff, dims, aux_loss)
+        return ExpertBalance(moes, num_experts, coeff, dims)
 
     def update(self) -> None:
         """Move the routing biases from the step's counts (summed over dp x cp) and keep the counts for the log.
@@ -75,7 +70,7 @@ class ExpertBalance:
         self.window = counts if self.window is None else self.window + counts
 
     def metrics(self) -> dict[str, float]:
-        """The window's auxiliary loss, imbalance and tokens per expert, over every rank and pipeline stage.
+        """The window's imbalance and tokens per expert, over every rank and pipeline stage.
 
         Collectives over the whole world: every rank calls this on the same (logging) steps.
         """
@@ -84,10 +79,8 @@ class ExpertBalance:
         if not self.window_reduced:
             window = reduce_counts(list(window), self.group) if len(window) else window
         self.window = None
-        aux_sum, aux_layers = (self.aux_loss.pop(torch.device("cpu")) if self.aux_loss is not None
-                               else (torch.zeros((), dtype=torch.float64), 0))
         per_layer = imbalance(window) if len(window) else torch.zeros(0, dtype=torch.float64)
-        sums = torch.tensor([float(aux_sum), aux_layers, float(per_layer.sum()), len(per_layer)], dtype=torch.float64)
+        sums = torch.tensor([float(per_layer.sum()), len(per_layer)], dtype=torch.float64)
         sums = torch.cat([sums, window.sum(dim=0).double().cpu() if len(window) else torch.zeros(num_experts,
                                                                                                   dtype=torch.float64)])
         peak = per_layer.max().reshape(1).cpu() if len(per_layer) else torch.zeros(1, dtype=torch.float64)
@@ -97,11 +90,9 @@ class ExpertBalance:
         copies = self.dims.degree("dp_cp") * self.dims.tp
         out: dict[str, float] = {}
         if sums[1] > 0:
-            out["moe/aux_loss"] = float(sums[0] / sums[1])
-        if sums[3] > 0:
-            out["moe/imbalance"] = float(sums[2] / sums[3])
+            out["moe/imbalance"] = float(sums[0] / sums[1])
             out["moe/imbalance_max"] = float(peak[0])
-            for e, tokens in enumerate((sums[4:] / copies).tolist()):
+            for e, tokens in enumerate((sums[2:] / copies).tolist()):
                 out[f"moe/tokens_per_expert/{e}"] = round(tokens)
         return out
 

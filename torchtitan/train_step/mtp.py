@@ -3,17 +3,16 @@
 
 A model takes part when its args have a positive ``num_mtp_layers``: the step then passes it the batch's
 input ids as ``mtp_tokens`` and gets back ``(logits, depth 1's logits, ..., depth D's)`` from the model, or
-from the pipeline's last stage, which holds the MTP modules. ``MTPLoss`` is the loss the step
-back-propagates, the same in one process and on the last stage (inside the pipeline schedule):
-``main + mtp_loss_weight / D * sum_k depth_k``, ``main`` the step's training loss of the logits and each
+from the pipeline's last stage, which holds the MTP modules. ``MTPTerm`` is its term of the step's objective
+(``train_step/objective.py``), the same in one process and on the last stage (inside the pipeline schedule):
+the step back-propagates ``main + mtp_loss_weight / D * sum_k depth_k``, ``main`` the terms before it
+(the cross-entropy of the logits, plus z-loss when that is on) and each
 ``depth_k`` the sum of token cross-entropies against the labels ``k`` places further on, all through the
 same loss scale, i.e. over the main loss's token count (the report's 1/T). The logged loss stays the main
-one (``pop_main``); ``mtp/loss`` is the mean over the depths of ``depth_k / T``.
+one; ``mtp/loss`` is the mean over the depths of ``depth_k / T``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,8 +21,7 @@ from torch import nn
 from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.loss import IGNORE_INDEX, count_tokens
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from torchtitan.train_step.objective import Groups, LossFn, TermSources, TokenTerm
 
 
 def mtp_settings(model: nn.Module) -> tuple[int, float]:
@@ -43,48 +41,45 @@ def depth_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
     return targets
 
 
-class MTPLoss:
-    """The step's loss over ``(logits, *depth logits)``, and the sums it logs (see the module docstring).
+class MTPTerm(TokenTerm):
+    """The depths' term of the step's objective, and the sums it logs (see the module docstring).
 
-    ``main_loss`` scores the main logits (the training loss: with z-loss when that is on); ``depth_loss``
-    scores each depth's (the plain loss). The schedule's shape inference calls it on stand-in tensors:
-    not counted.
+    ``depth_loss`` scores each depth's logits (the plain cross-entropy). The schedule's shape inference
+    calls it on stand-in tensors: not counted.
     """
 
-    def __init__(self, depths: int, weight: float, main_loss: LossFn, depth_loss: LossFn):
-        self.depths, self.weight = depths, weight
-        self.main_loss, self.depth_loss = main_loss, depth_loss
-        self._main: torch.Tensor | None = None  # the main loss sum since the last pop_main
+    name = "mtp/loss"
+
+    def __init__(self, depths: int, weight: float, depth_loss: LossFn):
+        self.depths, self.weight, self.depth_loss = depths, weight, depth_loss
         self._sum = torch.zeros((), dtype=torch.float64)  # the depths' loss sum since the last metrics
         self._tokens = torch.zeros((), dtype=torch.float64)
 
     @staticmethod
-    def model_kwargs(inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def of(sources: TermSources) -> MTPTerm | None:
+        """The term of a model with multi-token prediction depths, else None."""
+        depths, weight = mtp_settings(sources.model)
+        return MTPTerm(depths, weight, sources.loss_fn) if depths else None
+
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the model's forward takes besides the batch's own fields: the input ids its depths embed."""
         return {"mtp_tokens": inputs}
 
-    def __call__(self, outputs: Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         if len(outputs) != 1 + self.depths:
             raise ValueError(f"multi-token prediction with {self.depths} depths expects the main logits and one per "
                              f"depth from the model, got {len(outputs)} outputs")
-        logits, *depths = outputs
-        main = self.main_loss(logits, labels)
+        depths = outputs[1:]
         total = self.depth_loss(depths[0], depth_targets(labels, 1))
         for k, out in enumerate(depths[1:], start=2):  # added one by one: a DTensor under loss parallel
             total = total + self.depth_loss(out, depth_targets(labels, k))
         if not in_pipeline_shape_inference():
-            kept = local_value(main).detach().double()
-            self._main = kept if self._main is None else self._main + kept
-            self._sum = self._sum.to(kept.device) + local_value(total).detach().double()
+            kept = local_value(total).detach().double()
+            self._sum = self._sum.to(kept.device) + kept
             self._tokens = self._tokens.to(labels.device) + count_tokens(labels).double()
-        return main + total * (self.weight / self.depths)
+        return total * (self.weight / self.depths)
 
-    def pop_main(self, device: torch.device) -> torch.Tensor:
-        """The main loss sum since the last pop (zero on ``device`` when none: a stage without the output)."""
-        main, self._main = self._main, None
-        return main if main is not None else torch.zeros((), dtype=torch.float64, device=device)
-
-    def metrics(self, groups: Sequence[dist.ProcessGroup | None]) -> dict[str, float]:
+    def metrics(self, groups: Groups) -> dict[str, float]:
         """``mtp/loss`` since the last call, summed over ``groups`` (the data ranks; the pipeline's, whose last
         stage alone holds the sums); a collective on logging steps."""
         sums = torch.stack([self._sum, self._tokens.to(self._sum.device)])
@@ -92,4 +87,4 @@ class MTPLoss:
             if dist.is_initialized() and group is not None:
                 dist.all_reduce(sums, group=group)
         self._sum, self._tokens = torch.zeros_like(self._sum), torch.zeros_like(self._tokens)
-        return {"mtp/loss": float(sums[0] / (self.depths * sums[1]))} if sums[1] > 0 else {}
+        return {self.name: float(sums[0] / (self.depths * sums[1]))} if sums[1] > 0 else {}

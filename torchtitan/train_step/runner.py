@@ -24,40 +24,34 @@ from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import count_tokens
-from torchtitan.stability.z_loss import WithZLoss
-from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.callbacks import StepCallbacks, StepPoint
 from torchtitan.train_step.experts import ExpertBalance
-from torchtitan.train_step.mtp import MTPLoss
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from torchtitan.train_step.objective import LossFn, Objective
 
 
 class ModelRunner:
     """What a step runs: the model parts (one per pipeline stage held, else one), their optimizer and schedule."""
 
     def __init__(self, model_parts: list[torch.nn.Module], pp_runner: PipelineRunner | None,
-                 optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler, loss_fn: LossFn, dims: ParallelDims,
-                 device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
-                 experts: ExpertBalance | None = None, z_loss: WithZLoss | None = None, mtp: MTPLoss | None = None,
-                 stage_copies: StageCopies | None = None, aux_loss: AuxLossTerm | None = None):
+                 optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler, objective: Objective,
+                 dims: ParallelDims, device: torch.device, callbacks: StepCallbacks, flops_per_token: float,
+                 experts: ExpertBalance | None = None, stage_copies: StageCopies | None = None):
         self.model_parts, self.pp_runner = model_parts, pp_runner
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        # ``loss_fn`` scores validation; training back-propagates ``z_loss`` (the loss plus z-loss) when it is on.
-        self.loss_fn, self.dims, self.device, self.callbacks = loss_fn, dims, device, callbacks
-        self.z_loss = z_loss
-        self.train_loss_fn: LossFn = z_loss if z_loss is not None else loss_fn
-        self._z_loss_sum: torch.Tensor | None = None
+        # the list of loss terms (train_step/objective.py): what the step back-propagates (also the pipeline's
+        # last stage's loss), validation's loss and what each term logs
+        self.objective = objective
+        self.dims, self.device, self.callbacks = dims, device, callbacks
+        self._step_sums: dict[str, torch.Tensor] = {}  # the terms' per-step sums of the last forward_backward
         self.flops_per_token = flops_per_token
         self.experts = experts  # a model with MoE layers: their balancing and metrics (train_step/experts.py)
-        # multi-token prediction (train_step/mtp.py): what the step back-propagates (also on the pipeline's
-        # last stage), the main loss logged apart
-        self.mtp = mtp
-        self.step_loss: Callable[..., torch.Tensor] = mtp if mtp is not None else self.train_loss_fn
         # parameters the first and last pipeline stage both hold (distributed/stage_copies.py)
         self.stage_copies = stage_copies
-        # the MoE layers' auxiliary loss, which the model returns with its output (train_step/aux_loss.py)
-        self.aux_loss = aux_loss
+
+    @property
+    def loss_fn(self) -> LossFn:
+        """What validation scores: the cross-entropy alone."""
+        return self.objective.validation_loss
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters()]
@@ -68,7 +62,7 @@ class ModelRunner:
 
     def extra_model_kwargs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """What the training forward takes besides the batch's own fields (multi-token prediction's input ids)."""
-        return {} if self.mtp is None else self.mtp.model_kwargs(batch.inputs)
+        return self.objective.model_kwargs(batch.inputs)
 
     def train_context(self) -> contextlib.AbstractContextManager:
         """Context that forward *and* backward of a micro-batch run under."""
@@ -97,9 +91,10 @@ class ModelRunner:
         (fault tolerance lets FSDP reduce on the last one only); not through the pipeline, whose
         schedule sets gradient sync itself.
         """
-        if self.aux_loss is not None:  # its weight: a mean over the step's forwards
+        carried = self.objective.carried  # the term the output carries (MoE auxiliary loss), if any
+        if carried is not None:  # its weight: a mean over the step's forwards
             pipeline_microbatches = self.pp_runner.plan.microbatches if self.pp_runner is not None else 1
-            self.aux_loss.start_step(len(batches) * pipeline_microbatches)
+            carried.start_step(len(batches) * pipeline_microbatches)
         if self.pp_runner is not None:
             return self._pipeline_forward_backward(batches, scale)
         emit = self.callbacks.emit
@@ -112,16 +107,16 @@ class ModelRunner:
             with self.train_context():
                 outputs = model(batch.inputs, **batch.model_kwargs(), **self.extra_model_kwargs(batch))
                 aux = None
-                if self.aux_loss is not None:  # the MoE layers' summed auxiliary loss, returned beside the output
-                    outputs, aux = self.aux_loss.split(outputs)
+                if carried is not None:  # the MoE layers' summed auxiliary loss, returned beside the output
+                    outputs, aux = carried.split(outputs)
                 emit(StepPoint.FORWARD_END, micro_batch=i)
-                loss_sum = self.step_loss(outputs, batch.labels)
+                loss_sum = self.objective(outputs, batch.labels)
                 del outputs  # not kept through backward (autograd keeps what it needs)
                 emit(StepPoint.BACKWARD_START, micro_batch=i)
                 # float32(scale) times the float32 loss sum, as a Python float scale would be applied.
                 objective = loss_sum * scale().to(loss_sum.dtype)
-                if aux is not None and self.aux_loss is not None:  # the MoE layers' auxiliary loss, weighed
-                    objective = self.aux_loss.add_to(objective, aux)
+                if aux is not None and carried is not None:  # the MoE layers' auxiliary loss, weighed
+                    objective = carried.add_to(objective, aux)
                 objective.backward()
             local_loss_sum += local_value(loss_sum).detach().double()
             del loss_sum
@@ -129,18 +124,16 @@ class ModelRunner:
         return self._logged_loss(local_loss_sum)
 
     def _logged_loss(self, local_loss_sum: torch.Tensor) -> torch.Tensor:
-        """The loss sum the step logs: the main loss alone (the MTP depths and z-loss, where on, apart)."""
-        if self.mtp is not None:
-            local_loss_sum = self.mtp.pop_main(self.device)
-        if self.z_loss is not None:
-            local_loss_sum, self._z_loss_sum = self.z_loss.pop(self.device)  # the loss alone, logged apart
-        return local_loss_sum
+        """The loss sum the step logs: the cross-entropy alone (the other terms logged apart); the terms'
+        per-step sums kept for ``take_step_sums``."""
+        self._step_sums = self.objective.take_step_sums(self.device)
+        return self.objective.logged_loss(local_loss_sum, self.device)
 
-    def take_z_loss_sum(self) -> torch.Tensor | None:
-        """This rank's z-loss sum of the last ``forward_backward`` (pipeline: summed over the stages), once;
-        None when z-loss is off."""
-        z, self._z_loss_sum = self._z_loss_sum, None
-        return z
+    def take_step_sums(self) -> dict[str, torch.Tensor]:
+        """This rank's per-step sums of the terms that log one (z-loss), by name, of the last ``forward_backward``
+        (pipeline: summed over the stages); once."""
+        sums, self._step_sums = self._step_sums, {}
+        return sums
 
     def _pipeline_forward_backward(self, batches: list[Batch], scale: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``forward_backward`` through the pipeline schedule: each local batch is one schedule step.
@@ -160,8 +153,7 @@ class ModelRunner:
         pp_mesh = self.dims.get_mesh("pp")
         # The last stage's loss function kept the parts (the other stages' are 0): the main loss alone is logged.
         local_loss_sum = self._logged_loss(local_loss_sum)
-        if self.z_loss is not None and self._z_loss_sum is not None:
-            self._z_loss_sum = start_sum(self._z_loss_sum, pp_mesh)()
+        self._step_sums = {name: start_sum(value, pp_mesh)() for name, value in self._step_sums.items()}
         return start_sum(local_loss_sum, pp_mesh)()
 
     def validation_forward(self, batch: Batch | Sequence[torch.Tensor],
