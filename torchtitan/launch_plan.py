@@ -9,13 +9,12 @@ the job is sound.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from torchtitan.config import JobConfig
 from torchtitan.datasets import Tokenizer
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_plan import PipelinePlan
-from torchtitan.models import get_model_spec, model_args, model_flavors
+from torchtitan.models import DecoderConfig, get_model_spec, model_args, model_flavors
 from torchtitan.models.spec import ModelSpec
 
 
@@ -25,13 +24,13 @@ class LaunchPlan:
 
     dims: ParallelDims
     grad_accum: int
-    model_args: Any  # the family's args (models/spec.py, FamilyArgs)
+    model_args: DecoderConfig  # the family's args
     model_spec: ModelSpec  # the family (--model.name)
     tokenizer: Tokenizer
     pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
 
 
-def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
+def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[DecoderConfig, list[str]]:
     """The model to build, and problems with it. A named flavor takes the tokenizer's vocabulary; a
     release keeps its own, which must hold every token id of the tokenizer."""
     args = dataclasses.replace(model_args(cfg.model.name, cfg.model.flavor), attn_mask_type=cfg.model.attn_mask_type)
@@ -44,7 +43,7 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Any, li
         args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     else:
         args = dataclasses.replace(args, vocab_size=tokenizer.n_words, max_seq_len=cfg.training.seq_len)
-    if cfg.model.mtp_layers and not hasattr(args, "num_mtp_layers"):
+    if cfg.model.mtp_layers and not args.has_mtp:
         problems.append(f"--model.mtp_layers={cfg.model.mtp_layers}: model family {cfg.model.name} has no "
                         "multi-token prediction; use --model.name=deepseek_v3 or --model.mtp_layers=0")
     spec = get_model_spec(cfg.model.name)

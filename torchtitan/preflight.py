@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -45,7 +44,7 @@ from torchtitan.evaluate import check_validation_data
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.launch_plan import LaunchPlan, configured_model_args
 from torchtitan.metrics.wandb_run import wandb_problems
-from torchtitan.models import get_model_spec, model_args
+from torchtitan.models import DecoderConfig, get_model_spec, model_args
 from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
 from torchtitan.quantization import converter_problems
@@ -217,7 +216,7 @@ def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, li
     return max(accum, 1), found
 
 
-def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: ModelSpec) -> list[str]:
+def check_parallelism(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig, spec: ModelSpec) -> list[str]:
     """TP/CP problems that would otherwise show up as shape errors deep inside a collective; the model
     family's own (its widths against TP, ...) come from its spec."""
     problems: list[str] = []
@@ -241,7 +240,7 @@ def check_parallelism(args: Any, dims: ParallelDims, cfg: JobConfig, spec: Model
     return problems
 
 
-def _expert_problems(args: Any, dims: ParallelDims, cfg: JobConfig, spec: ModelSpec) -> list[str]:
+def _expert_problems(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig, spec: ModelSpec) -> list[str]:
     """Expert parallelism needs experts; the routing bias must see every replica group's tokens."""
     problems: list[str] = []
     model = f"--model.name={cfg.model.name} --model.flavor={cfg.model.flavor}"
@@ -273,7 +272,7 @@ def check_installed_torch(cfg: JobConfig, dims: ParallelDims) -> list[str]:
 
 # ---- checkpoints ------------------------------------------------------------
 def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[], torch.nn.Module],
-                     model_args: Any = None) -> list[str]:
+                     model_args: DecoderConfig | None = None) -> list[str]:
     """One line per problem with the ``[checkpoint]`` options or the checkpoint they select.
 
     ``model_args`` (the configured model family's args) lets ``initial_load_path`` be checked
@@ -336,7 +335,7 @@ def _check_object_store(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def _check_initial_load(cfg: JobConfig, model_args: Any) -> list[str]:
+def _check_initial_load(cfg: JobConfig, model_args: DecoderConfig) -> list[str]:
     ck = cfg.checkpoint
     if not ck.initial_load_path or ck.create_seed_checkpoint or own_checkpoint_exists(cfg):
         return []

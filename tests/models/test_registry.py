@@ -82,9 +82,9 @@ def _family_imports(path: Path, root: Path) -> list[str]:
 
 
 # Packages and modules under models/ that are interface, not a family or a shared component: the attention
-# backends (the step names the run's in its log line), and the decoder's argument protocol that ModelSpec's
-# fields are typed by.
-INTERFACE = ("torchtitan.models.attention", "torchtitan.models.common.config")
+# backends (the step names the run's in its log line), the decoder's argument protocol that ModelSpec's
+# fields are typed by, and the decoder class that every family's model is (spec.family_model narrows to it).
+INTERFACE = ("torchtitan.models.attention", "torchtitan.models.common.config", "torchtitan.models.common.decoder")
 
 
 def _is_family_module(name: str, families: Path) -> bool:

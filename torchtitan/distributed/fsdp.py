@@ -9,7 +9,6 @@ block's experts are a unit of their own, sharded over the ``efsdp`` ranks that h
 from __future__ import annotations
 
 import logging
-from typing import cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,6 +18,7 @@ from torch.distributed.tensor import Shard
 from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.spec import family_model
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +52,14 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     type (DTensor), mixed precision and checkpoint format as FSDP and HSDP.
     ``experts``: the expert-parallel expert modules (``ParallelDims.expert_fsdp_mesh``).
     """
+    family = family_model(model, "apply_fsdp")
     mesh = mesh if mesh is not None else dims.fsdp_mesh()
     assert mesh is not None, "parallelize applies FSDP only where fsdp_mesh() builds one"
     mp = mixed_precision(cfg, device_type)
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
-    blocks = list(cast(torch.nn.ModuleDict, model.layers).values())
-    # Blocks that run after ``layers`` (DeepSeek-V3's multi-token prediction modules): units of their own,
+    # Blocks that run after ``layers`` (DeepSeek-V3's multi-token prediction modules) are units of their own,
     # so that their expert-parallel experts get their own unit too.
-    extra = getattr(model, "extra_blocks", None)
-    blocks += cast(list[torch.nn.Module], extra()) if callable(extra) else []
+    blocks = [*family.blocks(), *family.extra_blocks()]
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         last = i == len(blocks) - 1 and cfg.parallelism.fsdp_reshard_after_forward == "default"

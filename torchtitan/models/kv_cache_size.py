@@ -20,9 +20,7 @@ from torchtitan.models.kv_cache import LayerCacheSize
 
 def layer_cache_sizes(args: DecoderConfig) -> list[LayerCacheSize]:
     """Each decoder layer's cache per token, in layer order (multi-token prediction modules never decode)."""
-    # A family whose layers' attention differs (GPT-OSS: its windows) says so per layer.
-    per_layer = getattr(args, "layer_attention", None)
-    return [(per_layer(i) if per_layer is not None else args.attention()).cache_size() for i in range(args.n_layers)]
+    return [args.layer_attention(i).cache_size() for i in range(args.n_layers)]
 
 
 def cache_bytes(args: DecoderConfig, tokens: int, element_bytes: int, *, expanded: bool = False,

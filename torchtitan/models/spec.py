@@ -10,7 +10,7 @@ family's own flavors, release reader and weight names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +22,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed.init_spec import InitSpec
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common.config import DecoderConfig, JsonObject
+from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.expert_balance import ExpertLayer
 
 FamilyArgs = DecoderConfig  # a family's hyper-parameters (models/common/config.py)
@@ -43,11 +44,32 @@ class FamilyModel(Protocol):
 
     def num_params(self, exclude_embedding: bool = False) -> int: ...
 
-    # Optional ``extra_blocks() -> list[nn.Module]``: blocks that run after ``layers`` (DeepSeek-V3's MTP
-    # modules), each its own FSDP unit (distributed/fsdp.py) with a block's TP plan (the decoder's own).
+    tok_embeddings: nn.Embedding | None  # None on a pipeline stage without it
+
+    def blocks(self) -> Sequence[nn.Module]:
+        """The blocks of ``layers``, in order: each an FSDP unit (distributed/fsdp.py) and a compiled graph."""
+        ...
+
+    def extra_blocks(self) -> Sequence[nn.Module]:
+        """Blocks that run after ``layers`` (DeepSeek-V3's MTP modules): FSDP units of their own, with a block's
+        TP plan (the decoder's own)."""
+        ...
+
+    def moe_layers(self) -> Mapping[str, nn.Module]:
+        """Layer key -> its MoE feed-forward (this part's sparse layers)."""
+        ...
+
     # Generation (a spec with ``supports_kv_cache``): ``forward(tokens, cache=KVCache)`` takes the
     # rows' new tokens, appends their keys and values to the cache and returns their logits; the
     # args' ``max_seq_len`` is the longest sequence it takes.
+
+
+def family_model(part: nn.Module, user: str) -> FamilyModel:
+    """``part`` (the whole model or a pipeline stage of it) as the generic code asks it; TypeError naming
+    ``user`` for a module that no family built."""
+    if not isinstance(part, Decoder):
+        raise TypeError(f"{user} takes a model part that a family built (a Decoder), not a {type(part).__name__}")
+    return part
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -317,7 +316,7 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         job = _Job(cfg, plan, dims, fake, memory, recorder, moe_imbalance)
         if regions:  # each stage's first, middle and last blocks (repeats.py)
             for part in job.runner.model_parts:
-                recorder.watch_blocks(list(cast(torch.nn.ModuleDict, part.layers).values()))
+                recorder.watch_blocks(list(part.get_submodule("layers").children()))
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)

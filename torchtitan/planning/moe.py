@@ -56,4 +56,4 @@ def moe_notes(plan: LaunchPlan, imbalance: float) -> list[str]:
                f"imbalance {imbalance:g} (max over mean tokens per expert): the simulated rank's experts get "
                f"{imbalance:g}x the mean rows, its all-to-all and expert work follow")
     return [f"MoE routing assumed {routing} (fake tensors hold no token counts; planning/moe.py); "
-            f"{experts} experts, top_k {args.top_k}, EP {plan.dims.ep}; FLOPs/MFU count active parameters"]
+            f"{experts} experts, top_k {args.moe_args().top_k}, EP {plan.dims.ep}; FLOPs/MFU count active parameters"]

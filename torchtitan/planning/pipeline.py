@@ -57,7 +57,7 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
         return DTensor.from_local(local, dims.tp_mesh(), [Shard(-1)], run_check=False)
 
     # A model with multi-token prediction returns one logits tensor per depth beside the main one.
-    heads = 1 + int(getattr(args, "num_mtp_layers", 0))
+    heads = 1 + args.mtp_depths
     # With an auxiliary loss, every stage also returns the running sum [1] of its MoE layers' losses, and each
     # stage past the first takes it in beside the hidden state (models/aux_loss.py).
     moe = args.moe_args() if args.num_experts else None

@@ -31,7 +31,6 @@ tests/planning/test_repeats.py checks each against the simulation of the whole s
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
 
 import torch
 
@@ -113,7 +112,7 @@ def _blocks_alike(plan: LaunchPlan) -> bool:
         model = plan.model_spec.build(plan.model_args)
     signatures = {(tuple(type(m).__name__ for m in block.modules()),
                    tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
-                  for block in cast(torch.nn.ModuleDict, model.layers).values()}
+                  for block in model.get_submodule("layers").children()}
     return len(signatures) == 1
 
 
@@ -122,10 +121,7 @@ def with_fewer_blocks(plan: LaunchPlan, fewer: int) -> LaunchPlan:
     if fewer == 0:
         return plan
     counts = [n - fewer for n in stage_blocks(plan)]
-    resized = {"n_layers": sum(counts)}
-    if hasattr(plan.model_args, "layer_types"):  # a per-layer pattern (GPT-OSS's windows) keeps its first blocks
-        resized["layer_types"] = plan.model_args.layer_types[:sum(counts)]
-    args = dataclasses.replace(plan.model_args, **resized)
+    args = plan.model_args.with_first_layers(sum(counts))  # a per-layer pattern (GPT-OSS's windows) cut alike
     if plan.pipeline is None:
         return dataclasses.replace(plan, model_args=args)
     starts = [0]

@@ -7,9 +7,13 @@ dense). A family subclasses it (its own type: the registry finds the family by i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from torchtitan.models.attention import GQAConfig, check_mask_type
+from torchtitan.models.common.config import AttentionConfig
+from torchtitan.models.layers import RopeScaling
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.moe.router import check_routing
 
@@ -39,14 +43,14 @@ class DecoderArgs:
     decoder_sparse_step: int = 1  # every step-th layer is sparse (layer i: (i + 1) % step == 0)
     use_grouped_mm: bool = True
     # ---- routing beyond Qwen3-MoE's (DeepSeek-V3 style); the defaults are Qwen3-MoE's and Mixtral's
-    score_func: str = "softmax"  # or "sigmoid"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
     route_scale: float = 1.0
     num_shared_experts: int = 0
     num_groups: int = 1  # group-limited routing
     topk_groups: int = 1
     # ---- balancing: the job's [moe] section sets these (preflight), not the flavor
     load_balance_coeff: float = 0.0  # > 0: the auxiliary-loss-free routing bias, moved by this much per step
-    aux_loss: str = "none"  # none, switch or sequence
+    aux_loss: Literal["none", "switch", "sequence"] = "none"
     aux_loss_coeff: float = 0.0
     # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)); False: 0.02 / sqrt(2 * n_layers).
     depth_init: bool = True
@@ -72,9 +76,23 @@ class DecoderArgs:
     def dense_ffn_dim(self) -> int:
         return self.ffn_hidden_size
 
-    def rope_scaling_params(self) -> None:
+    def rope_scaling_params(self) -> RopeScaling | None:
         """No frequency scaling in these families (the decoder's rotary cache asks)."""
         return None
+
+    def layer_attention(self, layer: int) -> AttentionConfig:
+        return self.attention()
+
+    def with_first_layers(self, n_layers: int) -> DecoderArgs:
+        return dataclasses.replace(self, n_layers=n_layers)
+
+    @property
+    def has_mtp(self) -> bool:
+        return False
+
+    @property
+    def mtp_depths(self) -> int:
+        return 0
 
     def is_moe_layer(self, i: int) -> bool:
         """Hugging Face's rule: sparse iff not in mlp_only_layers, experts exist, and (i + 1) % step == 0."""
@@ -82,9 +100,7 @@ class DecoderArgs:
 
     def moe_args(self) -> MoEArgs:
         return MoEArgs(dim=self.dim, hidden_dim=self.moe_hidden_size, num_experts=self.num_experts,
-                       top_k=self.top_k, num_shared_experts=self.num_shared_experts,
-                       score_func=self.score_func,  # type: ignore[arg-type]  # checked by check_routing
+                       top_k=self.top_k, num_shared_experts=self.num_shared_experts, score_func=self.score_func,
                        norm_topk_prob=self.norm_topk_prob, route_scale=self.route_scale, num_groups=self.num_groups,
                        topk_groups=self.topk_groups, load_balance_bias=self.load_balance_coeff > 0,
-                       aux_loss=self.aux_loss,  # type: ignore[arg-type]  # checked by MoEArgs.check
-                       aux_loss_coeff=self.aux_loss_coeff, use_grouped_mm=self.use_grouped_mm)
+                       aux_loss=self.aux_loss, aux_loss_coeff=self.aux_loss_coeff, use_grouped_mm=self.use_grouped_mm)

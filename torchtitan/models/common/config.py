@@ -101,3 +101,22 @@ class DecoderConfig(Protocol):
     def is_moe_layer(self, i: int) -> bool: ...
 
     def moe_args(self) -> MoEArgs: ...
+
+    def layer_attention(self, layer: int) -> AttentionConfig:
+        """Layer ``layer``'s attention (GPT-OSS: its window; the others: ``attention()`` on every layer)."""
+        ...
+
+    def with_first_layers(self, n_layers: int) -> DecoderConfig:
+        """The same model cut to its first ``n_layers`` blocks, per-layer patterns cut alike (the planner's
+        shorter stand-ins)."""
+        ...
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the family can predict further tokens (``--model.mtp_layers``; DeepSeek-V3)."""
+        ...
+
+    @property
+    def mtp_depths(self) -> int:
+        """The multi-token prediction depths the model adds; 0: none."""
+        ...

@@ -74,6 +74,14 @@ class DeepSeekV3Args(DecoderArgs):
     def rope_scaling_params(self) -> YarnScaling | None:
         return self.yarn
 
+    @property
+    def has_mtp(self) -> bool:
+        return True
+
+    @property
+    def mtp_depths(self) -> int:
+        return self.num_mtp_layers
+
     def softmax_scale(self) -> float:
         """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` (DeepSeek's rule)."""
         scale = self.head_dim**-0.5

@@ -60,16 +60,20 @@ class GptOssArgs(DecoderArgs):
             raise ValueError(f"sliding_window={self.sliding_window} and swiglu_limit={self.swiglu_limit} must be "
                              "positive")
 
-    def rope_scaling_params(self) -> YarnScaling | None:  # pyright: ignore[reportIncompatibleMethodOverride]
+    def rope_scaling_params(self) -> YarnScaling | None:
         return self.rope_yarn
 
-    def attention(self) -> SinkAttentionConfig:  # pyright: ignore[reportIncompatibleMethodOverride]
+    def attention(self) -> SinkAttentionConfig:
         """The model's attention as preflight and the counts see it (the window of a layer: ``layer_attention``)."""
         return SinkAttentionConfig(self.dim, self.n_heads, self.n_kv_heads, self.head_dim)
 
     def layer_attention(self, layer: int) -> SinkAttentionConfig:
         """Layer ``layer``'s attention: with its window when ``layer_types`` names it sliding."""
         return dataclasses.replace(self.attention(), window=self.window(layer))
+
+    def with_first_layers(self, n_layers: int) -> GptOssArgs:
+        """The first ``n_layers`` blocks with their own windows (``layer_types`` cut alike)."""
+        return dataclasses.replace(self, n_layers=n_layers, layer_types=self.layer_types[:n_layers])
 
     def window(self, layer: int) -> int | None:
         """The keys a query of ``layer`` sees at most (None: the whole causal context)."""

@@ -83,6 +83,20 @@ class ModelArgs:
     def dense_ffn_dim(self) -> int:
         return ffn_hidden_dim(self)
 
+    def layer_attention(self, layer: int) -> GQAConfig:
+        return self.attention()
+
+    def with_first_layers(self, n_layers: int) -> ModelArgs:
+        return dataclasses.replace(self, n_layers=n_layers)
+
+    @property
+    def has_mtp(self) -> bool:
+        return False  # no multi-token prediction modules in Llama 3
+
+    @property
+    def mtp_depths(self) -> int:
+        return 0
+
     def is_moe_layer(self, i: int) -> bool:
         return False
 
