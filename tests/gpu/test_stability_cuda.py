@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from torchtitan.config.job_config import Stability
-from torchtitan.stability import BadStepGuard, z_loss_sum
+from torchtitan.stability import BadStepGuard
+from torchtitan.stability.z_loss import z_loss_sum
 
 pytestmark = pytest.mark.gpu
 

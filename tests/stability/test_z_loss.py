@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan.loss import IGNORE_INDEX, cross_entropy_sum
-from torchtitan.stability import ZLossTerm, z_loss_sum
+from torchtitan.stability.z_loss import ZLossTerm, z_loss_sum
 from torchtitan.train_step.objective import CrossEntropyTerm, Objective
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtitan.loss import IGNORE_INDEX, cross_entropy_sum
-from torchtitan.stability import ZLossTerm, z_loss_sum
+from torchtitan.stability.z_loss import ZLossTerm, z_loss_sum
 from torchtitan.train_step import build as build_module
 from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.mtp import MTPTerm

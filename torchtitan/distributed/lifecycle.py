@@ -38,10 +38,13 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
     Returns (rank, world_size, device). CUDA gets NCCL for its tensors plus gloo
     for the occasional CPU tensor; a machine without GPUs gets gloo alone.
     """
+    timeout = timedelta(seconds=init_timeout_seconds)
+    one_process: dict = {}
     if "RANK" not in os.environ:
         # A single process without torchrun: make a one-rank group so the code path is the same.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if "MASTER_PORT" not in os.environ and not dist.is_initialized():
+            one_process = _one_process_store(timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type() == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -51,9 +54,20 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        timeout = timedelta(seconds=init_timeout_seconds)
-        dist.init_process_group(backend=backend, timeout=timeout, **_restart_round_store(timeout))
+        dist.init_process_group(backend=backend, timeout=timeout, **(one_process or _restart_round_store(timeout)))
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _one_process_store(timeout: timedelta) -> dict:
+    """A one-rank group's store, on a port the OS picks as the store binds it.
+
+    A port found free first and bound later can be taken in between by another job on the host
+    (EADDRINUSE at start, seen when tests run side by side); binding port 0 leaves no such gap.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,  # pyright: ignore[reportPrivateImportUsage]
+                          timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # for what reads the group's address from the environment
+    return {"store": store, "rank": 0, "world_size": 1}
 
 
 def _restart_round_store(timeout: timedelta) -> dict:

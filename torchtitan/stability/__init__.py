@@ -9,6 +9,7 @@ The step's side (where the guard runs, the injected NaN of ``--debug.inject_nonf
 
 from torchtitan.stability.guard import BadStepGuard
 from torchtitan.stability.running_stats import RunningStats
-from torchtitan.stability.z_loss import ZLossTerm, z_loss_sum
 
-__all__ = ["BadStepGuard", "RunningStats", "ZLossTerm", "z_loss_sum"]
+# z_loss.py is not re-exported: its term builds on train_step's objective, which imports the pipeline
+# runner, and the launcher's preflight (which imports this package) must not import pipelining.
+__all__ = ["BadStepGuard", "RunningStats"]
