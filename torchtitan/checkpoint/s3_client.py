@@ -27,8 +27,11 @@ from __future__ import annotations
 import functools
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:  # the config is read, never imported at run time: this module stays light
+    from torchtitan.config.job_config import Checkpoint
 
 PROTOCOLS = ("s3", "s3a")
 
@@ -42,7 +45,7 @@ class S3Timeouts:
     max_attempts: int = 3
 
     @classmethod
-    def from_config(cls, ck: Any) -> S3Timeouts:
+    def from_config(cls, ck: Checkpoint) -> S3Timeouts:
         return cls(ck.s3_connect_timeout_seconds, ck.s3_read_timeout_seconds, ck.s3_max_attempts)
 
 
