@@ -20,6 +20,10 @@ from torch.distributed import distributed_c10d as c10d
 from torchtitan.compat import all_process_groups, default_store, set_pg_timeout
 
 
+# The pid of a process init_distributed made a one-rank group for (no torchrun); children inherit other pids.
+_ONE_PROCESS_MARK = "TORCHTITAN_ONE_PROCESS"
+
+
 def device_type() -> str:
     """The accelerator when there is one, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,10 +44,15 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
     """
     timeout = timedelta(seconds=init_timeout_seconds)
     one_process: dict = {}
-    if "RANK" not in os.environ:
+    # A process that made its own group before (a test training twice) finds RANK set by that first
+    # call; it is still one process, and the MASTER_PORT left behind is the old store's, not a launcher's.
+    made_here = os.environ.get(_ONE_PROCESS_MARK) == str(os.getpid())  # a child's pid differs: not inherited
+    if "RANK" not in os.environ or made_here:
         # A single process without torchrun: make a one-rank group so the code path is the same.
+        user_port = "MASTER_PORT" in os.environ and not made_here
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        if "MASTER_PORT" not in os.environ and not dist.is_initialized():
+        os.environ[_ONE_PROCESS_MARK] = str(os.getpid())
+        if not user_port and not dist.is_initialized():
             one_process = _one_process_store(timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type() == "cuda":
