@@ -128,10 +128,11 @@ def build_project(args, device, compile_: bool, sac: bool, float8: str | None = 
         model = Decoder(args)
     if float8 is not None:  # the trainer's converter, between build and AC/compile (train_step/build.py)
         from torchtitan.config import ConfigManager
+        from torchtitan.quantization.converters import model_label
         from torchtitan.quantization.float8 import convert_to_float8
 
         cfg = ConfigManager().parse_args(["--model.converters=float8", f"--float8.recipe_name={float8}"])
-        print("float8:", convert_to_float8(model, cfg, device.type), file=sys.stderr)
+        print("float8:", convert_to_float8(model, cfg.float8, device.type, model_label(cfg.model)), file=sys.stderr)
     if sac:
         apply_activation_checkpointing(model, "selective", "op")
     if compile_:

@@ -81,7 +81,8 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     args, found = configured_model_args(cfg, tokenizer)
     problems += found
     problems += check_parallelism(args, dims, cfg, spec)
-    problems += converter_model_problems(cfg, lambda: spec.build(args))  # --float8.filter_fqns against the model
+    # --float8.filter_fqns against the model
+    problems += converter_model_problems(cfg.model, cfg.float8, lambda: spec.build(args))
     pipeline = None
     if dims.pp_enabled:
         try:
@@ -95,7 +96,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
         return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
     # The installed torch's known failures: a planner plans for the cluster's torch, so only a launch checks them.
     problems += check_installed_torch(cfg, dims)
-    problems += converter_device_problems(cfg)  # FP8 on a GPU without FP8 tensor cores
+    problems += converter_device_problems(cfg.model, cfg.float8)  # FP8 on a GPU without FP8 tensor cores
     _raise_if(problems)
     problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
     problems += check_eval_tasks(cfg, tokenizer)
@@ -156,7 +157,8 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     if check_data and t.dataset_path is not None and not os.path.exists(os.path.expanduser(t.dataset_path)):
         problems.append(f"--training.dataset_path={t.dataset_path}: no such file or folder")
     problems += wandb_problems(cfg.metrics.enable_wandb)
-    problems += converter_problems(cfg)  # torchao installed and in range, [float8] options that contradict
+    # torchao installed and in range, [float8] options that contradict
+    problems += converter_problems(cfg.model, cfg.float8)
     return problems + _validation_problems(cfg) + stability_problems(cfg)
 
 

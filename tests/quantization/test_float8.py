@@ -39,7 +39,7 @@ def test_skip_reasons():
 
 def test_dense_model_converts_every_linear_but_the_output_and_keeps_its_state_dict():
     plain, model = _build("llama3", "debugmodel"), _build("llama3", "debugmodel")
-    counts = convert_to_float8(model, debug_config(FP8), "cpu")
+    counts = convert_to_float8(model, debug_config(FP8).float8, "cpu", "llama3 debugmodel")
     assert counts == {"converted": 42, "filtered": 1}  # 6 blocks x 7 linears; the output head stays
     assert type(model.get_submodule("output")) is nn.Linear
     assert type(model.get_submodule("layers.0.attention.wq")).__name__ == "Float8Linear"
@@ -53,7 +53,8 @@ def test_dense_model_converts_every_linear_but_the_output_and_keeps_its_state_di
 
 def test_filter_fqns_add_to_the_built_in_filter():
     model = _build("llama3", "debugmodel")
-    counts = convert_to_float8(model, debug_config(FP8, "--float8.filter_fqns=feed_forward"), "cpu")
+    counts = convert_to_float8(model, debug_config(FP8, "--float8.filter_fqns=feed_forward").float8, "cpu",
+                               "llama3 debugmodel")
     assert counts == {"converted": 24, "filtered": 19}  # 6 x 3 feed-forward linears, and the output all the same
     assert type(model.get_submodule("output")) is nn.Linear
 
@@ -66,18 +67,18 @@ def test_a_filter_that_matches_no_linear_is_refused_in_one_line():
         "--float8.filter_fqns: no linear layer of llama3 debugmodel has 'nosuchmodule' in its FQN, so it filters "
         "nothing; name part of a linear's FQN such as layers.0.attention.wq, or drop it"]
     with pytest.raises(ValueError, match="'nosuchmodule'"):  # a direct caller, before the model changes
-        convert_to_float8(_build("llama3", "debugmodel"), bad, "cpu")
+        convert_to_float8(_build("llama3", "debugmodel"), bad.float8, "cpu", "llama3 debugmodel")
     # The built-in patterns may be named again (a TorchTitan config does), even where a model has no router.
     dense = dataclasses.replace(model_args("llama3", "debugmodel"), vocab_size=2048)
     named_again = debug_config(FP8, "--float8.filter_fqns=output,router.gate")
-    assert model_problems(named_again, lambda: get_model_spec("llama3").build(dense)) == []
+    assert model_problems(named_again.model, named_again.float8, lambda: get_model_spec("llama3").build(dense)) == []
 
 
 def test_checkpoint_model_state_is_plain_under_the_fp8_all_gather_and_a_load_drops_precomputed_scales():
     from torchtitan.checkpoint.states import BUILTIN, Holders, StateRegistry
 
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
-    convert_to_float8(model, debug_config(FP8, "--float8.enable_fsdp_float8_all_gather"), "cpu")
+    convert_to_float8(model, debug_config(FP8, "--float8.enable_fsdp_float8_all_gather").float8, "cpu", "two linears")
     weight = model.get_parameter("0.weight")
     assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"  # what the FP8 all-gather casts
     holders = Holders(model, optimizer=None, lr_scheduler=None, dataset=None, rank=0)  # type: ignore[arg-type]
@@ -92,8 +93,7 @@ def test_checkpoint_model_state_is_plain_under_the_fp8_all_gather_and_a_load_dro
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_moe_model_routed_experts_fp8_only_on_cuda(device_type):
     model = _build("qwen3", "debugmodel_moe")
-    counts = convert_to_float8(model, debug_config(FP8, "--model.name=qwen3", "--model.flavor=debugmodel_moe"),
-                               device_type)
+    counts = convert_to_float8(model, debug_config(FP8).float8, device_type, "qwen3 debugmodel_moe")
     routers = [fqn for fqn, _ in model.named_modules() if fqn.endswith("router.gate")]
     assert routers and all(type(model.get_submodule(f)) is nn.Linear for f in routers)  # the gate stays
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
@@ -122,8 +122,8 @@ def test_emulate_follows_the_option_and_the_cpu_kernel():
 
     if torch.__version__.startswith("2.13"):
         assert compat.scaled_mm_supported("cpu")  # torch 2.13's CPU build multiplies float8
-    assert emulated(debug_config(FP8, "--float8.emulate"), "cpu")
-    assert emulated(debug_config(FP8), "cpu") == (not compat.scaled_mm_supported("cpu"))
+    assert emulated(debug_config(FP8, "--float8.emulate").float8, "cpu")
+    assert emulated(debug_config(FP8).float8, "cpu") == (not compat.scaled_mm_supported("cpu"))
 
 
 def test_capability_check():
@@ -135,19 +135,23 @@ def test_capability_check():
     assert problem is not None and "compute capability 8.0" in problem and "--float8.emulate" in problem
 
 
+def _option_problems(*flags: str) -> list[str]:
+    cfg = debug_config(*flags)
+    return converter_problems(cfg.model, cfg.float8)
+
+
 def test_option_checks():
-    assert converter_problems(debug_config(FP8)) == []
-    rowwise = converter_problems(debug_config(FP8, "--float8.recipe_name=rowwise",
-                                              "--float8.enable_fsdp_float8_all_gather"))
+    assert _option_problems(FP8) == []
+    rowwise = _option_problems(FP8, "--float8.recipe_name=rowwise", "--float8.enable_fsdp_float8_all_gather")
     assert len(rowwise) == 1 and "needs one scale per tensor" in rowwise[0]
-    precompute = converter_problems(debug_config(FP8, "--float8.precompute_float8_dynamic_scale_for_fsdp"))
+    precompute = _option_problems(FP8, "--float8.precompute_float8_dynamic_scale_for_fsdp")
     assert len(precompute) == 1 and "also set --float8.enable_fsdp_float8_all_gather" in precompute[0]
-    assert converter_problems(debug_config("--model.converters=int4")) == [
+    assert _option_problems("--model.converters=int4") == [
         "--model.converters: unknown converter 'int4'; choose from float8"]
-    assert converter_problems(debug_config("--model.converters=float8,float8")) == [
+    assert _option_problems("--model.converters=float8,float8") == [
         "--model.converters=float8,float8: a converter is named twice"]
     # Without the converter the [float8] section is not looked at.
-    assert converter_problems(debug_config("--float8.precompute_float8_dynamic_scale_for_fsdp")) == []
+    assert _option_problems("--float8.precompute_float8_dynamic_scale_for_fsdp") == []
 
 
 def test_torchao_version_range(monkeypatch):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Float8
 
 # The torchao releases this project is tested with ([lower, upper)); pyproject.toml declares the same.
 TORCHAO_TESTED = ((0, 18), (0, 19))
@@ -44,9 +44,9 @@ def torchao_problem() -> str | None:
     return None
 
 
-def recipe_problems(cfg: JobConfig) -> list[str]:
+def recipe_problems(f8: Float8) -> list[str]:
     """The ``[float8]`` options against each other (the recipe name itself is checked as a choice)."""
-    f8, problems = cfg.float8, []
+    problems: list[str] = []
     if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
         problems.append(f"--float8.enable_fsdp_float8_all_gather with --float8.recipe_name={f8.recipe_name}: the FP8 "
                         "all-gather needs one scale per tensor; use --float8.recipe_name=tensorwise or turn the "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from torchtitan import compat
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Float8, Model
 
 logger = logging.getLogger(__name__)
 
@@ -34,36 +34,36 @@ logger = logging.getLogger(__name__)
 ALWAYS_HIGH_PRECISION = ("output", "router.gate")
 
 
-def emulated(cfg: JobConfig, device_type: str) -> bool:
+def emulated(f8: Float8, device_type: str) -> bool:
     """Whether the FP8 products run emulated: asked for, or no FP8 matmul on this CPU build."""
-    return cfg.float8.emulate or not compat.scaled_mm_supported(device_type)
+    return f8.emulate or not compat.scaled_mm_supported(device_type)
 
 
-def float8_linear_config(cfg: JobConfig, device_type: str):  # noqa: ANN201 - torchao's Float8LinearConfig
-    """torchao's config for ``cfg``'s ``[float8]`` section on ``device_type``."""
+def float8_linear_config(f8: Float8, device_type: str):  # noqa: ANN201 - torchao's Float8LinearConfig
+    """torchao's config for the ``[float8]`` section ``f8`` on ``device_type``."""
     from torchao.float8 import Float8LinearConfig
 
-    f8 = cfg.float8
     config = Float8LinearConfig.from_recipe_name(f8.recipe_name)
-    return dataclasses.replace(config, emulate=emulated(cfg, device_type),
+    return dataclasses.replace(config, emulate=emulated(f8, device_type),
                                enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
 
 
-def filter_patterns(cfg: JobConfig) -> tuple[str, ...]:
+def filter_patterns(f8: Float8) -> tuple[str, ...]:
     """Every FQN pattern that keeps a linear in high precision: the built-in ones, then the user's."""
-    return (*ALWAYS_HIGH_PRECISION, *cfg.float8.filter_fqns)
+    return (*ALWAYS_HIGH_PRECISION, *f8.filter_fqns)
 
 
-def unmatched_filter_problem(cfg: JobConfig, linear_fqns: Iterable[str]) -> str | None:
+def unmatched_filter_problem(f8: Float8, linear_fqns: Iterable[str], model_label: str) -> str | None:
     """One line naming ``--float8.filter_fqns`` and its patterns that are part of no linear's FQN (each would
-    filter nothing), or None; the built-in patterns pass (a model may have no router)."""
+    filter nothing) of the model ``model_label`` names, or None; the built-in patterns pass (a model may have
+    no router)."""
     fqns = list(linear_fqns)
-    unmatched = [p for p in cfg.float8.filter_fqns
+    unmatched = [p for p in f8.filter_fqns
                  if p not in ALWAYS_HIGH_PRECISION and not any(p in fqn for fqn in fqns)]
     if not unmatched:
         return None
     example = f" such as {fqns[0]}" if fqns else ""
-    return (f"--float8.filter_fqns: no linear layer of {cfg.model.name} {cfg.model.flavor} has "
+    return (f"--float8.filter_fqns: no linear layer of {model_label} has "
             f"{' or '.join(map(repr, unmatched))} in its FQN, so it filters nothing; name part of a linear's FQN"
             f"{example}, or drop it")
 
@@ -80,52 +80,52 @@ def skip_reason(module: nn.Module, fqn: str, filter_fqns: Iterable[str]) -> str 
     return None
 
 
-def convert_to_float8(model: nn.Module, cfg: JobConfig, device_type: str) -> dict[str, int]:
+def convert_to_float8(model: nn.Module, f8: Float8, device_type: str, model_label: str) -> dict[str, int]:
     """Swap ``model``'s eligible linears for Float8 linears in place; log and return the counts.
+    ``model_label`` names the model in the one line that refuses a filter matching none of its linears.
 
     Returns ``{"converted": n, <reason>: n, "experts_fp8": n, "experts_high_precision": n}``.
     """
     from torchao.float8 import convert_to_float8_training
 
-    patterns = filter_patterns(cfg)
+    patterns = filter_patterns(f8)
     reasons: dict[str, str | None] = {
         fqn: skip_reason(m, fqn, patterns) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     # Preflight refuses this first; a direct caller is told here, before the model changes.
-    problem = unmatched_filter_problem(cfg, reasons)
+    problem = unmatched_filter_problem(f8, reasons, model_label)
     if problem is not None:
         raise ValueError(problem)
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return reasons.get(fqn, "not a linear") is None
 
-    convert_to_float8_training(model, config=float8_linear_config(cfg, device_type), module_filter_fn=keep)
+    convert_to_float8_training(model, config=float8_linear_config(f8, device_type), module_filter_fn=keep)
     counts = Counter("converted" if r is None else r for r in reasons.values())
-    counts.update(_convert_experts(model, cfg, device_type))
-    _log(cfg, device_type, counts, [fqn for fqn, r in reasons.items() if r is not None])
+    counts.update(_convert_experts(model, f8, device_type))
+    _log(f8, device_type, counts, [fqn for fqn, r in reasons.items() if r is not None])
     return dict(counts)
 
 
-def _convert_experts(model: nn.Module, cfg: JobConfig, device_type: str) -> Counter[str]:
+def _convert_experts(model: nn.Module, f8: Float8, device_type: str) -> Counter[str]:
     """Ask each routed-experts module that can (a ``to_float8`` method: models/moe/experts.py) to take FP8
     grouped GEMMs; count those that did and those that stay in high precision."""
     found: Counter[str] = Counter()
     for module in list(model.modules()):
         to_float8 = getattr(module, "to_float8", None)
         if callable(to_float8):
-            found["experts_fp8" if to_float8(device_type, emulated(cfg, device_type)) else
+            found["experts_fp8" if to_float8(device_type, emulated(f8, device_type)) else
                   "experts_high_precision"] += 1
     return found
 
 
-def _log(cfg: JobConfig, device_type: str, counts: Counter[str], kept: list[str]) -> None:
-    f8 = cfg.float8
+def _log(f8: Float8, device_type: str, counts: Counter[str], kept: list[str]) -> None:
     total = sum(n for key, n in counts.items() if not key.startswith("experts"))
     skipped = ", ".join(f"{n} {why}" for why, n in counts.items()
                         if why != "converted" and not why.startswith("experts"))
     shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
     logger.info("Float8 (%s%s%s): %d of %d linear layers converted%s", f8.recipe_name,
                 ", FP8 all-gather" if f8.enable_fsdp_float8_all_gather else "",
-                ", emulated" if emulated(cfg, device_type) else "", counts["converted"], total,
+                ", emulated" if emulated(f8, device_type) else "", counts["converted"], total,
                 f"; high precision: {skipped} ({shown})" if kept else "")
     if counts["experts_fp8"]:
         logger.info("Float8: the routed experts of %d MoE layers run FP8 grouped GEMMs (rowwise scales)",
@@ -147,9 +147,9 @@ def precompute_scales_hook(model_parts: list[nn.Module]) -> Callable[..., None]:
     return hook
 
 
-def install_after_step(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module], cfg: JobConfig) -> None:
+def install_after_step(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module], model_cfg: Model,
+                       f8: Float8) -> None:
     """Register the scale precomputation after every optimizer step, where ``[float8]`` asks for it."""
-    f8 = cfg.float8
-    if "float8" in cfg.model.converters and f8.precompute_float8_dynamic_scale_for_fsdp:
+    if "float8" in model_cfg.converters and f8.precompute_float8_dynamic_scale_for_fsdp:
         optimizer.register_step_post_hook(precompute_scales_hook(model_parts))
         logger.info("Float8: the all-gathered weights' scales are computed after each optimizer step")

@@ -73,7 +73,8 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     spec = plan.model_spec
     with torch.device("meta"):
         model = spec.build(plan.model_args)
-        apply_converters(model, cfg, device_type)  # before the pipeline split and TP: they see the new classes
+        # before the pipeline split and TP: they see the new classes
+        apply_converters(model, cfg.model, cfg.float8, device_type)
     fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
     objective = build_objective(TermSources(cfg, plan, model, dims, training_loss(device_type)), LOSS_TERMS)
     if options.describe:
@@ -106,7 +107,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
             [p for part in model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
             weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type,
         )
-    install_after_step(optimizer, model_parts, cfg)
+    install_after_step(optimizer, model_parts, cfg.model, cfg.float8)
     lr_scheduler = build_lr_scheduler(
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
         lr_min=s.lr_min, total_steps=cfg.training.steps,
