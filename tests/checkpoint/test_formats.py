@@ -253,10 +253,8 @@ def _fp8_release(folder: Path, without_scale: str | None, quantization_config: b
 @pytest.mark.parametrize("case", ["dense", "expert", "no_quantization_config"])
 def test_float8_weights_without_their_scales_are_refused_in_one_line(tmp_path, case) -> None:
     """A float8 weight whose ``_scale_inv`` is missing (or whose release states no quantization) has no value:
-    preflight, the load, generation and the in-memory conversion each refuse it in one line naming the tensor,
-    the scale (or the missing quantization_config) and the file."""
-    from safetensors.torch import load_file
-
+    preflight, the load and generation each refuse it in one line naming the tensor, the scale (or the missing
+    quantization_config) and the file."""
     from torchtitan.generation import describe
     from torchtitan.models import get_model_spec, model_args
 
@@ -275,10 +273,8 @@ def test_float8_weights_without_their_scales_are_refused_in_one_line(tmp_path, c
     with pytest.raises(ValueError) as e:  # before generation reads any weight
         describe(folder)
     assert tensor in str(e.value) and missing in str(e.value)
-    if case != "no_quantization_config":
-        with pytest.raises(ValueError, match=f"without its scale {tensor}_scale_inv"):
-            get_model_spec("deepseek_v3").state_dict_adapter.from_hf(load_file(folder / "model.safetensors"), args)
-    else:  # with the quantization stated, the same folder loads: the scale, not the tensor, was missing
+    if case == "no_quantization_config":
+        # with the quantization stated, the same folder loads: the scale, not the tensor, was missing
         _fp8_release(tmp_path / "stated", None)
         assert check_source(str(tmp_path / "stated"), "hf", args) == []
 

@@ -82,17 +82,14 @@ class HFConversion:
 
 
 class StateDictAdapter(Protocol):
-    """A family's names and layouts in Hugging Face releases (checkpoint/formats.py does the I/O)."""
+    """A family's names and layouts in Hugging Face releases. Reading is ``checkpoint/formats.py``'s alone,
+    tensor by tensor, from these answers: no whole-dict conversion into our names exists to drift from it."""
 
     # ``quantization_config`` methods whose tensors ``hf_conversion`` dequantizes (GPT-OSS: mxfp4)
     quant_methods: frozenset[str]
 
     def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         """Our full state dict -> Hugging Face names and layout."""
-        ...
-
-    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
-        """Hugging Face names and layout -> ours."""
         ...
 
     def hf_name(self, fqn: str, tied: bool) -> str:

@@ -56,14 +56,6 @@ class DecoderHFAdapter:
     def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
         return self.weights.to_hf(state, args)
 
-    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
-        """Hugging Face's -> ours, for the parameters of ``args``'s model; ValueError naming a missing tensor."""
-        from torchtitan.models.common.decoder import Decoder
-
-        with torch.device("meta"):
-            fqns = [fqn for fqn, _ in Decoder(args).named_parameters(remove_duplicate=False)]
-        return self.weights.from_hf(state, args, fqns)
-
     def hf_config(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None,
                   dtype: torch.dtype) -> JsonObject:
         return self.config.write(args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)

@@ -17,11 +17,10 @@ A family states its map as a list of ``WeightTemplate`` rows, one per kind of te
   head's vector (a query/key norm's weight).
 - ``rotary_dims``: only that many trailing rows of each head rotate (partial rotary, as MLA's
   ``qk_rope_head_dim`` beside its ``qk_nope_head_dim``); the rows before them are stored alike.
-- ``scale``: the Hugging Face tensor beside the weight holding its block-wise scales (a release stored
-  in FP8 with ``weight_scale_inv``); loading multiplies them in (``dequantize``).
 
 ``WeightMap`` answers every question the checkpoint formats (``checkpoint/formats.py``) ask about names
-and layouts, from these rows alone.
+and layouts, from these rows alone; that module alone reads a release, tensor by tensor (an FP8 release's
+block scales are multiplied in there, ``checkpoint/quantized.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ class WeightTemplate:
     theirs: str
     permute: Permute | None = None
     rotary_dims: int | None = None  # None: the whole head rotates
-    scale: str | None = None  # Hugging Face's name of this weight's block-wise scales
 
     @property
     def stacked(self) -> bool:
@@ -60,10 +58,6 @@ class WeightTemplate:
 
     def match_ours(self, fqn: str) -> dict[str, str] | None:
         m = self._pattern(self.ours).match(fqn)
-        return m.groupdict() if m else None
-
-    def match_theirs(self, name: str) -> dict[str, str] | None:
-        m = self._pattern(self.theirs).match(name)
         return m.groupdict() if m else None
 
 
@@ -86,16 +80,6 @@ def permute_rows(w: torch.Tensor, heads: int, *, to_hf: bool, rotary_dims: int |
     return out.reshape(rows, *rest)
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``weight`` times its block-wise ``scale`` ([ceil(rows / b0), ceil(cols / b1)]), in float32."""
-    b0 = -(-weight.shape[0] // scale.shape[0])
-    b1 = -(-weight.shape[1] // scale.shape[1])
-    full = scale.float().repeat_interleave(b0, dim=0)[: weight.shape[0]]
-    full = full.repeat_interleave(b1, dim=1)[:, : weight.shape[1]]
-    return weight.float() * full
-
-
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _EMBEDDING = "tok_embeddings.weight"
 _OUTPUT = "output.weight"
 
@@ -155,42 +139,6 @@ class WeightMap:
             rows = permute_rows(t, heads, to_hf=True, rotary_dims=self.rotary_dims(fqn)).contiguous() if heads else t
             out[self.hf_name(fqn, tied=False)] = rows
         return out
-
-    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig,
-                fqns: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The release's -> ours, for the parameters ``fqns``; ValueError naming a missing tensor. No output
-        tensor there means tied: it is the embedding's. Scaled weights are dequantized."""
-        out: dict[str, torch.Tensor] = {}
-        for fqn in fqns:
-            names = self.hf_expert_names(fqn, args) or [self.hf_name(fqn, tied=bool(args.tie_word_embeddings))]
-            missing = [n for n in names if n not in state]
-            if fqn == _OUTPUT and missing and self.hf_name(_EMBEDDING, tied=False) in state:
-                names, missing = [self.hf_name(_EMBEDDING, tied=False)], []  # no lm_head: tied
-            if missing:
-                raise ValueError(f"the Hugging Face weights lack {missing[0]} (for our {fqn}); the folder is "
-                                 "incomplete or of another shape")
-            tensors = [self._unscaled(fqn, n, state) for n in names]
-            if len(names) > 1 or self.hf_expert_names(fqn, args) is not None:
-                out[fqn] = torch.stack(tensors)
-                continue
-            heads = self.hf_permuted_heads(fqn, args)
-            w = tensors[0]
-            out[fqn] = self.rows_from_hf(w, heads, self.rotary_dims(fqn)).contiguous() if heads else w
-        return out
-
-    def _unscaled(self, fqn: str, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``state[name]`` with its scales multiplied in; ValueError (one line) for float8 codes without them."""
-        t, _ = self._find(fqn)
-        scale = name + "_scale_inv"
-        if t.scale is not None:
-            found = t.match_theirs(name) or {}
-            scale = t.scale.format(layer=found.get("layer", ""), expert=found.get("expert", ""))
-            if scale in state:
-                return dequantize(state[name], state[scale])
-        if state[name].dtype in _FLOAT8:  # the codes alone are thousands of times too large
-            raise ValueError(f"the Hugging Face weights hold {name} (for our {fqn}) as {state[name].dtype} without "
-                             f"its scale {scale}; the release is incomplete: download it again")
-        return state[name]
 
 
 QWEN_EXPERT_NAMES = ("gate_proj", "down_proj", "up_proj")

@@ -25,7 +25,6 @@ from torchtitan.models.common.config import DecoderConfig, JsonObject
 from torchtitan.models.common.hf import DecoderHFAdapter
 from torchtitan.models.common.weight_map import WeightMap, WeightTemplate
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
-from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.layers import YarnScaling
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -160,16 +159,13 @@ def _templates() -> list[WeightTemplate]:
                    "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj"}
     # the MTP modules (``mtp.<layer>``): their own parts, then a block as any layer's
     rows += [WeightTemplate("mtp.{layer}." + k, layer + v) for k, v in MTP_PARTS.items()]
-    rows.append(WeightTemplate("mtp.{layer}.eh_proj.weight", layer + "eh_proj.weight",
-                               scale=layer + "eh_proj.weight_scale_inv"))
+    rows.append(WeightTemplate("mtp.{layer}.eh_proj.weight", layer + "eh_proj.weight"))
     for prefix in (ours, "mtp.{layer}.block."):
         rows += [WeightTemplate(prefix + k, layer + v) for k, v in plain.items()]
-        rows += [WeightTemplate(prefix + k, layer + v + ".weight", scale=layer + v + ".weight_scale_inv")
-                 for k, v in projections.items()]
+        rows += [WeightTemplate(prefix + k, layer + v + ".weight") for k, v in projections.items()]
         for w, theirs in zip(("w1", "w2", "w3"), NAMING):
             name = layer + "mlp.experts.{expert}." + theirs
-            rows.append(WeightTemplate(prefix + "feed_forward.experts." + w, name + ".weight",
-                                       scale=name + ".weight_scale_inv"))
+            rows.append(WeightTemplate(prefix + "feed_forward.experts." + w, name + ".weight"))
     return rows
 
 
@@ -205,22 +201,4 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
             # safetensors stores no tensor twice)
             out.update({f"model.layers.{key}.{theirs}": state[ours].clone()
                         for ours, theirs in MTP_SHARED_COPIES.items() if ours in state})
-        return out
-
-    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
-        """The decoder's, the MTP modules' (layer ``n_layers`` on, where ``num_mtp_layers`` asks for them; the
-        layer's copies of the embedding and head are the shared ones here) and the routing biases."""
-        out = super().from_hf(state, args)
-        depths = cast(DeepSeekV3Args, args).num_mtp_layers
-        if depths:
-            with torch.device("meta"):
-                mtp = DeepSeekV3Model(cast(DeepSeekV3Args, args)).mtp
-            assert mtp is not None, "num_mtp_layers > 0 builds the MTP modules"
-            out.update(self.weights.from_hf(state, args, [f"mtp.{n}" for n, _ in mtp.named_parameters()]))
-        bias = "feed_forward.router.expert_bias"
-        fqns = [f"layers.{i}.{bias}" for i in range(args.n_layers) if args.is_moe_layer(i)]
-        fqns += [f"mtp.{i}.block.{bias}" for i in range(args.n_layers, args.n_layers + depths) if args.is_moe_layer(i)]
-        for fqn in fqns:
-            if self.hf_name(fqn, tied=False) in state:
-                out[fqn] = state[self.hf_name(fqn, tied=False)]
         return out

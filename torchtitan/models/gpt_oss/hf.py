@@ -253,14 +253,3 @@ class GptOssHFAdapter(DecoderHFAdapter):
         for layer, tensors in experts.items():
             out.update(experts_to_hf(layer, tensors))
         return out
-
-    def from_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
-        """Hugging Face's -> ours, for every parameter of ``args``'s model (MXFP4 experts dequantized)."""
-        from torchtitan.models.gpt_oss.model import GptOssModel
-
-        with torch.device("meta"):
-            fqns = [fqn for fqn, _ in GptOssModel(_gpt_oss(args)).named_parameters(remove_duplicate=False)]
-        shapes = {name: tuple(t.shape) for name, t in state.items()}
-        out = {fqn: c.read() for fqn in fqns if (c := self.hf_conversion(fqn, args, shapes, state.__getitem__))}
-        out.update(self.weights.from_hf(state, args, [fqn for fqn in fqns if fqn not in out]))
-        return out
