@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from torchtitan.batch import Batch
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Model, Training, Validation
 from torchtitan.datasets import DataLayout, HeldOutSplit, Tokenizer, build_validation_dataset, open_validation_store
 from torchtitan.datasets.loaders import build_mixture_validation, document_bos
 from torchtitan.datasets.store_dataset import TokenStoreDataset
@@ -61,44 +61,60 @@ logger = logging.getLogger(__name__)
 ValidationData = TokenStoreDataset | ShardedStreamDataset | dict[str, TokenStoreDataset]
 
 
-def validation_batch_size(cfg: JobConfig) -> int:
-    return cfg.validation.batch_size or cfg.training.batch_size
+@dataclasses.dataclass(frozen=True)
+class ValidationOptions:
+    """What validation reads of a job: the ``[validation]`` section and the few ``[training]`` and ``[model]``
+    values it shares with training; built once (``of``) by the preflight and by the trainer."""
+
+    validation: Validation
+    training: Training  # the training data (held out of, or mixed), its seq_len and local batch, the last step
+    positions: bool  # block_causal masks: the batches carry positions, so validation masks as training does
+
+    @classmethod
+    def of(cls, validation: Validation, training: Training, model: Model) -> ValidationOptions:
+        return cls(validation, training, positions=model.attn_mask_type == "block_causal")
+
+    @property
+    def batch_size(self) -> int:
+        """The local validation batch: ``[validation] batch_size``, else training's."""
+        return self.validation.batch_size or self.training.batch_size
+
+    @property
+    def per_source(self) -> bool:
+        """A mixture without a validation dataset of its own validates on each source's held-out part."""
+        v = self.validation
+        return bool(self.training.dataset_mix) and v.dataset is None and v.dataset_path is None
 
 
-def _per_source(cfg: JobConfig) -> bool:
-    """A mixture without a validation dataset of its own validates on each source's held-out part."""
-    return bool(cfg.training.dataset_mix) and cfg.validation.dataset is None and cfg.validation.dataset_path is None
-
-
-def build_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int,
+def build_validation_data(options: ValidationOptions, tokenizer: Tokenizer, dp_rank: int,
                           dp_degree: int) -> ValidationData:
-    v, t = cfg.validation, cfg.training
-    layout = DataLayout(t.seq_len, validation_batch_size(cfg), dp_rank, dp_degree)
-    if _per_source(cfg):
+    v, t = options.validation, options.training
+    layout = DataLayout(t.seq_len, options.batch_size, dp_rank, dp_degree)
+    if options.per_source:
         return build_mixture_validation(
             t.dataset_mix, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, layout=layout,
-            positions=cfg.model.attn_mask_type == "block_causal")
+            positions=options.positions)
     return build_validation_dataset(
         dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
         train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v), tokenizer=tokenizer, layout=layout,
-        positions=cfg.model.attn_mask_type == "block_causal",  # validation masks as training does
+        positions=options.positions,
     )
 
 
-def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
+def check_validation_data(options: ValidationOptions, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
     """Problems with the validation data (empty when fine); prepares its token store on first use."""
-    v, t = cfg.validation, cfg.training
+    v, t = options.validation, options.training
     if not v.enable:
         return []
-    batch = validation_batch_size(cfg)
+    batch = options.batch_size
     needed = batch * dp_degree
-    if _per_source(cfg):
-        return _check_source_parts(cfg, tokenizer, dp_degree)
+    if options.per_source:
+        return _check_source_parts(options, tokenizer, dp_degree)
     try:
         store = open_validation_store(dataset_name=v.dataset, dataset_path=v.dataset_path, train_dataset_name=t.dataset,
                                       train_dataset_path=t.dataset_path, split=HeldOutSplit.from_config(v),
                                       tokenizer=tokenizer)
-        if store is not None and cfg.model.attn_mask_type == "block_causal":
+        if store is not None and options.positions:
             document_bos(store)
     except (OSError, ValueError) as e:  # TokenStoreError is a ValueError; TimeoutError an OSError
         return [f"validation data: {e}"]
@@ -113,19 +129,19 @@ def check_validation_data(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) 
         return []
     what = (f"the held-out {v.held_out_fraction:g} of the training documents" if v.held_out_fraction is not None
             else f"the validation dataset {v.dataset_path or v.dataset}")
-    return [f"validation data: {what} make(s) {found} window(s) of {cfg.training.seq_len + 1} tokens, fewer than "
+    return [f"validation data: {what} make(s) {found} window(s) of {t.seq_len + 1} tokens, fewer than "
             f"one validation batch (--validation.batch_size={batch} x data-parallel degree {dp_degree} = {needed}); "
             f"use more validation data (a larger --validation.held_out_fraction or dataset), or a smaller "
             f"--validation.batch_size or --training.seq_len"]
 
 
-def _check_source_parts(cfg: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
+def _check_source_parts(options: ValidationOptions, tokenizer: Tokenizer, dp_degree: int) -> list[str]:
     """Each mixture source's held-out part must hold one validation batch; at least one source needs one."""
-    batch = validation_batch_size(cfg)
+    t = options.training
     try:
-        parts = build_mixture_validation(cfg.training.dataset_mix, split=HeldOutSplit.from_config(cfg.validation),
+        parts = build_mixture_validation(t.dataset_mix, split=HeldOutSplit.from_config(options.validation),
                                          tokenizer=tokenizer,
-                                         layout=DataLayout(cfg.training.seq_len, batch, 0, dp_degree))
+                                         layout=DataLayout(t.seq_len, options.batch_size, 0, dp_degree))
     except (OSError, ValueError) as e:
         return [f"validation data of the mixture: {e}"]
     if not parts:
@@ -175,7 +191,7 @@ class Validator:
 
     def __init__(
         self,
-        cfg: JobConfig,
+        options: ValidationOptions,
         data: ValidationData,
         model_parts: list[torch.nn.Module],
         forward_loss: Callable[[Batch], tuple[torch.Tensor | None, torch.Tensor]],
@@ -185,11 +201,11 @@ class Validator:
         byte_lengths: torch.Tensor,
         cp_degree: int = 1,
     ):
-        v = cfg.validation
+        v = options.validation
         # Bytes are counted from each rank's whole batch, which its CP peers hold too: their sum over
         # ``loss_mesh`` (dp x cp) counts every window cp_degree times.
         self.byte_lengths, self.cp_degree = byte_lengths, cp_degree
-        self.freq, self.max_batches, self.last_step = v.freq, v.steps, cfg.training.steps
+        self.freq, self.max_batches, self.last_step = v.freq, v.steps, options.training.steps
         self.data, self.model_parts, self.forward_loss = data, model_parts, forward_loss
         self.loss_mesh, self.pp_mesh, self.device = loss_mesh, pp_mesh, device
         self.parts = data if isinstance(data, dict) else {"": data}  # "": the one dataset

@@ -39,8 +39,8 @@ from torchtitan.distributed.activation_checkpoint import selective_ac_interval
 from torchtitan.distributed.parallel_dims import dp_shard_problem
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.distributed.seeding import sharded_dims_problem
-from torchtitan.downstream.build import check_eval_tasks
-from torchtitan.evaluate import check_validation_data
+from torchtitan.downstream.build import EvalOptions, check_eval_tasks
+from torchtitan.evaluate import ValidationOptions, check_validation_data
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
 from torchtitan.launch_plan import LaunchPlan, configured_model_args
 from torchtitan.metrics.wandb_run import wandb_problems
@@ -73,7 +73,8 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     _raise_if(problems)
     assert tokenizer is not None  # not building it was a problem, raised just above
 
-    problems += check_fault_tolerance(cfg, dims)
+    problems += check_fault_tolerance(cfg.fault_tolerance, dims, comm=cfg.comm, training=cfg.training,
+                                      checkpoint=cfg.checkpoint)
     data_degree = data_parallel_degree(cfg, dims)
     grad_accum, found = gradient_accumulation_steps(cfg, data_degree)
     problems += found
@@ -98,8 +99,9 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     problems += check_installed_torch(cfg, dims)
     problems += converter_device_problems(cfg.model, cfg.float8)  # FP8 on a GPU without FP8 tensor cores
     _raise_if(problems)
-    problems += check_validation_data(cfg, tokenizer, dims.degree("dp"))
-    problems += check_eval_tasks(cfg, tokenizer)
+    problems += check_validation_data(ValidationOptions.of(cfg.validation, cfg.training, cfg.model), tokenizer,
+                                      dims.degree("dp"))
+    problems += check_eval_tasks(EvalOptions.of(cfg.eval, cfg.validation, cfg.training, cfg.model), tokenizer)
     t = cfg.training
     problems += check_training_data(dataset_name=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer,
                                     split=HeldOutSplit.from_config(cfg.validation), seq_len=t.seq_len,
@@ -159,7 +161,8 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     problems += wandb_problems(cfg.metrics.enable_wandb)
     # torchao installed and in range, [float8] options that contradict
     problems += converter_problems(cfg.model, cfg.float8)
-    return problems + _validation_problems(cfg) + stability_problems(cfg)
+    return problems + _validation_problems(cfg) + stability_problems(
+        cfg.stability, checkpoint=cfg.checkpoint, ft=cfg.fault_tolerance, debug=cfg.debug)
 
 
 def _schedule_problems(cfg: JobConfig) -> list[str]:

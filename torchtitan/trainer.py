@@ -26,8 +26,8 @@ from torchtitan.datasets.partition import job_data_layout
 from torchtitan.datasets.token_bytes import token_byte_lengths
 from torchtitan.distributed import init_distributed, manual_seed, set_determinism
 from torchtitan.distributed.lifecycle import set_collective_timeout
-from torchtitan.downstream.build import build_downstream_evaluator
-from torchtitan.evaluate import ValidationResult, Validator, build_validation_data
+from torchtitan.downstream.build import EvalOptions, build_downstream_evaluator
+from torchtitan.evaluate import ValidationOptions, ValidationResult, Validator, build_validation_data
 from torchtitan.launch_plan import LaunchPlan
 from torchtitan.metrics import MetricsLogger, Throughput, device_memory, format_step_line, peak_flops
 from torchtitan.metrics.logger import format_batch_line, format_mesh_line, format_validation_line
@@ -80,7 +80,8 @@ class Trainer:
 
         dp_rank, dp_degree = self.dims.rank_and_size("dp")
         # Under fault tolerance each group reads its own slots of the job's global batch.
-        self.data_layout = job_data_layout(cfg, dp_rank, dp_degree)  # its global batch: one micro-step of the job
+        # The rank's global batch: one micro-step of the job.
+        self.data_layout = job_data_layout(cfg.training, cfg.fault_tolerance, dp_rank, dp_degree)
         self.dataloader = build_dataloader(
             dataset_name=cfg.training.dataset, dataset_path=cfg.training.dataset_path, tokenizer=plan.tokenizer,
             layout=self.data_layout, split=HeldOutSplit.from_config(cfg.validation),
@@ -104,17 +105,19 @@ class Trainer:
         self.validation_losses: dict[int, float] = {}  # step -> validation loss, for tests and scripts
         self.validation_results: dict[int, ValidationResult] = {}  # step -> the whole result (bytes, sources)
         if cfg.validation.enable:
+            validation = ValidationOptions.of(cfg.validation, cfg.training, cfg.model)
             self.validator = Validator(
-                cfg, build_validation_data(cfg, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
+                validation, build_validation_data(validation, plan.tokenizer, dp_rank, dp_degree), self.model_parts,
                 self.runner.validation_forward, self.loss_mesh, self.dims.get_mesh("pp"), self.device,
                 token_byte_lengths(plan.tokenizer), self.dims.degree("cp"),
             )
         # Downstream tasks ([eval]), scored through the same forward as validation.
-        self.evaluator = build_downstream_evaluator(cfg, plan.tokenizer, self.runner, self.dims, self.device)
+        self.evaluator = build_downstream_evaluator(EvalOptions.of(cfg.eval, cfg.validation, cfg.training, cfg.model),
+                                                    plan.tokenizer, self.runner, self.dims, self.device)
         self.eval_scores: dict[int, dict[str, float]] = {}  # step -> eval/<task>/<score>, for tests and scripts
         # The plain step, or this replica group's step under fault tolerance; built before the
         # checkpointer, which it tells who writes the job's checkpoints and what else they hold.
-        self.step_strategy = build_step_strategy(cfg, StepParts(
+        self.step_strategy = build_step_strategy(cfg.fault_tolerance, StepParts(
             runner=self.runner, loss_mesh=self.loss_mesh, pp_mesh=self.dims.get_mesh("pp"),
             max_norm=cfg.training.max_norm, dataloader=self.dataloader, guard=self.guard), self.device)
         extra_states = self.step_strategy.checkpoint_states()
@@ -170,7 +173,8 @@ class Trainer:
                                      peak_flops=peak)
         tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
         self.metrics_logger = MetricsLogger(tb_dir, cfg.metrics.enable_tensorboard, rank=self.rank,
-                                            wandb_run=wandb_run_from_config(cfg) if self.rank == 0 else None)
+                                            wandb_run=wandb_run_from_config(cfg.metrics, cfg.job.dump_folder,
+                                                                            cfg.to_dict()) if self.rank == 0 else None)
 
     # ---- training -------------------------------------------------------------
     def train_step(self, batches: Sequence[Batch | Sequence[torch.Tensor]]) -> StepOutput:

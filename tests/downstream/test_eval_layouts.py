@@ -87,7 +87,7 @@ def test_scores_equal_the_brute_force_reference(runs, name):
     model = reference_model(cfg, state)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     expected: dict[str, float] = {}
-    for task in load_tasks(cfg):
+    for task in load_tasks(cfg.eval, cfg.validation):
         expected.update(reference_scores(model, tokenizer, task, SEQ, positions=True))
     scores = run["scores"][str(STEPS)]
     assert list(run["scores"]) == [str(STEPS)]  # scored every freq steps only

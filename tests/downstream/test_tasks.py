@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from torchtitan.config import ConfigError
-from torchtitan.datasets import build_tokenizer
-from torchtitan.downstream.build import check_eval_tasks
+from torchtitan.config import ConfigError, JobConfig
+from torchtitan.datasets import Tokenizer, build_tokenizer
+from torchtitan.downstream.build import EvalOptions, check_eval_tasks
 from torchtitan.downstream.continuation import build_continuation_task, held_out_documents
 from torchtitan.downstream.tasks import load_tasks, read_task_file
 
@@ -27,6 +27,10 @@ def test_a_task_is_named_by_its_stem_and_limit_keeps_the_first(tmp_path):
     assert task.name == "arc_easy"
     assert [r.label for r in task.requests] == [0, 1]  # the blank line is skipped, the limit keeps two
     assert task.requests[0].choices == (" sat", " flew")
+
+
+def _check(cfg: JobConfig, tokenizer: Tokenizer) -> list[str]:
+    return check_eval_tasks(EvalOptions.of(cfg.eval, cfg.validation, cfg.training, cfg.model), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +51,14 @@ def tokenizer(shipped_tokenizer):
 ])
 def test_a_malformed_line_is_one_line_naming_file_and_line(tmp_path, debug_cfg, tokenizer, lines, expected):
     path = _write(tmp_path / "bad.jsonl", *lines)
-    problems = check_eval_tasks(debug_cfg(f"--eval.tasks={path}"), tokenizer)
+    problems = _check(debug_cfg(f"--eval.tasks={path}"), tokenizer)
     assert len(problems) == 1 and "\n" not in problems[0]
     assert expected in problems[0] and "bad.jsonl" in problems[0], problems
 
 
 def test_missing_file_unknown_name_duplicate_and_too_long_are_refused(tmp_path, debug_cfg, tokenizer):
     def problem(*overrides: str) -> str:
-        (line,) = check_eval_tasks(debug_cfg(*overrides), tokenizer)
+        (line,) = _check(debug_cfg(*overrides), tokenizer)
         return line
 
     assert "not found" in problem(f"--eval.tasks={tmp_path}/nope.jsonl")
@@ -67,7 +71,7 @@ def test_missing_file_unknown_name_duplicate_and_too_long_are_refused(tmp_path, 
     assert "more than --training.seq_len=64" in problem(f"--eval.tasks={long}")
     # The shipped task's passages would be trained on: the embedded corpus without a held-out split.
     assert "--validation.held_out_fraction" in problem("--eval.tasks=continuation")
-    assert check_eval_tasks(debug_cfg(f"--eval.tasks={a}"), tokenizer) == []
+    assert _check(debug_cfg(f"--eval.tasks={a}"), tokenizer) == []
 
 
 def test_preflight_refuses_a_bad_task_before_any_process_group(tmp_path, debug_cfg):
@@ -81,7 +85,7 @@ def test_preflight_refuses_a_bad_task_before_any_process_group(tmp_path, debug_c
 
 def test_continuation_is_built_from_held_out_passages_each_the_answer_once(debug_cfg):
     cfg = debug_cfg("--validation.held_out_fraction=0.05", "--eval.tasks=continuation", "--eval.limit=40")
-    (task,) = load_tasks(cfg)
+    (task,) = load_tasks(cfg.eval, cfg.validation)
     assert task.name == "continuation" and len(task.requests) == 40
     held_out = held_out_documents(cfg.validation)
     golds = [r.choices[r.label] for r in task.requests]

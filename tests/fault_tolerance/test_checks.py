@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import CI_CONFIG, debug_config
 
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.datasets.partition import data_slot
 from torchtitan.distributed import ParallelDims
 from torchtitan.fault_tolerance.checks import check_fault_tolerance
@@ -19,17 +19,22 @@ FT = ["--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
 def _problems(world_size: int, *overrides: str) -> list[str]:
     cfg = debug_config(*FT, *overrides, config=CI)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    return check_fault_tolerance(cfg, dims)
+    return _check(cfg, dims)
+
+
+def _check(cfg: JobConfig, dims: ParallelDims) -> list[str]:
+    return check_fault_tolerance(cfg.fault_tolerance, dims, comm=cfg.comm, training=cfg.training,
+                                 checkpoint=cfg.checkpoint)
 
 
 def test_a_sound_group_passes_and_disabled_checks_nothing(monkeypatch):
     assert _problems(2) == []
     cfg = debug_config("--parallelism.data_parallel_replicate_degree=2", config=CI)
-    assert check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 2)) == []
+    assert _check(cfg, ParallelDims.from_config(cfg.parallelism, 2)) == []
     # The lighthouse may come from the environment instead.
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
     cfg = debug_config("--fault_tolerance.enable", config=CI)
-    assert check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 1)) == []
+    assert _check(cfg, ParallelDims.from_config(cfg.parallelism, 1)) == []
 
 
 @pytest.mark.parametrize(
@@ -81,7 +86,7 @@ def test_missing_lighthouse_and_seed(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     cfg = debug_config("--fault_tolerance.enable", config=CI)
     cfg.training.seed = None
-    problems = check_fault_tolerance(cfg, ParallelDims.from_config(cfg.parallelism, 1))
+    problems = _check(cfg, ParallelDims.from_config(cfg.parallelism, 1))
     assert any("needs a lighthouse" in p and "torchft_lighthouse" in p for p in problems), problems
     assert any("needs --training.seed" in p and "different weights" in p for p in problems), problems
 

@@ -8,7 +8,7 @@ reads its own slots of the same global window order, so a dead group's windows a
 
 from __future__ import annotations
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import FaultTolerance, Training
 from torchtitan.datasets.layout import DataLayout
 
 
@@ -17,10 +17,9 @@ def data_slot(replica_id: int, num_replica_groups: int, dp_rank: int, dp_degree:
     return replica_id * dp_degree + dp_rank, num_replica_groups * dp_degree
 
 
-def job_data_layout(cfg: JobConfig, dp_rank: int, dp_degree: int) -> DataLayout:
+def job_data_layout(training: Training, ft: FaultTolerance, dp_rank: int, dp_degree: int) -> DataLayout:
     """This rank's training data layout: the job's ``seq_len`` and local batch, read from its ``data_slot``
-    (its own data-parallel rank and degree unless it is one replica group)."""
-    ft = cfg.fault_tolerance
+    (its own data-parallel rank and degree unless ``ft`` makes it one replica group)."""
     rank, degree = (data_slot(ft.replica_id, ft.num_replica_groups, dp_rank, dp_degree) if ft.enable
                     else (dp_rank, dp_degree))
-    return DataLayout(cfg.training.seq_len, cfg.training.batch_size, rank, degree)
+    return DataLayout(training.seq_len, training.batch_size, rank, degree)

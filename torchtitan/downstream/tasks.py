@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import Eval, Validation
 from torchtitan.downstream.continuation import build_continuation_task
 from torchtitan.downstream.request import Request, Task, TaskError, parse_request
 
@@ -46,27 +46,25 @@ def task_name(spec: str) -> str:
     return Path(spec).stem if is_task_file(spec) else spec
 
 
-def _continuation(cfg: JobConfig, limit: int | None) -> Task:
-    return build_continuation_task(cfg.validation, limit)
+# Shipped tasks, by name: built from the project's own data (the documents the run's ``[validation]`` split holds
+# out), so they work offline.
+SHIPPED: dict[str, Callable[[Validation, int | None], Task]] = {"continuation": build_continuation_task}
 
 
-# Shipped tasks, by name: built from the project's own data, so they work offline.
-SHIPPED: dict[str, Callable[[JobConfig, int | None], Task]] = {"continuation": _continuation}
-
-
-def load_tasks(cfg: JobConfig) -> list[Task]:
-    """Every task of ``[eval] tasks``, in order; ``TaskError`` at the first problem."""
-    names = [task_name(spec) for spec in cfg.eval.tasks]
+def load_tasks(eval_cfg: Eval, validation: Validation) -> list[Task]:
+    """Every task of ``[eval] tasks``, in order; ``TaskError`` at the first problem. ``validation``: the section
+    whose held-out split the shipped tasks are built from."""
+    names = [task_name(spec) for spec in eval_cfg.tasks]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise TaskError(f"--eval.tasks: two tasks are named {duplicates[0]!r} (a task is named by its file's stem); "
                         "rename one file")
     tasks = []
-    for spec in cfg.eval.tasks:
+    for spec in eval_cfg.tasks:
         if is_task_file(spec):
-            tasks.append(read_task_file(spec, cfg.eval.limit))
+            tasks.append(read_task_file(spec, eval_cfg.limit))
         elif spec in SHIPPED:
-            tasks.append(SHIPPED[spec](cfg, cfg.eval.limit))
+            tasks.append(SHIPPED[spec](validation, eval_cfg.limit))
             if not tasks[-1].requests:
                 raise TaskError(f"--eval.tasks: the shipped task {spec!r} came out empty with this held-out split; "
                                 "raise --validation.held_out_fraction")

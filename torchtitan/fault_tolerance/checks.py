@@ -11,21 +11,22 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Checkpoint, Comm, FaultTolerance, Training
 from torchtitan.distributed import ParallelDims
 
 FT = "--fault_tolerance."
 INSTALL = "pip install torchft==0.2.0 (scripts/install.sh installs it)"
 
 
-def lighthouse_address(cfg: JobConfig) -> str | None:
+def lighthouse_address(ft: FaultTolerance) -> str | None:
     """The lighthouse this group reports to: the config's, else ``$TORCHFT_LIGHTHOUSE``."""
-    return cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+    return ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
 
 
-def check_fault_tolerance(cfg: JobConfig, dims: ParallelDims) -> list[str]:
-    """One line per problem of the ``[fault_tolerance]`` section; none when it is disabled."""
-    ft = cfg.fault_tolerance
+def check_fault_tolerance(ft: FaultTolerance, dims: ParallelDims, *, comm: Comm, training: Training,
+                          checkpoint: Checkpoint) -> list[str]:
+    """One line per problem of the ``[fault_tolerance]`` section ``ft``, against the layout and the other sections
+    it constrains (the timeouts, the seed, the data, the checkpoint's start); none when it is disabled."""
     if not ft.enable:
         return []
     problems: list[str] = []
@@ -37,7 +38,7 @@ def check_fault_tolerance(cfg: JobConfig, dims: ParallelDims) -> list[str]:
     if ft.min_replicas > ft.num_replica_groups:
         problems.append(f"{FT}min_replicas={ft.min_replicas} exceeds num_replica_groups={ft.num_replica_groups}: "
                         "no step could ever commit")
-    if lighthouse_address(cfg) is None:
+    if lighthouse_address(ft) is None:
         problems.append(f"{FT}enable needs a lighthouse: set {FT}lighthouse=http://HOST:PORT or $TORCHFT_LIGHTHOUSE, "
                         "and start one with `torchft_lighthouse --min_replicas 1` (docs/fault_tolerance.md)")
     if dims.dp_replicate != 1:
@@ -46,18 +47,18 @@ def check_fault_tolerance(cfg: JobConfig, dims: ParallelDims) -> list[str]:
     if dims.pp_enabled:
         problems.append(f"{FT}enable does not support pipeline parallelism inside a group yet: "
                         "set --parallelism.pipeline_parallel_degree=1")
-    if cfg.training.seed is None and cfg.checkpoint.initial_load_path is None:
+    if training.seed is None and checkpoint.initial_load_path is None:
         problems.append(f"{FT}enable needs --training.seed (or --checkpoint.initial_load_path): otherwise the groups "
                         "start from different weights")
-    problems += _timeout_problems(cfg)
-    problems += _semi_sync_problems(cfg)
-    problems += _not_built_problems(cfg)
+    problems += _timeout_problems(ft, comm)
+    problems += _semi_sync_problems(ft)
+    problems += _not_built_problems(checkpoint, training)
     return problems
 
 
-def _semi_sync_problems(cfg: JobConfig) -> list[str]:
+def _semi_sync_problems(ft: FaultTolerance) -> list[str]:
     """DiLoCo's schedule: each fragment synced once per ``sync_steps``, one at a time, before its next turn."""
-    ft, problems = cfg.fault_tolerance, []
+    problems: list[str] = []
     if ft.semi_sync_method == "none":
         return []
     if ft.semi_sync_method == "local_sgd" and (ft.num_fragments != 1 or ft.fragment_sync_delay):
@@ -76,9 +77,8 @@ def _semi_sync_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def _timeout_problems(cfg: JobConfig) -> list[str]:
+def _timeout_problems(ft: FaultTolerance, comm: Comm) -> list[str]:
     """torchft's timeout < the train timeout < the init timeout: the inner failure must surface first."""
-    ft, comm = cfg.fault_tolerance, cfg.comm
     if ft.timeout_seconds < comm.train_timeout_seconds < comm.init_timeout_seconds:
         return []
     return [f"timeouts out of order: need {FT}timeout_seconds ({ft.timeout_seconds}) < "
@@ -87,13 +87,13 @@ def _timeout_problems(cfg: JobConfig) -> list[str]:
             "before it fails a group's own collectives (a crash)"]
 
 
-def _not_built_problems(cfg: JobConfig) -> list[str]:
+def _not_built_problems(checkpoint: Checkpoint, training: Training) -> list[str]:
     """Parts of fault tolerance this project does not have yet: refused, never silently ignored."""
     problems = []
-    if cfg.checkpoint.create_seed_checkpoint:
+    if checkpoint.create_seed_checkpoint:
         problems.append(f"{FT}enable with --checkpoint.create_seed_checkpoint: write the seed checkpoint with a plain "
                         "run (one process), then start the groups from it")
-    t = cfg.training
+    t = training
     if t.dataset_path is None and t.dataset != "embedded":
         problems.append(f"{FT}enable needs a token store: --training.dataset={t.dataset} is streamed from the hub, "
                         "whose order depends on the data-parallel degree; prepare it with scripts/prepare_data.py "

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import FaultTolerance
 from torchtitan.fault_tolerance.checks import lighthouse_address
 from torchtitan.fault_tolerance.manager_protocol import FTManager
 from torchtitan.fault_tolerance.state import HealState
@@ -45,7 +45,7 @@ def replica_name(replica_id: int) -> str:
     return f"replica_group_{replica_id}"
 
 
-def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> FTManager:
+def build_manager(ft: FaultTolerance, state: HealState, device: torch.device) -> FTManager:
     """This group's torchft Manager: its quorum, commit vote, heal transfer and cross-group process group."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info level
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -57,7 +57,6 @@ def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> FTM
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
     quiet_torchft()
-    ft = cfg.fault_tolerance
     timeout = timedelta(seconds=ft.timeout_seconds)
     if dist.get_rank() == 0:
         stale = clear_stale_manager_keys()
@@ -75,12 +74,12 @@ def build_manager(cfg: JobConfig, state: HealState, device: torch.device) -> FTM
         quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
         connect_timeout=timedelta(seconds=ft.connect_timeout_seconds),
         rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,
-        lighthouse_addr=lighthouse_address(cfg), replica_id=replica_name(ft.replica_id),
+        lighthouse_addr=lighthouse_address(ft), replica_id=replica_name(ft.replica_id),
         # Every group starts from the same seeded (or loaded) weights: no sync at step 0.
         init_sync=False, quorum_retries=ft.quorum_retries,
     )
     logger.info("Fault tolerance: replica group %d of at most %d, lighthouse %s, min_replicas %d, startup timeout "
-                "%d s", ft.replica_id, ft.num_replica_groups, lighthouse_address(cfg), ft.min_replicas,
+                "%d s", ft.replica_id, ft.num_replica_groups, lighthouse_address(ft), ft.min_replicas,
                 ft.startup_timeout_seconds)
     return manager
 

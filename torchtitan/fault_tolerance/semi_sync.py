@@ -29,7 +29,7 @@ from torchtitan.compat import (
     semi_sync_save_reference,
     set_semi_sync_local_step,
 )
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import FaultTolerance
 from torchtitan.fault_tolerance.manager_protocol import FTManager
 
 # One fragment holds whole FSDP units: the blocks of ``layers`` and the model's other children.
@@ -116,7 +116,7 @@ def _own_state(opt: torch.optim.Optimizer) -> None:
                 state[key] = value.clone()
 
 
-def build_semi_sync(cfg: JobConfig, manager: FTManager, model_parts: list[torch.nn.Module],
+def build_semi_sync(ft: FaultTolerance, manager: FTManager, model_parts: list[torch.nn.Module],
                     optimizer: torch.optim.Optimizer) -> tuple[Any, list[torch.nn.Module], list[torch.optim.Optimizer]]:
     """torchft's ``DiLoCo`` or ``LocalSGD`` over the model, entered (its hooks on ``optimizer``).
 
@@ -125,7 +125,6 @@ def build_semi_sync(cfg: JobConfig, manager: FTManager, model_parts: list[torch.
     from torchft.local_sgd import DiLoCo, LocalSGD
     from torchft.manager import Manager
 
-    ft = cfg.fault_tolerance
     if ft.semi_sync_method == "local_sgd":
         whole = Fragment([u for part in model_parts for u in _units(part)])
         check_fragments_cover_model(model_parts, [whole])

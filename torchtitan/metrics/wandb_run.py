@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +33,12 @@ def wandb_problems(enable_wandb: bool) -> list[str]:
     return []
 
 
-def wandb_run_from_config(cfg: JobConfig) -> WandbRun | None:
-    """The job's W&B run (not started), or None when ``metrics.enable_wandb`` is off."""
-    m = cfg.metrics
+def wandb_run_from_config(m: Metrics, dump_folder: str, config: Mapping[str, Any]) -> WandbRun | None:
+    """The job's W&B run (not started), or None when ``metrics.enable_wandb`` is off; ``config``: the effective
+    config the run records (``JobConfig.to_dict``)."""
     if not m.enable_wandb:
         return None
-    return WandbRun(cfg.job.dump_folder, m.wandb_project, m.wandb_entity, m.wandb_run_name, m.wandb_group,
-                    cfg.to_dict())
+    return WandbRun(dump_folder, m.wandb_project, m.wandb_entity, m.wandb_run_name, m.wandb_group, config)
 
 
 class WandbRun:

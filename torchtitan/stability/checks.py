@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Checkpoint, Debug, FaultTolerance, Stability
 
 
-def stability_problems(cfg: JobConfig) -> list[str]:
-    s, problems = cfg.stability, []
+def stability_problems(s: Stability, *, checkpoint: Checkpoint, ft: FaultTolerance, debug: Debug) -> list[str]:
+    """The ``[stability]`` section ``s`` against itself and what it needs of the checkpoint and fault tolerance;
+    the drill's ``[debug]`` steps."""
+    problems: list[str] = []
     if s.skip_spikes and s.spike_warmup_steps > s.rolling_interval_length:
         problems.append(f"--stability.spike_warmup_steps={s.spike_warmup_steps} is more than "
                         f"--stability.rolling_interval_length={s.rolling_interval_length}: the statistics hold that "
@@ -17,18 +19,17 @@ def stability_problems(cfg: JobConfig) -> list[str]:
     if s.max_consecutive_skips and not s.guards_steps:
         problems.append(f"--stability.max_consecutive_skips={s.max_consecutive_skips} counts skipped steps, and none "
                         "are skipped: set --stability.skip_nonfinite_steps and/or --stability.skip_spikes")
-    if s.max_consecutive_skips and not cfg.checkpoint.enable_checkpoint:
+    if s.max_consecutive_skips and not checkpoint.enable_checkpoint:
         problems.append(f"--stability.max_consecutive_skips={s.max_consecutive_skips} rolls back to the last "
                         "checkpoint: set --checkpoint.enable_checkpoint (or 0 to never roll back)")
-    ft = cfg.fault_tolerance
     if ft.enable and ft.semi_sync_method != "none" and s.guards_steps:
         problems.append(f"--stability.skip_nonfinite_steps/skip_spikes with --fault_tolerance.semi_sync_method="
                         f"{ft.semi_sync_method}: not supported (the outer step would still apply); turn one off")
     if ft.enable and s.max_consecutive_skips:
         problems.append(f"--stability.max_consecutive_skips={s.max_consecutive_skips} with --fault_tolerance.enable: "
                         "a rollback is not supported across replica groups; use 0 (skipping itself works)")
-    bad = [step for step in cfg.debug.inject_nonfinite_grad if step < 1]
+    bad = [step for step in debug.inject_nonfinite_grad if step < 1]
     if bad:
-        problems.append(f"--debug.inject_nonfinite_grad={','.join(map(str, cfg.debug.inject_nonfinite_grad))}: "
+        problems.append(f"--debug.inject_nonfinite_grad={','.join(map(str, debug.inject_nonfinite_grad))}: "
                         "steps count from 1; give step numbers >= 1")
     return problems

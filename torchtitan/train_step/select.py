@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import FaultTolerance
 from torchtitan.train_step.base import StepParts, StepStrategy
 from torchtitan.train_step.plain import PlainStep
 
 
-def build_step_strategy(cfg: JobConfig, parts: StepParts, device: torch.device) -> StepStrategy:
-    """The step this process runs; under fault tolerance it also starts torchft's manager."""
-    if not cfg.fault_tolerance.enable:
+def build_step_strategy(ft: FaultTolerance, parts: StepParts, device: torch.device) -> StepStrategy:
+    """The step this process runs (``ft``: the ``[fault_tolerance]`` section); under fault tolerance it also
+    starts torchft's manager."""
+    if not ft.enable:
         return PlainStep(parts)
     from torchtitan.fault_tolerance.setup import build_fault_tolerant_step  # imports torchft
 
-    return build_fault_tolerant_step(cfg, parts, device)
+    return build_fault_tolerant_step(ft, parts, device)
