@@ -1,11 +1,12 @@
 """Declarative weight maps (models/common/weight_map.py): templates with {layer} and {expert}, stacking,
-and head permutations (whole or partial rotary).
+head permutations (whole or partial rotary), and rows that transpose, interleave and unpack.
 
 Each family's map round-trips every parameter of a small model (names and values, bitwise) through the
 export and the one reader production uses (``checkpoint/formats.py``, tensor by tensor); the head
 permutation is Hugging Face's rotate-halves layout; a partial-rotary permutation leaves the non-rotary rows
-alone and permutes the rest as a whole-head one would. Block-scaled (FP8) weights are read by the same
-reader: ``tests/models/test_deepseek_v3.py``.
+alone and permutes the rest as a whole-head one would; two tensors interleaved and transposed in one of
+the release's are gathered on export and read back apart, from it or from a packed form of it.
+Block-scaled (FP8) weights are read by the same reader: ``tests/models/test_deepseek_v3.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torchtitan.checkpoint.formats import INDEX_FILE, export_hf, load_model
 from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.common import weight_map
 from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.common.weight_map import WeightMap, WeightTemplate, permute_rows
+from torchtitan.models.common.weight_map import PackedFormat, Part, WeightMap, WeightTemplate, permute_rows
 from torchtitan.models.spec import StateDictAdapter
 
 
@@ -80,3 +81,27 @@ def test_a_parameter_without_a_row_is_named():
     assert weights.hf_name("layers.1.attention.wv.weight", tied=False) == "model.layers.1.self_attn.v_proj.weight"
     with pytest.raises(KeyError, match="no Hugging Face name for parameter 'layers.1.attention.wq.weight'"):
         weights.hf_name("layers.1.attention.wq.weight", tied=False)
+
+
+def test_rows_gather_two_interleaved_transposed_tensors_and_read_them_back_plain_or_packed():
+    """GPT-OSS's experts as rows: ours [E, F, D] twice, theirs one [E, D, 2F] with the two alternating."""
+    args = model_args("llama3", "debugmodel")
+    # a stand-in packed format: two values per group, each code times its group's scale
+    doubled = PackedFormat(("_codes", "_scales"), 2, lambda codes, scales: (codes * scales[..., None]).flatten(-2))
+    rows = [WeightTemplate(ours, "gate_up", transpose=(1, 2), part=Part(dim=1, index=i, count=2), packed=doubled)
+            for i, ours in enumerate(("gate", "up"))]
+    weights = WeightMap(rows)
+    gate, up = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    hf = weights.to_hf({"gate": gate, "up": up}, args)
+    assert list(hf) == ["gate_up"] and hf["gate_up"].shape == (2, 4, 6)
+    assert torch.equal(hf["gate_up"][:, :, 0::2], gate.transpose(1, 2))
+    assert torch.equal(hf["gate_up"][:, :, 1::2], up.transpose(1, 2))
+    for fqn, ours in (("gate", gate), ("up", up)):
+        converted = weights.hf_conversion(fqn, {"gate_up": (2, 4, 6)}, hf.__getitem__)
+        assert converted is not None and converted.shape == (2, 3, 4) and torch.equal(converted.read(), ours)
+    packed = {"gate_up_codes": torch.randn(2, 6, 2, 2), "gate_up_scales": torch.randn(2, 6, 2)}  # [E, 2F, G, 2]
+    values = doubled.dequantize(packed["gate_up_codes"], packed["gate_up_scales"])  # [E, 2F, D]: ours' rows
+    converted = weights.hf_conversion("up", {n: tuple(t.shape) for n, t in packed.items()}, packed.__getitem__)
+    assert converted is not None and converted.shape == (2, 3, 4) and torch.equal(converted.read(), values[:, 1::2])
+    with pytest.raises(ValueError, match="the Hugging Face weights lack gate_up \\(for our gate\\)"):
+        weights.hf_conversion("gate", {"gate_up_codes": (2, 6, 2, 2)}, packed.__getitem__)

@@ -48,7 +48,7 @@ class DecoderHFAdapter:
 
     def hf_conversion(self, fqn: str, args: DecoderConfig, shapes: Mapping[str, tuple[int, ...]],
                       read: Callable[[str], torch.Tensor]) -> HFConversion | None:
-        return None  # every tensor of the map is renamed, stacked or permuted by rows
+        return self.weights.hf_conversion(fqn, shapes, read)
 
     def rows_from_hf(self, fqn: str, w: torch.Tensor, heads: int) -> torch.Tensor:
         return self.weights.rows_from_hf(w, heads, self.weights.rotary_dims(fqn))

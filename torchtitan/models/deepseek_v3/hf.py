@@ -23,7 +23,7 @@ import torch
 from torchtitan.models.common import hf_config as common_config
 from torchtitan.models.common.config import DecoderConfig, JsonObject
 from torchtitan.models.common.hf import DecoderHFAdapter
-from torchtitan.models.common.weight_map import WeightMap, WeightTemplate
+from torchtitan.models.common.weight_map import ExportCopy, WeightMap, WeightTemplate
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.layers import YarnScaling
 
@@ -171,7 +171,10 @@ def _templates() -> list[WeightTemplate]:
 
 # An MTP module's own parts, ours -> the release layer's; beside them its copies of the shared embedding and head.
 MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "norm.weight": "shared_head.norm.weight"}
-MTP_SHARED_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+# The release's MTP layer holds its own copies of the embedding and the head: ours, shared, written once more
+MTP_SHARED_COPIES = tuple(ExportCopy(ours, "model.layers.{layer}." + theirs, per="mtp.{layer}.")
+                          for ours, theirs in (("tok_embeddings.weight", "embed_tokens.weight"),
+                                               ("output.weight", "shared_head.head.weight")))
 
 
 class DeepSeekV3Config:
@@ -187,18 +190,8 @@ class DeepSeekV3Config:
 
 
 class DeepSeekV3HFAdapter(DecoderHFAdapter):
-    """The decoder's adapter with DeepSeek-V3's rows, and the routing bias written and read (the weight
-    map leaves routing biases out: the other families' releases have no place for them)."""
+    """The decoder's adapter with DeepSeek-V3's rows: the routing bias has one (the other families' releases
+    have no place for it), and the MTP layer's copies of the shared tensors are ``ExportCopy`` rows."""
 
     def __init__(self) -> None:
-        super().__init__(WeightMap(_templates()), DeepSeekV3Config())
-
-    def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
-        out = super().to_hf(state, args)
-        out.update({self.hf_name(fqn, tied=False): t for fqn, t in state.items() if fqn.endswith("router.expert_bias")})
-        for key in {fqn.split(".")[1] for fqn in state if fqn.startswith("mtp.")}:
-            # the release's MTP layer holds its own copies of the embedding and the head: ours, shared (copied:
-            # safetensors stores no tensor twice)
-            out.update({f"model.layers.{key}.{theirs}": state[ours].clone()
-                        for ours, theirs in MTP_SHARED_COPIES.items() if ours in state})
-        return out
+        super().__init__(WeightMap(_templates(), MTP_SHARED_COPIES), DeepSeekV3Config())

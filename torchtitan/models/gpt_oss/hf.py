@@ -1,23 +1,21 @@
 """GPT-OSS in Hugging Face folders: its ``config.json`` both ways, and its weights' names and layouts.
 
-Pure functions, no file I/O (that is ``torchtitan/checkpoint/formats.py``). What differs from
-the shared decoder's adapter (``models/common/hf.py``):
+Pure functions, no file I/O (that is ``torchtitan/checkpoint/formats.py``). What differs from the
+shared decoder's rows (``models/common/hf.py``), each a row of its map (``common/weight_map.py``):
 
 - q/k/v/o have biases, each layer has ``self_attn.sinks`` [H] and the router ``mlp.router.bias`` [E];
   q/k rows (and their biases) are permuted within each head as for every rotary family;
 - the experts are stacked there too, in another layout: ``gate_up_proj`` [E, D, 2F] (the
   transpose of ours) with gate and up *interleaved* (columns ``0::2`` gate, ``1::2`` up),
   ``gate_up_proj_bias`` [E, 2F] interleaved alike, ``down_proj`` [E, F, D] (transposed) and
-  ``down_proj_bias`` [E, D];
+  ``down_proj_bias`` [E, D] (rows with ``transpose`` and ``part``);
 - a release holds the expert weights in MXFP4 (``gate_up_proj_blocks`` / ``_scales`` [E, 2F, ...] and
   ``down_proj_blocks`` / ``_scales`` [E, D, ...]: rows are out-features, as ours), dequantized on load
-  (``mxfp4.py``). Another ``quantization_config`` is refused.
+  (``mxfp4.py``, the rows' ``packed``). Another ``quantization_config`` is refused.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -25,21 +23,17 @@ import torch
 from torchtitan.models.common.config import DecoderConfig, JsonObject
 from torchtitan.models.common.hf import DecoderHFAdapter
 from torchtitan.models.common.hf_config import read_config
-from torchtitan.models.common.weight_map import Permute, WeightMap, WeightTemplate
+from torchtitan.models.common.weight_map import Part, Permute, WeightMap, WeightTemplate
 from torchtitan.models.gpt_oss.args import GptOssArgs
-from torchtitan.models.gpt_oss.mxfp4 import dequantize_mxfp4
+from torchtitan.models.gpt_oss.mxfp4 import MXFP4
 from torchtitan.models.layers import YarnScaling
-from torchtitan.models.spec import HFConversion
 
 ARCHITECTURE, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
 QUANT_METHODS = ("mxfp4",)
 
-_EXPERT = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])(_bias)?$")
-
 
 def _templates() -> list[WeightTemplate]:
-    """GPT-OSS's rows of the declarative map (``models/common/weight_map.py``): every tensor but the experts,
-    whose layout differs by more than names (``hf_conversion``)."""
+    """GPT-OSS's rows of the declarative map (``models/common/weight_map.py``)."""
     layer = "model.layers.{layer}."
     rows = [
         WeightTemplate("tok_embeddings.weight", "model.embed_tokens.weight"),
@@ -56,6 +50,15 @@ def _templates() -> list[WeightTemplate]:
         for kind in ("weight", "bias"):
             rows.append(WeightTemplate(f"layers.{{layer}}.attention.{ours}.{kind}",
                                        layer + f"self_attn.{theirs}.{kind}", permute=permute[ours]))
+    # the experts: [E, in, out] there (or MXFP4 [E, out, ...]), gate and up rows alternating in gate_up_proj
+    ours, experts, swap = "layers.{layer}.feed_forward.experts.", layer + "mlp.experts.", (1, 2)
+    gate, up = Part(dim=1, index=0, count=2), Part(dim=1, index=1, count=2)
+    rows += [WeightTemplate(ours + "w1", experts + "gate_up_proj", transpose=swap, part=gate, packed=MXFP4),
+             WeightTemplate(ours + "w3", experts + "gate_up_proj", transpose=swap, part=up, packed=MXFP4),
+             WeightTemplate(ours + "w2", experts + "down_proj", transpose=swap, packed=MXFP4),
+             WeightTemplate(ours + "w1_bias", experts + "gate_up_proj_bias", part=gate),
+             WeightTemplate(ours + "w3_bias", experts + "gate_up_proj_bias", part=up),
+             WeightTemplate(ours + "w2_bias", experts + "down_proj_bias")]
     return rows
 
 
@@ -150,51 +153,6 @@ _COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size
              "swiglu_limit", "swiglu_alpha", "rope_yarn")
 
 
-# ---------------------------------------------------------------- weights
-
-
-def _expert_tensor(layer: str, name: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{name}"
-
-
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """[..., F, X] gate and up -> [..., 2F, X] rows gate0, up0, gate1, up1, ... (Hugging Face's order)."""
-    return torch.stack([gate, up], dim=-2).flatten(-3, -2)
-
-
-def experts_to_hf(layer: str, experts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our stacked ``w1 w2 w3`` and their biases of one layer -> Hugging Face's four expert tensors."""
-    gate_up = _interleave(experts["w1"], experts["w3"])  # [E, 2F, D]: rows are out-features, as ours
-    return {_expert_tensor(layer, "gate_up_proj"): gate_up.transpose(1, 2).contiguous(),
-            _expert_tensor(layer, "gate_up_proj_bias"): _interleave(experts["w1_bias"][..., None],
-                                                                     experts["w3_bias"][..., None])[..., 0],
-            _expert_tensor(layer, "down_proj"): experts["w2"].transpose(1, 2).contiguous(),
-            _expert_tensor(layer, "down_proj_bias"): experts["w2_bias"]}
-
-
-def _expert_conversion(layer: str, ours: str, bias: bool, shapes: Mapping[str, tuple[int, ...]],
-                       read: Callable[[str], torch.Tensor]) -> HFConversion | None:
-    """Our ``w1``/``w2``/``w3`` (or its bias) of ``layer`` from the release's tensors; None when absent."""
-    source = "down_proj" if ours == "w2" else "gate_up_proj"
-    rows = slice(None) if ours == "w2" else slice(0, None, 2) if ours == "w1" else slice(1, None, 2)
-    if bias:
-        name = _expert_tensor(layer, f"{source}_bias")
-        if name not in shapes:
-            return None
-        e, n = shapes[name]
-        return HFConversion((e, n if ours == "w2" else n // 2), lambda: read(name)[:, rows])
-    plain, blocks, scales = (_expert_tensor(layer, source + s) for s in ("", "_blocks", "_scales"))
-    if plain in shapes:  # [E, in, out]: ours is its transpose, gate and up interleaved along out
-        e, d_in, d_out = shapes[plain]
-        return HFConversion((e, d_out if ours == "w2" else d_out // 2, d_in),
-                            lambda: read(plain).transpose(1, 2)[:, rows].contiguous())
-    if blocks in shapes and scales in shapes:  # MXFP4 [E, out, G, 16]: rows are out-features already
-        e, d_out, groups, _ = shapes[blocks]
-        return HFConversion((e, d_out if ours == "w2" else d_out // 2, groups * 32),
-                            lambda: dequantize_mxfp4(read(blocks), read(scales))[:, rows].contiguous())
-    return None
-
-
 class GptOssConfigFormat:
     """``HFConfigFormat`` (models/common/hf.py) of ``GptOssForCausalLM``."""
 
@@ -213,43 +171,9 @@ class GptOssConfigFormat:
 
 
 class GptOssHFAdapter(DecoderHFAdapter):
-    """The decoder's adapter over GPT-OSS's map, with the experts converted by ``hf_conversion`` (stacked there
-    too, but transposed, gate and up interleaved, or MXFP4-packed)."""
+    """The decoder's adapter over GPT-OSS's map (its experts transposed, interleaved or MXFP4-packed: rows)."""
 
-    quant_methods = frozenset(QUANT_METHODS)  # MXFP4 experts: hf_conversion dequantizes them
+    quant_methods = frozenset(QUANT_METHODS)  # MXFP4 experts: the rows' packed format dequantizes them
 
     def __init__(self) -> None:
         super().__init__(WeightMap(_templates()), GptOssConfigFormat())
-
-    def hf_expert_names(self, fqn: str, args: DecoderConfig) -> list[str] | None:
-        return None if _EXPERT.match(fqn) else super().hf_expert_names(fqn, args)
-
-    def hf_permuted_heads(self, fqn: str, args: DecoderConfig) -> int | None:
-        return None if _EXPERT.match(fqn) else super().hf_permuted_heads(fqn, args)
-
-    def hf_conversion(self, fqn: str, args: DecoderConfig, shapes: Mapping[str, tuple[int, ...]],
-                      read: Callable[[str], torch.Tensor]) -> HFConversion | None:
-        m = _EXPERT.match(fqn)
-        if m is None:
-            return None
-        converted = _expert_conversion(m.group(1), m.group(2), bool(m.group(3)), shapes, read)
-        if converted is None:
-            raise ValueError(f"the Hugging Face weights lack the experts of layer {m.group(1)} (for our {fqn}); the "
-                             "folder is incomplete or of another shape")
-        return converted
-
-    def to_hf(self, state: dict[str, torch.Tensor], args: DecoderConfig) -> dict[str, torch.Tensor]:
-        """Ours -> Hugging Face's (unquantized): the map's tensors, then each layer's experts transposed and
-        interleaved."""
-        experts: dict[str, dict[str, torch.Tensor]] = {}
-        rest: dict[str, torch.Tensor] = {}
-        for fqn, t in state.items():
-            m = _EXPERT.match(fqn)
-            if m is None:
-                rest[fqn] = t
-            else:
-                experts.setdefault(m.group(1), {})[m.group(2) + (m.group(3) or "")] = t
-        out = self.weights.to_hf(rest, args)
-        for layer, tensors in experts.items():
-            out.update(experts_to_hf(layer, tensors))
-        return out

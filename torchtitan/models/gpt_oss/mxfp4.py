@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan.models.common.weight_map import PackedFormat
+
 # E2M1: sign, two exponent bits, one mantissa bit; the 16 codes in order.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
@@ -25,3 +27,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]], dim=-1).flatten(-2)
     exponents = scales.to(torch.int32) - SCALE_BIAS
     return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+# As a weight map row's ``packed`` (``models/common/weight_map.py``): ``<name>_blocks`` and ``<name>_scales``.
+MXFP4 = PackedFormat(suffixes=("_blocks", "_scales"), values_per_group=32, dequantize=dequantize_mxfp4)
