@@ -19,7 +19,6 @@ from torch.distributed import distributed_c10d as c10d
 
 from torchtitan.compat import all_process_groups, default_store, set_pg_timeout
 
-
 # The pid of a process init_distributed made a one-rank group for (no torchrun); children inherit other pids.
 _ONE_PROCESS_MARK = "TORCHTITAN_ONE_PROCESS"
 
