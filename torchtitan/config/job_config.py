@@ -108,11 +108,24 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = field_with_help("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    name: str = field_with_help(
+        "AdamW", "Optimizer; Muon orthogonalizes the matrices' momentum and keeps AdamW (lr, eps, betas, "
+        "weight_decay) for embeddings, output head, routers, norms and biases (docs/muon.md)",
+        choices=("AdamW", "Adam", "Muon"))
     lr: float = field_with_help(8e-4, "Peak learning rate", min=0.0)
     eps: float = field_with_help(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = field_with_help(0.1, "Decoupled weight decay", min=0.0)
     betas: list[float] = field_with_help([0.9, 0.95], "Adam beta1,beta2")
+    muon_momentum: float = field_with_help(0.95, "Muon: momentum of the matrices' update (0..1)", min=0.0)
+    muon_nesterov: bool = field_with_help(True, "Muon: Nesterov momentum (the update is grad + momentum * buffer)")
+    muon_ns_steps: int = field_with_help(5, "Muon: Newton-Schulz iterations per matrix", min=1)
+    muon_ns_dtype: str = field_with_help(
+        "bfloat16", "Muon: dtype of the Newton-Schulz iteration (bfloat16 as the published recipe; float32 to "
+        "compare layouts exactly)", choices=("bfloat16", "float32"))
+    muon_update_scale: str = field_with_help(
+        "match_adamw_rms", "Muon: scale of an m x n matrix's orthogonalized update; match_adamw_rms = "
+        "0.2*sqrt(max(m, n)), AdamW's update RMS, so AdamW's lr and weight_decay carry over; shape_ratio = "
+        "sqrt(max(1, m/n))", choices=("match_adamw_rms", "shape_ratio"))
 
 
 @dataclass

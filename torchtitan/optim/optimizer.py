@@ -7,6 +7,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.compat import fused_kernel_devices
+from torchtitan.optim.muon import Muon, MuonSettings
+from torchtitan.optim.muon_owners import OwnerUpdate
+from torchtitan.optim.muon_params import split_params
 
 # Names are matched case-sensitively so that they read exactly like the
 # torch.optim class names a user would write in the config file.
@@ -42,15 +45,24 @@ def build_optimizer(
     weight_decay: float,
     betas: Sequence[float],  # two: preflight checks it
     device_type: str,
+    model_parts: list[torch.nn.Module] | None = None,
+    muon: MuonSettings | None = None,
 ) -> torch.optim.Optimizer:
-    """Create an Adam-family optimizer over ``params``.
+    """Create the optimizer named ``name`` over ``params``.
 
     ``device_type`` is the type of the device holding the parameters
     ("cuda", "cpu", ...); it only selects the kernel implementation.
+    Muon needs ``model_parts`` (the modules the parameters belong to: which are matrices)
+    and takes ``muon`` (its settings; the defaults where not given).
     """
+    if name == "Muon":
+        if model_parts is None:
+            raise ValueError("optimizer.name=Muon: build_optimizer needs model_parts to tell matrices apart")
+        return build_muon(model_parts, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas,
+                          settings=muon or MuonSettings())
     optimizer_cls = _OPTIMIZER_CLASSES.get(name)
     if optimizer_cls is None:
-        choices = ", ".join(sorted(_OPTIMIZER_CLASSES))
+        choices = ", ".join(sorted([*_OPTIMIZER_CLASSES, "Muon"]))
         raise ValueError(f"optimizer.name must be one of [{choices}], got {name!r}")
     groups: list[Any] = list(params)  # tensors, or param-group dicts
     tensors = [t for p in groups for t in (p["params"] if isinstance(p, dict) else [p])]
@@ -69,3 +81,14 @@ def build_optimizer(
         weight_decay=weight_decay,
         **_implementation_kwargs(device_type, tensors),
     )
+
+
+def build_muon(model_parts: list[torch.nn.Module], *, lr: float, eps: float, weight_decay: float,
+               betas: Sequence[float], settings: MuonSettings) -> Muon:
+    """Muon over the matrices of ``model_parts``, AdamW over the rest; sharded matrices by owner ranks."""
+    groups = split_params(model_parts)
+    sharded = any(isinstance(p, DTensor) for p in groups.matrices)
+    orthogonalize = OwnerUpdate(groups.matrices, groups.names, groups.row_parts) if sharded else None
+    return Muon(groups.matrices, groups.others, lr=lr, weight_decay=weight_decay,
+                betas=cast(tuple[float, float], tuple(betas)), eps=eps, settings=settings,
+                row_parts=groups.row_parts, orthogonalize=orthogonalize)

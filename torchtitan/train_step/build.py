@@ -34,6 +34,7 @@ from torchtitan.models import describe_backend
 from torchtitan.models.aux_loss import accept_carried_aux_loss
 from torchtitan.models.spec import FamilyModel
 from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.optim.muon import MuonSettings
 from torchtitan.quantization import apply_converters
 from torchtitan.quantization.float8 import install_after_step
 from torchtitan.stability.z_loss import ZLossTerm
@@ -105,7 +106,8 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     with options.allocate():
         optimizer = build_optimizer(
             [p for part in model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
-            weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type,
+            weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type, model_parts=model_parts,
+            muon=MuonSettings.from_config(o),
         )
     install_after_step(optimizer, model_parts, cfg.model, cfg.float8)
     lr_scheduler = build_lr_scheduler(

@@ -1,0 +1,214 @@
+"""Muon on one process: the update against a reference written here, which parameters it takes, its
+state's checkpoint round trip, and the refusals (docs/muon.md)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.config import ConfigError
+from torchtitan.optim import build_optimizer
+from torchtitan.optim.muon import Muon, MuonSettings, newton_schulz
+from torchtitan.optim.muon_owners import assign_owners, newton_schulz_cost
+from torchtitan.optim.muon_params import split_params
+
+FP32 = MuonSettings(ns_dtype="float32")
+
+
+def _reference_ns(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The published quintic iteration, for one 2-D matrix, in float32."""
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+@pytest.mark.parametrize("shape", [(8, 24), (24, 8)])
+def test_newton_schulz_brings_singular_values_near_one(shape):
+    torch.manual_seed(0)
+    g = torch.randn(shape)
+    o = newton_schulz(g, 5, torch.float32)
+    assert o.shape == g.shape
+    singular = torch.linalg.svdvals(o)
+    assert singular.min() > 0.6 and singular.max() < 1.25, singular
+    torch.testing.assert_close(o, _reference_ns(g))
+
+
+def _two_steps(settings: MuonSettings, weight_decay: float = 0.1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(1)
+    w = nn.Parameter(torch.randn(6, 10))
+    grads = [torch.randn(6, 10), torch.randn(6, 10)]
+    opt = Muon([w], [], lr=0.05, weight_decay=weight_decay, betas=(0.9, 0.95), eps=1e-8, settings=settings)
+    start = w.detach().clone()
+    for g in grads:
+        w.grad = g
+        opt.step()
+    return start, [w.detach().clone(), *grads]
+
+
+def test_update_is_nesterov_momentum_orthogonalized_scaled_with_decoupled_decay():
+    start, (final, g1, g2) = _two_steps(FP32)
+    lr, wd, mu, scale = 0.05, 0.1, 0.95, 0.2 * math.sqrt(10)
+    w, buf = start.clone(), torch.zeros_like(start)
+    for g in (g1, g2):
+        buf = mu * buf + g
+        w = w * (1 - lr * wd) - lr * scale * _reference_ns(g + mu * buf)
+    torch.testing.assert_close(final, w)
+
+
+def test_plain_momentum_and_shape_ratio_scale():
+    start, (final, g1, g2) = _two_steps(MuonSettings(nesterov=False, ns_dtype="float32",
+                                                     update_scale="shape_ratio"), weight_decay=0.0)
+    buf = g1
+    w = start - 0.05 * _reference_ns(buf)  # 6 x 10: sqrt(max(1, 6/10)) = 1
+    buf = 0.95 * buf + g2
+    w = w - 0.05 * _reference_ns(buf)
+    torch.testing.assert_close(final, w)
+
+
+def test_bfloat16_iteration_is_close_to_float32():
+    start, (final32, *_) = _two_steps(FP32)
+    _, (final16, *_) = _two_steps(MuonSettings())
+    assert not torch.equal(final32, final16)  # the dtype option is applied
+    torch.testing.assert_close(final16 - start, final32 - start, atol=5e-3, rtol=0.05)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 12, bias=True)
+        self.norm = nn.RMSNorm(12)
+        self.router = nn.Module()
+        self.router.gate = nn.Linear(12, 3, bias=False)
+        self.experts = nn.Parameter(torch.randn(3, 5, 12))
+        self.experts_bias = nn.Parameter(torch.randn(3, 5))
+        self.output = nn.Linear(12, 16, bias=False)
+
+
+def test_split_keeps_tables_vectors_and_routers_for_adamw():
+    groups = split_params([_Tiny()])
+    assert sorted(groups.names[p] for p in groups.matrices) == ["experts", "proj.weight"]
+    assert sorted(groups.names[p] for p in groups.others) == [
+        "experts_bias", "norm.weight", "output.weight", "proj.bias", "router.gate.weight", "tok_embeddings.weight"]
+
+
+@pytest.mark.parametrize("flavor", [("llama3", "debugmodel_tied"), ("deepseek_v3", "debugmodel")])
+def test_split_of_the_debug_models(flavor):
+    from torchtitan.models.registry import get_model_spec, model_args
+
+    with torch.device("meta"):
+        model = get_model_spec(flavor[0]).build(model_args(*flavor))
+    groups = split_params([model])
+    names = {groups.names[p]: p for p in groups.matrices}
+    assert not any("embeddings" in n or n.startswith("output") or "router" in n or "norm" in n for n in names)
+    assert "layers.0.attention.wo.weight" in names
+    if flavor[0] == "llama3":  # tied: the one table is the embedding's, AdamW's
+        assert [groups.names[p] for p in groups.others if p.ndim == 2] == ["tok_embeddings.weight"]
+    else:
+        assert "layers.1.feed_forward.experts.w1" in names
+        fused = [p for n, p in names.items() if n.endswith("attention.wkv_a.weight")]
+        assert len(fused) == 4 and groups.row_parts == {p: (64, 16) for p in fused}  # kv_lora_rank, rope
+
+
+def test_experts_are_batched_matrices_and_fused_rows_are_orthogonalized_per_part():
+    torch.manual_seed(2)
+    experts = nn.Parameter(torch.randn(3, 5, 12))
+    fused = nn.Parameter(torch.randn(10, 12))
+    opt = Muon([experts, fused], [], lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, settings=FP32,
+               row_parts={fused: (6, 4)})
+    e0, f0 = experts.detach().clone(), fused.detach().clone()
+    experts.grad, fused.grad = torch.randn(3, 5, 12), torch.randn(10, 12)
+    opt.step()
+    for e in range(3):  # each expert as its own matrix: Nesterov's first update is (1 + mu) * grad
+        expected = e0[e] - 0.1 * 0.2 * math.sqrt(12) * _reference_ns(1.95 * experts.grad[e])
+        torch.testing.assert_close(experts.detach()[e], expected)
+    top, bottom = (1.95 * fused.grad).split([6, 4])
+    expected = f0 - 0.1 * 0.2 * math.sqrt(12) * torch.cat([_reference_ns(top), _reference_ns(bottom)])
+    torch.testing.assert_close(fused.detach(), expected)
+
+
+def test_adamw_part_matches_torch_adamw():
+    torch.manual_seed(3)
+    model = _Tiny()
+    twin = _Tiny()
+    twin.load_state_dict(model.state_dict())
+    opt = build_optimizer(model.parameters(), name="Muon", lr=0.01, eps=1e-8, weight_decay=0.1, betas=(0.9, 0.95),
+                          device_type="cpu", model_parts=[model], muon=FP32)
+    groups = split_params([twin])
+    reference = torch.optim.AdamW(groups.others, lr=0.01, eps=1e-8, weight_decay=0.1, betas=(0.9, 0.95))
+    for _ in range(2):
+        for m in (model, twin):
+            for p in m.parameters():
+                p.grad = torch.ones_like(p) * 0.1 + p.detach() * 0.01
+        opt.step()
+        reference.step()
+    twins = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        if any(twins[name] is other for other in groups.others):
+            torch.testing.assert_close(p, twins[name], msg=name)
+
+
+def test_state_dict_is_torch_standard_and_resumes_bitwise():
+    torch.manual_seed(4)
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(model.parameters(), name="Muon", lr=0.01, eps=1e-8, weight_decay=0.1,
+                               betas=(0.9, 0.95), device_type="cpu", model_parts=[model], muon=FP32)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, k: int) -> None:
+        for p in model.parameters():
+            p.grad = torch.sin(p.detach() * (k + 1))
+        opt.step()
+
+    straight = _Tiny()
+    resumed = _Tiny()
+    resumed.load_state_dict(straight.state_dict())
+    opt = build(straight)
+    for k in range(2):
+        step(straight, opt, k)
+    saved_model = {k: v.clone() for k, v in straight.state_dict().items()}
+    saved = copy.deepcopy(opt.state_dict())  # the live state moves on with the next steps
+    assert {k for s in saved["state"].values() for k in s} == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
+    for k in range(2, 4):
+        step(straight, opt, k)
+    resumed.load_state_dict(saved_model)
+    opt2 = build(resumed)
+    opt2.load_state_dict(saved)
+    for k in range(2, 4):
+        step(resumed, opt2, k)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_owner_heap_balances_by_cost_and_is_deterministic():
+    costs = [newton_schulz_cost(torch.Size(s), ()) for s in [(64, 64), (8, 8), (64, 64), (32, 64), (4, 32, 64)]]
+    assert newton_schulz_cost(torch.Size((4, 32, 64)), ()) == 4 * 32 * 64 * 32
+    assert newton_schulz_cost(torch.Size((80, 256)), (64, 16)) == 64 * 256 * 64 + 16 * 256 * 16
+    owners = assign_owners(costs, [[0, 1, 2, 3]] * len(costs))
+    assert owners == assign_owners(costs, [[0, 1, 2, 3]] * len(costs))
+    load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(4)]
+    assert owners[0] != owners[2]  # the two largest apart
+    assert max(load) == max(costs)  # no rank carries more than the largest item
+
+
+@pytest.mark.parametrize("option", ["--optimizer.muon_ns_steps=0", "--optimizer.muon_ns_dtype=float16",
+                                    "--optimizer.muon_update_scale=spectral", "--optimizer.muon_momentum=-0.1"])
+def test_bad_muon_options_are_refused_in_one_line(option, debug_cfg):
+    with pytest.raises(ConfigError) as info:
+        debug_cfg("--optimizer.name=Muon", option)
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith(option.split("=")[0] + ":")
+
+
+def test_muon_refuses_non_positive_lr_and_ns_steps():
+    w = nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="optimizer.lr must be positive"):
+        Muon([w], [], lr=0.0, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, settings=FP32)
+    with pytest.raises(ValueError, match="optimizer.muon_ns_steps"):
+        Muon([w], [], lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, settings=MuonSettings(ns_steps=0))

@@ -1,0 +1,62 @@
+"""Which parameters Muon orthogonalizes, and which stay with AdamW (docs/muon.md).
+
+Muon is for the weights that map one hidden space to another: 2-D linear weights and 3-D expert
+weights ``[E, m, n]`` (E matrices). AdamW keeps what is a lookup table or a vector: the embeddings,
+the output head (its rows are per-token, like the embedding's), the routers (a few rows whose scale
+decides the routing), norms, biases and attention sinks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+OUTPUT_HEAD = "output"  # the decoder's head module (models/common/decoder.py)
+ROUTER = "router"  # the MoE router module's name (models/moe)
+
+
+@dataclass
+class MuonParams:
+    """The two groups, every parameter's name, and the row split of the fused matrices."""
+
+    matrices: list[torch.Tensor] = field(default_factory=list)
+    others: list[torch.Tensor] = field(default_factory=list)
+    names: dict[torch.Tensor, str] = field(default_factory=dict)
+    row_parts: dict[torch.Tensor, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _kept_for_adamw(model: nn.Module) -> set[torch.Tensor]:
+    kept: set[torch.Tensor] = set()
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) or name == OUTPUT_HEAD or last == ROUTER:
+            kept.update(module.parameters())
+    return kept
+
+
+def _fused_rows(model: nn.Module) -> dict[torch.Tensor, tuple[int, ...]]:
+    """MLA's ``wkv_a`` concatenates the compressed key-value projection and the shared rotary key."""
+    # Imported here: the launch preflight imports the optimizers, not the models' modules.
+    from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
+
+    parts: dict[torch.Tensor, tuple[int, ...]] = {}
+    for module in model.modules():
+        if isinstance(module, MultiHeadLatentAttention):
+            parts[module.wkv_a.weight] = (module.kv_lora_rank, module.rope)
+    return parts
+
+
+def split_params(model_parts: list[nn.Module]) -> MuonParams:
+    out = MuonParams()
+    for model in model_parts:
+        kept = _kept_for_adamw(model)
+        out.row_parts.update(_fused_rows(model))
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            out.names[p] = name
+            is_matrix = p.ndim >= 2 and not name.endswith("bias") and p not in kept
+            (out.matrices if is_matrix else out.others).append(p)
+    return out
