@@ -297,16 +297,18 @@ def check_checkpoint(cfg: JobConfig, world_size: int, model_factory: Callable[[]
         if world_size != 1:
             problems.append(f"--checkpoint.create_seed_checkpoint runs on one process, but WORLD_SIZE={world_size}; "
                             "run scripts/create_seed_checkpoint.sh (or python train.py without torchrun)")
-        existing = scan(checkpoint_folder(cfg)).committed
+        folder = checkpoint_folder(ck, cfg.job.dump_folder)
+        existing = scan(folder).committed
         if existing:
-            problems.append(f"--checkpoint.create_seed_checkpoint: {checkpoint_folder(cfg)} already holds checkpoints "
+            problems.append(f"--checkpoint.create_seed_checkpoint: {folder} already holds checkpoints "
                             f"(steps {', '.join(map(str, sorted(existing)))}); a seed checkpoint goes into an empty "
                             "folder: choose another --checkpoint.folder or --job.dump_folder")
         return problems
     if ck.enable_checkpoint and not problems:
-        listing = scan(checkpoint_folder(cfg))
+        folder = checkpoint_folder(ck, cfg.job.dump_folder)
+        listing = scan(folder)  # listed once: choose_checkpoint reads this listing
         shapes = model_shapes(model_factory) if listing.committed else None
-        problems += choose_checkpoint(cfg, shapes)[2]
+        problems += choose_checkpoint(ck, folder, listing, shapes)[2]
     return problems
 
 
@@ -342,7 +344,7 @@ def _check_object_store(cfg: JobConfig) -> list[str]:
 
 def _check_initial_load(cfg: JobConfig, model_args: DecoderConfig) -> list[str]:
     ck = cfg.checkpoint
-    if not ck.initial_load_path or ck.create_seed_checkpoint or own_checkpoint_exists(cfg):
+    if not ck.initial_load_path or ck.create_seed_checkpoint or own_checkpoint_exists(ck, cfg.job.dump_folder):
         return []
     from torchtitan.checkpoint.formats import check_source  # reads safetensors/Meta files: imported when needed
 

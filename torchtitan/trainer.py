@@ -19,6 +19,7 @@ import torch
 
 from torchtitan.batch import Batch
 from torchtitan.checkpoint import CheckpointManager
+from torchtitan.checkpoint.manager import CheckpointOptions
 from torchtitan.config import JobConfig, to_toml
 from torchtitan.datasets import HeldOutSplit, build_dataloader
 from torchtitan.datasets.mixture import mixture_metrics, start_data_at
@@ -124,7 +125,8 @@ class Trainer:
         if self.guard is not None:
             extra_states["stability"] = self.guard
         self.checkpointer = CheckpointManager(
-            cfg, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            CheckpointOptions.of(cfg.checkpoint, cfg.job, cfg.training, cfg.comm, cfg.fault_tolerance),
+            model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, dims=self.dims, rank=self.rank, model_args=self.model_args,
             writes=self.step_strategy.writes_checkpoint, extra_states=extra_states,
         )

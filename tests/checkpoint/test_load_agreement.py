@@ -45,7 +45,7 @@ def _faulty_loads(rank: int, world_size: int, dump: str) -> dict:
     trainer = make_trainer(dump, *common, "--training.steps=4")
     if rank == 1:
         real = loader.choose_checkpoint
-        loader.choose_checkpoint = lambda cfg, _: (None, {}, [INJECTED])
+        loader.choose_checkpoint = lambda *_: (None, {}, [INJECTED])
     out["choose"] = _load_outcome(trainer)
     if rank == 1:
         loader.choose_checkpoint = real

@@ -166,7 +166,8 @@ def test_rng_and_schedule_round_trip_through_json_bitwise():
 
 def test_a_uri_folder_is_used_as_given_and_the_remote_refusals_are_one_line_each(tmp_path):
     cfg = debug_config(f"--job.dump_folder={tmp_path}", "--checkpoint.folder=memory://cfg/run")
-    assert checkpoint_folder(cfg) == location("memory://cfg/run")  # not joined to the dump folder
+    # Not joined to the dump folder.
+    assert checkpoint_folder(cfg.checkpoint, cfg.job.dump_folder) == location("memory://cfg/run")
     from torchtitan.preflight import check_checkpoint
 
     ft = debug_config(f"--job.dump_folder={tmp_path}", "--checkpoint.folder=memory://cfg/run",

@@ -22,8 +22,8 @@ from torchtitan.checkpoint.location import Location
 from torchtitan.checkpoint.no_pickle import NoPickleLoadPlanner
 from torchtitan.checkpoint.selection import choose_checkpoint, leftover_warnings
 from torchtitan.checkpoint.states import StateRegistry
-from torchtitan.checkpoint.store import CheckpointKind, dcp_reader, read_dcp_metadata, scan, verify
-from torchtitan.config import JobConfig
+from torchtitan.checkpoint.store import CheckpointKind, Listing, dcp_reader, read_dcp_metadata, scan, verify
+from torchtitan.config.job_config import Checkpoint
 from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import same_layout
 
@@ -44,9 +44,9 @@ def _one_line(error: BaseException) -> str:
 class Loader:
     """Loads this run's checkpoint, or its ``initial_load_path``; every method is called on every rank."""
 
-    def __init__(self, cfg: JobConfig, folder: Location, states: StateRegistry, agreement: Agreement, *, rank: int,
+    def __init__(self, ck: Checkpoint, folder: Location, states: StateRegistry, agreement: Agreement, *, rank: int,
                  layout: dict[str, int], model_args: DecoderConfig | None = None) -> None:
-        self.cfg, self.ck = cfg, cfg.checkpoint
+        self.ck = ck  # the [checkpoint] section
         self.folder, self.states, self.agreement = folder, states, agreement
         self.rank, self.layout = rank, layout
         self.model_args = model_args  # for initial_load_path (name and layout mapping)
@@ -64,7 +64,7 @@ class Loader:
             self._load_initial()
             return 0
         self._warn_if_folder_small()
-        path, manifest = self._choose()
+        path, manifest, listing = self._choose()
         if path is None:
             if self.initial_load:
                 self._load_initial()
@@ -75,7 +75,7 @@ class Loader:
             logger.info("Checkpoint: %s holds this run's own checkpoint, which wins: --checkpoint.initial_load_path="
                         "%s is not loaded", self.folder, self.ck.initial_load_path)
         started = time.monotonic()
-        path, manifest, wanted, state = self._verified(path, manifest)
+        path, manifest, wanted, state = self._verified(path, manifest, listing)
         step = int(manifest["step"])
         self._read_and_apply(path, state)
         self.loaded_step = step
@@ -85,11 +85,13 @@ class Loader:
                         manifest["kind"], ", ".join(wanted), time.monotonic() - started, resumed)
         return resumed
 
-    def _choose(self) -> tuple[Location | None, dict[str, Any]]:
-        """The checkpoint to resume from (None: none), chosen alike on every rank; warns of interrupted saves."""
+    def _choose(self) -> tuple[Location | None, dict[str, Any], Listing]:
+        """The checkpoint to resume from (None: none), chosen alike on every rank, its manifest, and the folder's
+        listing it was chosen from (the earlier candidates, should it not verify); warns of interrupted saves."""
+        listing = Listing({}, {})
         try:
             listing = scan(self.folder)
-            path, manifest, problems = choose_checkpoint(self.cfg, None)
+            path, manifest, problems = choose_checkpoint(self.ck, self.folder, listing, None)
             error = "; ".join(problems) if problems else None  # preflight checked this; the folder changed since
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             path, manifest, error = None, {}, f"{type(e).__name__}: {e}"
@@ -98,7 +100,7 @@ class Loader:
         if self.rank == 0:
             for line in leftover_warnings(listing, self.folder, path):
                 logger.warning("%s", line)
-        return path, manifest
+        return path, manifest, listing
 
     def _states_to_load(self, manifest: dict[str, Any], path: Location) -> list[str]:
         """The checkpoint's states this run takes: not the excluded ones, nor the RNG states of another layout."""
@@ -135,7 +137,8 @@ class Loader:
         if warning:
             logger.warning("%s", warning)
 
-    def _verified(self, path: Location, manifest: dict[str, Any]) -> tuple[Location, dict[str, Any], list[str], dict]:
+    def _verified(self, path: Location, manifest: dict[str, Any],
+                  listing: Listing) -> tuple[Location, dict[str, Any], list[str], dict]:
         """The checkpoint to load, its manifest, the states wanted and their template, after the checksums.
 
         Each rank hashes the files its own load will read; one gather per candidate then
@@ -146,7 +149,7 @@ class Loader:
         """
         explicit = self.ck.load_step >= 0
         candidates = [path] + ([] if explicit else [
-            p for s, p in sorted(scan(self.folder).committed.items(), reverse=True) if s < int(manifest["step"])])
+            p for s, p in sorted(listing.committed.items(), reverse=True) if s < int(manifest["step"])])
         for candidate in candidates:
             error, bad, wanted, state = None, [], [], {}
             try:

@@ -31,19 +31,37 @@ import torch.distributed as dist
 from torchtitan.checkpoint import s3_client
 from torchtitan.checkpoint.agreement import Agreement
 from torchtitan.checkpoint.loader import Loader
+from torchtitan.checkpoint.location import Location
 from torchtitan.checkpoint.preemption import PreemptionWatch
 from torchtitan.checkpoint.saver import Saver
 from torchtitan.checkpoint.selection import checkpoint_folder
 from torchtitan.checkpoint.stage_view import model_view
 from torchtitan.checkpoint.states import Holders, StateRegistry
 from torchtitan.checkpoint.store import CheckpointKind
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Checkpoint, Comm, FaultTolerance, Job, Training
 
 logger = logging.getLogger(__name__)
 
 
 def _always() -> bool:
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """What the checkpointer reads of a job: the ``[checkpoint]`` section and a value each of ``[job]``,
+    ``[training]``, ``[comm]`` and ``[fault_tolerance]``; built once (``of``) by the trainer."""
+
+    checkpoint: Checkpoint
+    folder: Location  # under the dump folder, or an object-store URI (``checkpoint_folder``)
+    total_steps: int  # the last step always saves
+    init_timeout_seconds: int  # the checkpoint group's timeout is at least this
+    tmp_tag: str  # under fault tolerance each replica group writes into temporary folders of its own
+
+    @classmethod
+    def of(cls, ck: Checkpoint, job: Job, training: Training, comm: Comm, ft: FaultTolerance) -> CheckpointOptions:
+        return cls(ck, checkpoint_folder(ck, job.dump_folder), training.steps, comm.init_timeout_seconds,
+                   tmp_tag=f"-group{ft.replica_id}" if ft.enable else "")
 
 
 class CheckpointManager:
@@ -56,17 +74,17 @@ class CheckpointManager:
     every rank.
     """
 
-    def __init__(self, cfg: JobConfig, *, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader, dims, rank: int,
-                 model_args=None, writes: Callable[[], bool] | None = None,
+    def __init__(self, options: CheckpointOptions, *, model_parts: list[torch.nn.Module],
+                 optimizer: torch.optim.Optimizer, lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader,
+                 dims, rank: int, model_args=None, writes: Callable[[], bool] | None = None,
                  extra_states: dict[str, Any] | None = None) -> None:
-        ck = cfg.checkpoint
-        self.cfg, self.ck = cfg, ck
+        ck = options.checkpoint
+        self.ck = ck
         self.enabled = ck.enable_checkpoint
         initial_load = bool(ck.initial_load_path) and not ck.create_seed_checkpoint
         self.active = ck.enable_checkpoint or ck.create_seed_checkpoint or initial_load
-        self.folder = checkpoint_folder(cfg)
-        self.total_steps = cfg.training.steps
+        self.folder = options.folder
+        self.total_steps = options.total_steps
         self.rank = rank
         self.preemption = PreemptionWatch(ck.preemption_check_steps)
         self._closed = False
@@ -84,14 +102,12 @@ class CheckpointManager:
             # A gloo group of its own: an async save runs its collectives in a background
             # thread, which must never interleave with the training thread's collectives on
             # a shared group; gloo also carries DCP's CPU-side coordination under NCCL.
-            timeout = timedelta(seconds=max(cfg.comm.init_timeout_seconds, 1800))
+            timeout = timedelta(seconds=max(options.init_timeout_seconds, 1800))
             group = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))  # every rank is in it
         # The layout a checkpoint records: a load into another layout does not restore per-rank states.
         agreement, layout = Agreement(group, self.folder), dims.layout()
-        ft = cfg.fault_tolerance
-        self.saver = Saver(ck, self.folder, states, agreement, rank=rank, layout=layout,
-                           tmp_tag=f"-group{ft.replica_id}" if ft.enable else "")
-        self.loader = Loader(cfg, self.folder, states, agreement, rank=rank, layout=layout, model_args=model_args)
+        self.saver = Saver(ck, self.folder, states, agreement, rank=rank, layout=layout, tmp_tag=options.tmp_tag)
+        self.loader = Loader(ck, self.folder, states, agreement, rank=rank, layout=layout, model_args=model_args)
         if self.enabled:
             self.preemption.install()
 
@@ -116,8 +132,7 @@ class CheckpointManager:
             return None
         self.saver.finish_pending(block=True)
         # The latest and all of it: --checkpoint.load_step and exclude_from_loading were for the run's start.
-        ck = dataclasses.replace(self.cfg.checkpoint, load_step=-1, exclude_from_loading=[])
-        self.loader.cfg, self.loader.ck = dataclasses.replace(self.cfg, checkpoint=ck), ck
+        self.loader.ck = dataclasses.replace(self.ck, load_step=-1, exclude_from_loading=[])
         self.loader.loaded_step = None
         step = self.loader.load()
         return step if self.loader.loaded_step is not None else None

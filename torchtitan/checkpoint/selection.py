@@ -16,14 +16,14 @@ import torch
 
 from torchtitan.checkpoint.location import Location, is_remote, location
 from torchtitan.checkpoint.store import Listing, scan, verify
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Checkpoint
 
 
-def checkpoint_folder(cfg: JobConfig) -> Location:
+def checkpoint_folder(ck: Checkpoint, dump_folder: str) -> Location:
     """``<dump_folder>/<checkpoint.folder>``, or ``checkpoint.folder`` itself when it is an object-store URI."""
-    if is_remote(cfg.checkpoint.folder):
-        return location(cfg.checkpoint.folder)
-    return Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    if is_remote(ck.folder):
+        return location(ck.folder)
+    return Path(dump_folder) / ck.folder
 
 
 def model_shapes(model_factory: Callable[[], torch.nn.Module]) -> dict[str, tuple[int, ...]]:
@@ -36,11 +36,13 @@ def model_shapes(model_factory: Callable[[], torch.nn.Module]) -> dict[str, tupl
 
 
 def choose_checkpoint(
-    cfg: JobConfig, expected_shapes: dict[str, tuple[int, ...]] | None
+    ck: Checkpoint, folder: Location, listing: Listing, expected_shapes: dict[str, tuple[int, ...]] | None
 ) -> tuple[Location | None, dict[str, Any], list[str]]:
-    """The committed checkpoint this run loads (None: start from scratch), its manifest, and problems."""
-    ck, folder = cfg.checkpoint, checkpoint_folder(cfg)
-    listing = scan(folder)
+    """The committed checkpoint this run loads (None: start from scratch), its manifest, and problems.
+
+    ``listing``: what the caller's ``scan(folder)`` found; the caller reads it too (the leftovers it warns of,
+    whether there is a checkpoint to fit the model to), so the folder, an object store's included, is listed once.
+    """
     complete = ", ".join(str(s) for s in sorted(listing.committed)) or "none"
     if ck.load_step >= 0:
         if ck.load_step not in listing.committed:
@@ -85,6 +87,6 @@ def leftover_warnings(listing: Listing, folder: Location, chosen: Location | Non
     return lines
 
 
-def own_checkpoint_exists(cfg: JobConfig) -> bool:
+def own_checkpoint_exists(ck: Checkpoint, dump_folder: str) -> bool:
     """True when the run resumes from its own checkpoint (which wins over ``initial_load_path``)."""
-    return cfg.checkpoint.enable_checkpoint and bool(scan(checkpoint_folder(cfg)).committed)
+    return ck.enable_checkpoint and bool(scan(checkpoint_folder(ck, dump_folder)).committed)
