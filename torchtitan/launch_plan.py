@@ -48,5 +48,5 @@ def configured_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[Decoder
                         "multi-token prediction; use --model.name=deepseek_v3 or --model.mtp_layers=0")
     spec = get_model_spec(cfg.model.name)
     if cfg.moe.load_balance_coeff is None:  # unset: the family's default, filled here for every later reader
-        cfg.moe.load_balance_coeff = spec.default_load_balance_coeff()
-    return spec.with_moe_options(args, cfg), problems
+        cfg.moe.load_balance_coeff = spec.model.default_load_balance_coeff()
+    return spec.model.with_job_options(args, cfg.model, cfg.moe), problems

@@ -227,7 +227,7 @@ def check_parallelism(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig, s
     problems: list[str] = []
     tp, cp = dims.tp, dims.cp
     seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
-    problems += spec.check(args, dims, cfg)
+    problems += spec.model.check(args, dims, cfg.model, cfg.parallelism)
     problems += _expert_problems(args, dims, cfg, spec)
     # Where expert parallelism borrows TP's ranks, each MoE layer takes its TP rank's sequence shard, SP or not.
     seq_split = tp > 1 and (sequence_parallel or dims.ep_borrows_tp)
@@ -249,10 +249,10 @@ def _expert_problems(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig, sp
     """Expert parallelism needs experts; the routing bias must see every replica group's tokens."""
     problems: list[str] = []
     model = f"--model.name={cfg.model.name} --model.flavor={cfg.model.flavor}"
-    if dims.ep > 1 and not spec.num_experts(args):
+    if dims.ep > 1 and not args.num_experts:
         problems.append(f"--parallelism.expert_parallel_degree={dims.ep}: {model} has no experts; set it to 1, or "
                         "choose a flavor with experts (qwen3 debugmodel_moe, 30B-A3B; mixtral 8x7B)")
-    if spec.num_experts(args) and cfg.fault_tolerance.enable and (cfg.moe.load_balance_coeff or 0.0) > 0:
+    if args.num_experts and cfg.fault_tolerance.enable and (cfg.moe.load_balance_coeff or 0.0) > 0:
         problems.append(f"--moe.load_balance_coeff={cfg.moe.load_balance_coeff} with --fault_tolerance.enable: the "
                         "routing bias would be updated from each replica group's tokens alone and drift apart "
                         "between groups; set --moe.load_balance_coeff=0 (an auxiliary loss, --moe.aux_loss, works)")

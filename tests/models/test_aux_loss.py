@@ -28,7 +28,7 @@ def _model(aux_loss: str = "switch", seed: int = 0) -> torch.nn.Module:
                                aux_loss=aux_loss, aux_loss_coeff=0.01)
     torch.manual_seed(seed)
     model = get_model_spec("qwen3").build(args)
-    model.init_weights()  # type: ignore[operator]  # FamilyModel
+    model.init_weights()
     return model.train()
 
 

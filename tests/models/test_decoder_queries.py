@@ -37,7 +37,7 @@ def test_only_deepseek_v3_predicts_further_tokens(name):
 
 
 def test_parallelisms_refuse_a_model_that_is_not_a_decoder():
-    """FSDP and compile read the blocks a family's model states (``FamilyModel``); any other module is
+    """FSDP and compile read the blocks a family's model states (a ``Decoder``); any other module is
     refused, naming the caller."""
     module = torch.nn.Linear(2, 2)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)

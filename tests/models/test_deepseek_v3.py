@@ -149,7 +149,7 @@ def test_the_tp_plan_is_a_query_and_apply_tp_gives_mla_its_group():
     mesh = SimpleNamespace(get_group=lambda: "the tp group")  # tp_plan must not ask the mesh for anything
     assert set(attention.tp_plan(Replicate(), mesh)) == {"", "wq_b", "wkv_b", "wo"}  # type: ignore[arg-type]
     assert attention.tp_group is None
-    assert get_model_spec("deepseek_v3").apply_tp.__module__ == "torchtitan.models.deepseek_v3.parallel"
+    assert get_model_spec("deepseek_v3").model.apply_tp is DeepSeekV3Model.apply_tp  # the decoder's, then the group
 
 
 @pytest.mark.parametrize("flavor, total, active", [

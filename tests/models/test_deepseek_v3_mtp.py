@@ -130,13 +130,11 @@ def test_mtp_under_pp_and_tp_passes_preflight(flag):
 
 
 def test_the_last_stage_holds_the_mtp_modules_and_a_copy_of_the_embedding():
-    from torchtitan.models.deepseek_v3.parallel import prune_stage
-
     whole = _model()
     first, last, middle = (copy.deepcopy(whole) for _ in range(3))
-    prune_stage(first, range(0, 1), True, False)
-    prune_stage(middle, range(1, 1), False, False)
-    prune_stage(last, range(1, 2), False, True)
+    first.prune_stage(range(0, 1), True, False)
+    middle.prune_stage(range(1, 1), False, False)
+    last.prune_stage(range(1, 2), False, True)
     assert first.mtp is None and middle.mtp is None and middle.tok_embeddings is None
     assert last.mtp is not None and last.tok_embeddings is not None and last.input_is_hidden
     assert not first.input_is_hidden and first.output is None

@@ -158,12 +158,12 @@ def test_flops_count_active_experts_only():
     spec = get_model_spec("qwen3")
     moe = model_args("qwen3", "30B-A3B")
     more = dataclasses.replace(moe, num_experts=256)
-    assert spec.flops_per_token(more, 4096) - spec.flops_per_token(moe, 4096) == 6.0 * 48 * 2048 * 128
+    assert spec.model.flops_per_token(more, 4096) - spec.model.flops_per_token(moe, 4096) == 6.0 * 48 * 2048 * 128
     _, active = param_counts(moe)
     # untied: the output matmul counts, the embedding lookup does not
-    assert spec.flops_per_token(moe, 0) == 6.0 * (active - moe.vocab_size * moe.dim)
+    assert spec.model.flops_per_token(moe, 0) == 6.0 * (active - moe.vocab_size * moe.dim)
     tied = dataclasses.replace(moe, tie_word_embeddings=True)
-    assert spec.flops_per_token(tied, 0) == 6.0 * param_counts(tied)[1]  # one weight, still one output matmul
+    assert spec.model.flops_per_token(tied, 0) == 6.0 * param_counts(tied)[1]  # one weight, still one output matmul
 
 
 @pytest.mark.parametrize("family, flavor", [("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe"),

@@ -18,7 +18,7 @@ MOE_CONFIGS = {"qwen3": "qwen3_debug_moe.toml", "gpt_oss": "gpt_oss_debug.toml"}
 @pytest.mark.parametrize("family", list(MOE_CONFIGS))
 def test_the_default_balancing_is_one_the_release_format_holds(family):
     plan = preflight(debug_config(config=str(REPO / "train_configs" / MOE_CONFIGS[family])), 1)
-    assert not get_model_spec(family).release_holds_routing_bias
+    assert not get_model_spec(family).model.release_holds_routing_bias
     assert plan.model_args.load_balance_coeff == 0.0 and not plan.model_args.moe_args().load_balance_bias
     on = preflight(debug_config("--moe.load_balance_coeff=0.001",
                                 config=str(REPO / "train_configs" / MOE_CONFIGS[family])), 1)

@@ -47,6 +47,7 @@ from torchtitan.checkpoint.quantized import SCALE_SUFFIX, dequantize_fp8_blocks,
 from torchtitan.checkpoint.store import dcp_reader, read_dcp_metadata
 from torchtitan.lfs import check_not_lfs_pointer
 from torchtitan.models import DecoderConfig, spec_for_args
+from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.spec import HFConversion, MetaRelease, StateDictAdapter
 
 logger = logging.getLogger(__name__)
@@ -416,9 +417,8 @@ def load_into(model: torch.nn.Module, path: str, fmt: str, args: DecoderConfig, 
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    init_buffers = getattr(model, "init_buffers", None)
-    if callable(init_buffers):
-        init_buffers()  # before the read: the state it fills is never reset after
+    if isinstance(model, Decoder):  # a pipeline view is none: its stages built their buffers
+        model.init_buffers()  # before the read: the state it fills is never reset after
     # A model's state dict holds tensors only (torch types it for any state dict).
     state = cast(dict[str, torch.Tensor], get_model_state_dict(model))
     where = location(path)
@@ -471,7 +471,7 @@ def load_model(path: str | Path, fmt: str, args: DecoderConfig, *, device: torch
     with torch.device("meta"):
         model = spec.build(args)
     if tp_mesh is not None:
-        spec.apply_tp(model, tp_mesh, False, False)  # no sequence or loss parallelism
+        model.apply_tp(tp_mesh, False, False)  # no sequence or loss parallelism
     model.to_empty(device=device)
     model.to(dtype)
     with warnings.catch_warnings():
@@ -526,7 +526,7 @@ def routing_bias_problem(state: dict[str, torch.Tensor], args: DecoderConfig) ->
     """Why ``state`` cannot be exported faithfully: a trained routing bias its family's format has no place for."""
     spec = spec_for_args(args)
     moved = [k for k, t in state.items() if k.endswith("router.expert_bias") and bool(t.abs().max() > 0)]
-    if not moved or spec.release_holds_routing_bias:
+    if not moved or spec.model.release_holds_routing_bias:
         return None
     return (f"the checkpoint's routing bias (--moe.load_balance_coeff, e.g. {moved[0]}) has no place in a Hugging "
             f"Face {spec.name} folder, which would route tokens otherwise than the trained model; pass "

@@ -11,54 +11,29 @@ steps produced and its all-gathers sit outside the compiled and recomputed regio
 float32 linear layers first move to oneDNN (ops/cpu_kernels.py, ``training.cpu_matmul``): the same
 parameters in a module the later steps do not tell apart.
 
-What differs per family (which layers TP shards, how attention runs) comes from the family's
-``FamilyParallelism`` (its ``ModelSpec``,
-``torchtitan/models/spec.py``); AC, compile, FSDP and mixed precision are the same for all and
-live beside this module. Every step keeps the parameter FQNs unchanged (AC replaces forward in
+What differs per family (which layers TP shards, how attention runs) comes from the family's model
+class (``Decoder`` or its subclass, ``ModelSpec.model`` in ``torchtitan/models/spec.py``: ``apply_tp``,
+``use_attention``, ``split_moe_over_tp``, ``apply_ep``); AC, compile, FSDP and mixed precision are the
+same for all and live beside this module. Every step keeps the parameter FQNs unchanged (AC replaces forward in
 place, in-place ``Module.compile``, FSDP2), which checkpoints and the layout-invariant init rely on.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Protocol
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.distributed.compile import apply_compile, wait_for_embedding_output
 from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.spec import family_model
 from torchtitan.ops.cpu_kernels import use_onednn_linears
 from torchtitan.ops.cpu_matmul import resolve_cpu_matmul
 
 logger = logging.getLogger(__name__)
-
-
-class FamilyParallelism(Protocol):
-    """The family-specific steps of ``parallelize`` (a ``ModelSpec`` provides them)."""
-
-    # Positional-only: ModelSpec provides these as plain callables.
-    def apply_tp(self, model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
-                 loss_parallel: bool, /) -> None:
-        """The family's tensor-parallel plan."""
-        ...
-
-    def use_attention(self, model: torch.nn.Module, choice: str, device_type: str, cp_mesh: DeviceMesh | None,
-                      seq_len: int, /) -> None:
-        """Give the model the run's attention backend (context parallelism's binds its positions too)."""
-        ...
-
-    # Shard each MoE layer's experts over the ep mesh; returns the expert modules (None: a dense family).
-    @property
-    def apply_ep(self) -> Callable[[torch.nn.Module, DeviceMesh], list[torch.nn.Module]] | None: ...
-
-    # Each TP rank routes its own tokens through the MoE layers (EP borrowing TP's ranks; None: dense family).
-    @property
-    def split_moe_over_tp(self) -> Callable[[torch.nn.Module, DeviceMesh], None] | None: ...
 
 
 def fsdp_on_one_rank(dims: ParallelDims, cfg: JobConfig, device_type: str) -> bool:
@@ -73,9 +48,9 @@ def fsdp_on_one_rank(dims: ParallelDims, cfg: JobConfig, device_type: str) -> bo
         mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
 
 
-def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str,
-                family: FamilyParallelism) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> torch.nn.Module:
     """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
+    family = family_model(model, "parallelize")  # the family's model class: its TP plan, attention, experts
     one_rank = fsdp_on_one_rank(dims, cfg, device_type)
     if device_type == "cpu" and resolve_cpu_matmul(cfg.training.cpu_matmul) == "onednn" and not cfg.training.compile:
         if n := use_onednn_linears(model):
@@ -87,17 +62,16 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
         assert tp_mesh is not None, "TP is on"
         if dims.ep_borrows_tp:
             # Before the TP plan, which then gives each MoE layer its rank's sequence shard.
-            assert family.split_moe_over_tp is not None, "preflight refuses EP without experts"
-            family.split_moe_over_tp(model, tp_mesh)
-        family.apply_tp(model, tp_mesh, cfg.parallelism.enable_sequence_parallel, dims.loss_parallel_enabled)
+            family.split_moe_over_tp(tp_mesh)
+        family.apply_tp(tp_mesh, cfg.parallelism.enable_sequence_parallel, dims.loss_parallel_enabled)
     cp_mesh = dims.get_mesh("cp") if dims.cp_enabled else None
     assert cp_mesh is not None or not dims.cp_enabled, "CP is on"
-    family.use_attention(model, cfg.model.attention_backend, device_type, cp_mesh, cfg.training.seq_len)
+    family.use_attention(cfg.model.attention_backend, device_type, cp_mesh, cfg.training.seq_len)
     experts: list[torch.nn.Module] = []
     if dims.ep_enabled:
         ep_mesh = dims.get_mesh("ep")
-        assert ep_mesh is not None and family.apply_ep is not None, "preflight refuses EP without experts"
-        experts = family.apply_ep(model, ep_mesh)
+        assert ep_mesh is not None, "EP is on"
+        experts = family.apply_ep(ep_mesh)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_ac_option)

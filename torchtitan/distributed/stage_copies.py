@@ -1,7 +1,7 @@
 """Parameters that the first and the last pipeline stage both hold: Megatron's shared embedding.
 
 DeepSeek-V3's multi-token prediction modules sit on the last stage and read the embedding, which the
-first stage holds for the input (models/deepseek_v3/parallel.py keeps it on both). Such a parameter is
+first stage holds for the input (``DeepSeekV3Model.prune_stage`` keeps it on both). Such a parameter is
 still one parameter of the model (one FQN, one init spec, one checkpoint entry) held twice, and the two
 copies stay equal:
 

@@ -138,7 +138,7 @@ def describe(path: str | Path, *, config: Path | None = None, tokenizer_path: st
                                  "original/tokenizer.model); pass the release's with --tokenizer") from None
         tokenizer = build_tokenizer(tokenizer_path)
     _check_weights(path, fmt, args, spec, tokenizer)
-    if not spec.supports_kv_cache:
+    if not spec.model.supports_kv_cache:
         raise ValueError(f"model family {spec.name} has no KV-cache forward; generation cannot run it")
     return Source(path, fmt, args, spec, tokenizer)
 

@@ -141,7 +141,7 @@ class DryRun:
 
     @property
     def flops_per_token(self) -> float:
-        return self.plan.model_spec.flops_per_token(self.plan.model_args, self.cfg.training.seq_len)
+        return self.plan.model_spec.model.flops_per_token(self.plan.model_args, self.cfg.training.seq_len)
 
 
 def plan_job(cfg: JobConfig, world_size: int) -> LaunchPlan:
@@ -376,7 +376,7 @@ class _Job:
         options = BuildOptions(device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
                                stage_io=io)
         self.runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
-        assume_routing(self.runner.model_parts, plan.model_spec, moe_imbalance)  # MoE layers (planning/moe.py)
+        assume_routing(self.runner.model_parts, moe_imbalance)  # MoE layers (planning/moe.py)
         self.stage_ids: list[int] = []
         if self.runner.pp_runner is not None:
             make_stages_static(self.runner.pp_runner)

@@ -2,7 +2,7 @@
 
 A MoE layer reads its token counts on the host to size its all-to-all and, where it runs the exact
 per-expert loop, its matmuls. Fake tensors have shapes and no values, so the dry run has the family
-(``ModelSpec.assume_routing``; ``models/moe/assumed.py`` for the MoE decoder) swap each layer's dispatcher
+(``Decoder.assume_routing``; ``models/moe/assumed.py`` for the MoE decoder) swap each layer's dispatcher
 for one that assumes the counts and runs everything else as the real one does:
 
 - **balanced** by default: each of the ``T x top_k`` (token, slot) pairs of a rank's ``T`` tokens goes to
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from torchtitan.launch_plan import LaunchPlan
-from torchtitan.models.spec import ModelSpec
+from torchtitan.models.spec import family_model
 
 # CUDA's grouped GEMM kernel (sm90) takes bf16 only; other dtypes run the loop on a GPU.
 GPU_GROUPED_MM_DTYPES = frozenset({torch.bfloat16})
@@ -40,16 +40,16 @@ def check_imbalance(factor: float) -> None:
                              "is at least 1; use 1 (balanced routing, the default) or more")
 
 
-def assume_routing(model_parts: list[nn.Module], spec: ModelSpec, imbalance: float = 1.0) -> int:
+def assume_routing(model_parts: list[nn.Module], imbalance: float = 1.0) -> int:
     """Give every MoE layer of ``model_parts`` an assumed-routing dispatcher; the number of layers changed."""
     check_imbalance(imbalance)
-    return sum(spec.assume_routing(part, imbalance) for part in model_parts)
+    return sum(family_model(part, "assume_routing").assume_routing(imbalance) for part in model_parts)
 
 
 def moe_notes(plan: LaunchPlan, imbalance: float) -> list[str]:
     """The report's lines on what a dry run of a model with experts assumes (none for a dense model)."""
     args = plan.model_args
-    experts = plan.model_spec.num_experts(args)
+    experts = args.num_experts
     if not experts:
         return []
     routing = ("balanced: each expert gets tokens x top_k / E rows" if imbalance == 1.0 else

@@ -48,7 +48,7 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
     dtype = mixed_precision(cfg, "cuda").param_dtype
     hidden_seq = seq // dims.tp if dims.tp_enabled and p.enable_sequence_parallel else seq
     meta = torch.device("meta")
-    hidden = torch.empty(mb, hidden_seq, spec.hidden_width(args), dtype=dtype, device=meta, requires_grad=True)
+    hidden = torch.empty(mb, hidden_seq, spec.model.hidden_width(args), dtype=dtype, device=meta, requires_grad=True)
 
     def logits() -> torch.Tensor:
         if not dims.loss_parallel_enabled:

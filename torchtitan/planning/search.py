@@ -88,10 +88,10 @@ def searched_overrides(cfg: JobConfig, world_size: int, cluster: Cluster, float8
 
 def _num_experts(cfg: JobConfig) -> int:
     """The flavor's routed experts (0 for a dense model or one the registry does not know)."""
-    from torchtitan.models import get_model_spec, model_args
+    from torchtitan.models import model_args
 
     try:
-        return get_model_spec(cfg.model.name).num_experts(model_args(cfg.model.name, cfg.model.flavor))
+        return model_args(cfg.model.name, cfg.model.flavor).num_experts
     except ValueError:
         return 0
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.models.aux_loss import split_aux_loss
+from torchtitan.models.spec import family_model
 from torchtitan.train_step.objective import CarriedTerm, Groups, Outputs, TermSources
 
 
@@ -52,7 +53,7 @@ class AuxLossTerm(CarriedTerm):
     def of(sources: TermSources) -> AuxLossTerm | None:
         """The term when the (whole, meta) model's MoE layers have an auxiliary loss, else None; split over TP
         where expert parallelism borrows TP's ranks (``parallelize`` splits the layers so)."""
-        layers = sources.plan.model_spec.expert_layers(sources.model)
+        layers = family_model(sources.model, "AuxLossTerm").expert_layers()
         coeff = max((layer.aux_loss_coeff for layer in layers), default=0.0)
         dims = sources.dims
         tp_split = dims.tp if dims.tp_enabled and dims.ep_borrows_tp else 1

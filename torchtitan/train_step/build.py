@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +32,7 @@ from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import training_loss
 from torchtitan.models import describe_backend
 from torchtitan.models.aux_loss import accept_carried_aux_loss
-from torchtitan.models.spec import FamilyModel
+from torchtitan.models.spec import family_model, prune_stage
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.optim.muon import MuonSettings
 from torchtitan.quantization import apply_converters
@@ -76,10 +76,10 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         model = spec.build(plan.model_args)
         # before the pipeline split and TP: they see the new classes
         apply_converters(model, cfg.model, cfg.float8, device_type)
-    fpt = spec.flops_per_token(plan.model_args, cfg.training.seq_len)
+    fpt = spec.model.flops_per_token(plan.model_args, cfg.training.seq_len)
     objective = build_objective(TermSources(cfg, plan, model, dims, training_loss(device_type)), LOSS_TERMS)
     if options.describe:
-        _describe(cfg, dims, plan, cast(FamilyModel, model).num_params(), fpt, device)
+        _describe(cfg, dims, plan, model.num_params(), fpt, device)
 
     def materialize(module: torch.nn.Module) -> torch.nn.Module:
         return _materialize(module, cfg, dims, plan, device, device_type, options)
@@ -97,9 +97,9 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
             return stage
 
         pp_runner, model_parts = build_pipeline(model, plan.pipeline, pp_mesh, device, materialize_stage,
-                                                objective, spec.prune_stage, stage_io=options.stage_io,
+                                                objective, prune_stage, stage_io=options.stage_io,
                                                 extra_loss=objective.carried)
-        stage_copies = StageCopies.of(model, plan.pipeline, spec.prune_stage, dims, model_parts)
+        stage_copies = StageCopies.of(model, plan.pipeline, prune_stage, dims, model_parts)
         if stage_copies is not None and options.init_weights:
             stage_copies.sync_values()
     o, s = cfg.optimizer, cfg.lr_scheduler
@@ -114,7 +114,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,
         lr_min=s.lr_min, total_steps=cfg.training.steps,
     )
-    experts = ExpertBalance.of(model_parts, spec, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims)
+    experts = ExpertBalance.of(model_parts, plan.model_args, cfg.moe.load_balance_coeff or 0.0, dims)
     return ModelRunner(model_parts, pp_runner, optimizer, lr_scheduler, objective, dims, device,
                        callbacks if callbacks is not None else StepCallbacks(), fpt, experts, stage_copies)
 
@@ -136,17 +136,17 @@ def _materialize(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, pla
 
     Parallelizing runs outside ``options.allocate`` (the mesh's own tensors stay real in a dry run).
     """
-    parallelize(model, dims, cfg, device_type, plan.model_spec)
-    family_model = cast(FamilyModel, model)  # nn.Module and FamilyModel: pyright has no intersection type
+    parallelize(model, dims, cfg, device_type)
+    family = family_model(model, "build_runner")
     with options.allocate():
         model.to_empty(device=device)
         if not options.init_weights:
-            family_model.init_buffers(buffer_device=device)
+            family.init_buffers(buffer_device=device)
         elif cfg.training.seed is None:
-            family_model.init_weights(buffer_device=device)
+            family.init_weights(buffer_device=device)
         else:
             # Same full weights for a given seed whatever the layout; see layout_init.py.
-            family_model.init_buffers(buffer_device=device)
+            family.init_buffers(buffer_device=device)
             init_params_layout_invariant(model, cfg.training.seed)
     model.train()
     return model

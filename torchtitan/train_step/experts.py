@@ -12,22 +12,22 @@
   tokens per expert of each layer: the mean and the max over layers) and the tokens each expert
   received (over all sparse layers), since the last log.
 
-The MoE layers come from the family's ``ModelSpec.expert_layers`` as ``ExpertLayer``s: the step never
+The MoE layers come from the family's model, ``Decoder.expert_layers`` as ``ExpertLayer``s: the step never
 imports the MoE component (``models/moe``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.config import DecoderConfig
 from torchtitan.models.expert_balance import ExpertLayer, imbalance, reduce_counts, update_expert_bias
-from torchtitan.models.spec import ModelSpec
+from torchtitan.models.spec import family_model
 
 
 class ExpertBalance:
@@ -46,13 +46,13 @@ class ExpertBalance:
         self.window_reduced = self.biased  # the bias update sums the counts over dp x cp each step
 
     @staticmethod
-    def of(model_parts: Sequence[torch.nn.Module], spec: ModelSpec, args: Any, coeff: float,
+    def of(model_parts: Sequence[torch.nn.Module], args: DecoderConfig, coeff: float,
            dims: ParallelDims) -> ExpertBalance | None:
-        """The balance of the MoE layers of ``model_parts``, a model of ``spec`` (None for a dense model)."""
-        num_experts = spec.num_experts(args)
+        """The balance of the MoE layers of ``model_parts``, a model of ``args`` (None for a dense model)."""
+        num_experts = args.num_experts
         if not num_experts:
             return None
-        moes = [m for part in model_parts for m in spec.expert_layers(part)]
+        moes = [m for part in model_parts for m in family_model(part, "ExpertBalance").expert_layers()]
         return ExpertBalance(moes, num_experts, coeff, dims)
 
     def update(self) -> None:

@@ -21,16 +21,13 @@ from torch import nn
 from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.distributed.collectives import local_value
 from torchtitan.loss import IGNORE_INDEX, count_tokens
+from torchtitan.models.spec import family_model
 from torchtitan.train_step.objective import Groups, LossFn, TermSources, TokenTerm
 
 
 def mtp_settings(model: nn.Module) -> tuple[int, float]:
     """(depths, loss weight) of the model's multi-token prediction; depths 0: none."""
-    args = getattr(model, "args", None)
-    depths = getattr(args, "num_mtp_layers", 0)
-    if not isinstance(depths, int) or depths < 1:
-        return 0, 0.0
-    return depths, float(getattr(args, "mtp_loss_weight"))  # noqa: B009 - args is untyped here
+    return family_model(model, "mtp_settings").mtp_objective()
 
 
 def depth_targets(labels: torch.Tensor, k: int) -> torch.Tensor:

@@ -17,19 +17,28 @@ Written to be easy to parallelise:
 - with an auxiliary balance loss on its MoE layers, a training forward returns ``(logits, summed loss)``
   (a forward hook, ``models/aux_loss.py``; the hidden states and the running sum on a pipeline stage
   without the output).
+
+The class is also what the rest of the code asks of a family (``ModelSpec.model``, docs/models.md): its FLOPs,
+checks and job options from args alone (classmethods), and its TP plan, attention backend, pipeline pruning
+and expert parallelism (methods). The shared behaviour is here, its bodies in ``parallel.py``, ``flops.py``
+and ``models/moe``; a family's subclass overrides what differs (DeepSeek-V3, GPT-OSS).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torchtitan.config import job_config
 from torchtitan.distributed.init_spec import InitSpec, apply_init_spec, trunc_normal_spec
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.attention import (
     AttentionBackend,
     DocumentMask,
@@ -37,10 +46,16 @@ from torchtitan.models.attention import (
     select_backend,
 )
 from torchtitan.models.aux_loss import return_aux_losses
+from torchtitan.models.common import flops, parallel
 from torchtitan.models.common.config import AttentionModule, DecoderConfig
+from torchtitan.models.expert_balance import ExpertLayer
 from torchtitan.models.kv_cache import KVCache, LayerCache
 from torchtitan.models.layers import FeedForward, RMSNorm, precompute_rope_cache
 from torchtitan.models.moe import MoE
+from torchtitan.models.moe import moe_layers as moe_modules
+from torchtitan.models.moe.assumed import assume_routing
+
+DEFAULT_LOAD_BALANCE_COEFF = 1e-3  # DeepSeek-V3's bias update speed (its report's gamma)
 
 
 class DecoderBlock(nn.Module):
@@ -86,6 +101,13 @@ class Decoder(nn.Module):
     """Embedding -> blocks (``layers``) -> final norm -> output projection; see the module docstring."""
 
     block_type: type[DecoderBlock] = DecoderBlock  # a family with its own block subclasses it (GPT-OSS)
+    # generation (torchtitan/generation): the forward takes ``cache=`` a ``models/kv_cache.KVCache`` (new tokens
+    # only, positions and mask from the cache)
+    supports_kv_cache: ClassVar[bool] = True
+    # whether the family's Hugging Face format has a place for the auxiliary-loss-free routing bias (DeepSeek-V3's
+    # e_score_correction_bias): the bias is then its default balancing, else off by default and an export of a
+    # model trained with it is refused (checkpoint/formats.export_hf)
+    release_holds_routing_bias: ClassVar[bool] = False
 
     def __init__(self, args: DecoderConfig):
         super().__init__()
@@ -277,6 +299,75 @@ class Decoder(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+    # ---------------------------------------------------------------- the family's seam, from args alone
+
+    @classmethod
+    def flops_per_token(cls, args: DecoderConfig, seq_len: int) -> float:
+        """Training FLOPs per token of the model ``args`` describes, at ``seq_len`` (``flops.py``)."""
+        return flops.flops_per_token(args, seq_len)
+
+    @classmethod
+    def hidden_width(cls, args: DecoderConfig) -> int:
+        """The width of the hidden state that flows between pipeline stages [micro-batch, seq, width]."""
+        return args.dim  # the residual stream
+
+    @classmethod
+    def check(cls, args: DecoderConfig, dims: ParallelDims, model: job_config.Model,
+              parallelism: job_config.Parallelism) -> list[str]:
+        """Preflight problems of the model in this layout (widths TP must divide, experts EP must divide, the
+        attention backend), one line each."""
+        return parallel.check(args, dims, model, parallelism)
+
+    @classmethod
+    def default_load_balance_coeff(cls) -> float:
+        """``--moe.load_balance_coeff`` when unset: the bias only where the release format can hold it."""
+        return DEFAULT_LOAD_BALANCE_COEFF if cls.release_holds_routing_bias else 0.0
+
+    @classmethod
+    def with_job_options(cls, args: DecoderConfig, model: job_config.Model, moe: job_config.Moe) -> DecoderConfig:
+        """``args`` with the job's options applied: the [moe] balancing of a model with experts."""
+        if not args.num_experts:
+            return args
+        return dataclasses.replace(args, load_balance_coeff=moe.load_balance_coeff or 0.0, aux_loss=moe.aux_loss,
+                                   aux_loss_coeff=moe.aux_loss_coeff if moe.aux_loss != "none" else 0.0)
+
+    # ---------------------------------------------------------------- the family's seam, on a model part
+
+    def apply_tp(self, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """The tensor-parallel plan (``parallel.apply_tp``)."""
+        parallel.apply_tp(self, tp_mesh, sequence_parallel, loss_parallel)
+
+    def use_attention(self, choice: str, device_type: str, cp_mesh: DeviceMesh | None, seq_len: int) -> None:
+        """Select the run's attention backend (``--model.attention_backend``; context parallelism's with
+        ``cp_mesh``)."""
+        parallel.use_attention(self, choice, device_type, cp_mesh, seq_len)
+
+    def prune_stage(self, layers: range, first: bool, last: bool) -> None:
+        """Make this copy of the whole model a pipeline stage keeping ``layers`` (in place)."""
+        parallel.prune_stage(self, layers, first, last)
+
+    def split_moe_over_tp(self, tp_mesh: DeviceMesh) -> None:
+        """Each TP rank routes its own tokens through the MoE layers (expert parallelism borrowing TP's ranks;
+        before ``apply_tp``)."""
+        parallel.split_moe_over_tp(self, tp_mesh)
+
+    def apply_ep(self, ep_mesh: DeviceMesh) -> list[nn.Module]:
+        """Shard each MoE layer's experts over ``ep_mesh``; the expert modules (FSDP shards each over ``efsdp``)."""
+        return parallel.apply_ep(self, ep_mesh)
+
+    def expert_layers(self) -> list[ExpertLayer]:
+        """The MoE layers of this part, which the trainer balances and logs (train_step/experts.py)."""
+        return moe_modules(self)  # every MoE module of the part, in module order
+
+    def assume_routing(self, imbalance: float) -> int:
+        """The planner's dry run: the MoE layers made to assume their token counts (which fake tensors do not
+        hold), with the simulated rank's ``imbalance``; how many."""
+        return assume_routing(self, imbalance)
+
+    def mtp_objective(self) -> tuple[int, float]:
+        """(depths, loss weight) of the model's multi-token prediction; depths 0: none."""
+        return 0, 0.0
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once

@@ -5,30 +5,31 @@ preflight checks of the model against a layout."""
 from __future__ import annotations
 
 import logging
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from torchtitan.config import JobConfig
+from torchtitan.config import job_config
 from torchtitan.distributed.context_parallel import local_positions
 from torchtitan.distributed.float8_tp import LinearStyles
 from torchtitan.distributed.lifecycle import device_type
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.attention import backend_problems, select_backend
 from torchtitan.models.common.config import DecoderConfig
-from torchtitan.models.common.decoder import Decoder
+
+if TYPE_CHECKING:  # the decoder's methods call these (decoder.py imports this module)
+    from torchtitan.models.common.decoder import Decoder
 
 logger = logging.getLogger(__name__)
 
 
-def apply_tp_ends(model: torch.nn.Module, tp_mesh: DeviceMesh, seq: Shard | Replicate, loss_parallel: bool) -> None:
+def apply_tp_ends(decoder: Decoder, tp_mesh: DeviceMesh, seq: Shard | Replicate, loss_parallel: bool) -> None:
     """The embedding (row-parallel), the final norm (under SP) and the output (column-parallel)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    decoder = cast(Decoder, model)  # every family's model (and each pipeline stage of it) is a Decoder
     top: dict[str, ParallelStyle] = {}
     if decoder.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
@@ -43,19 +44,18 @@ def apply_tp_ends(model: torch.nn.Module, tp_mesh: DeviceMesh, seq: Shard | Repl
             use_local_output=not loss_parallel,
         )
     if top:
-        parallelize_module(model, tp_mesh, top)
+        parallelize_module(decoder, tp_mesh, top)
         # Each style distributed its module's weight on its own; both are Shard(0) (the vocabulary
         # rows), so a tied model keeps one of them for both modules.
         decoder.tie_weights()
 
 
-def prune_stage(stage: torch.nn.Module, layers: range, first: bool, last: bool) -> None:
+def prune_stage(decoder: Decoder, layers: range, first: bool, last: bool) -> None:
     """Keep the blocks in ``layers``, the embedding on the first stage, the final norm and output on the last.
 
     The stage is still the family's model (the dropped parts are None, the ``layers`` ModuleDict keeps
     the original indices), so its parameter FQNs are those of the whole model.
     """
-    decoder = cast(Decoder, stage)
     for key in list(decoder.layers.keys()):
         if int(key) not in layers:
             del decoder.layers[key]
@@ -66,7 +66,7 @@ def prune_stage(stage: torch.nn.Module, layers: range, first: bool, last: bool) 
         decoder.output = None
 
 
-def use_attention(model: torch.nn.Module, choice: str, device_type: str, cp_mesh: DeviceMesh | None,
+def use_attention(decoder: Decoder, choice: str, device_type: str, cp_mesh: DeviceMesh | None,
                   seq_len: int) -> None:
     """Give the decoder the attention backend of this run (``select_backend``: the one place it is chosen).
 
@@ -74,7 +74,6 @@ def use_attention(model: torch.nn.Module, choice: str, device_type: str, cp_mesh
     ``ContextParallel`` (all-gathered K/V, document masks from the whole sequence's positions), and a
     forward that gets no positions is fed the rotary positions of this rank's load-balanced chunks.
     """
-    decoder = cast(Decoder, model)
     backend = select_backend(choice, decoder.args.attn_mask_type, device_type, cp_mesh=cp_mesh,
                              cpu_kernels=device_type == "cpu")
     decoder.use_attention_backend(backend)
@@ -91,11 +90,11 @@ def use_attention(model: torch.nn.Module, choice: str, device_type: str, cp_mesh
             kwargs = {**kwargs, "positions": cached[device]}
         return args, kwargs
 
-    model.register_forward_pre_hook(add_positions, with_kwargs=True)
+    decoder.register_forward_pre_hook(add_positions, with_kwargs=True)
     logger.info("Applied context parallel on %d ranks (all-gather K/V, load-balanced chunks)", cp_size)
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tp(decoder: Decoder, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Megatron-style TP of the decoder: column-parallel in-projections, row-parallel out-projections.
 
     With sequence parallelism the activations between the TP regions (norms and residual stream) stay
@@ -120,11 +119,10 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     from torchtitan.models.moe import MoE
 
     seq = Shard(1) if sequence_parallel else Replicate()
-    decoder = cast(Decoder, model)
-    apply_tp_ends(model, tp_mesh, seq, loss_parallel)
+    apply_tp_ends(decoder, tp_mesh, seq, loss_parallel)
     extra = decoder.extra_tp_plan(seq)  # what the family adds outside the blocks (DeepSeek-V3's MTP modules)
     if extra:
-        parallelize_module(model, tp_mesh, extra)
+        parallelize_module(decoder, tp_mesh, extra)
     for block in decoder.blocks() + decoder.extra_blocks():
         # The attention module's own plan (gqa.py, deepseek_v3/mla.py), its names relative to it.
         plan: dict[str, ParallelStyle] = {f"attention.{name}" if name else "attention": style
@@ -212,9 +210,10 @@ def check_decoder(args: DecoderConfig, tp: int, pp: int, flavor: str, ep: int = 
     return problems
 
 
-def check(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig) -> list[str]:
+def check(args: DecoderConfig, dims: ParallelDims, model: job_config.Model, parallelism: job_config.Parallelism
+          ) -> list[str]:
     """The model's preflight problems for this job: the layout's (``check_decoder``), and the attention
     backend's capabilities against what the model's attention needs (one line per gap)."""
-    problems = check_decoder(args, dims.tp, cfg.parallelism.pipeline_parallel_degree, cfg.model.flavor, ep=dims.ep)
+    problems = check_decoder(args, dims.tp, parallelism.pipeline_parallel_degree, model.flavor, ep=dims.ep)
     needs = args.attention().needs(args.attn_mask_type)
-    return problems + backend_problems(cfg.model.attention_backend, needs, device_type(), dims.cp > 1)
+    return problems + backend_problems(model.attention_backend, needs, device_type(), dims.cp > 1)

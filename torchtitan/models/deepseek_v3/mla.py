@@ -13,7 +13,7 @@ Rotation and scores are the backend's (``models/attention/backends.py``); the ba
 ``1/sqrt(head)``, so the queries are multiplied by ``softmax_scale * sqrt(head)`` first. Under tensor
 parallelism the heads are sharded (``tp_plan``: ``wq``/``wq_b`` and ``wkv_b`` column-parallel, ``wo``
 row-parallel) and the latent path is whole on every rank: the shared rotary key's gradient is then a sum
-over each rank's heads, which the TP group (``use_tp_group``, from deepseek_v3/parallel.py's ``apply_tp``)
+over each rank's heads, which the TP group (``use_tp_group``, from ``DeepSeekV3Model.apply_tp``)
 completes.
 
 Decoding caches the normalised latent and the rotated shared key (``kv_lora_rank + qk_rope_head_dim``

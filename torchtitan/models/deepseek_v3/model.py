@@ -1,19 +1,29 @@
 """DeepSeek-V3's model: the one decoder (``models/common/decoder.py``) with MLA as its blocks' attention
 (``args.attention()``), the rotary cache over ``qk_rope_head_dim`` (YaRN-scaled), and the multi-token
-prediction modules (``mtp.py``) after the blocks."""
+prediction modules (``mtp.py``) after the blocks. As the family's class it overrides the decoder's FLOPs count,
+checks (``parallel.py``), job options (``--model.mtp_*``), TP plan (MLA's TP group) and pipeline split (the MTP
+modules and a copy of the embedding on the last stage)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from torchtitan.config import job_config
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.common.config import DecoderConfig
 from torchtitan.models.common.decoder import Decoder, DecoderBlock
 from torchtitan.models.common.flops import param_counts
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
 from torchtitan.models.deepseek_v3.mtp import MTPModule, depth_tokens
+from torchtitan.models.deepseek_v3.parallel import mtp_problems
 from torchtitan.models.kv_cache import KVCache
 from torchtitan.models.layers import precompute_rope_cache
 from torchtitan.models.moe import MoE
@@ -26,6 +36,7 @@ class DeepSeekV3Model(Decoder):
     numbered, ``n_layers + k - 1``, the layer index a release stores it under (``model.layers.61`` in the 671B)."""
 
     args: DeepSeekV3Args
+    release_holds_routing_bias = True  # the release's e_score_correction_bias
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args)
@@ -33,6 +44,53 @@ class DeepSeekV3Model(Decoder):
         if args.num_mtp_layers:
             self.mtp = nn.ModuleDict({str(args.n_layers + k): MTPModule(DecoderBlock(args.n_layers + k, args), args)
                                       for k in range(args.num_mtp_layers)})
+
+    # ---------------------------------------------------------------- where the family differs from the decoder
+
+    @classmethod
+    def flops_per_token(cls, args: DecoderConfig, seq_len: int) -> float:
+        return flops_per_token(_deepseek_v3(args), seq_len)
+
+    @classmethod
+    def check(cls, args: DecoderConfig, dims: ParallelDims, model: job_config.Model,
+              parallelism: job_config.Parallelism) -> list[str]:
+        """The decoder's problems, and the layouts multi-token prediction cannot run in, one line each."""
+        problems = super().check(args, dims, model, parallelism)
+        if args.mtp_depths:
+            problems += mtp_problems(args.mtp_depths, dims, parallelism)
+        return problems
+
+    @classmethod
+    def with_job_options(cls, args: DecoderConfig, model: job_config.Model, moe: job_config.Moe) -> DecoderConfig:
+        """The decoder's [moe] balancing, and the multi-token prediction options (``--model.mtp_*``)."""
+        args = super().with_job_options(args, model, moe)
+        return dataclasses.replace(args, num_mtp_layers=model.mtp_layers, mtp_loss_weight=model.mtp_loss_weight)
+
+    def apply_tp(self, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """The decoder's TP plan (MLA's part from its ``tp_plan``), then every MLA, the MTP blocks' included, sums
+        its shared rotary key's gradient over ``tp_mesh``."""
+        super().apply_tp(tp_mesh, sequence_parallel, loss_parallel)
+        group = tp_mesh.get_group()
+        for module in self.modules():
+            if isinstance(module, MultiHeadLatentAttention):
+                module.use_tp_group(group)
+
+    def prune_stage(self, layers: range, first: bool, last: bool) -> None:
+        """The decoder's pruning, with the MTP modules on the last stage only; there they read the embedding, so
+        the last stage keeps a copy of it (distributed/stage_copies.py keeps the two equal), its input still the
+        previous stage's hidden states."""
+        embedding = self.tok_embeddings
+        super().prune_stage(layers, first, last)
+        if not last:
+            self.mtp = None
+        elif self.mtp is not None and not first:
+            self.tok_embeddings, self.input_is_hidden = embedding, True
+
+    def mtp_objective(self) -> tuple[int, float]:
+        depths = self.args.num_mtp_layers
+        return (depths, self.args.mtp_loss_weight) if depths else (0, 0.0)
+
+    # ---------------------------------------------------------------- the model
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
         a = self.args
@@ -87,6 +145,12 @@ class DeepSeekV3Model(Decoder):
             previous = module(previous, future, run.rope, backend=run.backend, documents=run.documents)
             outputs.append(self.output(module.norm(previous)))
         return tuple(outputs)
+
+
+def _deepseek_v3(args: DecoderConfig) -> DeepSeekV3Args:
+    if not isinstance(args, DeepSeekV3Args):
+        raise TypeError(f"{type(args).__name__} is not DeepSeek-V3's arguments")
+    return args
 
 
 def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:

@@ -1,8 +1,11 @@
 """The GPT-OSS model: the one decoder (``models/common/decoder.py``) whose blocks have ``SinkAttention``
 (biased projections, sinks, the layer's window) and a ``MoE`` whose router has a bias and whose experts
-are ``ClampedSwiGLUExperts``."""
+are ``ClampedSwiGLUExperts``; its FLOPs count and TP plan (``parallel.py``: the sinks follow the heads) override
+the decoder's."""
 
 from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
 from torchtitan.models.common.config import AttentionModule, DecoderConfig
@@ -10,6 +13,7 @@ from torchtitan.models.common.decoder import Decoder, DecoderBlock
 from torchtitan.models.common.flops import param_counts
 from torchtitan.models.gpt_oss.args import GptOssArgs
 from torchtitan.models.gpt_oss.attention import SinkAttention
+from torchtitan.models.gpt_oss.parallel import shard_sinks
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.experts import ClampedSwiGLUExperts
 
@@ -53,6 +57,15 @@ class GptOssModel(Decoder):
     """``Decoder`` of ``GptOssBlock``; the attention's biases and sinks initialised beside the decoder's rules."""
 
     block_type = GptOssBlock
+
+    @classmethod
+    def flops_per_token(cls, args: DecoderConfig, seq_len: int) -> float:
+        return flops_per_token(_gpt_oss(args), seq_len)
+
+    def apply_tp(self, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """The decoder's plan (the attention module's own included), then the sinks sharded with the heads."""
+        super().apply_tp(tp_mesh, sequence_parallel, loss_parallel)
+        shard_sinks(self, tp_mesh)
 
     def extra_init_specs(self) -> dict[int, InitSpec]:
         """The attention's biases and sinks trunc_normal(0.02) (the sinks so they matter from the first step)."""

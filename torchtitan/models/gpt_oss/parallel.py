@@ -1,5 +1,5 @@
-"""GPT-OSS's tensor-parallel plan: the decoder's (``models/common/parallel.py``, with the attention module's
-own plan), then the sinks.
+"""GPT-OSS's tensor-parallel plan (``GptOssModel.apply_tp``): the decoder's (``models/common/parallel.py``, with
+the attention module's own plan), then the sinks (``shard_sinks``).
 
 Column-parallel q/k/v shard their biases with their rows; the row-parallel output projection keeps its
 bias replicated and DTensor adds it once to the reduced sum. The experts are replicated over TP (every
@@ -11,21 +11,19 @@ from __future__ import annotations
 
 from typing import cast
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.models.common import parallel
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.gpt_oss.attention import SinkAttention
 
 
-def shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def shard_sinks(model: Decoder, tp_mesh: DeviceMesh) -> None:
     """Each attention's ``sinks`` [H] as a DTensor ``Shard(0)`` on ``tp_mesh`` (this rank's heads), made from
     the local slice without a collective (works on a meta model; initialise after)."""
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    for block in cast(Decoder, model).blocks():
+    for block in model.blocks():
         attention = cast(SinkAttention, block.attention)
         full = attention.sinks
         per_rank = full.shape[0] // tp
@@ -33,7 +31,3 @@ def shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         attention.sinks = nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False),
                                        requires_grad=full.requires_grad)
 
-
-def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    parallel.apply_tp(model, tp_mesh, sequence_parallel, loss_parallel)
-    shard_sinks(model, tp_mesh)
