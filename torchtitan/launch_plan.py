@@ -25,7 +25,7 @@ class LaunchPlan:
     dims: ParallelDims
     grad_accum: int
     model_args: DecoderConfig  # the family's args
-    model_spec: ModelSpec  # the family (--model.name)
+    model_spec: ModelSpec[DecoderConfig]  # the family (--model.name)
     tokenizer: Tokenizer
     pipeline: PipelinePlan | None = None  # set when pipeline_parallel_degree > 1
 

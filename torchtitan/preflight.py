@@ -228,7 +228,7 @@ def check_parallelism(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig, s
     tp, cp = dims.tp, dims.cp
     seq_len, sequence_parallel = cfg.training.seq_len, cfg.parallelism.enable_sequence_parallel
     problems += spec.model.check(args, dims, cfg.model, cfg.parallelism)
-    problems += _expert_problems(args, dims, cfg, spec)
+    problems += _expert_problems(args, dims, cfg)
     # Where expert parallelism borrows TP's ranks, each MoE layer takes its TP rank's sequence shard, SP or not.
     seq_split = tp > 1 and (sequence_parallel or dims.ep_borrows_tp)
     seq_shards = (2 * cp if cp > 1 else 1) * (tp if seq_split else 1)
@@ -245,7 +245,7 @@ def check_parallelism(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig, s
     return problems
 
 
-def _expert_problems(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig, spec: ModelSpec) -> list[str]:
+def _expert_problems(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig) -> list[str]:
     """Expert parallelism needs experts; the routing bias must see every replica group's tokens."""
     problems: list[str] = []
     model = f"--model.name={cfg.model.name} --model.flavor={cfg.model.flavor}"

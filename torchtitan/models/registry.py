@@ -17,17 +17,17 @@ if TYPE_CHECKING:
 
 _FAMILY_MODULES = ("torchtitan.models.llama3.spec", "torchtitan.models.qwen3.spec", "torchtitan.models.mixtral.spec",
                   "torchtitan.models.deepseek_v3.spec", "torchtitan.models.gpt_oss.spec")
-_SPECS: dict[str, ModelSpec] = {}
+_SPECS: dict[str, ModelSpec[DecoderConfig]] = {}
 
 
-def register_model_spec(spec: ModelSpec) -> None:
+def register_model_spec(spec: ModelSpec[DecoderConfig]) -> None:
     """Make ``spec`` known under ``spec.name`` (a family's spec.py calls this when imported)."""
     if spec.name in _SPECS and _SPECS[spec.name] is not spec:
         raise ValueError(f"model family {spec.name!r} is registered twice")
     _SPECS[spec.name] = spec
 
 
-def _load_families() -> dict[str, ModelSpec]:
+def _load_families() -> dict[str, ModelSpec[DecoderConfig]]:
     for module in _FAMILY_MODULES:
         importlib.import_module(module)
     return _SPECS
@@ -37,7 +37,7 @@ def model_names() -> tuple[str, ...]:
     return tuple(_load_families())
 
 
-def get_model_spec(name: str) -> ModelSpec:
+def get_model_spec(name: str) -> ModelSpec[DecoderConfig]:
     """The spec of family ``name``; ValueError (one line, naming the option and the families) when unknown."""
     specs = _load_families()
     if name not in specs:
@@ -45,7 +45,7 @@ def get_model_spec(name: str) -> ModelSpec:
     return specs[name]
 
 
-def spec_for_args(args: object) -> ModelSpec:
+def spec_for_args(args: object) -> ModelSpec[DecoderConfig]:
     """The spec of the family whose arguments ``args`` are (for code handed args alone, e.g. a weights reader)."""
     for spec in _load_families().values():
         if isinstance(args, spec.args_type):
