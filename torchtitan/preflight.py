@@ -47,6 +47,7 @@ from torchtitan.metrics.wandb_run import wandb_problems
 from torchtitan.models import DecoderConfig, get_model_spec, model_args
 from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
+from torchtitan.optim.muon_checks import muon_problems
 from torchtitan.quantization import converter_problems
 from torchtitan.quantization.converters import device_problems as converter_device_problems
 from torchtitan.quantization.converters import model_problems as converter_model_problems
@@ -161,6 +162,7 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     problems += wandb_problems(cfg.metrics.enable_wandb)
     # torchao installed and in range, [float8] options that contradict
     problems += converter_problems(cfg.model, cfg.float8)
+    problems += muon_problems(cfg)  # what Muon cannot do yet (TP, EP, fault tolerance, step skipping)
     return problems + _validation_problems(cfg) + stability_problems(
         cfg.stability, checkpoint=cfg.checkpoint, ft=cfg.fault_tolerance, debug=cfg.debug)
 

@@ -1,0 +1,98 @@
+"""Muon on FSDP2 and HSDP: the owner-based update equals one process's, each matrix orthogonalized once.
+
+One gloo world of 4 ranks trains a small model, sharded as FSDP 4 and then as HSDP 2x2, for 3 steps on
+gradients that are a function of the weights (the same in every layout), with the float32 iteration.
+Its matrices cover an uneven cut (5 rows on 4 ranks: one rank holds none), batched experts and a fused
+weight split in parts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from torch import nn
+
+from torchtitan.optim.muon import Muon, MuonSettings
+from torchtitan.optim.muon_owners import OwnerUpdate
+from torchtitan.optim.muon_params import split_params
+
+pytestmark = pytest.mark.slow  # starts a gloo world
+
+STEPS = 3
+FP32 = MuonSettings(ns_dtype="float32")
+LAYOUTS = {"FSDP 4": ((4,), ("dp_shard",)), "HSDP 2x2": ((2, 2), ("dp_replicate", "dp_shard"))}
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings = nn.Embedding(16, 8)
+        self.up = nn.Linear(8, 12, bias=False)
+        self.narrow = nn.Linear(12, 5, bias=True)  # 5 rows on 4 shards: 2, 2, 1, 0
+        self.fused = nn.Linear(8, 10, bias=False)  # rows 6 + 4, orthogonalized apart
+        self.experts = nn.Parameter(torch.randn(4, 6, 8))
+        self.norm = nn.RMSNorm(8)
+
+
+def _optimizer(model: nn.Module, distributed: bool) -> Muon:
+    groups = split_params([model])
+    row_parts = {model.fused.weight: (6, 4)}
+    owners = OwnerUpdate(groups.matrices, groups.names, row_parts) if distributed else None
+    return Muon(groups.matrices, groups.others, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
+                settings=FP32, row_parts=row_parts, orthogonalize=owners)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _grad(full_weight: torch.Tensor, step: int) -> torch.Tensor:
+    return torch.sin(full_weight * (step + 1)) + 0.1 * step
+
+
+def _train(model: nn.Module, optimizer: Muon) -> list[list[str]]:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    owned = []
+    for step in range(STEPS):
+        for p in model.parameters():
+            grad = _grad(_full(p.detach()), step)
+            p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
+        optimizer.step()
+        owners = optimizer.orthogonalize
+        owned.append(list(owners.owned_last_step) if isinstance(owners, OwnerUpdate) else [])
+    return owned
+
+
+def _rank(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for name, (shape, dims) in LAYOUTS.items():
+        model = _Model()
+        fully_shard(model, mesh=init_device_mesh("cpu", shape, mesh_dim_names=dims))
+        owned = _train(model, _optimizer(model, distributed=True))
+        out[name] = {"owned": owned, "final": {n: _full(p.detach()) for n, p in model.named_parameters()}}
+    return out
+
+
+def test_owner_update_equals_one_process_in_fsdp_and_hsdp():
+    model = _Model()
+    _train(model, _optimizer(model, distributed=False))
+    expected = dict(model.named_parameters())
+    matrices = {"up.weight", "narrow.weight", "fused.weight", "experts"}
+    ranks = run_ranks(_rank, 4)
+    for layout in LAYOUTS:
+        for name, final in ranks[0][layout]["final"].items():
+            torch.testing.assert_close(final, expected[name].detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"{layout}: {name}")
+        for step in range(STEPS):
+            owned = [name for r in ranks for name in r[layout]["owned"][step]]
+            assert sorted(owned) == sorted(matrices), f"{layout} step {step}: each matrix once, got {owned}"
+        owners = {r for r, result in enumerate(ranks) if result[layout]["owned"][0]}
+        assert len(owners) >= 3, f"{layout}: the cost heap spreads the matrices, owners {owners}"

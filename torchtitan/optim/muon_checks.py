@@ -1,0 +1,31 @@
+"""What ``--optimizer.name Muon`` cannot do yet, refused by the launch preflight before any process group."""
+
+from __future__ import annotations
+
+from torchtitan.config import JobConfig
+
+
+def muon_problems(cfg: JobConfig) -> list[str]:
+    """One line per Muon setting that cannot apply; none when the optimizer is not Muon."""
+    o = cfg.optimizer
+    if o.name != "Muon":
+        return []
+    problems = []
+    if o.lr <= 0:
+        problems.append(f"--optimizer.lr={o.lr}: Muon needs a positive learning rate")
+    if o.muon_momentum >= 1:
+        problems.append(f"--optimizer.muon_momentum={o.muon_momentum}: Muon's momentum is a fraction in [0, 1), "
+                        "e.g. 0.95")
+    p = cfg.parallelism
+    for option, degree in (("tensor_parallel_degree", p.tensor_parallel_degree),
+                           ("expert_parallel_degree", p.expert_parallel_degree)):
+        if degree > 1:
+            problems.append(f"--parallelism.{option}={degree}: Muon orthogonalizes FSDP/HSDP/DDP-sharded "
+                            "matrices only so far; use data parallelism or --optimizer.name AdamW")
+    if cfg.fault_tolerance.enable:
+        problems.append("--fault_tolerance.enable: its replica state holds Adam's moments, not Muon's momentum; "
+                        "use --optimizer.name AdamW under fault tolerance")
+    if cfg.stability.guards_steps:
+        problems.append("--stability.skip_nonfinite_steps / --stability.skip_spikes: a skipped step needs the fused "
+                        "AdamW kernel, which Muon lacks; turn both off with Muon")
+    return problems
