@@ -16,13 +16,10 @@ shared embedding and output. transformers' ``DeepseekV3ForCausalLM`` has no MTP 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
 
-import torch
-
-from torchtitan.models.common import hf_config as common_config
-from torchtitan.models.common.config import DecoderConfig, JsonObject
+from torchtitan.models.common.config import JsonObject
 from torchtitan.models.common.hf import DecoderHFAdapter
+from torchtitan.models.common.hf_config import ARGS_DEFAULT, ConfigField, ConfigTable, int_or_args_default
 from torchtitan.models.common.weight_map import ExportCopy, WeightMap, WeightTemplate
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.layers import YarnScaling
@@ -30,13 +27,6 @@ from torchtitan.models.layers import YarnScaling
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 NAMING = ("gate_proj", "down_proj", "up_proj")  # each expert's w1, w2, w3 there
-
-# The fields a release and the configured model must agree on (a mismatch is one line each).
-FIELDS = ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_size", "norm_eps", "rope_theta", "num_experts",
-          "top_k", "moe_hidden_size", "norm_topk_prob", "num_shared_experts", "num_groups", "topk_groups",
-          "route_scale", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-          "first_k_dense_replace", "yarn", "tie_word_embeddings")
-
 
 def _rope(config: JsonObject) -> tuple[float, YarnScaling | None]:
     """(rope_theta, YaRN or None) from ``rope_scaling`` (releases) or ``rope_parameters`` (transformers 5)."""
@@ -63,32 +53,61 @@ def _refusals(config: JsonObject) -> None:
                          "only silu experts with sigmoid routing are DeepSeek-V3's")
 
 
-def fields_of_config(config: JsonObject) -> JsonObject:
-    """``FIELDS`` as a DeepSeek-V3 ``config.json`` states them (transformers' defaults where it is silent)."""
+def _theta(config: JsonObject) -> float:
+    return _rope(config)[0]
+
+
+def _yarn(config: JsonObject) -> YarnScaling | None:
+    return _rope(config)[1]
+
+
+def _refuse(config: JsonObject) -> None:
     _refusals(config)
-    theta, yarn = _rope(config)
-    return {
-        "dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
-        "n_heads": config["num_attention_heads"], "vocab_size": config["vocab_size"],
-        "ffn_hidden_size": config["intermediate_size"], "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "rope_theta": theta, "num_experts": int(config.get("n_routed_experts", config.get("num_local_experts", 0))),
-        "top_k": int(config.get("num_experts_per_tok") or 8), "moe_hidden_size": config["moe_intermediate_size"],
-        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
-        "num_shared_experts": int(config.get("n_shared_experts") or 0),
-        "num_groups": int(config.get("n_group") or 1), "topk_groups": int(config.get("topk_group") or 1),
-        "route_scale": float(config.get("routed_scaling_factor", 2.5)),
-        "q_lora_rank": int(config.get("q_lora_rank") or 0), "kv_lora_rank": config["kv_lora_rank"],
-        "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
-        "v_head_dim": config["v_head_dim"], "first_k_dense_replace": int(config.get("first_k_dense_replace") or 0),
-        "yarn": yarn, "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-    }
+    _rope(config)  # an unsupported rope type, before any missing entry
 
 
-def fields_of_args(args: DeepSeekV3Args) -> JsonObject:
-    out = {k: getattr(args, k) for k in FIELDS}
-    out["norm_eps"], out["rope_theta"], out["route_scale"] = (float(args.norm_eps), float(args.rope_theta),
-                                                              float(args.route_scale))
-    return out
+def _zero_as_null(rank: int) -> int | None:
+    return rank or None  # q_lora_rank: null there for one query projection
+
+
+def _rope_entries(args: DeepSeekV3Args) -> JsonObject:
+    """The entries made of several fields, and those no row reads (MTP stays a training option on load)."""
+    rope: JsonObject = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.yarn is not None:
+        rope = {**args.yarn.to_hf(), "rope_theta": args.rope_theta}
+    return {"rope_parameters": rope, "num_key_value_heads": args.n_heads,
+            "num_nextn_predict_layers": args.num_mtp_layers}
+
+
+# ``config.json`` <-> ``DeepSeekV3Args`` (``common/hf_config.py``): transformers' defaults where a release is
+# silent; every row is compared but ``max_seq_len``.
+CONFIG = ConfigTable(
+    DeepSeekV3Args, ARCHITECTURES, MODEL_TYPES[:1], other_model_types=MODEL_TYPES[1:], refuse=_refuse,
+    more=_rope_entries, fixed={"score_func": "sigmoid"},
+    constants={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu", "rope_interleave": True,
+               "attention_bias": False},
+    rows=(ConfigField("dim", ("hidden_size",)), ConfigField("n_layers", ("num_hidden_layers",)),
+          ConfigField("n_heads", ("num_attention_heads",)), ConfigField("vocab_size", ("vocab_size",)),
+          ConfigField("ffn_hidden_size", ("intermediate_size",)),
+          ConfigField("norm_eps", ("rms_norm_eps",), default=1e-6, kind=float),
+          ConfigField("rope_theta", derive=_theta, kind=float, written="rope_theta"),
+          ConfigField("num_experts", ("n_routed_experts", "num_local_experts"), default=0, kind=int),
+          ConfigField("top_k", ("num_experts_per_tok",), default=8, kind=int, falsy_default=True),
+          ConfigField("moe_hidden_size", ("moe_intermediate_size",)),
+          ConfigField("norm_topk_prob", ("norm_topk_prob",), default=True, kind=bool),
+          ConfigField("num_shared_experts", ("n_shared_experts",), default=0, kind=int, falsy_default=True),
+          ConfigField("num_groups", ("n_group",), default=1, kind=int, falsy_default=True),
+          ConfigField("topk_groups", ("topk_group",), default=1, kind=int, falsy_default=True),
+          ConfigField("route_scale", ("routed_scaling_factor",), default=2.5, kind=float),
+          ConfigField("q_lora_rank", ("q_lora_rank",), default=0, kind=int, falsy_default=True,
+                      write_as=_zero_as_null),
+          ConfigField("kv_lora_rank", ("kv_lora_rank",)), ConfigField("qk_nope_head_dim", ("qk_nope_head_dim",)),
+          ConfigField("qk_rope_head_dim", ("qk_rope_head_dim",)), ConfigField("v_head_dim", ("v_head_dim",)),
+          ConfigField("first_k_dense_replace", ("first_k_dense_replace",), default=0, kind=int, falsy_default=True),
+          ConfigField("yarn", derive=_yarn, written=None),
+          ConfigField("tie_word_embeddings", ("tie_word_embeddings",), default=False, kind=bool),
+          ConfigField("max_seq_len", ("max_position_embeddings",), default=ARGS_DEFAULT, kind=int_or_args_default,
+                      compared=False)))
 
 
 def read_release(path: str | Path) -> DeepSeekV3Args:
@@ -96,45 +115,7 @@ def read_release(path: str | Path) -> DeepSeekV3Args:
 
     Multi-token prediction stays off (a training option), whatever ``num_nextn_predict_layers`` says.
     """
-    file, config = common_config.read_config(path)
-    archs = config.get("architectures") or []
-    if config.get("model_type") not in MODEL_TYPES or (archs and not any(a in ARCHITECTURES for a in archs)):
-        raise ValueError(f"{file}: architecture {archs or config.get('model_type')} is not of this family; it reads "
-                         f"{', '.join(ARCHITECTURES)} releases")
-    try:
-        fields = fields_of_config(config)
-        max_pos = config.get("max_position_embeddings")
-        if isinstance(max_pos, int):
-            fields["max_seq_len"] = max_pos
-        return DeepSeekV3Args(score_func="sigmoid", **fields)
-    except KeyError as e:
-        raise ValueError(f"{file} lacks the entry {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{file}: {e}") from None
-
-
-def hf_config(args: DeepSeekV3Args, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
-    """A ``config.json`` of ``DeepseekV3ForCausalLM`` describing ``args`` (the hub's key layout)."""
-    rope: dict[str, float | int | bool | str] = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.yarn is not None:
-        rope = {**args.yarn.to_hf(), "rope_theta": args.rope_theta}
-    return {
-        "architectures": list(ARCHITECTURES), "model_type": "deepseek_v3", "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_size, "moe_intermediate_size": args.moe_hidden_size,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_heads,
-        "n_routed_experts": args.num_experts, "n_shared_experts": args.num_shared_experts,
-        "num_experts_per_tok": args.top_k, "n_group": args.num_groups, "topk_group": args.topk_groups,
-        "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.norm_topk_prob,
-        "first_k_dense_replace": args.first_k_dense_replace, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_parameters": rope,
-        "rope_interleave": True, "attention_bias": False, "vocab_size": args.vocab_size, "bos_token_id": bos_id,
-        "eos_token_id": eos_id, "tie_word_embeddings": args.tie_word_embeddings,
-        "num_nextn_predict_layers": args.num_mtp_layers, "torch_dtype": str(dtype).removeprefix("torch."),
-        "use_cache": True,
-    }
+    return CONFIG.read(path)
 
 
 def _templates() -> list[WeightTemplate]:
@@ -177,21 +158,9 @@ MTP_SHARED_COPIES = tuple(ExportCopy(ours, "model.layers.{layer}." + theirs, per
                                                ("output.weight", "shared_head.head.weight")))
 
 
-class DeepSeekV3Config:
-    """The ``HFConfigFormat`` (``common/hf.py``) of DeepSeek-V3 releases."""
-
-    def write(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
-        return hf_config(cast(DeepSeekV3Args, args), bos_id=bos_id, eos_id=eos_id, dtype=dtype)
-
-    def problems(self, args: DecoderConfig, config: JsonObject, source: str) -> list[str]:
-        ours, theirs = fields_of_args(cast(DeepSeekV3Args, args)), fields_of_config(config)
-        return [f"{source}: {k} is {theirs.get(k)!r} there, {v!r} in the configured model"
-                for k, v in ours.items() if theirs.get(k) != v]
-
-
 class DeepSeekV3HFAdapter(DecoderHFAdapter):
     """The decoder's adapter with DeepSeek-V3's rows: the routing bias has one (the other families' releases
     have no place for it), and the MTP layer's copies of the shared tensors are ``ExportCopy`` rows."""
 
     def __init__(self) -> None:
-        super().__init__(WeightMap(_templates(), MTP_SHARED_COPIES), DeepSeekV3Config())
+        super().__init__(WeightMap(_templates(), MTP_SHARED_COPIES), CONFIG)

@@ -16,15 +16,14 @@ shared decoder's rows (``models/common/hf.py``), each a row of its map (``common
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-import torch
-
-from torchtitan.models.common.config import DecoderConfig, JsonObject
+from torchtitan.models.common.config import JsonObject
 from torchtitan.models.common.hf import DecoderHFAdapter
-from torchtitan.models.common.hf_config import read_config
+from torchtitan.models.common.hf_config import ConfigField, ConfigTable, shape_rows
 from torchtitan.models.common.weight_map import Part, Permute, WeightMap, WeightTemplate
-from torchtitan.models.gpt_oss.args import GptOssArgs
+from torchtitan.models.gpt_oss.args import GptOssArgs, alternating_layer_types
 from torchtitan.models.gpt_oss.mxfp4 import MXFP4
 from torchtitan.models.layers import YarnScaling
 
@@ -65,21 +64,16 @@ def _templates() -> list[WeightTemplate]:
 # ---------------------------------------------------------------- config.json
 
 
-def _gpt_oss(args: DecoderConfig) -> GptOssArgs:
-    if not isinstance(args, GptOssArgs):
-        raise TypeError(f"{type(args).__name__} is not GPT-OSS's arguments")
-    return args
-
-
-def check_quantization(config: JsonObject, source: str) -> None:
-    """ValueError (one line) for a ``quantization_config`` whose weights this reader cannot dequantize."""
+def _refuse(config: JsonObject) -> None:
+    """ValueError (one line) for a ``quantization_config`` whose weights this reader cannot dequantize, or
+    attention without biases."""
     quant = config.get("quantization_config")
-    if quant is None:
-        return
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    if method not in QUANT_METHODS:
-        raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported; GPT-OSS releases "
+    if quant is not None and method not in QUANT_METHODS:
+        raise ValueError(f"quantization_config quant_method={method!r} is not supported; GPT-OSS releases "
                          f"load unquantized or as {', '.join(QUANT_METHODS)} (dequantized on load)")
+    if config.get("attention_bias", True) is not True:
+        raise ValueError("attention_bias=false: GPT-OSS's attention has biases; this reader expects them")
 
 
 def _yarn(config: JsonObject) -> YarnScaling | None:
@@ -92,82 +86,46 @@ def _yarn(config: JsonObject) -> YarnScaling | None:
     return YarnScaling.from_hf(params, int(config.get("max_position_embeddings", 131072)))
 
 
-def args_from_config(config: JsonObject) -> GptOssArgs:
-    """``GptOssArgs`` with every shape a GPT-OSS ``config.json`` states (KeyError: a missing entry)."""
-    params = config.get("rope_parameters") or {}
-    if config.get("attention_bias", True) is not True:
-        raise ValueError("attention_bias=false: GPT-OSS's attention has biases; this reader expects them")
-    return GptOssArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        vocab_size=config["vocab_size"], ffn_hidden_size=config["intermediate_size"],
-        moe_hidden_size=config["intermediate_size"], num_experts=config["num_local_experts"],
-        top_k=config.get("num_experts_per_tok", config.get("experts_per_token", 4)),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(config.get("rope_theta", params.get("rope_theta", 150000.0))),
-        max_seq_len=int(config.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        sliding_window=int(config.get("sliding_window") or 128), layer_types=tuple(config.get("layer_types") or ()),
-        swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
-        rope_yarn=_yarn(config))
+def _theta(config: JsonObject) -> float:
+    return float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 150000.0)))
+
+
+def _layer_types(config: JsonObject) -> tuple[str, ...]:
+    return alternating_layer_types(config["num_hidden_layers"])  # the releases' default
+
+
+def _rope_entries(args: GptOssArgs) -> JsonObject:
+    rope: JsonObject = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_yarn is not None:
+        rope = {**args.rope_yarn.to_hf(), "rope_theta": args.rope_theta}
+    return {"rope_parameters": rope}
+
+
+def _rows() -> tuple[ConfigField, ...]:
+    """``config.json`` <-> ``GptOssArgs`` (``common/hf_config.py``), in transformers 5's key layout: the experts
+    are as wide as ``intermediate_size`` (which is also the args' dense width, unused: every layer is sparse)."""
+    shape = {row.ours: row for row in shape_rows(norm_eps=1e-5)}
+    return (*(shape[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")),
+            dataclasses.replace(shape["ffn_hidden_size"], written=None, compared=False),
+            ConfigField("moe_hidden_size", ("intermediate_size",)), ConfigField("num_experts", ("num_local_experts",)),
+            ConfigField("top_k", ("num_experts_per_tok", "experts_per_token"), default=4), shape["norm_eps"],
+            ConfigField("rope_theta", derive=_theta, kind=float, written=None), shape["tie_word_embeddings"],
+            ConfigField("sliding_window", ("sliding_window",), default=128, kind=int, falsy_default=True),
+            ConfigField("layer_types", ("layer_types",), kind=tuple, falsy_default=True, derive=_layer_types,
+                        write_as=list),
+            ConfigField("swiglu_limit", ("swiglu_limit",), default=7.0, kind=float),
+            ConfigField("swiglu_alpha", ("swiglu_alpha",), default=1.702, kind=float),
+            ConfigField("rope_yarn", derive=_yarn, written=None),
+            ConfigField("max_seq_len", ("max_position_embeddings",), default=131072, kind=int, compared=False))
+
+
+CONFIG = ConfigTable(GptOssArgs, (ARCHITECTURE,), (MODEL_TYPE,), _rows(), refuse=_refuse, more=_rope_entries,
+                     constants={"attention_bias": True, "router_aux_loss_coef": 0.0, "output_router_logits": False})
 
 
 def read_release(path: str | Path) -> GptOssArgs:
     """The args of the GPT-OSS release at ``path`` (folder or config.json); ValueError (one line) otherwise."""
-    file, config = read_config(path)
-    archs = config.get("architectures") or []
-    if config.get("model_type") != MODEL_TYPE or (archs and ARCHITECTURE not in archs):
-        raise ValueError(f"{file}: architecture {archs or config.get('model_type')} is not of this family; it reads "
-                         f"{ARCHITECTURE} releases")
-    check_quantization(config, str(file))
-    try:
-        return args_from_config(config)
-    except KeyError as e:
-        raise ValueError(f"{file} lacks the entry {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{file}: {e}") from None
-
-
-def hf_config(args: GptOssArgs, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
-    """A ``config.json`` describing ``args`` in transformers 5's key layout."""
-    rope: JsonObject = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_yarn is not None:
-        rope = {**args.rope_yarn.to_hf(), "rope_theta": args.rope_theta}
-    return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "hidden_size": args.dim,
-        "intermediate_size": args.moe_hidden_size, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "num_local_experts": args.num_experts, "num_experts_per_tok": args.top_k, "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps, "max_position_embeddings": args.max_seq_len, "rope_parameters": rope,
-        "sliding_window": args.sliding_window, "layer_types": list(args.layer_types),
-        "swiglu_limit": args.swiglu_limit, "swiglu_alpha": args.swiglu_alpha, "attention_bias": True,
-        "tie_word_embeddings": args.tie_word_embeddings, "router_aux_loss_coef": 0.0, "output_router_logits": False,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": str(dtype).removeprefix("torch."),
-        "use_cache": True,
-    }
-
-
-_COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "moe_hidden_size", "num_experts",
-             "top_k", "norm_eps", "rope_theta", "tie_word_embeddings", "sliding_window", "layer_types",
-             "swiglu_limit", "swiglu_alpha", "rope_yarn")
-
-
-class GptOssConfigFormat:
-    """``HFConfigFormat`` (models/common/hf.py) of ``GptOssForCausalLM``."""
-
-    def write(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
-        return hf_config(_gpt_oss(args), bos_id=bos_id, eos_id=eos_id, dtype=dtype)
-
-    def problems(self, args: DecoderConfig, config: JsonObject, source: str) -> list[str]:
-        ours = _gpt_oss(args)
-        try:
-            check_quantization(config, source)
-            theirs = args_from_config(config)
-        except (KeyError, ValueError) as e:
-            return [f"{source}: {e}" if isinstance(e, KeyError) else str(e)]
-        return [f"{source}: {k} is {getattr(theirs, k)!r} there, {getattr(ours, k)!r} in the configured model"
-                for k in _COMPARED if getattr(theirs, k) != getattr(ours, k)]
+    return CONFIG.read(path)
 
 
 class GptOssHFAdapter(DecoderHFAdapter):
@@ -176,4 +134,4 @@ class GptOssHFAdapter(DecoderHFAdapter):
     quant_methods = frozenset(QUANT_METHODS)  # MXFP4 experts: the rows' packed format dequantizes them
 
     def __init__(self) -> None:
-        super().__init__(WeightMap(_templates()), GptOssConfigFormat())
+        super().__init__(WeightMap(_templates()), CONFIG)
