@@ -364,6 +364,11 @@ def test_fused_kernel_devices_include_cpu():
         "Adam/AdamW on CPU would fall back to the slower foreach path")
 
 
+def test_tcp_store_is_the_class_torch_distributed_exports():
+    # torch._C._distributed_c10d.TCPStore, read on first use: the store lifecycle.py and the FT manager open.
+    assert compat.TCPStore is torch.distributed.TCPStore
+
+
 class _StandInManager:
     """The four calls LocalSGD/DiLoCo make on a torchft Manager outside a sync (no lighthouse needed)."""
 

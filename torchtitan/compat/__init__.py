@@ -87,6 +87,7 @@ from torchtitan.compat.torchft import (
 quiet_import_noise()
 
 if TYPE_CHECKING:  # what the lazy names below are, for the type checker
+    from torch._C._distributed_c10d import TCPStore  # noqa: F401
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: F401
     from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
     from torch.utils._pytree import tree_flatten  # noqa: F401
@@ -109,9 +110,11 @@ __all__ = [
 
 # Private classes and functions used as they are (a base class, a mode), read on first use: where one is
 # gone, ``from torchtitan.compat import X`` raises CompatError naming it, and the rest of the package
-# still imports. (They stay out of ``__all__``, which lists what the package defines.)
+# still imports. (They stay out of ``__all__``, which lists what the package defines.) ``TCPStore`` is public as
+# ``torch.distributed.TCPStore``, but torch's stubs re-export it without listing it: its defining module is named here.
 _AS_THEY_ARE = {
     "FakeTensorMode": "torch._subclasses.fake_tensor",
+    "TCPStore": "torch._C._distributed_c10d",
     "TorchDispatchMode": "torch.utils._python_dispatch",
     "tree_flatten": "torch.utils._pytree",
     "unset_fake_temporarily": "torch._subclasses.fake_tensor",

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed._functional_collectives as functional_collectives
 from torch.autograd.function import FunctionCtx
 
 from torchtitan.compat.errors import missing
 
+if TYPE_CHECKING:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
 
 class _WaitKeepingHistory(torch.autograd.Function):
     """The waited value of a pending collective's result, as a node of its autograd graph (gradient: identity)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, pending: torch.Tensor) -> torch.Tensor:
-        done = pending.trigger_wait()  # pyright: ignore[reportAttributeAccessIssue] - an AsyncCollectiveTensor
+    def forward(ctx: FunctionCtx, pending: AsyncCollectiveTensor) -> torch.Tensor:
+        done = pending.trigger_wait()
         return done.view_as(done)  # a fresh tensor object: autograd writes its history onto it
 
     @staticmethod
@@ -33,11 +38,11 @@ def wait_async_collective(tensor: torch.Tensor) -> torch.Tensor:
     (docs/versions.md, "torch.compile and tensor parallelism"). Waiting first costs nothing: the
     compiled region waits on entry anyway. A tensor without autograd history is waited plainly.
     """
-    pending = getattr(functional_collectives, "AsyncCollectiveTensor", None)
+    pending: type[AsyncCollectiveTensor] | None = getattr(functional_collectives, "AsyncCollectiveTensor", None)
     if pending is None:
         raise missing("torch.distributed._functional_collectives.AsyncCollectiveTensor")
     if not isinstance(tensor, pending):
         return tensor
     if tensor.requires_grad:
         return _WaitKeepingHistory.apply(tensor)
-    return tensor.trigger_wait()  # pyright: ignore[reportAttributeAccessIssue] - checked to be one above
+    return tensor.trigger_wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,11 +15,11 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
 
-def fsdp_param_groups(unit: torch.nn.Module) -> list[Any]:
+def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
     """The parameter groups (``FSDPParamGroup``) of one ``fully_shard`` unit."""
     if not hasattr(unit, "_get_fsdp_state"):
         raise missing("FSDPModule._get_fsdp_state")
-    state = cast("FSDPModule", unit)._get_fsdp_state()  # a fully_shard unit (checked above)
+    state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13: a list per unit
     if groups is None:
         if not hasattr(state, "_fsdp_param_group"):  # torch 2.11/2.12: one group or None
@@ -28,7 +28,7 @@ def fsdp_param_groups(unit: torch.nn.Module) -> list[Any]:
     return list(groups)
 
 
-def fsdp_hooked_parameters(unit: torch.nn.Module) -> list[torch.Tensor]:
+def fsdp_hooked_parameters(unit: FSDPModule) -> list[torch.Tensor]:
     """The sharded parameters of ``unit`` whose reduced gradients its all-reduce hook sees."""
     hooked: list[torch.Tensor] = []
     for group in fsdp_param_groups(unit):
@@ -80,13 +80,16 @@ def fsdp_storage_hooks(on_resize: Callable[[torch.Tensor], None],
         return wrapper
 
     # _fsdp_param_group's own binding of alloc_storage (an import, not its export) must be patched too.
-    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_and_note  # pyright: ignore[reportPrivateImportUsage]
-    _fsdp_param.free_storage = free_and_note
-    cls.to_accumulated_grad_if_needed = note_accumulated(to_accumulated)
-    cls.accumulate_unsharded_grad_if_needed = note_accumulated(accumulate)
+    patches: list[tuple[object, str, object]] = [
+        (_fsdp_param, "alloc_storage", alloc_and_note), (_fsdp_param_group, "alloc_storage", alloc_and_note),
+        (_fsdp_param, "free_storage", free_and_note),
+        (cls, "to_accumulated_grad_if_needed", note_accumulated(to_accumulated)),
+        (cls, "accumulate_unsharded_grad_if_needed", note_accumulated(accumulate))]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc  # pyright: ignore[reportPrivateImportUsage]
-        _fsdp_param.free_storage = free
-        cls.to_accumulated_grad_if_needed, cls.accumulate_unsharded_grad_if_needed = to_accumulated, accumulate
+        for owner, name, value in originals:
+            setattr(owner, name, value)

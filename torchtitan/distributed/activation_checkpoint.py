@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import wraps
-from typing import cast
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -91,7 +90,11 @@ def selective_ac_interval(option: str) -> int | None:
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_option: str) -> None:
     """full: recompute every block; selective 'op': keep every second linear output; selective N: every N-th block."""
-    blocks = list(cast(torch.nn.ModuleDict, model.layers).values())
+    layers = model.layers
+    if not isinstance(layers, torch.nn.ModuleDict):  # every family's decoder holds its blocks in one
+        raise TypeError(f"activation checkpointing wraps the blocks in {type(model).__name__}.layers, a "
+                        f"{type(layers).__name__} here: it takes a decoder whose layers are an nn.ModuleDict")
+    blocks = list(layers.values())
     if mode == "full":
         chosen, context_fn = blocks, None
     elif selective_option == "op":

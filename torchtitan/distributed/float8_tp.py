@@ -16,6 +16,7 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 
@@ -56,24 +57,26 @@ class LinearStyles:
             _log_gloo_fallback()
         return self.fp8_collectives
 
-    def colwise(self, fqn: str, **kwargs: object) -> ParallelStyle:
+    def colwise(self, fqn: str, *, output_layouts: Placement | None = None) -> ParallelStyle:
         if self._fp8(fqn):
             from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
 
-            return Float8ColwiseParallel(**kwargs)  # type: ignore[arg-type]
-        return ColwiseParallel(**kwargs)  # type: ignore[arg-type]
+            return Float8ColwiseParallel(output_layouts=output_layouts)
+        return ColwiseParallel(output_layouts=output_layouts)
 
-    def rowwise(self, fqn: str, **kwargs: object) -> ParallelStyle:
+    def rowwise(self, fqn: str, *, output_layouts: Placement | None = None) -> ParallelStyle:
         if self._fp8(fqn):
             from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
 
-            return Float8RowwiseParallel(**kwargs)  # type: ignore[arg-type]
-        return RowwiseParallel(**kwargs)  # type: ignore[arg-type]
+            return Float8RowwiseParallel(output_layouts=output_layouts)
+        return RowwiseParallel(output_layouts=output_layouts)
 
-    def prepare_input(self, fqn: str, consumers: tuple[str, ...], **kwargs: object) -> ParallelStyle:
+    def prepare_input(self, fqn: str, consumers: tuple[str, ...], *, input_layouts: tuple[Placement, ...],
+                      desired_input_layouts: tuple[Placement, ...]) -> ParallelStyle:
         """The input of submodule ``fqn``, read by its linears ``consumers`` (FQNs under ``fqn``)."""
         if consumers and self._fp8(*(f"{fqn}.{c}" for c in consumers)):
             from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
 
-            return PrepareFloat8ModuleInput(fwd_config_submodule_fqn=consumers[0], **kwargs)  # type: ignore[arg-type]
-        return PrepareModuleInput(**kwargs)  # type: ignore[arg-type]
+            return PrepareFloat8ModuleInput(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+                                            fwd_config_submodule_fqn=consumers[0])
+        return PrepareModuleInput(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts)

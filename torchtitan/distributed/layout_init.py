@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -65,11 +67,18 @@ def _rows_only(param: DTensor) -> bool:
     return all(isinstance(p, Replicate) or (type(p) is Shard and p.dim == 0) for p in param.placements)
 
 
+class InitSpecified(Protocol):
+    """A module that names the initialization of each of its parameters (a decoder, a MoE layer)."""
+
+    def param_init_specs(self) -> dict[str, InitSpec]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+
 @torch.no_grad()
-def init_params_layout_invariant(model: torch.nn.Module, seed: int) -> None:
+def init_params_layout_invariant(model: InitSpecified, seed: int) -> None:
     """Fill every parameter of ``model`` (sharded or not) from its layout-free full value."""
-    # nn.Module's stubs type every attribute as Tensor | Module; the model defines this method.
-    specs: dict[str, InitSpec] = model.param_init_specs()  # pyright: ignore[reportCallIssue]
+    specs = model.param_init_specs()
     for fqn, param in model.named_parameters():
         spec, shape = specs[fqn], param.shape
         if not isinstance(param, DTensor):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from torchtitan.compat import all_process_groups, default_store, set_pg_timeout
+from torchtitan.compat import TCPStore, all_process_groups, default_store, set_pg_timeout
 
 # The pid of a process init_distributed made a one-rank group for (no torchrun); children inherit other pids.
 _ONE_PROCESS_MARK = "TORCHTITAN_ONE_PROCESS"
@@ -72,8 +72,7 @@ def _one_process_store(timeout: timedelta) -> dict:
     A port found free first and bound later can be taken in between by another job on the host
     (EADDRINUSE at start, seen when tests run side by side); binding port 0 leaves no such gap.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,  # pyright: ignore[reportPrivateImportUsage]
-                          timeout=timeout)
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
     os.environ["MASTER_PORT"] = str(store.port)  # for what reads the group's address from the environment
     return {"store": store, "rank": 0, "world_size": 1}
 
@@ -93,11 +92,9 @@ def _restart_round_store(timeout: timedelta) -> dict:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
-# TCPStore is public; torch's stubs re-export it without listing it (hence the two ignores).
-def _agent_store(timeout: timedelta) -> dist.TCPStore:  # pyright: ignore[reportPrivateImportUsage]
+def _agent_store(timeout: timedelta) -> TCPStore:
     """A client of torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``): it outlives every worker and restart."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # pyright: ignore[reportPrivateImportUsage]
-                         is_master=False, timeout=timeout)
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
 
 
 def _store_barrier(name: str, timeout: timedelta) -> None:

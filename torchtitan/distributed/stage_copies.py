@@ -18,7 +18,6 @@ Which FQNs are shared is read off the family's own pruning (``shared_fqns``): no
 from __future__ import annotations
 
 import itertools
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,8 @@ def holders_group(dims: ParallelDims, plan: PipelinePlan) -> tuple[dist.ProcessG
         ranks = [dims.rank_at(pp=first, **at), dims.rank_at(pp=last, **at)]
         group = dist.new_group(ranks)
         if me in ranks:
-            mine, src = cast(dist.ProcessGroup, group), ranks[0]
+            assert isinstance(group, dist.ProcessGroup), "new_group gives each of its ranks the group"
+            mine, src = group, ranks[0]
     return mine, src
 
 

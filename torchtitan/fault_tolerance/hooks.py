@@ -8,8 +8,6 @@ so ``check_every_parameter_hooked`` refuses to train then.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -40,7 +38,7 @@ def check_every_parameter_hooked(model_parts: list[torch.nn.Module]) -> None:
     """Raise naming the parameters whose gradients no cross-group hook would reduce."""
     hooked: set[int] = set()
     for unit in fsdp_units(model_parts):
-        hooked.update(id(p) for p in fsdp_hooked_parameters(cast(torch.nn.Module, unit)))
+        hooked.update(id(p) for p in fsdp_hooked_parameters(unit))
     missing = [name for part in model_parts for name, p in part.named_parameters() if id(p) not in hooked]
     if missing:
         raise RuntimeError(

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan.compat import TCPStore
 from torchtitan.config.job_config import FaultTolerance
 from torchtitan.fault_tolerance.checks import lighthouse_address
 from torchtitan.fault_tolerance.manager_protocol import FTManager
@@ -33,10 +34,7 @@ def clear_stale_manager_keys(timeout_seconds: float = 60.0) -> list[str]:
     from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
     host, port = _store_address()
-    # TCPStore is public; torch's stubs re-export it without listing it.
-    store = dist.TCPStore(host, port,  # pyright: ignore[reportPrivateImportUsage]
-                          is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_seconds))
+    store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_seconds))
     return [key for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY) if store.delete_key(key)]
 
 

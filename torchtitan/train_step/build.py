@@ -147,6 +147,6 @@ def _materialize(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, pla
         else:
             # Same full weights for a given seed whatever the layout; see layout_init.py.
             family.init_buffers(buffer_device=device)
-            init_params_layout_invariant(model, cfg.training.seed)
+            init_params_layout_invariant(family, cfg.training.seed)
     model.train()
     return model

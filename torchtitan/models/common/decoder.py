@@ -54,6 +54,7 @@ from torchtitan.models.layers import FeedForward, RMSNorm, precompute_rope_cache
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe import moe_layers as moe_modules
 from torchtitan.models.moe.assumed import assume_routing
+from torchtitan.models.moe.experts import GroupedExperts
 
 DEFAULT_LOAD_BALANCE_COEFF = 1e-3  # DeepSeek-V3's bias update speed (its report's gamma)
 
@@ -352,7 +353,7 @@ class Decoder(nn.Module):
         before ``apply_tp``)."""
         parallel.split_moe_over_tp(self, tp_mesh)
 
-    def apply_ep(self, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    def apply_ep(self, ep_mesh: DeviceMesh) -> list[GroupedExperts]:
         """Shard each MoE layer's experts over ``ep_mesh``; the expert modules (FSDP shards each over ``efsdp``)."""
         return parallel.apply_ep(self, ep_mesh)
 

@@ -22,6 +22,7 @@ from torchtitan.models.common.config import DecoderConfig
 
 if TYPE_CHECKING:  # the decoder's methods call these (decoder.py imports this module)
     from torchtitan.models.common.decoder import Decoder
+    from torchtitan.models.moe.experts import GroupedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def apply_tp(decoder: Decoder, tp_mesh: DeviceMesh, sequence_parallel: bool, los
                 sequence_parallel, loss_parallel)
 
 
-def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Module]:
+def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[GroupedExperts]:
     """Expert parallelism for every MoE layer of the decoder (or a stage of it): experts ``Shard(0)`` over
     ``ep_mesh``, tokens exchanged by all-to-all. Returns the layers' expert modules, which FSDP then shards
     over ``efsdp`` apart from the rest of their block (distributed/fsdp.py)."""
