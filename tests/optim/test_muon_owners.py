@@ -1,6 +1,6 @@
 """Muon on FSDP2 and HSDP: the owner-based update equals one process's, each matrix orthogonalized once.
 
-One gloo world of 4 ranks trains a small model, sharded as FSDP 4 and then as HSDP 2x2, for 3 steps on
+One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2 and DDP 4 in turn, for 3 steps on
 gradients that are a function of the weights (the same in every layout), with the float32 iteration.
 Its matrices cover an uneven cut (5 rows on 4 ranks: one rank holds none), batched experts and a fused
 weight split in parts.
@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow  # starts a gloo world
 
 STEPS = 3
 FP32 = MuonSettings(ns_dtype="float32")
-LAYOUTS = {"FSDP 4": ((4,), ("dp_shard",)), "HSDP 2x2": ((2, 2), ("dp_replicate", "dp_shard"))}
+# DDP is FSDP2 on a (dp_replicate, dp_shard=1) mesh (distributed/fsdp.py): whole weights, one owner each.
+LAYOUTS = {"FSDP 4": ((4,), ("dp_shard",)), "HSDP 2x2": ((2, 2), ("dp_replicate", "dp_shard")),
+           "DDP 4": ((4, 1), ("dp_replicate", "dp_shard"))}
 
 
 class _Model(nn.Module):
