@@ -70,3 +70,9 @@ def test_factor_defaults_to_the_context_ratio_and_round_trips() -> None:
 def test_bad_yarn_refused() -> None:
     with pytest.raises(ValueError, match="YaRN rope scaling needs"):
         YarnScaling(factor=4.0, original_context=128, beta_fast=1.0, beta_slow=32.0)
+
+
+def test_non_number_yarn_entry_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"rope scaling attention_factor=\[1\.0\]: a number is expected"):
+        YarnScaling.from_hf({"factor": 4.0, "original_max_position_embeddings": 1024, "attention_factor": [1.0]}, 4096)
+    assert YarnScaling.from_hf({"factor": "4", "original_max_position_embeddings": 1024}, 4096).factor == 4.0

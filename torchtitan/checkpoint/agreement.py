@@ -14,7 +14,7 @@ async save then.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,9 @@ class Agreement:
         """Every rank's ``item``, in rank order (one ``all_gather_object``; none alone)."""
         if self.world == 1:
             return [item]
-        outcomes: list[object] = [None] * self.world
+        outcomes = [item] * self.world  # each entry replaced by its rank's item
         dist.all_gather_object(outcomes, item, group=self.group)
-        return cast("list[T]", outcomes)  # every rank sent the same kind of item
+        return outcomes
 
     def outcomes(self, error: str | None, doing: str, item: T) -> list[T]:
         """Every rank's ``item`` when no rank failed at ``doing``; else, on every rank, the failing ranks' messages.

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,8 @@ class CheckpointManager:
             # thread, which must never interleave with the training thread's collectives on
             # a shared group; gloo also carries DCP's CPU-side coordination under NCCL.
             timeout = timedelta(seconds=max(options.init_timeout_seconds, 1800))
-            group = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))  # every rank is in it
+            group = dist.new_group(backend="gloo", timeout=timeout)
+            assert isinstance(group, dist.ProcessGroup), "a group of every rank has this rank in it"
         # The layout a checkpoint records: a load into another layout does not restore per-rank states.
         agreement, layout = Agreement(group, self.folder), dims.layout()
         self.saver = Saver(ck, self.folder, states, agreement, rank=rank, layout=layout, tmp_tag=options.tmp_tag)

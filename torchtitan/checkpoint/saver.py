@@ -18,11 +18,13 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+
+# torch.distributed.checkpoint.save/async_save, from their defining module: the package does not list them.
+from torch.distributed.checkpoint import state_dict_saver as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from torchtitan.agent_watch import exit_if_agent_gone
@@ -93,17 +95,15 @@ class Saver:
         group = self.agreement.group
         if sync:
             try:
-                # dcp.save/async_save are public; torch's package re-exports them without listing them.
-                dcp.save(state, storage_writer=writer, process_group=group)  # pyright: ignore[reportPrivateImportUsage]
+                dcp.save(state, storage_writer=writer, process_group=group)
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 self._raise_if_disk_full(e, step, needed, together=True)
                 raise
             self._commit(step, kind, started, writer)
         else:
-            response = dcp.async_save(state, storage_writer=writer,  # pyright: ignore[reportPrivateImportUsage]
-                                      process_group=group)
+            response = dcp.async_save(state, storage_writer=writer, process_group=group)
             # torch returns a Future, or with custom staging a response holding one.
-            future = cast(Future, getattr(response, "upload_completion", response))
+            future = response if isinstance(response, Future) else response.upload_completion
             self.pending = _PendingSave(step, kind, future, started, writer, needed)
             if self.rank == 0:
                 logger.info("Checkpoint step %d: async save started (staged in %.2fs)", step,
@@ -158,9 +158,11 @@ class Saver:
 
     def _report_if_unanswered(self, pending: _PendingSave) -> None:
         """An async save that failed in the background because the store did not answer: logged at once."""
-        if pending.reported or not pending.future.done() or pending.future.exception() is None:
+        if pending.reported or not pending.future.done():
             return
-        error = cast(BaseException, pending.future.exception())
+        error = pending.future.exception()
+        if error is None:
+            return
         line = s3_client.unanswered_line(error, f"checkpoint step {pending.step} was not saved")
         if line is not None:
             pending.reported = True

@@ -22,6 +22,10 @@ def model_view(parts: list[torch.nn.Module]) -> torch.nn.Module:
     return root
 
 
+class _Merged(torch.nn.Module):
+    """A container this view made to merge the stages' modules of one name (never a stage's own)."""
+
+
 def _merge(dst: torch.nn.Module, src: torch.nn.Module, path: str) -> None:
     if any(True for _ in src.named_parameters(recurse=False)):
         raise ValueError(f"pipeline stages hold parameters directly on '{path or '<root>'}'; the checkpoint view "
@@ -31,11 +35,9 @@ def _merge(dst: torch.nn.Module, src: torch.nn.Module, path: str) -> None:
         if mine is None:
             dst.add_module(name, child)
         elif mine is not child:
-            if not getattr(mine, "_checkpoint_merged", False):
+            if not isinstance(mine, _Merged):
                 # Never add modules into a stage's own container: merge into a fresh one.
-                merged = torch.nn.Module()
-                # nn.Module.__setattr__ is typed for tensors and modules; a plain flag is fine.
-                merged._checkpoint_merged = True  # pyright: ignore[reportArgumentType]
+                merged = _Merged()
                 _merge(merged, mine, f"{path}{name}.")
                 dst._modules[name] = merged
                 mine = merged

@@ -108,7 +108,9 @@ def _rng_state() -> str:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # pyright: ignore[reportGeneralTypeIssues]
+        legacy = np.random.get_state(legacy=True)
+        assert isinstance(legacy, tuple), "numpy's legacy generator state is a tuple"  # a dict only without legacy
+        name, keys, pos, has_gauss, cached = legacy
         state["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass

@@ -61,7 +61,10 @@ def _field_type(hint: object) -> _FieldType:
         (hint,) = [a for a in args if a is not type(None)]
     if typing.get_origin(hint) is list:
         return _FieldType(typing.get_args(hint)[0], optional, True)
-    return _FieldType(typing.cast(type, hint), optional, False)  # what is left of an annotation is a class
+    if not isinstance(hint, type):  # int, float, str, bool: the types a TOML value or a flag parses to
+        raise TypeError(f"config field annotation {hint!r}: the parser reads int, float, str, bool, their lists and "
+                        "optionals; annotate the field with one of those")
+    return _FieldType(hint, optional, False)
 
 
 def _section_fields(cfg: JobConfig) -> dict[str, dict[str, tuple[dataclasses.Field, _FieldType]]]:

@@ -9,7 +9,6 @@ block's experts are a unit of their own, sharded over the ``efsdp`` ranks that h
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,9 +19,6 @@ from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.spec import family_model
-
-if TYPE_CHECKING:
-    from torchtitan.models.moe.experts import GroupedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +42,7 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
 
 
 def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str,
-               mesh: DeviceMesh | None = None, experts: list[GroupedExperts] | None = None) -> None:
+               mesh: DeviceMesh | None = None, experts: list[torch.nn.Module] | None = None) -> None:
     """Shard each block, then the root (embeddings, final norm, output).
 
     The mesh is 1-D ``dp_shard_cp`` for FSDP, 2-D ``(dp_replicate, dp_shard_cp)``
@@ -86,7 +82,7 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
                 mp.param_dtype, mp.reduce_dtype)
 
 
-def _shard_experts(experts: GroupedExperts, dims: ParallelDims, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+def _shard_experts(experts: torch.nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy, reshard: bool) -> None:
     """One FSDP unit for a layer's expert-parallel experts, over ``efsdp`` (and ``dp_replicate``).
 
     FSDP averages their gradients over those ranks, as it averages the dense weights' over all data
@@ -94,7 +90,7 @@ def _shard_experts(experts: GroupedExperts, dims: ParallelDims, mp: MixedPrecisi
     rank's experts are fewer than the ``efsdp`` ranks, FSDP shards their rows instead (no padding).
     """
     mesh = dims.expert_fsdp_mesh()
-    local_experts = experts.num_experts // dims.ep
+    local_experts = experts.num_experts // dims.ep  # type: ignore[operator]  # GroupedExperts.num_experts
     dim = 0 if local_experts % dims.degree("efsdp") == 0 else 1
     fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,
                 shard_placement_fn=lambda param: Shard(dim))

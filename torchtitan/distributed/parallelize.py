@@ -21,7 +21,6 @@ place, in-place ``Module.compile``, FSDP2), which checkpoints and the layout-inv
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,9 +32,6 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.spec import family_model
 from torchtitan.ops.cpu_kernels import use_onednn_linears
 from torchtitan.ops.cpu_matmul import resolve_cpu_matmul
-
-if TYPE_CHECKING:
-    from torchtitan.models.moe.experts import GroupedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +67,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
     cp_mesh = dims.get_mesh("cp") if dims.cp_enabled else None
     assert cp_mesh is not None or not dims.cp_enabled, "CP is on"
     family.use_attention(cfg.model.attention_backend, device_type, cp_mesh, cfg.training.seq_len)
-    experts: list[GroupedExperts] = []
+    experts: list[torch.nn.Module] = []
     if dims.ep_enabled:
         ep_mesh = dims.get_mesh("ep")
         assert ep_mesh is not None, "EP is on"

@@ -18,7 +18,7 @@ torchft steps, so ``manager.current_step()`` is the number of committed syncs.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -125,15 +125,18 @@ def build_semi_sync(ft: FaultTolerance, manager: FTManager, model_parts: list[to
     from torchft.local_sgd import DiLoCo, LocalSGD
     from torchft.manager import Manager
 
+    if not isinstance(manager, Manager):  # FTManager is the part the step calls; torchft's algorithms take its class
+        raise TypeError(f"fault_tolerance.semi_sync_method={ft.semi_sync_method} needs torchft's Manager (build_manager"
+                        f"'s), not a {type(manager).__name__}")
     if ft.semi_sync_method == "local_sgd":
         whole = Fragment([u for part in model_parts for u in _units(part)])
         check_fragments_cover_model(model_parts, [whole])
-        algo = LocalSGD(cast(Manager, manager), whole, optimizer, sync_every=ft.sync_steps)
+        algo = LocalSGD(manager, whole, optimizer, sync_every=ft.sync_steps)
         algo.__enter__()
         return algo, [whole], []
     fragments: list[torch.nn.Module] = [*model_fragments(model_parts, ft.num_fragments)]
     outers: list[torch.optim.Optimizer] = [outer_optimizer(f, ft.outer_lr, ft.outer_momentum) for f in fragments]
-    algo = DiLoCo(cast(Manager, manager), fragments, optimizer, outers, sync_every=ft.sync_steps,
+    algo = DiLoCo(manager, fragments, optimizer, outers, sync_every=ft.sync_steps,
                   fragment_sync_delay=ft.fragment_sync_delay, fragment_update_alpha=ft.fragment_update_alpha)
     algo.__enter__()
     return algo, fragments, outers

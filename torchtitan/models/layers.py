@@ -27,6 +27,16 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
+def _json_number(params: Mapping[str, object], key: str) -> float | None:
+    """``params[key]`` as a float (a JSON number, or a string of one); None where it is absent or null."""
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float, str)):
+        raise ValueError(f"rope scaling {key}={value!r}: a number is expected; fix it in the release's config.json")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class YarnScaling:
     """YaRN rotary scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension"), as DeepSeek-V3,
@@ -100,16 +110,15 @@ class YarnScaling:
         Hugging Face reads it); unknown keys are ignored by the reader of the whole config, not here.
         """
         def num(key: str, default: float) -> float:
-            value = params.get(key)
-            return default if value is None else float(value)  # type: ignore[arg-type]  # a JSON number
+            value = _json_number(params, key)
+            return default if value is None else value
 
         original = int(num("original_max_position_embeddings", float(max_position_embeddings)))
         factor = num("factor", max_position_embeddings / original)
-        attention = params.get("attention_factor")
         return cls(factor=factor, original_context=original, beta_fast=num("beta_fast", 32.0) or 32.0,
                    beta_slow=num("beta_slow", 1.0) or 1.0, mscale=num("mscale", 0.0),
                    mscale_all_dim=num("mscale_all_dim", 0.0),
-                   attention_factor=None if attention is None else float(attention),  # type: ignore[arg-type]
+                   attention_factor=_json_number(params, "attention_factor"),
                    truncate=bool(params.get("truncate", True)))
 
     def to_hf(self) -> dict[str, float | int | bool | str]:

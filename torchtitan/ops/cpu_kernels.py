@@ -29,7 +29,6 @@ and code being compiled never see these kernels.
 from __future__ import annotations
 
 import logging
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -143,8 +142,11 @@ def onednn_linear_of(linear: nn.Linear) -> OneDNNLinear:
     nn.Module.__init__(new)
     new.in_features, new.out_features = linear.in_features, linear.out_features
     # nn.Linear types them as tensors; they are its registered parameters (bias: or None).
-    new.register_parameter("weight", cast(nn.Parameter, linear.weight))
-    new.register_parameter("bias", cast("nn.Parameter | None", linear.bias))
+    weight, bias = linear.weight, linear.bias
+    assert isinstance(weight, nn.Parameter) and (bias is None or isinstance(bias, nn.Parameter)), \
+        "nn.Linear registers its weight and bias as parameters"
+    new.register_parameter("weight", weight)
+    new.register_parameter("bias", bias)
     return new
 
 

@@ -18,14 +18,16 @@ and every rank loads, so every rank drops them.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+if TYPE_CHECKING:
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-def _cast_tensor_class() -> type[torch.Tensor] | None:
+
+def _cast_tensor_class() -> type[WeightWithDynamicFloat8CastTensor] | None:
     """torchao's cast-on-gather weight class, or None when torchao's Float8 is not loaded (then no weight is one)."""
     module = sys.modules.get("torchao.float8.fsdp_utils")
     return None if module is None else module.WeightWithDynamicFloat8CastTensor
@@ -39,13 +41,13 @@ def plain_weights(state: dict[str, Any]) -> dict[str, Any]:
     return {fqn: _unwrapped(value, wrapper) for fqn, value in state.items()}
 
 
-def _unwrapped(value: object, wrapper: type[torch.Tensor]) -> object:
+def _unwrapped(value: object, wrapper: type[WeightWithDynamicFloat8CastTensor]) -> object:
     if isinstance(value, DTensor) and isinstance(value._local_tensor, wrapper):
-        inner: torch.Tensor = value._local_tensor._tensor  # pyright: ignore[reportAttributeAccessIssue]
+        inner = value._local_tensor._tensor
         return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape,
                                   stride=value.stride())
     if isinstance(value, wrapper):
-        return value._tensor  # pyright: ignore[reportAttributeAccessIssue]
+        return value._tensor
     return value
 
 
@@ -58,4 +60,4 @@ def forget_precomputed_scales(model: nn.Module) -> None:
         # The local tensor itself: ``to_local()`` may return a view, a new wrapper whose scale nobody reads.
         local = param._local_tensor if isinstance(param, DTensor) else param
         if isinstance(local, wrapper):
-            local._precomputed_scale = None  # pyright: ignore[reportAttributeAccessIssue]
+            local._precomputed_scale = None

@@ -54,7 +54,6 @@ from torchtitan.models.layers import FeedForward, RMSNorm, precompute_rope_cache
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe import moe_layers as moe_modules
 from torchtitan.models.moe.assumed import assume_routing
-from torchtitan.models.moe.experts import GroupedExperts
 
 DEFAULT_LOAD_BALANCE_COEFF = 1e-3  # DeepSeek-V3's bias update speed (its report's gamma)
 
@@ -105,6 +104,7 @@ class Decoder(nn.Module):
     # generation (torchtitan/generation): the forward takes ``cache=`` a ``models/kv_cache.KVCache`` (new tokens
     # only, positions and mask from the cache)
     supports_kv_cache: ClassVar[bool] = True
+    rope_cache: torch.Tensor  # a buffer (registered in __init__): nn.Module's stubs type attributes as Tensor | Module
     # whether the family's Hugging Face format has a place for the auxiliary-loss-free routing bias (DeepSeek-V3's
     # e_score_correction_bias): the bias is then its default balancing, else off by default and an export of a
     # model trained with it is refused (checkpoint/formats.export_hf)
@@ -353,7 +353,7 @@ class Decoder(nn.Module):
         before ``apply_tp``)."""
         parallel.split_moe_over_tp(self, tp_mesh)
 
-    def apply_ep(self, ep_mesh: DeviceMesh) -> list[GroupedExperts]:
+    def apply_ep(self, ep_mesh: DeviceMesh) -> list[nn.Module]:
         """Shard each MoE layer's experts over ``ep_mesh``; the expert modules (FSDP shards each over ``efsdp``)."""
         return parallel.apply_ep(self, ep_mesh)
 

@@ -5,7 +5,7 @@ preflight checks of the model against a layout."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,7 +22,6 @@ from torchtitan.models.common.config import DecoderConfig
 
 if TYPE_CHECKING:  # the decoder's methods call these (decoder.py imports this module)
     from torchtitan.models.common.decoder import Decoder
-    from torchtitan.models.moe.experts import GroupedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ def use_attention(decoder: Decoder, choice: str, device_type: str, cp_mesh: Devi
 
     def add_positions(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("positions") is None and len(args) < 2:
-            device = cast(torch.Tensor, module.rope_cache).device
+            device = decoder.rope_cache.device  # ``module`` is the decoder: the hook is registered on it
             if device not in cached:
                 cached[device] = local_positions(seq_len, cp_rank, cp_size, device)
             kwargs = {**kwargs, "positions": cached[device]}
@@ -153,7 +152,7 @@ def apply_tp(decoder: Decoder, tp_mesh: DeviceMesh, sequence_parallel: bool, los
                 sequence_parallel, loss_parallel)
 
 
-def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[GroupedExperts]:
+def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Module]:
     """Expert parallelism for every MoE layer of the decoder (or a stage of it): experts ``Shard(0)`` over
     ``ep_mesh``, tokens exchanged by all-to-all. Returns the layers' expert modules, which FSDP then shards
     over ``efsdp`` apart from the rest of their block (distributed/fsdp.py)."""

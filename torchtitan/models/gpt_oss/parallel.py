@@ -9,8 +9,6 @@ follow the heads: ``Shard(0)``, each rank keeps its heads' logits.
 
 from __future__ import annotations
 
-from typing import cast
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -24,7 +22,10 @@ def shard_sinks(model: Decoder, tp_mesh: DeviceMesh) -> None:
     the local slice without a collective (works on a meta model; initialise after)."""
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     for block in model.blocks():
-        attention = cast(SinkAttention, block.attention)
+        attention = block.attention
+        if not isinstance(attention, SinkAttention):  # every GPT-OSS block's; a Decoder of another family has none
+            raise TypeError(f"shard_sinks takes a GPT-OSS model; its blocks hold {type(attention).__name__}, not "
+                            "SinkAttention")
         full = attention.sinks
         per_rank = full.shape[0] // tp
         local = full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
