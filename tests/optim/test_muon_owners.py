@@ -1,9 +1,9 @@
 """Muon on FSDP2 and HSDP: the owner-based update equals one process's, each matrix orthogonalized once.
 
-One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2 and DDP 4 in turn, for 3 steps on
-gradients that are a function of the weights (the same in every layout), with the float32 iteration.
-Its matrices cover an uneven cut (5 rows on 4 ranks: one rank holds none), batched experts and a fused
-weight split in parts.
+One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2, DDP 4 and EP 2 x FSDP 2 in turn, for 3
+steps on gradients that are a function of the weights (the same in every layout), with the float32
+iteration. Its matrices cover an uneven cut (5 rows on 4 ranks: one rank holds none), batched experts
+(whole on each rank under FSDP and EP: no communication) and a fused weight split in parts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ STEPS = 3
 FP32 = MuonSettings(ns_dtype="float32")
 # DDP is FSDP2 on a (dp_replicate, dp_shard=1) mesh (distributed/fsdp.py): whole weights, one owner each.
 LAYOUTS = {"FSDP 4": ((4,), ("dp_shard",)), "HSDP 2x2": ((2, 2), ("dp_replicate", "dp_shard")),
-           "DDP 4": ((4, 1), ("dp_replicate", "dp_shard"))}
+           "DDP 4": ((4, 1), ("dp_replicate", "dp_shard")),
+           # as models/moe/parallel.py and distributed/fsdp.py: experts over ep, then FSDP over efsdp
+           "EP 2 x FSDP 2": ((2, 2), ("efsdp", "ep"))}
+MATRICES = {"up.weight": 1, "narrow.weight": 1, "fused.weight": 1, "experts.w1": 4}  # name -> matrices
 
 
 class _Model(nn.Module):
@@ -34,7 +37,8 @@ class _Model(nn.Module):
         self.up = nn.Linear(8, 12, bias=False)
         self.narrow = nn.Linear(12, 5, bias=True)  # 5 rows on 4 shards: 2, 2, 1, 0
         self.fused = nn.Linear(8, 10, bias=False)  # rows 6 + 4, orthogonalized apart
-        self.experts = nn.Parameter(torch.randn(4, 6, 8))
+        self.experts = nn.Module()
+        self.experts.w1 = nn.Parameter(torch.randn(4, 6, 8))
         self.norm = nn.RMSNorm(8)
 
 
@@ -52,22 +56,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _grad(full_weight: torch.Tensor, step: int) -> torch.Tensor:
-    return torch.sin(full_weight * (step + 1)) + 0.1 * step
-
-
-def _train(model: nn.Module, optimizer: Muon) -> list[list[str]]:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+def _train(model: nn.Module, optimizer: Muon) -> list[list[tuple[str, int, int]]]:
     owned = []
     for step in range(STEPS):
-        for p in model.parameters():
-            grad = _grad(_full(p.detach()), step)
-            p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
+        for p in model.parameters():  # elementwise: a DTensor's gradient keeps its placements
+            p.grad = torch.sin(p.detach() * (step + 1)) + 0.1 * step
         optimizer.step()
         owners = optimizer.orthogonalize
         owned.append(list(owners.owned_last_step) if isinstance(owners, OwnerUpdate) else [])
     return owned
+
+
+def _expert_parallel(experts: nn.Module, mesh) -> None:  # noqa: ANN001 - a DeviceMesh (efsdp, ep)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep = mesh["ep"]
+    per_rank = experts.w1.size(0) // ep.size()
+    local = experts.w1.detach()[ep.get_local_rank() * per_rank:][:per_rank].clone()
+    experts.w1 = nn.Parameter(DTensor.from_local(local, ep, [Shard(0)], run_check=False))
+    fully_shard(experts, mesh=mesh["efsdp"])
 
 
 def _rank(rank: int, world_size: int) -> dict:
@@ -77,7 +85,11 @@ def _rank(rank: int, world_size: int) -> dict:
     out = {}
     for name, (shape, dims) in LAYOUTS.items():
         model = _Model()
-        fully_shard(model, mesh=init_device_mesh("cpu", shape, mesh_dim_names=dims))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        if "ep" in dims:
+            _expert_parallel(model.experts, mesh)
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+        fully_shard(model, mesh=mesh)
         owned = _train(model, _optimizer(model, distributed=True))
         out[name] = {"owned": owned, "final": {n: _full(p.detach()) for n, p in model.named_parameters()}}
     return out
@@ -87,14 +99,14 @@ def test_owner_update_equals_one_process_in_fsdp_and_hsdp():
     model = _Model()
     _train(model, _optimizer(model, distributed=False))
     expected = dict(model.named_parameters())
-    matrices = {"up.weight", "narrow.weight", "fused.weight", "experts"}
     ranks = run_ranks(_rank, 4)
     for layout in LAYOUTS:
         for name, final in ranks[0][layout]["final"].items():
             torch.testing.assert_close(final, expected[name].detach(), rtol=1e-5, atol=1e-6,
                                        msg=f"{layout}: {name}")
-        for step in range(STEPS):
-            owned = [name for r in ranks for name in r[layout]["owned"][step]]
-            assert sorted(owned) == sorted(matrices), f"{layout} step {step}: each matrix once, got {owned}"
+        for step in range(STEPS):  # each matrix (each expert) orthogonalized by exactly one rank
+            owned = sorted((name, e) for r in ranks for name, first, stop in r[layout]["owned"][step]
+                           for e in range(first, stop))
+            assert owned == sorted((name, e) for name, n in MATRICES.items() for e in range(n)), (layout, step, owned)
         owners = {r for r, result in enumerate(ranks) if result[layout]["owned"][0]}
         assert len(owners) >= 3, f"{layout}: the cost heap spreads the matrices, owners {owners}"

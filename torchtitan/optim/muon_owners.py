@@ -7,6 +7,11 @@ mesh's ranks, chosen by a longest-processing-time heap over the Newton-Schulz co
 their momentum blocks onto the owner, the owner orthogonalizes, and scatters the update's blocks back;
 HSDP's other replicas receive their blocks by a broadcast from the owner's replica. The result is the
 one-process update, computed on one rank instead of all of them.
+
+Expert weights ``[E, m, n]`` cut on E (FSDP over experts, expert parallelism, or both: ``_StridedShard``)
+hold whole matrices on each rank: the ranks along those mesh dimensions orthogonalize their own experts
+with no communication; only a cut of their rows (FSDP2's ``Shard(1)``) or a replica dimension is handled
+as above.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.optim.muon import MuonSettings, orthogonalized
 
@@ -31,8 +38,9 @@ class ShardedMatrix:
     shard_mesh_dim: int | None  # the mesh dimension whose ranks hold its blocks (None: replicated only)
     tensor_dim: int  # the tensor dimension cut into blocks
     replicate_mesh_dim: int | None  # HSDP's replica dimension
-    owner: tuple[int, ...]  # the owner's coordinate on the mesh
+    owner: tuple[int, ...]  # the owner's coordinate on the mesh; -1 on an expert dimension: every rank there
     full_shape: torch.Size
+    expert_mesh_dims: tuple[int, ...] = ()  # mesh dimensions that cut a 3-D weight's experts (dim 0)
 
     def block_rows(self) -> int:
         """FSDP2 cuts like ``torch.chunk``: blocks of ceil(d / S) rows, the last ones shorter or empty."""
@@ -62,13 +70,20 @@ def assign_owners(costs: list[int], candidates: list[list[int]]) -> list[int]:
     return owners
 
 
-def _layout_problem(placements: tuple) -> str | None:
-    shards = [p for p in placements if isinstance(p, Shard)]
+def _expert_dims(placements: tuple, ndim: int) -> tuple[int, ...]:
+    """The mesh dimensions that cut the experts (dim 0) of a 3-D weight: each rank holds whole matrices."""
+    return tuple(d for d, p in enumerate(placements)
+                 if ndim >= 3 and isinstance(p, (Shard, _StridedShard)) and p.dim == 0)
+
+
+def _layout_problem(placements: tuple, ndim: int) -> str | None:
+    experts = _expert_dims(placements, ndim)
+    cuts = [p for d, p in enumerate(placements) if isinstance(p, Shard) and d not in experts]
     replicas = [p for p in placements if isinstance(p, Replicate)]
-    if len(shards) + len(replicas) != len(placements) or any(type(p) is not Shard for p in shards):
-        return "only Shard and Replicate placements are supported (no TP partial sums, no strided EP x FSDP)"
-    if len(shards) > 1 or len(replicas) > 1:
-        return "at most one sharded and one replicated mesh dimension are supported (FSDP or HSDP)"
+    if len(experts) + len(cuts) + len(replicas) != len(placements) or any(type(p) is not Shard for p in cuts):
+        return "only Shard and Replicate placements are supported (no partial sums, no strided cut of rows)"
+    if len(cuts) > 1 or len(replicas) > 1:
+        return "at most one mesh dimension cutting each matrix and one replicating it are supported (FSDP, HSDP, EP)"
     return None
 
 
@@ -76,7 +91,8 @@ class OwnerUpdate:
     """The distributed ``Orthogonalize`` of ``Muon``: plans the owners of ``params`` once, at build.
 
     ``names`` name the parameters in the one-line refusal of a layout it cannot handle.
-    ``owned_last_step`` lists the parameters (by name) this rank orthogonalized in its last call.
+    ``owned_last_step`` lists what this rank orthogonalized in its last call: ``(name, first, stop)``, the
+    experts ``first <= e < stop`` of a 3-D weight, ``0, 1`` for a 2-D one.
     """
 
     def __init__(self, params: list[torch.Tensor], names: dict[torch.Tensor, str],
@@ -86,15 +102,15 @@ class OwnerUpdate:
         sharded = [p for p in params if isinstance(p, DTensor)]
         candidates = []
         for p in sharded:
-            problem = _layout_problem(tuple(p.placements))
+            problem = _layout_problem(tuple(p.placements), p.ndim)
             if problem:
                 raise ValueError(f"optimizer.name=Muon: parameter {names.get(p, tuple(p.shape))} has placements "
                                  f"{tuple(p.placements)}: {problem}")
-            candidates.append(p.device_mesh.mesh.flatten().tolist())
+            candidates.append(_representative_ranks(p))
         costs = [newton_schulz_cost(p.shape, row_parts.get(p, ())) for p in sharded]
         for p, owner in zip(sharded, assign_owners(costs, candidates)):
             self.plans[p] = _plan(p, owner)
-        self.owned_last_step: list[str] = []
+        self.owned_last_step: list[tuple[str, int, int]] = []
 
     def __call__(self, params: list[torch.Tensor], updates: list[torch.Tensor], settings: MuonSettings,
                  row_parts: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -106,7 +122,7 @@ class OwnerUpdate:
             plan = self.plans.get(p)
             if plan is None:  # a plain tensor: whole on every rank
                 results[i] = orthogonalized(updates[i], row_parts[i], settings)
-                self.owned_last_step.append(self.names.get(p, str(i)))
+                self.owned_last_step.append((self.names.get(p, str(i)), 0, math.prod(p.shape[:-2])))
             elif _in_owner_replica(plan):
                 gathered[i], work = _gather(plan, updates[i])
                 waits.append(work)
@@ -118,11 +134,12 @@ class OwnerUpdate:
                 continue
             full = None
             if _is_owner(plan):
-                whole = torch.cat(gathered[i], dim=plan.tensor_dim) if plan.shard_mesh_dim is not None \
-                    else gathered[i][0]
-                whole = whole.narrow(plan.tensor_dim, 0, plan.full_shape[plan.tensor_dim])
+                whole = gathered[i][0]
+                if plan.shard_mesh_dim is not None:
+                    whole = torch.cat(gathered[i], dim=plan.tensor_dim)
+                    whole = whole.narrow(plan.tensor_dim, 0, plan.full_shape[plan.tensor_dim])
                 full = orthogonalized(whole, row_parts[i], settings)
-                self.owned_last_step.append(self.names.get(p, str(i)))
+                self.owned_last_step.append(_matrices_of(self.names.get(p, str(i)), p, plan))
             blocks[i], work = _scatter(plan, full, updates[i])
             waits.append(work)
         _wait(waits)
@@ -140,16 +157,36 @@ class OwnerUpdate:
         return [r for r in results if r is not None]
 
 
+def _representative_ranks(p: DTensor) -> list[int]:
+    """The ranks among which ``p``'s owner is chosen: on expert dimensions only the first slice (every slice
+    chooses alike, and every rank computes the same loads)."""
+    ranks = p.device_mesh.mesh
+    for d in sorted(_expert_dims(tuple(p.placements), p.ndim), reverse=True):
+        ranks = ranks.select(d, 0).unsqueeze(d)
+    return ranks.flatten().tolist()
+
+
 def _plan(p: DTensor, owner_rank: int) -> ShardedMatrix:
     placements = tuple(p.placements)
-    shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
+    experts = _expert_dims(placements, p.ndim)
+    cut_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard) and d not in experts]
     replicate_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Replicate)]
     mesh = p.device_mesh
-    owner = tuple(int(c) for c in (mesh.mesh == owner_rank).nonzero()[0].tolist())
-    shard_mesh_dim = shard_dims[0] if shard_dims else None
+    owner = [int(c) for c in (mesh.mesh == owner_rank).nonzero()[0].tolist()]
+    for d in experts:
+        owner[d] = -1
+    shard_mesh_dim = cut_dims[0] if cut_dims else None
     tensor_dim = placements[shard_mesh_dim].dim if shard_mesh_dim is not None else 0  # type: ignore[union-attr]
     return ShardedMatrix(mesh, shard_mesh_dim, tensor_dim, replicate_dims[0] if replicate_dims else None,
-                         owner, p.shape)
+                         tuple(owner), p.shape, experts)
+
+
+def _matrices_of(name: str, p: torch.Tensor, plan: ShardedMatrix) -> tuple[str, int, int]:
+    """The experts (or the one 2-D matrix) that this owner orthogonalizes of ``p``."""
+    if not plan.expert_mesh_dims or not isinstance(p, DTensor):
+        return name, 0, math.prod(p.shape[:-2])
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return name, offset[0], offset[0] + shape[0]
 
 
 def _coordinate(plan: ShardedMatrix) -> tuple[int, ...]:
@@ -164,7 +201,7 @@ def _in_owner_replica(plan: ShardedMatrix) -> bool:
 
 
 def _is_owner(plan: ShardedMatrix) -> bool:
-    return _coordinate(plan) == plan.owner
+    return all(owner in (-1, mine) for owner, mine in zip(plan.owner, _coordinate(plan)))
 
 
 def _padded(block: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
