@@ -34,6 +34,7 @@ from torchtitan.compat.c10d import (
     c10d_op,
     default_store,
     fake_process_group_store,
+    flight_recorder_reset_exists,
     functional_collective_ops,
     group_timeouts,
     last_collectives,
@@ -94,7 +95,8 @@ if TYPE_CHECKING:  # what the lazy names below are, for the type checker
 
 __all__ = [
     "CompatError", "REDISTRIBUTE_LOGGER", "all_process_groups",
-    "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh", "fsdp_storage_hooks",
+    "c10d_op", "default_store", "dtensor_local", "fake_process_group_store", "flatten_mesh",
+    "flight_recorder_reset_exists", "fsdp_storage_hooks",
     "functional_collective_ops", "group_timeouts", "in_autograd_backward", "last_collectives", "member_groups_only",
     "missing", "op_name", "op_schema",
     "resolve_process_group", "step_keeping_no_outputs",

@@ -90,6 +90,14 @@ def all_process_groups() -> list[dist.ProcessGroup]:
     return list(world.pg_map)
 
 
+def flight_recorder_reset_exists() -> bool:
+    """Whether c10d has ``_reset_fr_recording_nccl``, which torchft's manager calls after each quorum that
+    changes its process group, logging a warning where it is missing."""
+    from torch._C import _distributed_c10d
+
+    return hasattr(_distributed_c10d, "_reset_fr_recording_nccl")
+
+
 def last_collectives() -> list[str]:
     """The last collective this process started on each of its process groups of more than one rank, newest
     first, e.g. ``gloo:all_reduce on mesh_tp (process group 27, ranks [0, 1]) started 2.0 s ago, timeout 2 s``.

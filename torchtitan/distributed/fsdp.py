@@ -90,7 +90,11 @@ def _shard_experts(experts: torch.nn.Module, dims: ParallelDims, mp: MixedPrecis
     rank's experts are fewer than the ``efsdp`` ranks, FSDP shards their rows instead (no padding).
     """
     mesh = dims.expert_fsdp_mesh()
-    local_experts = experts.num_experts // dims.ep  # type: ignore[operator]  # GroupedExperts.num_experts
+    num_experts = experts.num_experts  # GroupedExperts' global count (models/moe/experts.py)
+    if not isinstance(num_experts, int):  # nn.Module's stubs type every attribute as Tensor | Module
+        raise TypeError(f"expert parallelism: {type(experts).__name__}.num_experts is not an int; FSDP shards the "
+                        "MoE layers' GroupedExperts that apply_ep returns")
+    local_experts = num_experts // dims.ep
     dim = 0 if local_experts % dims.degree("efsdp") == 0 else 1
     fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,
                 shard_placement_fn=lambda param: Shard(dim))

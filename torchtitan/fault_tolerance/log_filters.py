@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-import torch
+from torchtitan.compat import flight_recorder_reset_exists
 
 FLIGHT_RECORDER = "Unable to reset NCCL flight recorder recording"
 NOT_WRITABLE = "The given buffer is not writable"
@@ -43,8 +43,7 @@ class _DropMessage(logging.Filter):
 
 def quiet_torchft() -> None:
     """Install both filters (idempotent)."""
-    # torch._C._distributed_c10d exists at run time; torch._C's stubs do not declare it.
-    if not hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl"):  # pyright: ignore[reportAttributeAccessIssue]
+    if not flight_recorder_reset_exists():
         manager_logger = logging.getLogger("torchft.manager")
         if not any(isinstance(f, _DropMessage) for f in manager_logger.filters):
             manager_logger.addFilter(_DropMessage(FLIGHT_RECORDER))
