@@ -1,4 +1,4 @@
-"""Muon on FSDP2 and HSDP: the owner-based update equals one process's, each matrix orthogonalized once.
+"""Muon on FSDP2, HSDP, DDP and EP: the owner-based update equals one process's, each matrix orthogonalized once.
 
 One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2, DDP 4 and EP 2 x FSDP 2 in turn, for 3
 steps on gradients that are a function of the weights (the same in every layout), with the float32
@@ -95,7 +95,7 @@ def _rank(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_owner_update_equals_one_process_in_fsdp_and_hsdp():
+def test_owner_update_equals_one_process_in_fsdp_hsdp_ddp_and_ep():
     model = _Model()
     _train(model, _optimizer(model, distributed=False))
     expected = dict(model.named_parameters())
