@@ -56,6 +56,16 @@ def _memory(name: str) -> RemotePath:
     return folder
 
 
+def test_read_bytes_refuses_what_is_not_the_files_bytes(monkeypatch):
+    folder = _memory("read_bytes/run")
+    entry = folder / "manifest.json"
+    entry.write_text("{}")
+    assert entry.read_bytes() == b"{}"
+    monkeypatch.setattr(entry.fs, "cat_file", lambda path: "{}")  # a driver that hands back text
+    with pytest.raises(TypeError, match="memory://read_bytes/run/manifest.json: the file system returned a str"):
+        entry.read_bytes()
+
+
 def test_a_remote_step_is_written_in_place_and_committed_by_its_manifest_alone():
     folder = _memory("commit/run")
     assert store.tmp_dir(folder, 2) == store.step_dir(folder, 2)  # no rename: no .tmp folder

@@ -32,12 +32,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
 
-from torchtitan.checkpoint.location import Location, RemotePath, location
+from torchtitan.checkpoint.location import Location, RemotePath, location, open_binary
 from torchtitan.compat import fsspec_file_system_type, fsspec_writer_type
 
 ALGORITHM = "xxh3_64"
@@ -186,7 +186,7 @@ class _HashingFsspecFileSystem(fsspec_file_system_type()):
                 yield stream
             return
         assert self.fs is not None  # set from the writer's own file system
-        raw = cast(IO[bytes], self.fs.open(os.fspath(path), mode))
+        raw = open_binary(self.fs, os.fspath(path), mode)
         with _hashed(raw, location(os.fspath(path)), self.hashes) as stream:
             yield stream
 

@@ -95,6 +95,12 @@ def _file_system(url: str) -> AbstractFileSystem:
     return fs
 
 
+def open_binary(fs: AbstractFileSystem, path: str, mode: str) -> IO[bytes]:
+    """``fs.open(path, mode)`` in a binary mode (``rb``, ``wb``): a file of bytes. fsspec ships no types, and what the
+    checker infers from its code (a text wrapper or a buffered file) does not depend on the mode; hence one cast."""
+    return cast(IO[bytes], fs.open(path, mode))
+
+
 @dataclass(frozen=True)
 class RemoteStat:
     st_size: int
@@ -177,10 +183,13 @@ class RemotePath:
         return (entry for entry in self.iterdir() if fnmatch.fnmatch(entry.name, pattern))
 
     def open(self, mode: str = "rb") -> IO[bytes]:
-        return cast(IO[bytes], self.fs.open(self.path, mode))
+        return open_binary(self.fs, self.path, mode)
 
     def read_bytes(self) -> bytes:
-        return cast(bytes, self.fs.cat_file(self.path))
+        data = self.fs.cat_file(self.path)
+        if not isinstance(data, bytes):  # fsspec's code types it str | bytes; a file system returns the bytes
+            raise TypeError(f"{self.url}: the file system returned a {type(data).__name__}, not the file's bytes")
+        return data
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
