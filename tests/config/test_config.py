@@ -272,3 +272,13 @@ def test_validation_config_errors():
     cfg = parse("--validation.enable", "--validation.held_out_fraction=0.01", "--validation.steps=-1")
     assert cfg.validation.enable and cfg.validation.freq == 500 and cfg.validation.batch_size is None
     assert "--validation.held_out_fraction (float or unset)" in ConfigManager().help_text()
+
+
+def test_a_field_annotation_the_parser_cannot_read_is_refused():
+    from typing import Literal
+
+    from torchtitan.config.manager import _field_type
+
+    with pytest.raises(TypeError, match=r"config field annotation typing.Literal\['a'\]: the parser reads int"):
+        _field_type(Literal["a"])
+    assert _field_type(int | None).base is int and _field_type(list[str]).is_list

@@ -72,3 +72,10 @@ def test_op_level_ac_recomputes_every_second_linear_product(mode, option, recomp
         model(torch.arange(8).view(1, 8)).square().mean().backward()
     linears = 7 * ARGS.n_layers + 1  # the blocks' and the output's: one forward and two backward products each
     assert count.products == 3 * linears + recomputed_per_block * ARGS.n_layers
+
+
+def test_layers_that_are_not_a_module_dict_are_refused_by_name():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match=r"Module.layers, a ModuleList here: .* an nn.ModuleDict"):
+        apply_activation_checkpointing(model, "full", "")
