@@ -88,7 +88,8 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     pipeline = None
     if dims.pp_enabled:
         try:
-            pipeline = PipelinePlan.from_config(cfg, args.n_layers)
+            pipeline = PipelinePlan.from_config(cfg.parallelism, cfg.training, cfg.activation_checkpoint,
+                                                args.n_layers)
         except ConfigError as e:
             problems += e.problems
     problems += check_checkpoint(cfg, world_size, lambda: spec.build(args), model_args=args)

@@ -224,7 +224,8 @@ def test_bad_configs_fail_on_every_rank_without_a_collective(runs):
 
 
 def _plan(*overrides: str, n_layers: int = 6) -> PipelinePlan:
-    return PipelinePlan.from_config(ConfigManager().parse_args(list(overrides)), n_layers)
+    cfg = ConfigManager().parse_args(list(overrides))
+    return PipelinePlan.from_config(cfg.parallelism, cfg.training, cfg.activation_checkpoint, n_layers)
 
 
 def _plan_error(*overrides: str, n_layers: int = 6) -> str:

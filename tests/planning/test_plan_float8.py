@@ -11,7 +11,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.planning.clusters import load_cluster
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.cost import phase_compute_terms
-from torchtitan.planning.search import FLOAT8, searched_overrides
+from torchtitan.planning.search import FLOAT8, SearchBasis, searched_overrides
 
 
 class _Ledger(TorchDispatchMode):
@@ -57,11 +57,12 @@ def test_fp8_products_are_priced_at_the_fp8_peak():
 
 def test_search_proposes_float8_only_where_asked_and_the_cluster_has_fp8():
     cfg = ConfigManager().parse_args(["--job.config_file", CI_CONFIG])
+    job = SearchBasis.of(cfg.model, cfg.training, cfg.parallelism, 8)
     h100, a100 = load_cluster("h100-sxm-80g"), load_cluster("a100-80g")
-    plain = searched_overrides(cfg, 8, h100, float8=False)
-    with_fp8 = searched_overrides(cfg, 8, h100, float8=True)
+    plain = searched_overrides(job, 8, h100, float8=False)
+    with_fp8 = searched_overrides(job, 8, h100, float8=True)
     assert with_fp8 == [*plain, *([*o, *FLOAT8] for o in plain)]
-    assert searched_overrides(cfg, 8, a100, float8=True) == searched_overrides(cfg, 8, a100, float8=False)
+    assert searched_overrides(job, 8, a100, float8=True) == searched_overrides(job, 8, a100, float8=False)
 
 
 @pytest.mark.slow  # a dry run per config (seconds each; no process)

@@ -10,7 +10,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.planning import cli
 from torchtitan.planning.compute import grouped_mm_flops
 from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
-from torchtitan.planning.search import candidate_overrides
+from torchtitan.planning.search import SearchBasis, candidate_overrides
 
 MOE = str(REPO / "train_configs" / "qwen3_debug_moe.toml")
 T, K, D, E, SPARSE_LAYERS = 64, 2, 256, 8, 3  # the debug MoE: seq 64 x batch 1; top-2 of 8; 3 of 4 layers MoE
@@ -136,10 +136,13 @@ def test_preflight_refuses_an_ep_that_does_not_divide(capsys):
 
 
 def test_search_tries_ep_for_models_with_experts():
-    moe = candidate_overrides(_moe_cfg(), 8, 8)
+    def basis(cfg) -> SearchBasis:
+        return SearchBasis.of(cfg.model, cfg.training, cfg.parallelism, 8)
+
+    moe = candidate_overrides(basis(_moe_cfg()), 8, 8)
     eps = {o for layout in moe for o in layout if "expert_parallel_degree" in o}
     assert eps == {f"--parallelism.expert_parallel_degree={ep}" for ep in (1, 2, 4, 8)}
-    dense = candidate_overrides(debug_config("--metrics.enable_tensorboard=false"), 8, 8)
+    dense = candidate_overrides(basis(debug_config("--metrics.enable_tensorboard=false")), 8, 8)
     assert not any("expert_parallel_degree" in o for layout in dense for o in layout)
     ep8 = next(layout for layout in moe if "--parallelism.expert_parallel_degree=8" in layout)
     assert plan_job(_moe_cfg(*ep8), 8).dims.ep == 8  # what it proposes the preflight can take

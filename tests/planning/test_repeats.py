@@ -37,7 +37,7 @@ def test_blocks_are_counted_only_where_they_are_alike(debug_blocks):
     def counted(*overrides: str) -> tuple[int, str]:
         cfg = debug_config(f"--model.flavor={debug_blocks(10)}", "--parallelism.data_parallel_shard_degree=2",
                            *overrides)
-        return blocks_to_count(plan_job(cfg, 2), cfg)
+        return blocks_to_count(plan_job(cfg, 2), cfg.activation_checkpoint)
 
     assert counted("--activation_checkpoint.mode=full")[0] == 7  # simulated with 3 and 4 of the 10
     fewer, why = counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")
@@ -45,7 +45,7 @@ def test_blocks_are_counted_only_where_they_are_alike(debug_blocks):
     assert counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")[0] == 7
     # Under a pipeline, each stage's blocks: 10 over 2 stages leaves 5 a stage, too few to be worth counting.
     assert counted(f"{_PP}degree=2", "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")[0] == 0
-    assert blocks_to_count(plan_job(debug_config(), 1), debug_config())[0] == 0
+    assert blocks_to_count(plan_job(debug_config(), 1), debug_config().activation_checkpoint)[0] == 0
 
 
 def test_microbatches_are_counted_from_where_each_schedule_repeats(debug_blocks):

@@ -18,7 +18,8 @@ _PP = "--parallelism.pipeline_parallel_"
 
 
 def _plan(n_layers: int, *overrides: str) -> PipelinePlan:
-    return PipelinePlan.from_config(debug_config(*overrides), n_layers)
+    cfg = debug_config(*overrides)
+    return PipelinePlan.from_config(cfg.parallelism, cfg.training, cfg.activation_checkpoint, n_layers)
 
 
 def test_even_split_simulates_first_one_middle_and_last():

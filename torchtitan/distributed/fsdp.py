@@ -17,19 +17,20 @@ from torch.distributed.tensor import Shard
 
 from torchtitan.config import JobConfig
 from torchtitan.config.dtypes import DTYPES
+from torchtitan.config.job_config import Training
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.spec import family_model
 
 logger = logging.getLogger(__name__)
 
 
-def mixed_precision(cfg: JobConfig, device_type: str) -> MixedPrecisionPolicy:
-    """The compute (param) and gradient-reduction dtypes of ``cfg`` on ``device_type``."""
-    param = cfg.training.mixed_precision_param
+def mixed_precision(training: Training, device_type: str) -> MixedPrecisionPolicy:
+    """The compute (param) and gradient-reduction dtypes of ``training`` on ``device_type``."""
+    param = training.mixed_precision_param
     if param == "auto":
         # bf16 compute is the norm on GPUs; CPUs run bf16 matmuls slowly, so they default to float32.
         param = "bfloat16" if device_type == "cuda" else "float32"
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[training.mixed_precision_reduce])
 
 
 def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -55,7 +56,7 @@ def apply_fsdp(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devic
     family = family_model(model, "apply_fsdp")
     mesh = mesh if mesh is not None else dims.fsdp_mesh()
     assert mesh is not None, "parallelize applies FSDP only where fsdp_mesh() builds one"
-    mp = mixed_precision(cfg, device_type)
+    mp = mixed_precision(cfg.training, device_type)
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled)
     # Blocks that run after ``layers`` (DeepSeek-V3's multi-token prediction modules) are units of their own,
     # so that their expert-parallel experts get their own unit too.

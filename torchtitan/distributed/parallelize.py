@@ -45,7 +45,7 @@ def fsdp_on_one_rank(dims: ParallelDims, cfg: JobConfig, device_type: str) -> bo
     every parameter must sit in one (fault_tolerance/hooks.py).
     """
     return not (dims.dp_enabled or dims.fsdp_enabled) and (
-        mixed_precision(cfg, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
+        mixed_precision(cfg.training, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
 
 
 def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> torch.nn.Module:

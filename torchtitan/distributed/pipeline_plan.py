@@ -1,6 +1,7 @@
 """The pipeline's plan: how many stages, which layers each holds, how many microbatches.
 
-``PipelinePlan.from_config`` works it out from the config alone, with every check that
+``PipelinePlan.from_config`` works it out from the config alone (its [parallelism], the local batch and
+compile of [training], and [activation_checkpoint]), with every check that
 the schedule accepts it, so preflight can report the problems before any process group
 exists. ``pipeline_parallel.py`` builds and runs the stages the plan describes.
 """
@@ -13,7 +14,8 @@ import math
 
 import torch
 
-from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config import ConfigError
+from torchtitan.config.job_config import ActivationCheckpoint, Parallelism, Training
 
 # Our schedule name -> the class name in torch.distributed.pipelining.schedules.
 SCHEDULE_CLASS_NAMES = {
@@ -58,16 +60,16 @@ class PipelinePlan:
     layer_starts: tuple[int, ...]  # stage s holds layers [layer_starts[s], layer_starts[s + 1])
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, n_layers: int) -> PipelinePlan:
-        """The plan for ``cfg`` and a model of ``n_layers``; ``ConfigError`` lists every problem with it."""
-        schedule = _schedule(cfg.parallelism.pipeline_parallel_schedule)
-        starts, problems = _layer_starts(cfg, n_layers, schedule in SINGLE_STAGE_SCHEDULES)
-        pp = cfg.parallelism.pipeline_parallel_degree
+    def from_config(cls, p: Parallelism, t: Training, ac: ActivationCheckpoint, n_layers: int) -> PipelinePlan:
+        """The plan for these sections and a model of ``n_layers``; ``ConfigError`` lists every problem with it."""
+        schedule = _schedule(p.pipeline_parallel_schedule)
+        starts, problems = _layer_starts(p, n_layers, schedule in SINGLE_STAGE_SCHEDULES)
+        pp = p.pipeline_parallel_degree
         stages_per_rank = (len(starts) - 1) // pp
         problems += _stages_per_rank_problems(schedule, stages_per_rank)
-        microbatches = cfg.parallelism.pipeline_parallel_microbatches or len(starts) - 1
-        problems += _microbatch_problems(cfg, schedule, microbatches, len(starts) - 1)
-        problems += _backward_problems(cfg, schedule)
+        microbatches = p.pipeline_parallel_microbatches or len(starts) - 1
+        problems += _microbatch_problems(p, t.batch_size, schedule, microbatches, len(starts) - 1)
+        problems += _backward_problems(t, ac, schedule)
         if problems:
             raise ConfigError(problems)
         return cls(schedule=schedule, pp=pp, microbatches=microbatches, layer_starts=starts)
@@ -134,9 +136,9 @@ def _schedule(name: str) -> str:
     return schedule
 
 
-def _layer_starts(cfg: JobConfig, n_layers: int, single: bool) -> tuple[tuple[int, ...], list[str]]:
+def _layer_starts(p: Parallelism, n_layers: int, single: bool) -> tuple[tuple[int, ...], list[str]]:
     """Stage boundaries from the split points, or an even split; a layout that cannot exist ends the check."""
-    p, problems = cfg.parallelism, []
+    problems: list[str] = []
     pp, v_flag = p.pipeline_parallel_degree, p.pipeline_parallel_stages_per_rank
     if p.pipeline_parallel_split_points:
         starts = _parse_split_points(p.pipeline_parallel_split_points, n_layers, problems)
@@ -206,12 +208,13 @@ def _stages_per_rank_problems(schedule: str, v: int) -> list[str]:
     return problems
 
 
-def _microbatch_problems(cfg: JobConfig, schedule: str, m: int, num_stages: int) -> list[str]:
-    problems, pp, batch = [], cfg.parallelism.pipeline_parallel_degree, cfg.training.batch_size
+def _microbatch_problems(p: Parallelism, batch: int, schedule: str, m: int, num_stages: int) -> list[str]:
+    """``batch``: the local batch (--training.batch_size)."""
+    problems, pp = [], p.pipeline_parallel_degree
     if batch % m:
         problems.append(
             f"pipeline: local batch --training.batch_size={batch} is not divisible by {m} microbatches"
-            f"{'' if cfg.parallelism.pipeline_parallel_microbatches else ' (the default: one per stage)'}; set "
+            f"{'' if p.pipeline_parallel_microbatches else ' (the default: one per stage)'}; set "
             f"{_PP}microbatches to a divisor of the batch size or change the batch size"
         )
     if schedule == "1F1B" and m < num_stages:
@@ -229,12 +232,12 @@ def _microbatch_problems(cfg: JobConfig, schedule: str, m: int, num_stages: int)
     return problems
 
 
-def _backward_problems(cfg: JobConfig, schedule: str) -> list[str]:
+def _backward_problems(t: Training, ac: ActivationCheckpoint, schedule: str) -> list[str]:
     """Zero-bubble schedules run backward in two passes, which some other options forbid."""
     if schedule not in ZERO_BUBBLE_SCHEDULES:
         return []
-    problems, ac = [], cfg.activation_checkpoint
-    if cfg.training.compile:
+    problems: list[str] = []
+    if t.compile:
         problems.append(
             f"{_PP}schedule={schedule} splits backward into input and weight passes, which torch does not support "
             "on compiled blocks; turn off --training.compile or choose another schedule"

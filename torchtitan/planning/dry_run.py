@@ -53,6 +53,7 @@ from torchtitan.compat import (
     member_groups_only,
 )
 from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Model, Training
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_plan import PipelinePlan
@@ -66,6 +67,7 @@ from torchtitan.planning.progress import Progress, simulation_label
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
 from torchtitan.planning.repeats import (
     Repeats,
+    Variant,
     counted_memory,
     counted_peak,
     counted_traffic,
@@ -80,6 +82,7 @@ from torchtitan.train_step.base import StepParts
 from torchtitan.train_step.build import BuildOptions, build_runner
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.plain import PlainStep
+from torchtitan.train_step.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +149,13 @@ class DryRun:
 
 def plan_job(cfg: JobConfig, world_size: int) -> LaunchPlan:
     """The trainer's preflight with the flavor's vocabulary and no data checks (``ConfigError`` on a bad job)."""
-    vocab = model_args(cfg.model.name, cfg.model.flavor).vocab_size if _known(cfg) else 0
+    vocab = model_args(cfg.model.name, cfg.model.flavor).vocab_size if _known(cfg.model) else 0
     return preflight(cfg, world_size, tokenizer=FlavorVocabulary(vocab), check_data=False)
 
 
-def _known(cfg: JobConfig) -> bool:
+def _known(model: Model) -> bool:
     try:
-        model_args(cfg.model.name, cfg.model.flavor)
+        model_args(model.name, model.flavor)
         return True
     except ValueError:
         return False
@@ -190,15 +193,18 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
     check_imbalance(moe_imbalance)
     runs, tasks, repeats = [], [], []
     for i, (cfg, world_size, pp_ranks) in enumerate(jobs):
-        run, cfg = _planned(cfg, world_size, steps)
+        run = DryRun(cfg, world_size, plan_job(cfg, world_size), steps)
+        training, run.notes = _simulated_training(cfg.model, cfg.training, run.plan)
         run.notes += moe_notes(run.plan, moe_imbalance)
         runs.append(run)
-        counted = plan_repeats(run.plan, cfg) if symmetry else Repeats()
+        counted = plan_repeats(run.plan, cfg.activation_checkpoint) if symmetry else Repeats()
         repeats.append(counted)
-        variants = counted.variants(cfg, run.plan)
+        # Each size simulated runs the job with its own [training] and [parallelism] (repeats.py).
+        sized = [(dataclasses.replace(cfg, training=v.training, parallelism=v.parallelism), v.plan)
+                 for v in counted.variants(Variant(training, cfg.parallelism, run.plan))]
         by_shape = symmetry and pp_ranks is None
         tasks += [(i, [(c, plan, world_size, rank, steps, counted.counts_blocks, moe_imbalance)
-                       for c, plan in variants])
+                       for c, plan in sized])
                   for rank in ranks_to_simulate(run.dims, pp_ranks, run.plan.pipeline if by_shape else None)]
         run.notes += [*counted.notes, *([describe_symmetry(run.plan.pipeline) or ""] if by_shape else [])]
         run.notes = [line for line in run.notes if line]
@@ -268,18 +274,16 @@ def _counted(a: RankRun, b: RankRun, extra: int, memory) -> RankRun:
                    a.seconds + b.seconds)
 
 
-def _planned(cfg: JobConfig, world_size: int, steps: int) -> tuple[DryRun, JobConfig]:
-    """The job's plan (``ConfigError`` on a bad job), and the config to simulate it with."""
-    plan = plan_job(cfg, world_size)
-    run = DryRun(cfg, world_size, plan, steps)
-    run.notes.append(f"vocabulary {plan.model_args.vocab_size} from --model.flavor={cfg.model.flavor}; random "
-                     "token ids stand in for the data set (no tokenizer or data read)")
-    if cfg.training.compile:
+def _simulated_training(model: Model, training: Training, plan: LaunchPlan) -> tuple[Training, list[str]]:
+    """The [training] section to simulate the job with, and the notes on what differs from its run."""
+    notes = [f"vocabulary {plan.model_args.vocab_size} from --model.flavor={model.flavor}; random "
+             "token ids stand in for the data set (no tokenizer or data read)"]
+    if training.compile:
         # Compiled blocks cannot run under a dispatch mode; the step is simulated eager.
-        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
-        run.notes.append("--training.compile: simulated eager (memory and traffic as eager; compile's fusion "
-                         "is not modelled)")
-    return run, cfg
+        training = dataclasses.replace(training, compile=False)
+        notes.append("--training.compile: simulated eager (memory and traffic as eager; compile's fusion "
+                     "is not modelled)")
+    return training, notes
 
 
 @contextlib.contextmanager
@@ -313,14 +317,20 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         traffic = TrafficLedger({})
         recorder = StepRecorder(memory, traffic, compute)
-        job = _Job(cfg, plan, dims, fake, memory, recorder, moe_imbalance)
+        # Parallelized for the GPU (its dtype policy and kernels), allocated as fake tensors, not initialized.
+        io = (None if plan.pipeline is None else
+              stage_io(cfg.training, cfg.parallelism, dims, plan.model_spec, plan.model_args, plan.pipeline))
+        options = BuildOptions(device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
+                               stage_io=io)
+        runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
+        job = _Job(runner, cfg.training, plan, dims, memory, recorder, moe_imbalance)
         if regions:  # each stage's first, middle and last blocks (repeats.py)
             for part in job.runner.model_parts:
                 recorder.watch_blocks(list(part.get_submodule("layers").children()))
         traffic.dim_of_group = dim_of_groups(dims)
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
-        _prebuild_cp_masks(cfg, dims)
+        _prebuild_cp_masks(cfg.training.seq_len, dims)
         with fake, recorder, track_fsdp_storage(memory), grouped_mm_as_on(GPU_GROUPED_MM_DTYPES):
             job.register_state()
             job.init_optimizer_state(recorder)
@@ -332,14 +342,14 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
                        time.perf_counter() - start)
 
 
-def _prebuild_cp_masks(cfg: JobConfig, dims: ParallelDims) -> None:
+def _prebuild_cp_masks(seq_len: int, dims: ParallelDims) -> None:
     """Build CP attention's causal masks before fake mode: a mask is a tensor subclass that cannot be
     created under it (``cp_attention`` keeps them in a cache)."""
     if not dims.cp_enabled:
         return
     from torchtitan.distributed.context_parallel import _lower_right_bias
 
-    chunk = cfg.training.seq_len // (2 * dims.cp)
+    chunk = seq_len // (2 * dims.cp)
     for g in range(2 * dims.cp):
         _lower_right_bias(chunk, (g + 1) * chunk)
 
@@ -365,17 +375,12 @@ class _MicrobatchTag:
 
 
 class _Job:
-    """The trainer's parts for one simulated rank, built by the trainer's own ``build_runner`` and stepped by
-    its own ``PlainStep``; the recorder follows the step through the step's callbacks."""
+    """The trainer's parts for one simulated rank, built by the trainer's own ``build_runner`` (``simulate_rank``)
+    and stepped by its own ``PlainStep``; the recorder follows the step through the step's callbacks."""
 
-    def __init__(self, cfg: JobConfig, plan: LaunchPlan, dims: ParallelDims, fake: FakeTensorMode, memory: MemoryLedger,
-                 recorder: StepRecorder, moe_imbalance: float = 1.0):
-        self.cfg, self.plan, self.dims, self.memory = cfg, plan, dims, memory
-        # Parallelized for the GPU (its dtype policy and kernels), allocated as fake tensors, not initialized.
-        io = None if plan.pipeline is None else stage_io(cfg, dims, plan.model_spec, plan.model_args, plan.pipeline)
-        options = BuildOptions(device_type="cuda", allocate=lambda: fake, init_weights=False, describe=False,
-                               stage_io=io)
-        self.runner = build_runner(cfg, dims, plan, torch.device("cpu"), StepCallbacks([recorder.follow]), options)
+    def __init__(self, runner: ModelRunner, training: Training, plan: LaunchPlan, dims: ParallelDims,
+                 memory: MemoryLedger, recorder: StepRecorder, moe_imbalance: float = 1.0):
+        self.runner, self.training, self.plan, self.dims, self.memory = runner, training, plan, dims, memory
         assume_routing(self.runner.model_parts, moe_imbalance)  # MoE layers (planning/moe.py)
         self.stage_ids: list[int] = []
         if self.runner.pp_runner is not None:
@@ -385,7 +390,7 @@ class _Job:
                 stage.submod.register_forward_pre_hook(_MicrobatchTag(recorder, stage.stage_index))
         self.params = self.runner.parameters()
         self.strategy = PlainStep(StepParts(runner=self.runner, loss_mesh=dims.get_mesh("dp_cp"),
-                                            pp_mesh=dims.get_mesh("pp"), max_norm=cfg.training.max_norm,
+                                            pp_mesh=dims.get_mesh("pp"), max_norm=training.max_norm,
                                             dataloader=None))
         self.steps_taken = 0
 
@@ -406,7 +411,7 @@ class _Job:
 
     def batches(self) -> list[Batch]:
         """A step's micro-batches of random token ids (the step cuts them to this rank's CP share)."""
-        t, vocab = self.cfg.training, self.plan.model_args.vocab_size
+        t, vocab = self.training, self.plan.model_args.vocab_size
         out = []
         for _ in range(self.plan.grad_accum):
             tokens = torch.randint(0, vocab, (t.batch_size, t.seq_len + 1))

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.compat import skip_pipeline_shape_exchange
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Parallelism, Training
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import mixed_precision
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
@@ -32,7 +32,7 @@ def make_stages_static(pp_runner: PipelineRunner) -> None:
     skip_pipeline_shape_exchange(pp_runner.schedule)
 
 
-def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderConfig,
+def stage_io(t: Training, p: Parallelism, dims: ParallelDims, spec: ModelSpec, args: DecoderConfig,
              plan: PipelinePlan) -> Callable[[int], dict]:
     """Each stage's example input and output on the meta device (gradients alike), as the model makes them.
 
@@ -42,10 +42,9 @@ def stage_io(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: DecoderC
     prediction), a DTensor sharded over the vocabulary under loss parallel. With an MoE auxiliary loss,
     a running sum [1] (float32) travels beside them, last.
     """
-    t, p = cfg.training, cfg.parallelism
     mb = t.batch_size // plan.microbatches
     seq = t.seq_len // dims.cp
-    dtype = mixed_precision(cfg, "cuda").param_dtype
+    dtype = mixed_precision(t, "cuda").param_dtype
     hidden_seq = seq // dims.tp if dims.tp_enabled and p.enable_sequence_parallel else seq
     meta = torch.device("meta")
     hidden = torch.empty(mb, hidden_seq, spec.model.hidden_width(args), dtype=dtype, device=meta, requires_grad=True)

@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from torchtitan.config import JobConfig
+from torchtitan.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchtitan.launch_plan import LaunchPlan
 from torchtitan.planning.compute import PhaseWork
 from torchtitan.planning.memory import MemoryReport, fold
@@ -42,6 +42,16 @@ from torchtitan.planning.traffic import CollectiveStats, TrafficLedger
 
 FIRST_SIMULATED = 3  # blocks in the smallest stage's first simulation: a first, one middle, a last
 FEWEST_BLOCKS = 8  # below this, two simulations of 3 and 4 blocks cost about as much as one of all of them
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One simulation's size: the plan, and the two sections a size changes (the local batch and the pipeline's
+    micro-batches); the dry run runs the job with these in place of its own."""
+
+    training: Training
+    parallelism: Parallelism
+    plan: LaunchPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +67,15 @@ class Repeats:
     def counts_blocks(self) -> bool:
         return self.fewer_blocks > 0
 
-    def variants(self, cfg: JobConfig, plan: LaunchPlan) -> list[tuple[JobConfig, LaunchPlan]]:
-        """The (config, plan) pairs to simulate: for each micro-batch count, each block count (blocks vary
-        fastest); ``count_back`` in dry_run.py takes their runs in this order."""
+    def variants(self, job: Variant) -> list[Variant]:
+        """The sizes to simulate ``job`` at: for each micro-batch count, each block count (blocks vary fastest);
+        ``count_back`` in dry_run.py takes their runs in this order."""
         sizes = [None] if self.microbatches is None else list(self.microbatches)
         fewer = [self.fewer_blocks, self.fewer_blocks - 1] if self.counts_blocks else [0]
         out = []
         for m in sizes:
-            c, p = (cfg, plan) if m is None else with_microbatches(cfg, plan, m)
-            out += [(c, with_fewer_blocks(p, k)) for k in fewer]
+            v = job if m is None else with_microbatches(job, m)
+            out += [dataclasses.replace(v, plan=with_fewer_blocks(v.plan, k)) for k in fewer]
         return out
 
     @property
@@ -86,11 +96,10 @@ def stage_blocks(plan: LaunchPlan) -> list[int]:
     return [starts[s + 1] - starts[s] for s in range(len(starts) - 1)]
 
 
-def blocks_to_count(plan: LaunchPlan, cfg: JobConfig) -> tuple[int, str]:
+def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint) -> tuple[int, str]:
     """Blocks per stage left out of the first simulation (0: every block simulated), and why."""
     counts = stage_blocks(plan)
     fewest = min(counts)
-    ac = cfg.activation_checkpoint
     if fewest < FEWEST_BLOCKS:
         return 0, ""
     if ac.mode == "selective" and ac.selective_ac_option not in ("op", "1"):
@@ -190,21 +199,21 @@ def _accumulated_schedules(job: int) -> tuple[tuple[int, int] | None, int, str]:
                          "(past the first, each runs the same schedule and adds to the same gradients)")
 
 
-def with_microbatches(cfg: JobConfig, plan: LaunchPlan, m: int) -> tuple[JobConfig, LaunchPlan]:
-    """``cfg`` and ``plan`` with ``m`` micro-batches of the same size a step: accumulated micro-steps (each a whole
-    pipeline schedule under a pipeline) where the job accumulates, else the pipeline's micro-batches."""
-    p = plan.pipeline
+def with_microbatches(job: Variant, m: int) -> Variant:
+    """``job`` with ``m`` micro-batches of the same size a step: accumulated micro-steps (each a whole pipeline
+    schedule under a pipeline) where the job accumulates, else the pipeline's micro-batches."""
+    plan, p = job.plan, job.plan.pipeline
     if p is None or plan.grad_accum > 1:
-        return cfg, dataclasses.replace(plan, grad_accum=m)
-    t = cfg.training
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(t, batch_size=t.batch_size // p.microbatches * m),
-                              parallelism=dataclasses.replace(cfg.parallelism, pipeline_parallel_microbatches=m))
-    return cfg, dataclasses.replace(plan, pipeline=dataclasses.replace(p, microbatches=m))
+        return dataclasses.replace(job, plan=dataclasses.replace(plan, grad_accum=m))
+    t = job.training
+    return Variant(training=dataclasses.replace(t, batch_size=t.batch_size // p.microbatches * m),
+                   parallelism=dataclasses.replace(job.parallelism, pipeline_parallel_microbatches=m),
+                   plan=dataclasses.replace(plan, pipeline=dataclasses.replace(p, microbatches=m)))
 
 
-def plan_repeats(plan: LaunchPlan, cfg: JobConfig) -> Repeats:
-    """What ``plan``'s ranks count rather than simulate."""
-    fewer, why_blocks = blocks_to_count(plan, cfg)
+def plan_repeats(plan: LaunchPlan, ac: ActivationCheckpoint) -> Repeats:
+    """What ``plan``'s ranks count rather than simulate (``ac``: the job's activation checkpointing)."""
+    fewer, why_blocks = blocks_to_count(plan, ac)
     sizes, job, why_microbatches = microbatches_to_count(plan)
     return Repeats(fewer, sizes, job, tuple(line for line in (why_blocks, why_microbatches) if line))
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from torchtitan.config import ConfigError, ConfigManager, JobConfig
+from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config.job_config import Model, Parallelism, Training
 from torchtitan.planning.clusters import Cluster
 from torchtitan.planning.cost import StepEstimate, estimate
 from torchtitan.planning.dry_run import dry_runs, plan_job
@@ -30,6 +31,21 @@ LONG_SEQUENCE = 32768
 # The Float8 variant a search proposes: TorchTitan's fastest recipe with FSDP (docs/float8.md).
 FLOAT8 = ["--model.converters=float8", "--float8.recipe_name=tensorwise", "--float8.enable_fsdp_float8_all_gather",
           "--float8.precompute_float8_dynamic_scale_for_fsdp"]
+
+
+@dataclass(frozen=True)
+class SearchBasis:
+    """What the search keeps of the job it lays out: its global batch (sequences), sequence length and routed
+    experts (0 for a dense model or one the registry does not know)."""
+
+    global_batch: int
+    seq_len: int
+    experts: int
+
+    @classmethod
+    def of(cls, model: Model, training: Training, parallelism: Parallelism, world_size: int) -> SearchBasis:
+        """The job's basis: its global batch is the local batch times the config's data-parallel degree."""
+        return cls(training.batch_size * _config_dp(parallelism, world_size), training.seq_len, _num_experts(model))
 
 
 @dataclass
@@ -46,13 +62,11 @@ def _ep_fits(ep: int, data: int, tp: int) -> bool:
     return data % ep == 0 or (ep % tp == 0 and (data * tp) % ep == 0)
 
 
-def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> list[list[str]]:
+def candidate_overrides(job: SearchBasis, world_size: int, gpus_per_node: int) -> list[list[str]]:
     """Every layout to try, as train.py overrides (not yet checked by the preflight)."""
-    t = cfg.training
-    global_batch = t.batch_size * _config_dp(cfg, world_size)
+    global_batch, experts = job.global_batch, job.experts
     out = []
-    cps = CP_DEGREES if t.seq_len >= LONG_SEQUENCE else (1,)
-    experts = _num_experts(cfg)
+    cps = CP_DEGREES if job.seq_len >= LONG_SEQUENCE else (1,)
     for tp, pp, cp in itertools.product(TP_DEGREES, PP_DEGREES, cps):
         if tp > gpus_per_node or world_size % (tp * pp * cp):
             continue
@@ -78,28 +92,28 @@ def candidate_overrides(cfg: JobConfig, world_size: int, gpus_per_node: int) -> 
     return out
 
 
-def searched_overrides(cfg: JobConfig, world_size: int, cluster: Cluster, float8: bool) -> list[list[str]]:
+def searched_overrides(job: SearchBasis, world_size: int, cluster: Cluster, float8: bool) -> list[list[str]]:
     """The candidates, and with ``float8`` on a cluster with an FP8 peak each again in Float8."""
-    candidates = candidate_overrides(cfg, world_size, cluster.gpus_per_node)
+    candidates = candidate_overrides(job, world_size, cluster.gpus_per_node)
     if float8 and cluster.peak_fp8_flops > 0:
         candidates += [[*o, *FLOAT8] for o in candidates]
     return candidates
 
 
-def _num_experts(cfg: JobConfig) -> int:
+def _num_experts(model: Model) -> int:
     """The flavor's routed experts (0 for a dense model or one the registry does not know)."""
     from torchtitan.models import model_args
 
     try:
-        return model_args(cfg.model.name, cfg.model.flavor).num_experts
+        return model_args(model.name, model.flavor).num_experts
     except ValueError:
         return 0
 
 
-def _config_dp(cfg: JobConfig, world_size: int) -> int:
+def _config_dp(parallelism: Parallelism, world_size: int) -> int:
     from torchtitan.distributed import ParallelDims
 
-    return ParallelDims.from_config(cfg.parallelism, world_size).degree("dp")
+    return ParallelDims.from_config(parallelism, world_size).degree("dp")
 
 
 def search(args: list[str], world_size: int, cluster: Cluster, moe_imbalance: float = 1.0,
@@ -111,7 +125,8 @@ def search(args: list[str], world_size: int, cluster: Cluster, moe_imbalance: fl
     """
     cfg = ConfigManager().parse_args(args)
     accepted, jobs = [], []
-    candidates = searched_overrides(cfg, world_size, cluster, float8)
+    basis = SearchBasis.of(cfg.model, cfg.training, cfg.parallelism, world_size)
+    candidates = searched_overrides(basis, world_size, cluster, float8)
     if progress is not None:
         progress.say(f"checking {len(candidates)} candidate layouts for {world_size} ranks with the preflight")
     for overrides in candidates:
