@@ -242,3 +242,13 @@ def test_startup_wait_decisions():
     assert expired.decide(quorum([2]), 0) == GO and expired.done
 
     assert StartupWait(2, 0, agree).done  # 0 turns the wait off
+
+
+def test_semi_sync_refuses_a_manager_that_is_not_torchfts():
+    from torchtitan.config.job_config import FaultTolerance
+    from torchtitan.fault_tolerance.semi_sync import build_semi_sync
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="semi_sync_method=diloco needs torchft's Manager .* not a SimpleNamespace"):
+        build_semi_sync(FaultTolerance(semi_sync_method="diloco"), SimpleNamespace(), [model], optimizer)
