@@ -1,9 +1,10 @@
 """Muon on FSDP2, HSDP, DDP and EP: the owner-based update equals one process's, each matrix orthogonalized once.
 
-One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2, DDP 4 and EP 2 x FSDP 2 in turn, for 3
-steps on gradients that are a function of the weights (the same in every layout), with the float32
-iteration. Its matrices cover an uneven cut (5 rows on 4 ranks: one rank holds none), batched experts
-(whole on each rank under FSDP and EP: no communication) and a fused weight split in parts.
+One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2 (also with the experts' rows cut), DDP 4
+and EP 2 x FSDP 2 in turn, for 3 steps on gradients that are a function of the weights (the same in every
+layout), with the float32 iteration. Its matrices cover an uneven cut (5 rows on 4 ranks: one rank holds
+none), batched experts (whole on each rank under FSDP and EP: no communication) and a fused weight split in
+parts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ FP32 = MuonSettings(ns_dtype="float32")
 LAYOUTS = {"FSDP 4": ((4,), ("dp_shard",)), "HSDP 2x2": ((2, 2), ("dp_replicate", "dp_shard")),
            "DDP 4": ((4, 1), ("dp_replicate", "dp_shard")),
            # as models/moe/parallel.py and distributed/fsdp.py: experts over ep, then FSDP over efsdp
-           "EP 2 x FSDP 2": ((2, 2), ("efsdp", "ep"))}
+           "EP 2 x FSDP 2": ((2, 2), ("efsdp", "ep")),
+           # FSDP2 cuts the experts' rows when a rank's experts are fewer than its ranks (distributed/fsdp.py)
+           "HSDP 2x2, expert rows cut": ((2, 2), ("dp_replicate", "dp_shard"))}
 MATRICES = {"up.weight": 1, "narrow.weight": 1, "fused.weight": 1, "experts.w1": 4}  # name -> matrices
 
 
@@ -81,6 +84,7 @@ def _expert_parallel(experts: nn.Module, mesh) -> None:  # noqa: ANN001 - a Devi
 def _rank(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     out = {}
     for name, (shape, dims) in LAYOUTS.items():
@@ -89,9 +93,12 @@ def _rank(rank: int, world_size: int) -> dict:
         if "ep" in dims:
             _expert_parallel(model.experts, mesh)
             mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+        if "rows" in name:
+            fully_shard(model.experts, mesh=mesh, shard_placement_fn=lambda param: Shard(1))
         fully_shard(model, mesh=mesh)
         owned = _train(model, _optimizer(model, distributed=True))
-        out[name] = {"owned": owned, "final": {n: _full(p.detach()) for n, p in model.named_parameters()}}
+        out[name] = {"owned": owned, "final": {n: _full(p.detach()) for n, p in model.named_parameters()},
+                     "experts": str(tuple(model.experts.w1.placements))}
     return out
 
 
@@ -100,6 +107,8 @@ def test_owner_update_equals_one_process_in_fsdp_hsdp_ddp_and_ep():
     _train(model, _optimizer(model, distributed=False))
     expected = dict(model.named_parameters())
     ranks = run_ranks(_rank, 4)
+    assert ranks[0]["HSDP 2x2, expert rows cut"]["experts"] == "(Replicate(), Shard(dim=1))"
+    assert ranks[0]["EP 2 x FSDP 2"]["experts"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     for layout in LAYOUTS:
         for name, final in ranks[0][layout]["final"].items():
             torch.testing.assert_close(final, expected[name].detach(), rtol=1e-5, atol=1e-6,
