@@ -37,15 +37,12 @@ def _kept_for_adamw(model: nn.Module) -> set[torch.Tensor]:
 
 
 def _fused_rows(model: nn.Module) -> dict[torch.Tensor, tuple[int, ...]]:
-    """MLA's ``wkv_a`` concatenates the compressed key-value projection and the shared rotary key."""
+    """The family's fused weights (MLA's ``wkv_a``), each split into its parts' rows; a module no family
+    built (a test's, a user's own) declares none."""
     # Imported here: the launch preflight imports the optimizers, not the models' modules.
-    from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
+    from torchtitan.models.common.decoder import Decoder
 
-    parts: dict[torch.Tensor, tuple[int, ...]] = {}
-    for module in model.modules():
-        if isinstance(module, MultiHeadLatentAttention):
-            parts[module.wkv_a.weight] = (module.kv_lora_rank, module.rope)
-    return parts
+    return model.fused_row_parts() if isinstance(model, Decoder) else {}
 
 
 def split_params(model_parts: list[nn.Module]) -> MuonParams:

@@ -370,6 +370,11 @@ class Decoder(nn.Module):
         """(depths, loss weight) of the model's multi-token prediction; depths 0: none."""
         return 0, 0.0
 
+    def fused_row_parts(self) -> dict[torch.Tensor, tuple[int, ...]]:
+        """Weights whose rows stack several projections, each part's row count: a matrix optimizer (Muon)
+        orthogonalizes each part alone. The shared decoder fuses none."""
+        return {}
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once
         if exclude_embedding and self.tok_embeddings is not None:

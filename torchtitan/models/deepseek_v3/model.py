@@ -90,6 +90,11 @@ class DeepSeekV3Model(Decoder):
         depths = self.args.num_mtp_layers
         return (depths, self.args.mtp_loss_weight) if depths else (0, 0.0)
 
+    def fused_row_parts(self) -> dict[torch.Tensor, tuple[int, ...]]:
+        """MLA's ``wkv_a`` stacks the compressed key-value projection and the shared rotary key."""
+        return {m.wkv_a.weight: (m.kv_lora_rank, m.rope) for m in self.modules()
+                if isinstance(m, MultiHeadLatentAttention)}
+
     # ---------------------------------------------------------------- the model
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
