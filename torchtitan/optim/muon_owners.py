@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from torchtitan.compat.mesh import local_shape_and_global_offset
 from torchtitan.optim.muon import MuonSettings, orthogonalized
 
 
@@ -185,7 +185,7 @@ def _matrices_of(name: str, p: torch.Tensor, plan: ShardedMatrix) -> tuple[str, 
     """The experts (or the one 2-D matrix) that this owner orthogonalizes of ``p``."""
     if not plan.expert_mesh_dims or not isinstance(p, DTensor):
         return name, 0, math.prod(p.shape[:-2])
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    shape, offset = local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return name, offset[0], offset[0] + shape[0]
 
 
