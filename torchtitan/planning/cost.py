@@ -30,6 +30,7 @@ from torchtitan.planning.traffic import crosses_nodes
 
 _FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
            "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n,
+           "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
            "send": lambda n: 1.0, "recv": lambda n: 0.0}  # a recv's bytes are its peer's send
 
 # The stated allowance on top of the tracked peak: the caching allocator's fragmentation and

@@ -5,7 +5,8 @@ names the mesh dim it runs over (``dim_of_groups`` maps every group the mesh bui
 per rank are those of the rank's buffer:
 
 - all-gather: the gathered output; reduce-scatter: the unreduced input; all-reduce, broadcast,
-  send and recv: the tensor; all-to-all: the larger of what the rank sends and receives (the
+  send and recv: the tensor; gather and scatter: the larger of the rank's own block and the blocks it
+  holds for the group (the root's: every block); all-to-all: the larger of what the rank sends and receives (the
   expert-parallel exchange is uneven when routing is: a link carries both directions at once, so the
   busier one sets its time).
 
@@ -39,6 +40,9 @@ _OPS: dict = {
     c10d.allreduce_.default: ("all_reduce", 1, "arg0"),
     c10d.allreduce_coalesced_.default: ("all_reduce", 1, "arg0"),
     c10d.broadcast_.default: ("broadcast", 1, "arg0"),
+    # Muon's owner gathers and scatters (optim/muon_owners.py): the owner's buffer holds every block.
+    c10d.gather_.default: ("gather", 2, ("arg0", "arg1")),
+    c10d.scatter_.default: ("scatter", 2, ("arg0", "arg1")),
     c10d.send.default: ("send", 1, "arg0"),
     c10d.recv_.default: ("recv", 1, "arg0"),
     c10d.alltoall_base_.default: ("all_to_all", 2, ("arg0", "arg1")),

@@ -103,12 +103,13 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         if stage_copies is not None and options.init_weights:
             stage_copies.sync_values()
     o, s = cfg.optimizer, cfg.lr_scheduler
-    with options.allocate():
-        optimizer = build_optimizer(
-            [p for part in model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
-            weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type, model_parts=model_parts,
-            muon=MuonSettings.from_config(o),
-        )
+    # Outside ``allocate``: building allocates nothing (the state comes with the first step), and Muon plans its
+    # owners on the host from the mesh's rank tensor, which a fake-tensor ``allocate`` would empty of values.
+    optimizer = build_optimizer(
+        [p for part in model_parts for p in part.parameters()], name=o.name, lr=o.lr, eps=o.eps,
+        weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type, model_parts=model_parts,
+        muon=MuonSettings.from_config(o),
+    )
     install_after_step(optimizer, model_parts, cfg.model, cfg.float8)
     lr_scheduler = build_lr_scheduler(
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,

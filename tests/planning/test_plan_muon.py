@@ -1,0 +1,80 @@
+"""The planner prices Muon from its real step: the optimizer state (one momentum buffer per matrix), the owners'
+gathers, scatters and HSDP broadcasts, and the Newton-Schulz FLOPs, each against arithmetic on the debug model's
+shapes written here."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import debug_config
+
+from torchtitan.planning.dry_run import dry_runs
+
+pytestmark = pytest.mark.slow  # the dry run's pool of worker processes
+
+# The debug model's matrices per block (dim 256, 16 heads of 16, 8 KV heads, FFN 768): wq, wk, wv, wo, w1, w2, w3;
+# the embedding and the output head stay with AdamW.
+BLOCK = [(256, 256), (128, 256), (128, 256), (256, 256), (768, 256), (256, 768), (768, 256)]
+MATRICES = BLOCK * 6
+FP32 = 4
+NS_STEPS = 5
+
+
+def _owners(ranks: int) -> list[int]:
+    """Longest processing time first over m * n * min(m, n), to the least loaded rank (the lower one on a tie)."""
+    load = [0] * ranks
+    owners = [0] * len(MATRICES)
+    costs = [m * n * min(m, n) for m, n in MATRICES]
+    for i in sorted(range(len(MATRICES)), key=lambda i: -costs[i]):
+        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owners[i]] += costs[i]
+    return owners
+
+
+def _newton_schulz_flops(m: int, n: int) -> int:
+    """Per step on the wide orientation (a x b, a <= b): X X^T (2 a^2 b), the Gram matrix squared (2 a^3) and the
+    polynomial times X (2 a^2 b), as newton_schulz's three products."""
+    a, b = min(m, n), max(m, n)
+    return NS_STEPS * (4 * a * a * b + 2 * a ** 3)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    def job(optimizer: str, *layout: str):
+        return debug_config(f"--optimizer.name={optimizer}", *layout), 4, None
+
+    fsdp, hsdp = ["--parallelism.data_parallel_shard_degree=4"], ["--parallelism.data_parallel_shard_degree=2",
+                                                                  "--parallelism.data_parallel_replicate_degree=2"]
+    adamw, muon, muon_hsdp = dry_runs([job("AdamW", *fsdp), job("Muon", *fsdp), job("Muon", *hsdp)])
+    return adamw.ranks[0], muon.ranks[0], muon_hsdp.ranks[0]
+
+
+def _optimizer_rows(rank_run) -> dict[tuple[str, str], dict]:
+    return {(r["dim"], r["kind"]): r for r in rank_run.traffic.rows() if r["phase"] == "optimizer"}
+
+
+def test_muon_prices_its_state_traffic_and_newton_schulz(runs):
+    adamw, muon, muon_hsdp = runs
+    whole = [m * n * FP32 for m, n in MATRICES]
+    # State: AdamW keeps two moments and a step counter per matrix where Muon keeps one momentum buffer.
+    saved = adamw.memory.final["optimizer"] - muon.memory.final["optimizer"]
+    assert saved == sum(whole) // 4 + FP32 * len(MATRICES)
+    # FSDP 4: rank 0 gathers onto itself the whole of what it owns and sends its quarter of the rest; the
+    # scatter mirrors it.
+    owners = _owners(4)
+    mine = [i for i, o in enumerate(owners) if o == 0]
+    expected = sum(w if o == 0 else w // 4 for w, o in zip(whole, owners))
+    rows = _optimizer_rows(muon)
+    for kind in ("gather", "scatter"):
+        assert (rows[("dp_shard", kind)]["bytes"], rows[("dp_shard", kind)]["count"]) == (expected, len(MATRICES))
+    ns = sum(_newton_schulz_flops(*MATRICES[i]) for i in mine)
+    assert muon.work["optimizer"].matmul_flops == ns
+    assert adamw.work["optimizer"].matmul_flops == 0
+    # HSDP 2 x 2 (mesh [[0, 1], [2, 3]]): rank 0 gathers in its replica (ranks 0 and 1) what ranks 0 and 1 own,
+    # and every matrix's half block comes to it by a broadcast from the owner's replica.
+    rows = _optimizer_rows(muon_hsdp)
+    in_replica = [(w, o) for w, o in zip(whole, owners) if o in (0, 1)]
+    expected = sum(w if o == 0 else w // 2 for w, o in in_replica)
+    for kind in ("gather", "scatter"):
+        assert (rows[("dp_shard", kind)]["bytes"], rows[("dp_shard", kind)]["count"]) == (expected, len(in_replica))
+    assert rows[("dp_replicate", "broadcast")]["bytes"] == sum(whole) // 2
+    assert muon_hsdp.work["optimizer"].matmul_flops == ns
