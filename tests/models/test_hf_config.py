@@ -1,8 +1,8 @@
 """A release's ``config.json`` both ways from each family's table of rows (models/common/hf_config.py).
 
 A row reads the first key present, its default when the entry is missing (or false, where the family's
-configs read ``x or default``) or a value derived from the others; each family but Llama 3 (whose fields
-are shared with Meta's ``params.json``, ``llama3/convert.py``) translates through one table; a written
+configs read ``x or default``) or a value derived from the others; each family translates through one
+table (Llama 3's fields are also those of Meta's ``params.json``, ``llama3/convert.py``); a written
 config reads back as the model it describes; a null entry is a difference named in one line.
 """
 
@@ -15,17 +15,18 @@ import torch
 
 from torchtitan.models import get_model_spec
 from torchtitan.models.common.hf import DecoderHFAdapter
-from torchtitan.models.common.hf_config import ConfigField, ConfigTable, HFDecoderConfig
+from torchtitan.models.common.hf_config import ConfigField, ConfigTable
 
 TABLE_FAMILIES = [("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("mixtral", "debugmodel"),
-                  ("deepseek_v3", "debugmodel"), ("gpt_oss", "debugmodel")]
+                  ("deepseek_v3", "debugmodel"), ("gpt_oss", "debugmodel"), ("llama3", "debugmodel_tied"),
+                  ("llama3", "1B")]
 
 
 def _table(family: str) -> ConfigTable:
     adapter = get_model_spec(family).state_dict_adapter
     assert isinstance(adapter, DecoderHFAdapter)
     config = adapter.config
-    table = config.table if isinstance(config, HFDecoderConfig) else config
+    table = getattr(config, "table", config)  # HFDecoderConfig, Llama 3's LlamaConfigFormat: their table
     assert isinstance(table, ConfigTable), f"{family}'s config.json is translated by hand ({type(config).__name__})"
     return table
 
@@ -61,3 +62,25 @@ def test_a_null_entry_is_a_difference_named_in_one_line():
     config["num_attention_heads"] = None
     problems = spec.state_dict_adapter.hf_config_problems(args, config, "DIR/config.json")
     assert problems == [f"DIR/config.json: n_heads is None there, {args.n_heads} in the configured model"]
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "1B", "8B"])
+def test_llama3_writes_the_released_layout_and_reads_back_every_field(flavor, tmp_path):
+    """Llama 3's table keeps Meta's key order and its fields shared with ``params.json`` (the rotary scaling's
+    parameters, the SwiGLU width) through a write and a read."""
+    from torchtitan.models.llama3.convert import model_fields
+
+    spec, table = get_model_spec("llama3"), _table("llama3")
+    args = spec.flavors[flavor]
+    config = spec.state_dict_adapter.hf_config(args, bos_id=None, eos_id=3, dtype=torch.float32)
+    assert tuple(config) == table.order and config["rope_scaling"] == (None if flavor == "debugmodel" else {
+        "rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    back = spec.read_release(str(tmp_path))
+    assert model_fields(back) == model_fields(args) and back.max_seq_len == args.max_seq_len
+    config["rope_scaling"] = None
+    problems = spec.state_dict_adapter.hf_config_problems(args, config, "DIR/config.json")
+    assert problems == ([] if flavor == "debugmodel" else [
+        f"DIR/config.json: rope scaling (rope_scaling) is None there, {model_fields(args)['rope_scaling']!r} in the "
+        "configured model"])

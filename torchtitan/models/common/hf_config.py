@@ -16,8 +16,9 @@ A family states how its ``config.json`` spells its args as ``ConfigField`` rows,
 beside the rows (constants, and those made of several fields: the rotary ones); it reads a release into
 the family's args (``--model.flavor DIR``), writes ``config.json`` on export and compares. Qwen3,
 Qwen3-MoE and Mixtral differ only in how they spell their experts (``ExpertKeys``: ``HFDecoderConfig``);
-DeepSeek-V3 and GPT-OSS give their tables in their ``hf.py``. Reads the hub's fields (``num_experts``,
-``rope_theta``) and those transformers 5 writes (``num_local_experts``, ``rope_parameters``).
+DeepSeek-V3 and GPT-OSS give their tables in their ``hf.py``, Llama 3 in ``llama3/convert.py``. Reads the
+hub's fields (``num_experts``, ``rope_theta``) and those transformers 5 writes (``num_local_experts``,
+``rope_parameters``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from torchtitan.lfs import check_not_lfs_pointer
-from torchtitan.models.common.args import DecoderArgs
 from torchtitan.models.common.config import DecoderConfig, JsonObject
 
-ArgsT = TypeVar("ArgsT", bound=DecoderArgs)  # the family's args class: what these functions return
+ArgsT = TypeVar("ArgsT", bound=DecoderConfig)  # the family's args class: what these functions return
 
 
 def read_config(path: str | Path) -> tuple[Path, JsonObject]:
@@ -142,7 +142,7 @@ def _refuse_nothing(config: JsonObject) -> None:
     return None
 
 
-def _nothing_more(args: DecoderArgs) -> JsonObject:
+def _nothing_more(args: DecoderConfig) -> JsonObject:
     return {}
 
 
@@ -152,7 +152,8 @@ class ConfigTable(Generic[ArgsT]):
 
     ``refuse``: ValueError (one line) for a release the family cannot represent, before any row is read;
     ``more``: the entries written beside the rows' (the rotary ones, made of several fields);
-    ``constants``: entries written as they are; ``fixed``: args every release of the family has.
+    ``constants``: entries written as they are; ``fixed``: args every release of the family has;
+    ``order``: the written entries in this order (the family's released layout), any others after them.
     """
 
     args_type: type[ArgsT]
@@ -164,6 +165,7 @@ class ConfigTable(Generic[ArgsT]):
     more: Callable[[ArgsT], JsonObject] = _nothing_more
     constants: Mapping[str, object] = field(default_factory=dict)
     fixed: JsonObject = field(default_factory=dict)
+    order: tuple[str, ...] = ()
 
     def _ours(self, args: DecoderConfig) -> ArgsT:
         if not isinstance(args, self.args_type):
@@ -231,7 +233,7 @@ class ConfigTable(Generic[ArgsT]):
         config.update(self.constants)
         config.update({"bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": str(dtype).removeprefix("torch."),
                        "use_cache": True})
-        return config
+        return {**{key: config[key] for key in self.order}, **config}
 
 
 def _heads(config: JsonObject) -> object:
@@ -242,22 +244,17 @@ def _head_dim(config: JsonObject) -> object:
     return config["hidden_size"] // config["num_attention_heads"]
 
 
-def shape_rows(norm_eps: float = 1e-6) -> tuple[ConfigField, ...]:
+def shape_rows(norm_eps: float = 1e-6, ffn: str = "ffn_hidden_size") -> tuple[ConfigField, ...]:
     """The decoder's widths as every Llama-style ``config.json`` states them (a missing ``head_dim`` is
-    ``hidden_size / num_attention_heads``; transformers leaves the output untied unless it says so)."""
+    ``hidden_size / num_attention_heads``; transformers leaves the output untied unless it says so);
+    ``ffn``: our name of ``intermediate_size``."""
     return (ConfigField("dim", ("hidden_size",)), ConfigField("n_layers", ("num_hidden_layers",)),
             ConfigField("n_heads", ("num_attention_heads",)),
             ConfigField("n_kv_heads", ("num_key_value_heads",), falsy_default=True, derive=_heads),
             ConfigField("head_dim", ("head_dim",), falsy_default=True, derive=_head_dim),
-            ConfigField("vocab_size", ("vocab_size",)), ConfigField("ffn_hidden_size", ("intermediate_size",)),
+            ConfigField("vocab_size", ("vocab_size",)), ConfigField(ffn, ("intermediate_size",)),
             ConfigField("norm_eps", ("rms_norm_eps",), default=norm_eps, kind=float),
             ConfigField("tie_word_embeddings", ("tie_word_embeddings",), default=False, kind=bool))
-
-
-def shape_fields(config: JsonObject) -> JsonObject:
-    """``shape_rows`` read from ``config`` (Llama 3's reader, whose other fields are shared with Meta's
-    ``params.json``)."""
-    return {row.ours: row.read(config) for row in shape_rows()}
 
 
 @dataclass(frozen=True)
@@ -314,7 +311,7 @@ class HFDecoderConfig(Generic[ArgsT]):
         return ConfigTable(self.args_type, self.architectures, self.model_types, decoder_rows(self.experts),
                            more=self._expert_count, constants={"hidden_act": "silu", "attention_bias": False})
 
-    def _expert_count(self, args: DecoderArgs) -> JsonObject:
+    def _expert_count(self, args: DecoderConfig) -> JsonObject:
         # written with experts only (a dense model's config.json does not mention them)
         return {self.experts.count: args.num_experts, "router_aux_loss_coef": 0.0} if args.num_experts else {}
 

@@ -27,7 +27,10 @@ def _llama(args: DecoderConfig) -> ModelArgs:
 
 
 class LlamaConfigFormat:
-    """``HFConfigFormat`` of ``LlamaForCausalLM``."""
+    """``HFConfigFormat`` of ``LlamaForCausalLM``: its table (``convert.LLAMA_CONFIG``), differences named as
+    for Meta's ``params.json``."""
+
+    table = convert.LLAMA_CONFIG
 
     def write(self, args: DecoderConfig, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
         return convert.hf_config(_llama(args), bos_id=bos_id, eos_id=eos_id, dtype=dtype)

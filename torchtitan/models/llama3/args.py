@@ -69,6 +69,11 @@ class ModelArgs:
         return self.dim // self.n_heads
 
     @property
+    def ffn_dim(self) -> int:
+        """The SwiGLU width (``ffn_hidden_dim``), as config.json's ``intermediate_size`` states it."""
+        return ffn_hidden_dim(self)
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 

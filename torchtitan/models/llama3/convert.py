@@ -1,8 +1,10 @@
 """Llama 3's hyper-parameters as a release spells them: Hugging Face's ``config.json`` and Meta's ``params.json``.
 
-Pure functions, no file I/O: the model fields a release must agree on, read from either file, and the
-``config.json`` written for ``LlamaForCausalLM``. The weight names and the rotary layout of q/k are the
-decoder's declarative map (``models/common/weight_map.py``); Meta's names are ours (``adapter.py``).
+No file I/O: the model fields a release must agree on, read from either file (``config.json`` through
+``LLAMA_CONFIG``, a ``ConfigTable`` of rows as every family's; ``params.json`` by its own reader, which
+fills in what Meta's file leaves unsaid), and the ``config.json`` written for ``LlamaForCausalLM``. The weight
+names and the rotary layout of q/k are the decoder's declarative map (``models/common/weight_map.py``); Meta's
+names are ours (``adapter.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import torch
 
 from torchtitan.models.common.config import JsonObject
-from torchtitan.models.common.hf_config import rope_config, shape_fields
+from torchtitan.models.common.hf_config import ARGS_DEFAULT, ConfigField, ConfigTable, rope_config, shape_rows
 from torchtitan.models.llama3.args import ModelArgs, ffn_hidden_dim
 
 # ---------------------------------------------------------------- hyper-parameters
@@ -33,33 +35,66 @@ def model_fields(args: ModelArgs) -> JsonObject:
     """What a weights release must agree on with ``args`` (see ``FIELD_HELP``)."""
     scaling = args.rope_scaling_params()
     return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-            "head_dim": args.head_dim, "ffn_dim": ffn_hidden_dim(args), "rope_theta": float(args.rope_theta),
+            "head_dim": args.head_dim, "ffn_dim": args.ffn_dim, "rope_theta": float(args.rope_theta),
             "rope_scaling": None if scaling is None else {k: float(v) for k, v in scaling.items()},
             "norm_eps": float(args.norm_eps), "vocab_size": args.vocab_size,
             "tie_word_embeddings": args.tie_word_embeddings}
 
 
-def _hf_rope(config: JsonObject) -> tuple[float, dict[str, float] | None]:
-    """(theta, scaling) from a ``config.json``: the released layout (``rope_theta`` + ``rope_scaling``)
-    or the newer ``rope_parameters``."""
-    theta, kind, scaling = rope_config(config)
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
+def _llama3_rope_only(config: JsonObject) -> None:
+    """ValueError for a rotary scaling type other than none/'default' and 'llama3'."""
+    kind = rope_config(config)[1]
+    if kind not in ("default", "llama3"):
         raise ValueError(f"rope type {kind!r} is not supported (only none/'default' and 'llama3' "
                          "scaling, as Llama 3 releases use)")
-    return float(theta), {"factor": float(scaling["factor"]), "low_freq_factor": float(scaling["low_freq_factor"]),
-                          "high_freq_factor": float(scaling["high_freq_factor"]),
-                          "original_context": float(scaling["original_max_position_embeddings"])}
+
+
+def _hf_rope_theta(config: JsonObject) -> object:
+    return rope_config(config)[0]
+
+
+def _hf_rope_scaling(config: JsonObject) -> dict[str, float] | None:
+    """The Llama 3.1 scaling from ``rope_scaling`` or the newer ``rope_parameters`` (None: no scaling)."""
+    _, kind, scaling = rope_config(config)
+    if kind == "default":
+        return None
+    return {"factor": float(scaling["factor"]), "low_freq_factor": float(scaling["low_freq_factor"]),
+            "high_freq_factor": float(scaling["high_freq_factor"]),
+            "original_context": float(scaling["original_max_position_embeddings"])}
+
+
+def _rope_scaling_entry(args: ModelArgs) -> JsonObject:
+    scaling = args.rope_scaling_params()
+    return {"rope_scaling": None if scaling is None else {
+        "rope_type": "llama3", "factor": scaling["factor"], "low_freq_factor": scaling["low_freq_factor"],
+        "high_freq_factor": scaling["high_freq_factor"],
+        "original_max_position_embeddings": int(scaling["original_context"])}}
+
+
+# ``LlamaForCausalLM``'s config.json: the rows read ``model_fields`` (the rotary ones first: an unsupported
+# or incomplete scaling is named before a missing width). This model derives the head width from
+# dim / n_heads; a release may state another one (refused by ``args_with_fields``). ``max_position_embeddings``
+# is written only: ``release.py`` reads it from either file, Meta's too. A release's differences are named by
+# ``field_differences`` over ``model_fields`` (the rotary scaling as its parameters, the names Meta's file is
+# compared under too), not by the table's ``problems``.
+LLAMA_CONFIG = ConfigTable(
+    ModelArgs, ("LlamaForCausalLM",), ("llama",),
+    (ConfigField("rope_theta", derive=_hf_rope_theta, kind=float, written="rope_theta"),
+     ConfigField("rope_scaling", derive=_hf_rope_scaling, written=None),
+     *shape_rows(ffn="ffn_dim"),
+     ConfigField("max_seq_len", default=ARGS_DEFAULT, written="max_position_embeddings", compared=False)),
+    refuse=_llama3_rope_only, more=_rope_scaling_entry,
+    constants={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+    order=("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+           "rms_norm_eps", "rope_theta", "rope_scaling", "vocab_size", "bos_token_id", "eos_token_id",
+           "tie_word_embeddings", "attention_bias", "mlp_bias", "torch_dtype", "use_cache"))
 
 
 def fields_from_hf_config(config: JsonObject) -> JsonObject:
-    """``model_fields`` as a Hugging Face ``config.json`` states them."""
-    theta, scaling = _hf_rope(config)
-    # This model derives the head width from dim / n_heads; a release may state another one (refused later).
-    fields = shape_fields(config)
-    fields["ffn_dim"] = fields.pop("ffn_hidden_size")
-    return {**fields, "rope_theta": theta, "rope_scaling": scaling}
+    """``model_fields`` as a Hugging Face ``config.json`` states them (KeyError: a missing entry; ValueError:
+    an unsupported rotary scaling)."""
+    return LLAMA_CONFIG.fields(config)
 
 
 def fields_from_meta_params(params: JsonObject, flavor: ModelArgs | None = None) -> JsonObject:
@@ -101,21 +136,7 @@ def field_differences(expected: JsonObject, found: JsonObject, source: str) -> l
 
 def hf_config(args: ModelArgs, *, bos_id: int | None, eos_id: int | None, dtype: torch.dtype) -> JsonObject:
     """A ``config.json`` for ``LlamaForCausalLM`` describing ``args`` (the released key layout)."""
-    scaling = args.rope_scaling_params()
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": args.dim, "intermediate_size": ffn_hidden_dim(args), "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None if scaling is None else {
-            "rope_type": "llama3", "factor": scaling["factor"], "low_freq_factor": scaling["low_freq_factor"],
-            "high_freq_factor": scaling["high_freq_factor"],
-            "original_max_position_embeddings": int(scaling["original_context"])},
-        "vocab_size": args.vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id,
-        "tie_word_embeddings": args.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
-    }
+    return LLAMA_CONFIG.write(args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
 
 
 def args_with_fields(base: ModelArgs, fields: JsonObject) -> ModelArgs:
