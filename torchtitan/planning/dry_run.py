@@ -197,7 +197,8 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
         training, run.notes = _simulated_training(cfg.model, cfg.training, run.plan)
         run.notes += moe_notes(run.plan, moe_imbalance)
         runs.append(run)
-        counted = plan_repeats(run.plan, cfg.activation_checkpoint) if symmetry else Repeats()
+        counted = (plan_repeats(run.plan, cfg.activation_checkpoint, cfg.optimizer.name) if symmetry
+                   else Repeats())
         repeats.append(counted)
         # Each size simulated runs the job with its own [training] and [parallelism] (repeats.py).
         sized = [(dataclasses.replace(cfg, training=v.training, parallelism=v.parallelism), v.plan)

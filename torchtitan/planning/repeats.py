@@ -96,12 +96,15 @@ def stage_blocks(plan: LaunchPlan) -> list[int]:
     return [starts[s + 1] - starts[s] for s in range(len(starts) - 1)]
 
 
-def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint) -> tuple[int, str]:
+def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str = "AdamW") -> tuple[int, str]:
     """Blocks per stage left out of the first simulation (0: every block simulated), and why."""
     counts = stage_blocks(plan)
     fewest = min(counts)
     if fewest < FEWEST_BLOCKS:
         return 0, ""
+    if optimizer == "Muon":
+        return 0, ("every block simulated: Muon balances its owners over all the job's matrices, so a rank's "
+                   "share of the Newton-Schulz work does not grow by the same amount with each block")
     if ac.mode == "selective" and ac.selective_ac_option not in ("op", "1"):
         return 0, (f"every block simulated: selective AC every {ac.selective_ac_option} blocks makes the blocks "
                    "differ")
@@ -211,9 +214,10 @@ def with_microbatches(job: Variant, m: int) -> Variant:
                    plan=dataclasses.replace(plan, pipeline=dataclasses.replace(p, microbatches=m)))
 
 
-def plan_repeats(plan: LaunchPlan, ac: ActivationCheckpoint) -> Repeats:
-    """What ``plan``'s ranks count rather than simulate (``ac``: the job's activation checkpointing)."""
-    fewer, why_blocks = blocks_to_count(plan, ac)
+def plan_repeats(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str = "AdamW") -> Repeats:
+    """What ``plan``'s ranks count rather than simulate (``ac``: the job's activation checkpointing; ``optimizer``:
+    its ``--optimizer.name``)."""
+    fewer, why_blocks = blocks_to_count(plan, ac, optimizer)
     sizes, job, why_microbatches = microbatches_to_count(plan)
     return Repeats(fewer, sizes, job, tuple(line for line in (why_blocks, why_microbatches) if line))
 
