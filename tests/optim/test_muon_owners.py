@@ -1,19 +1,23 @@
-"""Muon on FSDP2, HSDP, DDP and EP: the owner-based update equals one process's, each matrix orthogonalized once.
+"""Muon on FSDP2, HSDP, DDP, EP and TP: the owner-based update equals one process's, each matrix orthogonalized once.
 
-One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2 (also with the experts' rows cut), DDP 4
-and EP 2 x FSDP 2 in turn, for 3 steps on gradients that are a function of the weights (the same in every
-layout), with the float32 iteration. Its matrices cover an uneven cut (5 rows on 4 ranks: one rank holds
-none), batched experts (whole on each rank under FSDP and EP: no communication) and a fused weight split in
-parts.
+One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2 (also with the experts' rows cut), DDP 4,
+EP 2 x FSDP 2, TP 2 x FSDP 2 and TP 2 x DP 2 in turn, for 3 steps on gradients that are a function of the
+weights (the same in every layout), with the float32 iteration. Its matrices cover an uneven cut (5 rows on
+4 ranks: one rank holds none), batched experts (whole on each rank under FSDP and EP: no communication), a
+fused weight split in parts, and TP's column-wise (rows cut on two mesh dimensions) and row-wise (rows and
+columns cut) weights.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 from dist_harness import run_ranks
 from torch import nn
 
+from torchtitan.compat.mesh import REDISTRIBUTE_LOGGER
 from torchtitan.optim.muon import Muon, MuonSettings
 from torchtitan.optim.muon_owners import OwnerUpdate
 from torchtitan.optim.muon_params import split_params
@@ -28,7 +32,12 @@ LAYOUTS = {"FSDP 4": ((4,), ("dp_shard",)), "HSDP 2x2": ((2, 2), ("dp_replicate"
            # as models/moe/parallel.py and distributed/fsdp.py: experts over ep, then FSDP over efsdp
            "EP 2 x FSDP 2": ((2, 2), ("efsdp", "ep")),
            # FSDP2 cuts the experts' rows when a rank's experts are fewer than its ranks (distributed/fsdp.py)
-           "HSDP 2x2, expert rows cut": ((2, 2), ("dp_replicate", "dp_shard"))}
+           "HSDP 2x2, expert rows cut": ((2, 2), ("dp_replicate", "dp_shard")),
+           # as models/common/parallel.py then distributed/fsdp.py: TP over tp, FSDP2 over the data dims
+           "TP 2 x FSDP 2": ((2, 2), ("dp_shard", "tp")),
+           "TP 2 x DP 2": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"))}
+# column-wise TP cuts the rows, row-wise the columns; fused's 10 rows on TP 2 split its parts (6 + 4) unevenly
+TP_PLAN = {"up": "colwise", "narrow": "rowwise", "fused": "colwise"}
 MATRICES = {"up.weight": 1, "narrow.weight": 1, "fused.weight": 1, "experts.w1": 4}  # name -> matrices
 
 
@@ -70,15 +79,20 @@ def _train(model: nn.Module, optimizer: Muon) -> list[list[tuple[str, int, int]]
     return owned
 
 
-def _expert_parallel(experts: nn.Module, mesh) -> None:  # noqa: ANN001 - a DeviceMesh (efsdp, ep)
-    from torch.distributed.fsdp import fully_shard
+def _expert_parallel(experts: nn.Module, ep) -> None:  # noqa: ANN001 - a 1-D DeviceMesh
+    """The experts cut on E over ``ep`` (models/moe/parallel.py), as DTensors FSDP2 then shards further."""
     from torch.distributed.tensor import DTensor, Shard
 
-    ep = mesh["ep"]
     per_rank = experts.w1.size(0) // ep.size()
     local = experts.w1.detach()[ep.get_local_rank() * per_rank:][:per_rank].clone()
     experts.w1 = nn.Parameter(DTensor.from_local(local, ep, [Shard(0)], run_check=False))
-    fully_shard(experts, mesh=mesh["efsdp"])
+
+
+def _tensor_parallel(model: nn.Module, mesh) -> None:  # noqa: ANN001 - a DeviceMesh (..., tp)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in TP_PLAN.items()})
 
 
 def _rank(rank: int, world_size: int) -> dict:
@@ -86,29 +100,39 @@ def _rank(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)  # the check's full_tensor() of TP weights
     out = {}
     for name, (shape, dims) in LAYOUTS.items():
         model = _Model()
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        if "tp" in dims:  # the experts over TP's ranks, as expert parallelism borrowing them does
+            _tensor_parallel(model, mesh)
+            _expert_parallel(model.experts, mesh["tp"])
+            mesh = mesh[tuple(d for d in dims if d != "tp")]
         if "ep" in dims:
-            _expert_parallel(model.experts, mesh)
+            _expert_parallel(model.experts, mesh["ep"])
+            fully_shard(model.experts, mesh=mesh["efsdp"])
             mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
         if "rows" in name:
             fully_shard(model.experts, mesh=mesh, shard_placement_fn=lambda param: Shard(1))
         fully_shard(model, mesh=mesh)
         owned = _train(model, _optimizer(model, distributed=True))
         out[name] = {"owned": owned, "final": {n: _full(p.detach()) for n, p in model.named_parameters()},
-                     "experts": str(tuple(model.experts.w1.placements))}
+                     "experts": str(tuple(model.experts.w1.placements)),
+                     "tp": {n: str(tuple(getattr(model, n).weight.placements)) for n in TP_PLAN}}
     return out
 
 
-def test_owner_update_equals_one_process_in_fsdp_hsdp_ddp_and_ep():
+def test_owner_update_equals_one_process_in_fsdp_hsdp_ddp_ep_and_tp():
     model = _Model()
     _train(model, _optimizer(model, distributed=False))
     expected = dict(model.named_parameters())
     ranks = run_ranks(_rank, 4)
     assert ranks[0]["HSDP 2x2, expert rows cut"]["experts"] == "(Replicate(), Shard(dim=1))"
     assert ranks[0]["EP 2 x FSDP 2"]["experts"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    column, row = "(_StridedShard(dim=0, sf=2), Shard(dim=0))", "(Shard(dim=0), Shard(dim=1))"
+    assert ranks[0]["TP 2 x FSDP 2"]["tp"] == {"up": column, "narrow": row, "fused": column}
+    assert ranks[0]["TP 2 x DP 2"]["tp"]["narrow"] == "(Replicate(), " + row[1:]
     for layout in LAYOUTS:
         for name, final in ranks[0][layout]["final"].items():
             torch.testing.assert_close(final, expected[name].detach(), rtol=1e-5, atol=1e-6,

@@ -41,14 +41,20 @@ REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 
 
 def local_shape_and_global_offset(shape: torch.Size | tuple[int, ...], mesh: DeviceMesh,
-                                  placements: Sequence[Placement]
+                                  placements: Sequence[Placement], coordinate: Sequence[int] | None = None
                                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shape of this rank's shard of a global ``shape`` and the global index of its first element."""
+    """The shape of this rank's shard of a global ``shape`` and the global index of its first element;
+    of the shard of the rank at ``coordinate`` on ``mesh`` when given (no collective either way)."""
     try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor._utils import (
+            _compute_local_shape_and_global_offset,
+            compute_local_shape_and_global_offset,
+        )
     except ImportError as e:
         raise missing("torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from e
-    return compute_local_shape_and_global_offset(shape, mesh, placements)
+    if coordinate is None:
+        return compute_local_shape_and_global_offset(shape, mesh, placements)
+    return _compute_local_shape_and_global_offset(shape, mesh.shape, list(coordinate), placements)
 
 
 def dtensor_local(t: DTensor) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """Muon on sharded matrices: each one orthogonalized once, by its owner rank (docs/muon.md).
 
-FSDP2 keeps a matrix as row blocks (a DTensor sharded on one dimension of its mesh, replicated on
-HSDP's other one). Orthogonalizing needs the whole matrix, so every matrix gets one owner among its
-mesh's ranks, chosen by a longest-processing-time heap over the Newton-Schulz cost ``m·n·min(m, n)``
-(deterministic: every rank computes the same owners). In the owner's replica the shard ranks gather
-their momentum blocks onto the owner, the owner orthogonalizes, and scatters the update's blocks back;
-HSDP's other replicas receive their blocks by a broadcast from the owner's replica. The result is the
-one-process update, computed on one rank instead of all of them.
+FSDP2 and TP keep a matrix as blocks (a DTensor cut on one or more dimensions of its mesh: FSDP's rows,
+TP's rows or columns; replicated on HSDP's). Orthogonalizing needs the whole matrix, so every matrix gets
+one owner among its mesh's ranks, chosen by a longest-processing-time heap over the Newton-Schulz cost
+``m·n·min(m, n)`` (deterministic: every rank computes the same owners). In the owner's replica the blocks
+travel to the owner one cut mesh dimension at a time (a gather per dimension, over its existing process
+group), the owner places each at its global offset, orthogonalizes the whole, and the update's blocks go
+back the same way (scatters); the other replicas receive their blocks by a broadcast from the owner's
+replica. The result is the one-process update, computed on one rank instead of all of them.
 
 Expert weights ``[E, m, n]`` cut on E (FSDP over experts, expert parallelism, or both: ``_StridedShard``)
 hold whole matrices on each rank: the ranks along those mesh dimensions orthogonalize their own experts
@@ -17,6 +18,7 @@ as above.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -29,24 +31,25 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torchtitan.compat.mesh import local_shape_and_global_offset
 from torchtitan.optim.muon import MuonSettings, orthogonalized
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # a block's shape and its global offset
+
 
 @dataclass(frozen=True)
 class ShardedMatrix:
-    """Where one sharded Muon parameter lives and who orthogonalizes it."""
+    """Where one sharded Muon parameter lives and who orthogonalizes it (as this rank sees it)."""
 
     mesh: DeviceMesh
-    shard_mesh_dim: int | None  # the mesh dimension whose ranks hold its blocks (None: replicated only)
-    tensor_dim: int  # the tensor dimension cut into blocks
-    replicate_mesh_dim: int | None  # HSDP's replica dimension
+    cut_mesh_dims: tuple[int, ...]  # the mesh dimensions whose ranks hold blocks of the same matrices (FSDP, TP)
+    replicate_mesh_dims: tuple[int, ...]  # HSDP's replica dimension (or a TP dimension replicating the weight)
     owner: tuple[int, ...]  # the owner's coordinate on the mesh; -1 on an expert dimension: every rank there
-    full_shape: torch.Size
-    expert_mesh_dims: tuple[int, ...] = ()  # mesh dimensions that cut a 3-D weight's experts (dim 0)
+    expert_mesh_dims: tuple[int, ...]  # mesh dimensions that cut a 3-D weight's experts (dim 0)
+    boxes: tuple[Box, ...]  # the blocks of the cut ranks, row-major over cut_mesh_dims (this rank's experts)
+    origin: tuple[int, ...]  # where the whole of those blocks starts in the parameter
+    whole_shape: tuple[int, ...]  # the shape of the whole they tile: the full matrices this owner orthogonalizes
 
-    def block_rows(self) -> int:
-        """FSDP2 cuts like ``torch.chunk``: blocks of ceil(d / S) rows, the last ones shorter or empty."""
-        if self.shard_mesh_dim is None:
-            return self.full_shape[self.tensor_dim]
-        return math.ceil(self.full_shape[self.tensor_dim] / self.mesh.size(self.shard_mesh_dim))
+    def padded_numel(self) -> int:
+        """Every block travels flat, padded to the largest one, so each gather and scatter is uniform."""
+        return max(math.prod(shape) for shape, _ in self.boxes)
 
 
 def newton_schulz_cost(shape: torch.Size, row_parts: tuple[int, ...]) -> int:
@@ -77,13 +80,8 @@ def _expert_dims(placements: tuple, ndim: int) -> tuple[int, ...]:
 
 
 def _layout_problem(placements: tuple, ndim: int) -> str | None:
-    experts = _expert_dims(placements, ndim)
-    cuts = [p for d, p in enumerate(placements) if isinstance(p, Shard) and d not in experts]
-    replicas = [p for p in placements if isinstance(p, Replicate)]
-    if len(experts) + len(cuts) + len(replicas) != len(placements) or any(type(p) is not Shard for p in cuts):
-        return "only Shard and Replicate placements are supported (no partial sums, no strided cut of rows)"
-    if len(cuts) > 1 or len(replicas) > 1:
-        return "at most one mesh dimension cutting each matrix and one replicating it are supported (FSDP, HSDP, EP)"
+    if any(not isinstance(p, (Shard, _StridedShard, Replicate)) for p in placements):
+        return "only Shard and Replicate placements are supported (no partial sums)"
     return None
 
 
@@ -109,84 +107,92 @@ class OwnerUpdate:
             candidates.append(_representative_ranks(p))
         costs = [newton_schulz_cost(p.shape, row_parts.get(p, ())) for p in sharded]
         for p, owner in zip(sharded, assign_owners(costs, candidates)):
-            self.plans[p] = _plan(p, owner)
+            self.plans[p] = _plan(p, owner, names.get(p, str(tuple(p.shape))))
         self.owned_last_step: list[tuple[str, int, int]] = []
 
     def __call__(self, params: list[torch.Tensor], updates: list[torch.Tensor], settings: MuonSettings,
                  row_parts: list[tuple[int, ...]]) -> list[torch.Tensor]:
         self.owned_last_step = []
-        results: list[torch.Tensor | None] = [None] * len(params)
-        gathered = {}
-        waits = []
+        results: dict[int, torch.Tensor] = {}
+        sharded: dict[int, ShardedMatrix] = {}
         for i, p in enumerate(params):
             plan = self.plans.get(p)
             if plan is None:  # a plain tensor: whole on every rank
                 results[i] = orthogonalized(updates[i], row_parts[i], settings)
                 self.owned_last_step.append((self.names.get(p, str(i)), 0, math.prod(p.shape[:-2])))
-            elif _in_owner_replica(plan):
-                gathered[i], work = _gather(plan, updates[i])
-                waits.append(work)
-        _wait(waits)
-        blocks = {}
-        for i, p in enumerate(params):
-            plan = self.plans.get(p)
-            if plan is None or not _in_owner_replica(plan):
-                continue
-            full = None
+            else:
+                sharded[i] = plan
+        held = _gather_all(sharded, updates)
+        for i, plan in sharded.items():
             if _is_owner(plan):
-                whole = gathered[i][0]
-                if plan.shard_mesh_dim is not None:
-                    whole = torch.cat(gathered[i], dim=plan.tensor_dim)
-                    whole = whole.narrow(plan.tensor_dim, 0, plan.full_shape[plan.tensor_dim])
-                full = orthogonalized(whole, row_parts[i], settings)
-                self.owned_last_step.append(_matrices_of(self.names.get(p, str(i)), p, plan))
-            blocks[i], work = _scatter(plan, full, updates[i])
-            waits.append(work)
-        _wait(waits)
-        for i, p in enumerate(params):
-            plan = self.plans.get(p)
-            if plan is None:
-                continue
-            if i not in blocks:
-                blocks[i] = torch.empty_like(updates[i])
-            if plan.replicate_mesh_dim is not None:
-                waits.append(dist.broadcast(blocks[i], group=plan.mesh.get_group(plan.replicate_mesh_dim),
-                                            group_src=plan.owner[plan.replicate_mesh_dim], async_op=True))
-            results[i] = blocks[i]
-        _wait(waits)
-        return [r for r in results if r is not None]
+                full = orthogonalized(_assembled(plan, held[i]), row_parts[i], settings)
+                held[i] = _flat_blocks(plan, full)
+                first = plan.origin[0] if len(plan.whole_shape) > 2 else 0
+                self.owned_last_step.append((self.names.get(params[i], str(i)), first,
+                                             first + math.prod(plan.whole_shape[:-2])))
+        blocks = _scatter_all(sharded, held, updates)
+        _broadcast_to_replicas(sharded, blocks)
+        results.update(blocks)
+        return [results[i] for i in range(len(params))]
+
+
+def _canonical_ranks(mesh: DeviceMesh) -> torch.Tensor:
+    """``mesh``'s ranks moved to start at 0. A mesh sliced from a larger one (FSDP's data ranks under TP, one
+    pipeline stage's) differs between slices by a constant, so every rank that shares a parameter sees the same
+    numbers for every other parameter too, and computes the same loads and owners."""
+    return mesh.mesh - mesh.mesh.min()
 
 
 def _representative_ranks(p: DTensor) -> list[int]:
     """The ranks among which ``p``'s owner is chosen: on expert dimensions only the first slice (every slice
     chooses alike, and every rank computes the same loads)."""
-    ranks = p.device_mesh.mesh
+    ranks = _canonical_ranks(p.device_mesh)
     for d in sorted(_expert_dims(tuple(p.placements), p.ndim), reverse=True):
         ranks = ranks.select(d, 0).unsqueeze(d)
     return ranks.flatten().tolist()
 
 
-def _plan(p: DTensor, owner_rank: int) -> ShardedMatrix:
+def _plan(p: DTensor, owner_rank: int, name: str) -> ShardedMatrix:
     placements = tuple(p.placements)
     experts = _expert_dims(placements, p.ndim)
-    cut_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard) and d not in experts]
-    replicate_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Replicate)]
+    cut = tuple(d for d, pl in enumerate(placements) if not isinstance(pl, Replicate) and d not in experts)
+    replicas = tuple(d for d, pl in enumerate(placements) if isinstance(pl, Replicate))
     mesh = p.device_mesh
-    owner = [int(c) for c in (mesh.mesh == owner_rank).nonzero()[0].tolist()]
+    owner = [int(c) for c in (_canonical_ranks(mesh) == owner_rank).nonzero()[0].tolist()]
     for d in experts:
         owner[d] = -1
-    shard_mesh_dim = cut_dims[0] if cut_dims else None
-    tensor_dim = placements[shard_mesh_dim].dim if shard_mesh_dim is not None else 0  # type: ignore[union-attr]
-    return ShardedMatrix(mesh, shard_mesh_dim, tensor_dim, replicate_dims[0] if replicate_dims else None,
-                         tuple(owner), p.shape, experts)
+    mine = mesh.get_coordinate()
+    assert mine is not None, "a rank holding a DTensor is on its mesh"
+    boxes = []
+    for cut_coordinate in itertools.product(*(range(mesh.size(d)) for d in cut)):
+        coordinate = list(mine)
+        for d, c in zip(cut, cut_coordinate):
+            coordinate[d] = c
+        boxes.append(local_shape_and_global_offset(p.shape, mesh, placements, coordinate))
+    origin, whole = _tiled_whole(boxes)
+    if origin is None:
+        raise ValueError(f"optimizer.name=Muon: parameter {name} has placements {placements} whose blocks do not "
+                         "tile one box of it; shard it with Shard/Replicate on whole rows or columns")
+    return ShardedMatrix(mesh, cut, replicas, tuple(owner), experts, tuple(boxes), origin, whole)
 
 
-def _matrices_of(name: str, p: torch.Tensor, plan: ShardedMatrix) -> tuple[str, int, int]:
-    """The experts (or the one 2-D matrix) that this owner orthogonalizes of ``p``."""
-    if not plan.expert_mesh_dims or not isinstance(p, DTensor):
-        return name, 0, math.prod(p.shape[:-2])
-    shape, offset = local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return name, offset[0], offset[0] + shape[0]
+def _tiled_whole(boxes: list[Box]) -> tuple[tuple[int, ...] | None, tuple[int, ...]]:
+    """The box the blocks tile exactly (their origin and shape), or ``(None, ())`` when they overlap or leave a
+    hole: the owner assembles the whole from each block's offset."""
+    filled = [(shape, offset) for shape, offset in boxes if math.prod(shape)]
+    if not filled:
+        return tuple(0 for _ in boxes[0][0]), tuple(0 for _ in boxes[0][0])
+    origin = tuple(min(o[d] for _, o in filled) for d in range(len(filled[0][0])))
+    end = tuple(max(o[d] + s[d] for s, o in filled) for d in range(len(filled[0][0])))
+    whole = tuple(e - o for e, o in zip(end, origin))
+
+    def overlap(a: Box, b: Box) -> bool:
+        return all(max(a[1][d], b[1][d]) < min(a[1][d] + a[0][d], b[1][d] + b[0][d]) for d in range(len(whole)))
+
+    disjoint = not any(overlap(a, b) for a, b in itertools.combinations(filled, 2))
+    if not disjoint or sum(math.prod(s) for s, _ in filled) != math.prod(whole):
+        return None, ()
+    return origin, whole
 
 
 def _coordinate(plan: ShardedMatrix) -> tuple[int, ...]:
@@ -195,49 +201,100 @@ def _coordinate(plan: ShardedMatrix) -> tuple[int, ...]:
     return tuple(coordinate)
 
 
-def _in_owner_replica(plan: ShardedMatrix) -> bool:
-    r = plan.replicate_mesh_dim
-    return r is None or _coordinate(plan)[r] == plan.owner[r]
+def _matches_owner(plan: ShardedMatrix, dims: tuple[int, ...]) -> bool:
+    mine = _coordinate(plan)
+    return all(mine[d] == plan.owner[d] for d in dims)
 
 
 def _is_owner(plan: ShardedMatrix) -> bool:
-    return all(owner in (-1, mine) for owner, mine in zip(plan.owner, _coordinate(plan)))
+    return _matches_owner(plan, plan.replicate_mesh_dims + plan.cut_mesh_dims)
 
 
-def _padded(block: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    if block.size(dim) == rows:
-        return block.contiguous()
-    shape = list(block.shape)
-    shape[dim] = rows - block.size(dim)
-    return torch.cat([block, block.new_zeros(shape)], dim=dim)
+def _flat_padded(block: torch.Tensor, numel: int) -> torch.Tensor:
+    flat = block.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(numel - flat.numel())]) if flat.numel() < numel else flat.contiguous()
 
 
-def _gather(plan: ShardedMatrix, block: torch.Tensor) -> tuple[list[torch.Tensor], dist.Work | None]:
-    """This rank's block onto the owner (the owner's list fills with every block, padded alike)."""
-    if plan.shard_mesh_dim is None:
-        return [block], None
-    rows = plan.block_rows()
-    mine = _padded(block, plan.tensor_dim, rows)
-    blocks = [torch.empty_like(mine) for _ in range(plan.mesh.size(plan.shard_mesh_dim))] if _is_owner(plan) else []
-    work = dist.gather(mine, blocks if _is_owner(plan) else None, group=plan.mesh.get_group(plan.shard_mesh_dim),
-                       group_dst=plan.owner[plan.shard_mesh_dim], async_op=True)
-    return blocks, work
+def _assembled(plan: ShardedMatrix, flat: torch.Tensor) -> torch.Tensor:
+    """The whole matrices from every block, laid out flat and padded in the order of ``plan.boxes``."""
+    whole = flat.new_empty(plan.whole_shape)
+    for (shape, offset), piece in zip(plan.boxes, flat.split(plan.padded_numel())):
+        if math.prod(shape):
+            _region(whole, plan.origin, shape, offset).copy_(piece[:math.prod(shape)].view(shape))
+    return whole
 
 
-def _scatter(plan: ShardedMatrix, full: torch.Tensor | None, block: torch.Tensor
-             ) -> tuple[torch.Tensor, dist.Work | None]:
-    """The owner's update cut back into blocks; this rank's block (its shape) is the result."""
-    if plan.shard_mesh_dim is None:
-        return (full if full is not None else torch.empty_like(block)), None
-    rows, ranks = plan.block_rows(), plan.mesh.size(plan.shard_mesh_dim)
-    received = _padded(torch.empty_like(block), plan.tensor_dim, rows)
-    pieces = None
-    if full is not None:
-        padded = _padded(full, plan.tensor_dim, rows * ranks)
-        pieces = [piece.contiguous() for piece in padded.split(rows, dim=plan.tensor_dim)]
-    work = dist.scatter(received, pieces, group=plan.mesh.get_group(plan.shard_mesh_dim),
-                        group_src=plan.owner[plan.shard_mesh_dim], async_op=True)
-    return received.narrow(plan.tensor_dim, 0, block.size(plan.tensor_dim)), work
+def _flat_blocks(plan: ShardedMatrix, whole: torch.Tensor) -> torch.Tensor:
+    """``whole`` cut back into the blocks of ``plan.boxes``, flat and padded, one after the other."""
+    numel = plan.padded_numel()
+    return torch.cat([_flat_padded(_region(whole, plan.origin, shape, offset), numel) for shape, offset in plan.boxes])
+
+
+def _region(whole: torch.Tensor, origin: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
+            ) -> torch.Tensor:
+    view = whole
+    for d, (size, start) in enumerate(zip(shape, offset)):
+        view = view.narrow(d, start - origin[d], size)
+    return view
+
+
+def _gather_all(plans: dict[int, ShardedMatrix], updates: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every block onto its owner, one cut mesh dimension at a time, innermost first: after the level of a
+    dimension the ranks at the owner's coordinate on it hold the blocks of the ranks along it."""
+    held = {i: _flat_padded(updates[i], plan.padded_numel()) for i, plan in plans.items()
+            if _matches_owner(plan, plan.replicate_mesh_dims)}
+    for level in range(max((len(plan.cut_mesh_dims) for plan in plans.values()), default=0)):
+        received, works = {}, []
+        for i, plan in plans.items():
+            if i not in held or level >= len(plan.cut_mesh_dims):
+                continue
+            dims = plan.cut_mesh_dims[::-1]
+            if not _matches_owner(plan, dims[:level]):
+                continue
+            d = dims[level]
+            receives = _matches_owner(plan, (d,))
+            received[i] = [torch.empty_like(held[i]) for _ in range(plan.mesh.size(d))] if receives else None
+            works.append(dist.gather(held[i], received[i], group=plan.mesh.get_group(d), group_dst=plan.owner[d],
+                                     async_op=True))
+        _wait(works)
+        for i, pieces in received.items():
+            if pieces is not None:
+                held[i] = torch.cat(pieces)
+    return held
+
+
+def _scatter_all(plans: dict[int, ShardedMatrix], held: dict[int, torch.Tensor], updates: list[torch.Tensor]
+                 ) -> dict[int, torch.Tensor]:
+    """The owner's blocks back to their ranks, outermost cut dimension first (the gather reversed); each
+    rank of the owner's replica ends with its block, the others with an empty one for the broadcast."""
+    for level in range(max((len(plan.cut_mesh_dims) for plan in plans.values()), default=0)):
+        received, works = {}, []
+        for i, plan in plans.items():
+            dims = plan.cut_mesh_dims
+            if level >= len(dims) or not _matches_owner(plan, plan.replicate_mesh_dims + dims[level + 1:]):
+                continue
+            d = dims[level]
+            pieces = list(held[i].chunk(plan.mesh.size(d))) if _matches_owner(plan, (d,)) else None
+            numel = plan.padded_numel() * math.prod(plan.mesh.size(e) for e in dims[level + 1:])
+            received[i] = updates[i].new_empty(numel)
+            works.append(dist.scatter(received[i], pieces, group=plan.mesh.get_group(d), group_src=plan.owner[d],
+                                      async_op=True))
+        _wait(works)
+        held.update(received)
+    return {i: held[i][:updates[i].numel()].view(updates[i].shape) if i in held else torch.empty_like(updates[i])
+            for i in plans}
+
+
+def _broadcast_to_replicas(plans: dict[int, ShardedMatrix], blocks: dict[int, torch.Tensor]) -> None:
+    """The owner replica's blocks to the other replicas, one replicating mesh dimension at a time."""
+    for level in range(max((len(plan.replicate_mesh_dims) for plan in plans.values()), default=0)):
+        works = []
+        for i, plan in plans.items():
+            dims = plan.replicate_mesh_dims
+            if level < len(dims) and _matches_owner(plan, dims[level + 1:]):
+                works.append(dist.broadcast(blocks[i], group=plan.mesh.get_group(dims[level]),
+                                            group_src=plan.owner[dims[level]], async_op=True))
+        _wait(works)
 
 
 def _wait(works: list[dist.Work | None]) -> None:
