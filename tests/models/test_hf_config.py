@@ -66,7 +66,7 @@ def test_a_null_entry_is_a_difference_named_in_one_line():
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "1B", "8B"])
 def test_llama3_writes_the_released_layout_and_reads_back_every_field(flavor, tmp_path):
-    """Llama 3's table keeps Meta's key order and its fields shared with ``params.json`` (the rotary scaling's
+    """Llama 3's table keeps its exports' key order and its fields shared with ``params.json`` (the rotary scaling's
     parameters, the SwiGLU width) through a write and a read."""
     from torchtitan.models.llama3.convert import model_fields
 

@@ -153,7 +153,7 @@ class ConfigTable(Generic[ArgsT]):
     ``refuse``: ValueError (one line) for a release the family cannot represent, before any row is read;
     ``more``: the entries written beside the rows' (the rotary ones, made of several fields);
     ``constants``: entries written as they are; ``fixed``: args every release of the family has;
-    ``order``: the written entries in this order (the family's released layout), any others after them.
+    ``order``: the written entries in this order (a family whose exports keep one), any others after them.
     """
 
     args_type: type[ArgsT]
