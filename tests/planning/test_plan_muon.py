@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import debug_config
 
+from torchtitan.planning.clusters import load_cluster
+from torchtitan.planning.cost import estimate
 from torchtitan.planning.dry_run import dry_runs
 
 pytestmark = pytest.mark.slow  # the dry run's pool of worker processes
@@ -44,8 +46,7 @@ def runs():
 
     fsdp, hsdp = ["--parallelism.data_parallel_shard_degree=4"], ["--parallelism.data_parallel_shard_degree=2",
                                                                   "--parallelism.data_parallel_replicate_degree=2"]
-    adamw, muon, muon_hsdp = dry_runs([job("AdamW", *fsdp), job("Muon", *fsdp), job("Muon", *hsdp)])
-    return adamw.ranks[0], muon.ranks[0], muon_hsdp.ranks[0]
+    return dry_runs([job("AdamW", *fsdp), job("Muon", *fsdp), job("Muon", *hsdp)])
 
 
 def _optimizer_rows(rank_run) -> dict[tuple[str, str], dict]:
@@ -53,7 +54,7 @@ def _optimizer_rows(rank_run) -> dict[tuple[str, str], dict]:
 
 
 def test_muon_prices_its_state_traffic_and_newton_schulz(runs):
-    adamw, muon, muon_hsdp = runs
+    adamw, muon, muon_hsdp = (run.ranks[0] for run in runs)
     whole = [m * n * FP32 for m, n in MATRICES]
     # State: AdamW keeps two moments and a step counter per matrix where Muon keeps one momentum buffer.
     saved = adamw.memory.final["optimizer"] - muon.memory.final["optimizer"]
@@ -78,3 +79,7 @@ def test_muon_prices_its_state_traffic_and_newton_schulz(runs):
         assert (rows[("dp_shard", kind)]["bytes"], rows[("dp_shard", kind)]["count"]) == (expected, len(in_replica))
     assert rows[("dp_replicate", "broadcast")]["bytes"] == sum(whole) // 2
     assert muon_hsdp.work["optimizer"].matmul_flops == ns
+    # Priced: the optimizer phase takes at least the Newton-Schulz FLOPs at the matmul rate, plus the owner traffic.
+    h100 = load_cluster("h100-sxm-80g")
+    adamw_step, muon_step = estimate(runs[0], h100).optimizer_s, estimate(runs[1], h100).optimizer_s
+    assert muon_step - adamw_step >= ns / (h100.peak_bf16_flops * h100.matmul_efficiency) > 0

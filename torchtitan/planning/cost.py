@@ -56,10 +56,11 @@ class StepEstimate:
     comm_s_by_dim: dict[str, float] = field(default_factory=dict)
     crosses_nodes_by_dim: dict[str, bool] = field(default_factory=dict)
     bound: str = ""
+    optimizer_s: float = 0.0  # of the step: the optimizer phase's compute and collectives (exposed) on the slowest rank
 
     def to_json(self) -> dict:
         keys = ("fits", "peak_memory_gib", "step_time_s", "tokens_per_second_per_gpu", "mfu", "compute_s",
-                "exposed_comm_s", "bubble_s", "comm_bytes_per_step")
+                "exposed_comm_s", "bubble_s", "comm_bytes_per_step", "optimizer_s")
         out = {k: getattr(self, k) for k in keys}
         out.update(tracked_peak_gib=self.tracked_peak_gib, allowance_gib=self.allowance_gib,
                    largest_consumer=self.largest_consumer, bound=self.bound, comm_s_by_dim=self.comm_s_by_dim,
@@ -165,4 +166,14 @@ def estimate(run: DryRun, c: Cluster) -> StepEstimate:
         allowance_gib=allowance, largest_consumer=f"{largest} ({split[largest] / GIB:.1f} GiB)",
         step_time_s=step, tokens_per_second_per_gpu=tokens_per_gpu, mfu=mfu, compute_s=compute,
         exposed_comm_s=exposed, bubble_s=bubble, comm_bytes_per_step=slowest.traffic.by_dim(),
-        comm_s_by_dim=by_dim, crosses_nodes_by_dim=crossing, bound=bound[0])
+        comm_s_by_dim=by_dim, crosses_nodes_by_dim=crossing, bound=bound[0], optimizer_s=_optimizer_s(slowest, c))
+
+
+def _optimizer_s(r: RankRun, c: Cluster) -> float:
+    """The optimizer phase of ``r``'s step: its kernels (Muon's Newton-Schulz among them) and its collectives, which
+    nothing overlaps (``_rank_times`` counts them exposed)."""
+    compute = phase_compute_s(r.work["optimizer"], c) if "optimizer" in r.work else 0.0
+    rows = [row for row in r.traffic.rows() if row["phase"] == "optimizer"]
+    ranks = r.traffic.group_ranks
+    return compute + sum(collective_s(row["kind"], row["bytes"], row["count"], ranks.get(row["dim"], []), c)
+                         for row in rows)

@@ -37,6 +37,7 @@ def estimate_text(e: StepEstimate, cluster_name: str) -> str:
              f"  step {e.step_time_s:.3f} s = compute {e.compute_s:.3f} + exposed comm {e.exposed_comm_s:.3f} + "
              f"bubble {e.bubble_s:.3f}; bound by {e.bound}",
              f"  {e.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu:.1f}%",
+             f"  optimizer step {e.optimizer_s:.4f} s ({100 * e.optimizer_s / e.step_time_s:.2f}% of the step)",
              "  communication per step:"]
     for dim, nbytes in sorted(e.comm_bytes_per_step.items()):
         where = "crosses nodes" if e.crosses_nodes_by_dim.get(dim) else "within a node"
