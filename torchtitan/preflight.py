@@ -163,7 +163,7 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     problems += wandb_problems(cfg.metrics.enable_wandb)
     # torchao installed and in range, [float8] options that contradict
     problems += converter_problems(cfg.model, cfg.float8)
-    problems += muon_problems(cfg)  # what Muon cannot do yet (TP, EP, fault tolerance, step skipping)
+    problems += muon_problems(cfg)  # what Muon cannot do yet (fault tolerance, step skipping)
     return problems + _validation_problems(cfg) + stability_problems(
         cfg.stability, checkpoint=cfg.checkpoint, ft=cfg.fault_tolerance, debug=cfg.debug)
 

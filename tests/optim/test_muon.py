@@ -214,7 +214,7 @@ def test_muon_refuses_non_positive_lr_and_ns_steps():
         Muon([w], [], lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, settings=MuonSettings(ns_steps=0))
 
 
-@pytest.mark.parametrize("option", ["--parallelism.tensor_parallel_degree=2", "--fault_tolerance.enable",
+@pytest.mark.parametrize("option", ["--fault_tolerance.enable",
                                     "--stability.skip_nonfinite_steps",
                                     "--optimizer.lr=0", "--optimizer.muon_momentum=1.0"])
 def test_what_muon_cannot_do_yet_is_refused_before_any_process_group(option, debug_cfg):
@@ -223,3 +223,10 @@ def test_what_muon_cannot_do_yet_is_refused_before_any_process_group(option, deb
     assert not [line for line in check_config(debug_cfg("--optimizer.name=Muon")) if "Muon" in line]
     problems = [line for line in check_config(debug_cfg("--optimizer.name=Muon", option)) if "Muon" in line]
     assert len(problems) == 1 and problems[0].startswith(option.split("=")[0]), problems
+
+
+def test_muon_under_tensor_parallelism_is_accepted(debug_cfg):  # muon_owners.py gathers TP's blocks too
+    from torchtitan.preflight import check_config
+
+    cfg = debug_cfg("--optimizer.name=Muon", "--parallelism.tensor_parallel_degree=2")
+    assert not [line for line in check_config(cfg) if "Muon" in line or "tensor_parallel" in line]

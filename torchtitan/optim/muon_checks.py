@@ -16,10 +16,6 @@ def muon_problems(cfg: JobConfig) -> list[str]:
     if o.muon_momentum >= 1:
         problems.append(f"--optimizer.muon_momentum={o.muon_momentum}: Muon's momentum is a fraction in [0, 1), "
                         "e.g. 0.95")
-    tp = cfg.parallelism.tensor_parallel_degree
-    if tp > 1:
-        problems.append(f"--parallelism.tensor_parallel_degree={tp}: Muon orthogonalizes FSDP/HSDP/DDP/EP-sharded "
-                        "matrices only so far; use those or --optimizer.name AdamW")
     if cfg.fault_tolerance.enable:
         problems.append("--fault_tolerance.enable: its replica state holds Adam's moments, not Muon's momentum; "
                         "use --optimizer.name AdamW under fault tolerance")
