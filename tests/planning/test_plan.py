@@ -4,6 +4,7 @@ trainer's tensors and the preflight's own lines."""
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from conftest import DEBUG_CONFIG, REPO, debug_config, torchrun_env
 
+import torchtitan.planning.dry_run as dry_run_module
 from torchtitan.planning.cli import plan_main
 from torchtitan.planning.clusters import ClusterError, load_cluster
 from torchtitan.planning.cost import estimate
@@ -174,6 +176,23 @@ def test_plan_help_prints_usage_and_exits_0(capsys):
         out = capsys.readouterr().out
         assert out.startswith("usage: scripts/plan.py --world_size WORLD_SIZE") and "--search_float8" in out
         assert "python train.py --help" in out
+
+
+def test_a_simulations_error_reaches_the_caller_with_its_cause(monkeypatch):
+    # A torch error may hold what does not pickle (a DataDependentOutputException holds its op); the pool that
+    # sends it back would report only that it could not, and lose the cause.
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("not picklable")
+
+    def fails(*args):
+        raise Unpicklable("aten._local_scalar_dense.default")
+
+    monkeypatch.setattr(dry_run_module, "simulate_rank", fails)
+    with pytest.raises(RuntimeError) as raised:
+        dry_run_module._simulate_numbered((0, "[1/1] rank 0", None, ()))
+    message = str(pickle.loads(pickle.dumps(raised.value)))
+    assert "[1/1] rank 0: Unpicklable: aten._local_scalar_dense.default" in message
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ import logging
 import multiprocessing
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -247,7 +248,12 @@ def _simulate_numbered(task: tuple[int, str, Progress | None, tuple]) -> tuple[i
     j, label, progress, args = task
     if progress is not None:
         progress.say(f"{label}: started")
-    return j, simulate_rank(*args)
+    try:
+        return j, simulate_rank(*args)
+    except Exception as e:
+        # The pool pickles the error back, and torch's may hold what does not pickle: the pool would then report
+        # only that, and the cause would be lost. Its text and traceback travel instead.
+        raise RuntimeError(f"dry run, {label}: {type(e).__name__}: {e}\n{traceback.format_exc()}") from None
 
 
 def _blocks_run(plan: LaunchPlan) -> int:
