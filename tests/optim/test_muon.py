@@ -198,6 +198,33 @@ def test_owner_heap_balances_by_cost_and_is_deterministic():
     assert max(load) == max(costs)  # no rank carries more than the largest item
 
 
+def _owner_of_tp_weight(rank: int) -> int:
+    """As ``rank`` of a fake (dp_shard 2, tp 2) world: the global owner rank of a TP x FSDP weight planned after a
+    costlier one that FSDP alone shards over ``rank``'s dp_shard slice (ranks 0, 2 or 1, 3)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchtitan import compat
+    from torchtitan.optim.muon_owners import OwnerUpdate
+
+    dist.init_process_group("fake", store=compat.fake_process_group_store(), rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        sliced = DTensor.from_local(torch.zeros(8, 16), mesh["dp_shard"], [Shard(0)], run_check=False)
+        tp = DTensor.from_local(torch.zeros(2, 8), mesh, [Shard(0), Shard(0)], run_check=False)
+        plan = OwnerUpdate([sliced, tp], {}, {}).plans[tp]
+        return int(mesh.mesh[plan.owner].item())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_of_different_slices_agree_on_an_owner():
+    # Each tp slice's FSDP mesh holds other ranks; were owners counted on those ranks, the two slices would
+    # load different ranks with the sliced weight and pick different owners for the shared one: a hang.
+    assert _owner_of_tp_weight(0) == _owner_of_tp_weight(1)
+
+
 @pytest.mark.parametrize("option", ["--optimizer.muon_ns_steps=0", "--optimizer.muon_ns_dtype=float16",
                                     "--optimizer.muon_update_scale=spectral", "--optimizer.muon_momentum=-0.1"])
 def test_bad_muon_options_are_refused_in_one_line(option, debug_cfg):
