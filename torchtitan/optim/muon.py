@@ -5,7 +5,7 @@ weights ``[E, m, n]`` as E matrices), ``use_muon=False`` the rest (embeddings, t
 norms, biases, sinks). Its state is the standard torch one (``momentum_buffer`` for a matrix;
 ``step``, ``exp_avg``, ``exp_avg_sq`` for an AdamW parameter), so DCP saves and loads it like AdamW's.
 
-Sharded matrices (FSDP2/HSDP DTensors) are orthogonalized once each, by an owner rank
+Sharded matrices (DTensors of FSDP2, HSDP, DDP, TP, EP and their mixes) are orthogonalized once each, by an owner rank
 (``muon_owners.py``); the update equals one process's.
 """
 
