@@ -1,5 +1,6 @@
 """Build the optimizer named in the training config."""
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -10,6 +11,8 @@ from torchtitan.compat import fused_kernel_devices
 from torchtitan.optim.muon import Muon, MuonSettings
 from torchtitan.optim.muon_owners import OwnerUpdate
 from torchtitan.optim.muon_params import split_params
+
+logger = logging.getLogger(__name__)
 
 # Names are matched case-sensitively so that they read exactly like the
 # torch.optim class names a user would write in the config file.
@@ -89,6 +92,9 @@ def build_muon(model_parts: list[torch.nn.Module], *, lr: float, eps: float, wei
     groups = split_params(model_parts)
     sharded = any(isinstance(p, DTensor) for p in groups.matrices)
     orthogonalize = OwnerUpdate(groups.matrices, groups.names, groups.row_parts) if sharded else None
+    # One line, so a run's log says which optimizer took which tensors (the launcher matrix reads it).
+    logger.info("Muon on %d matrices (%s), AdamW on %d other tensors", len(groups.matrices),
+                "each orthogonalized by one owner rank" if sharded else "orthogonalized here", len(groups.others))
     return Muon(groups.matrices, groups.others, lr=lr, weight_decay=weight_decay,
                 betas=cast(tuple[float, float], tuple(betas)), eps=eps, settings=settings,
                 row_parts=groups.row_parts, orthogonalize=orthogonalize)
