@@ -184,7 +184,7 @@ def test_async_save_resumes_bitwise_and_keeps_latest_k(tmp_path):
 
 
 def test_muon_fsdp_trains_the_one_process_model_and_resumes_bitwise(tmp_path_factory, tmp_path):
-    """Muon through the trainer (docs/muon.md): FSDP 2, whose matrices are orthogonalized by owner ranks, trains
+    """Muon through the trainer (docs/optimizers.md): FSDP 2, whose matrices are orthogonalized by owner ranks, trains
     the one-process model (float32 iteration), and its state through DCP (a sharded momentum per matrix,
     AdamW's moments for the rest) resumes bitwise from step 3."""
     muon = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32"]

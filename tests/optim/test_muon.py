@@ -1,5 +1,5 @@
 """Muon on one process: the update against a reference written here, which parameters it takes, its
-state's checkpoint round trip, and the refusals (docs/muon.md)."""
+state's checkpoint round trip, and the refusals (docs/optimizers.md)."""
 
 from __future__ import annotations
 

@@ -110,8 +110,9 @@ class Model:
 class Optimizer:
     name: str = field_with_help(
         "AdamW", "Optimizer; Muon orthogonalizes the matrices' momentum and keeps AdamW (lr, eps, betas, "
-        "weight_decay) for embeddings, output head, routers, norms and biases (docs/muon.md)",
-        choices=("AdamW", "Adam", "Muon"))
+        "weight_decay) for embeddings, output head, routers, norms and biases; MuonClip is Muon with QK-clip "
+        "(docs/optimizers.md)",
+        choices=("AdamW", "Adam", "Muon", "MuonClip"))
     lr: float = field_with_help(8e-4, "Peak learning rate", min=0.0)
     eps: float = field_with_help(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = field_with_help(0.1, "Decoupled weight decay", min=0.0)
@@ -126,6 +127,15 @@ class Optimizer:
         "match_adamw_rms", "Muon: scale of an m x n matrix's orthogonalized update; match_adamw_rms = "
         "0.2*sqrt(max(m, n)), AdamW's update RMS, so AdamW's lr and weight_decay carry over; shape_ratio = "
         "sqrt(max(1, m/n))", choices=("match_adamw_rms", "shape_ratio"))
+    muon_split_heads: bool = field_with_help(
+        False, "Muon: orthogonalize the attention's query, key and value projections head by head (one matrix per "
+        "head's rows) instead of as one matrix each")
+    muon_adamw_fqns: list[str] = field_with_help(
+        [], "Muon: parameters whose name contains one of these go to AdamW too, besides the embeddings, output head, "
+        "routers, norms and biases; a pattern that matches no parameter is refused")
+    qk_clip_threshold: float = field_with_help(
+        100.0, "MuonClip: the largest pre-softmax attention logit a head may reach; after each step the query and "
+        "key weights of the heads above it are scaled down to it (must be positive)")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Muon: momentum orthogonalized by Newton-Schulz for the matrices, AdamW for the rest (docs/muon.md).
+"""Muon: momentum orthogonalized by Newton-Schulz for the matrices, AdamW for the rest (docs/optimizers.md).
 
 One optimizer, two parameter groups: ``use_muon=True`` holds the matrices (2-D weights, and 3-D expert
 weights ``[E, m, n]`` as E matrices), ``use_muon=False`` the rest (embeddings, the output head, routers,

@@ -1,4 +1,4 @@
-"""Muon on sharded matrices: each one orthogonalized once, by its owner rank (docs/muon.md).
+"""Muon on sharded matrices: each one orthogonalized once, by its owner rank (docs/optimizers.md).
 
 FSDP2 and TP keep a matrix as blocks (a DTensor cut on one or more dimensions of its mesh: FSDP's rows,
 TP's rows or columns; replicated on HSDP's). Orthogonalizing needs the whole matrix, so every matrix gets

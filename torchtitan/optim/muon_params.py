@@ -1,4 +1,4 @@
-"""Which parameters Muon orthogonalizes, and which stay with AdamW (docs/muon.md).
+"""Which parameters Muon orthogonalizes, and which stay with AdamW (docs/optimizers.md).
 
 Muon is for the weights that map one hidden space to another: 2-D linear weights and 3-D expert
 weights ``[E, m, n]`` (E matrices). AdamW keeps what is a lookup table or a vector: the embeddings,
