@@ -50,6 +50,8 @@ TABLE: dict[str, Smoke] = {
     "benchmarks/moe_step.py": Smoke(runs=(Run(ONE_STEP, "MoE / dense"),)),
     "benchmarks/moe_traffic.py": Smoke(help=True, why="one process per EP rank; its byte counting is "
                                                       "tests/distributed/test_moe_traffic.py's"),
+    "benchmarks/muon_gain.py": Smoke(help=True, elsewhere="tests/benchmarks/test_muon_gain.py",
+                                    why="six train.py runs of 300 steps (minutes each)"),
     "benchmarks/overhead.py": Smoke(help=True, why=RANKS),
     "benchmarks/plan_by_kind.py": Smoke(help=True, why=DRY_RUN),
     "benchmarks/plan_deepseek_v3.py": Smoke(help=True, why=DRY_RUN),
