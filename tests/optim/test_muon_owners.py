@@ -68,15 +68,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(model: nn.Module, optimizer: Muon) -> list[list[tuple[str, int, int]]]:
-    owned = []
+def _train(model: nn.Module, optimizer: Muon) -> tuple[list[list[tuple[str, int, int]]], list[int]]:
+    """What this rank orthogonalized at each step, and how many of those while its owner traffic travelled."""
+    owned, overlapped = [], []
     for step in range(STEPS):
         for p in model.parameters():  # elementwise: a DTensor's gradient keeps its placements
             p.grad = torch.sin(p.detach() * (step + 1)) + 0.1 * step
         optimizer.step()
         owners = optimizer.orthogonalize
         owned.append(list(owners.owned_last_step) if isinstance(owners, OwnerUpdate) else [])
-    return owned
+        overlapped.append(owners.overlapped_last_step if isinstance(owners, OwnerUpdate) else 0)
+    return owned, overlapped
 
 
 def _expert_parallel(experts: nn.Module, ep) -> None:  # noqa: ANN001 - a 1-D DeviceMesh
@@ -116,8 +118,9 @@ def _rank(rank: int, world_size: int) -> dict:
         if "rows" in name:
             fully_shard(model.experts, mesh=mesh, shard_placement_fn=lambda param: Shard(1))
         fully_shard(model, mesh=mesh)
-        owned = _train(model, _optimizer(model, distributed=True))
-        out[name] = {"owned": owned, "final": {n: _full(p.detach()) for n, p in model.named_parameters()},
+        owned, overlapped = _train(model, _optimizer(model, distributed=True))
+        out[name] = {"owned": owned, "overlapped": overlapped,
+                     "final": {n: _full(p.detach()) for n, p in model.named_parameters()},
                      "experts": str(tuple(model.experts.w1.placements)),
                      "tp": {n: str(tuple(getattr(model, n).weight.placements)) for n in TP_PLAN}}
     return out
@@ -143,3 +146,7 @@ def test_owner_update_equals_one_process_in_fsdp_hsdp_ddp_ep_and_tp():
             assert owned == sorted((name, e) for name, n in MATRICES.items() for e in range(n)), (layout, step, owned)
         owners = {r for r, result in enumerate(ranks) if result[layout]["owned"][0]}
         assert len(owners) >= 3, f"{layout}: the cost heap spreads the matrices, owners {owners}"
+        # the Newton-Schulz math runs while later gathers (or earlier scatters) travel, on some rank each step;
+        # DDP gathers nothing (whole blocks), so it has nothing to overlap before its broadcast
+        overlapped = [sum(r[layout]["overlapped"][step] for r in ranks) for step in range(STEPS)]
+        assert layout == "DDP 4" or min(overlapped) > 0, f"{layout}: nothing overlapped its traffic {overlapped}"

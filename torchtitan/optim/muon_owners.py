@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,8 @@ class OwnerUpdate:
 
     ``names`` name the parameters in the one-line refusal of a layout it cannot handle.
     ``owned_last_step`` lists what this rank orthogonalized in its last call: ``(name, first, stop)``, the
-    experts ``first <= e < stop`` of a 3-D weight, ``0, 1`` for a 2-D one.
+    experts ``first <= e < stop`` of a 3-D weight, ``0, 1`` for a 2-D one; ``overlapped_last_step`` counts
+    those it orthogonalized while some of its gathers or scatters were still travelling.
     """
 
     def __init__(self, params: list[torch.Tensor], names: dict[torch.Tensor, str],
@@ -109,30 +111,41 @@ class OwnerUpdate:
         for p, owner in zip(sharded, assign_owners(costs, candidates)):
             self.plans[p] = _plan(p, owner, names.get(p, str(tuple(p.shape))))
         self.owned_last_step: list[tuple[str, int, int]] = []
+        self.overlapped_last_step = 0
 
     def __call__(self, params: list[torch.Tensor], updates: list[torch.Tensor], settings: MuonSettings,
                  row_parts: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        self.owned_last_step = []
+        self.owned_last_step, self.overlapped_last_step = [], 0
+        sharded = {i: self.plans[p] for i, p in enumerate(params) if p in self.plans}
+        traffic = _Traffic(sharded, updates)
         results: dict[int, torch.Tensor] = {}
-        sharded: dict[int, ShardedMatrix] = {}
-        for i, p in enumerate(params):
-            plan = self.plans.get(p)
-            if plan is None:  # a plain tensor: whole on every rank
-                results[i] = orthogonalized(updates[i], row_parts[i], settings)
-                self.owned_last_step.append((self.names.get(p, str(i)), 0, math.prod(p.shape[:-2])))
-            else:
-                sharded[i] = plan
-        held = _gather_all(sharded, updates)
-        for i, plan in sharded.items():
+
+        def finish(i: int) -> None:
+            """Orthogonalize matrix ``i`` if this rank owns it, then send its blocks back (async)."""
+            plan = sharded[i]
             if _is_owner(plan):
-                full = orthogonalized(_assembled(plan, held[i]), row_parts[i], settings)
-                held[i] = _flat_blocks(plan, full)
+                self.overlapped_last_step += traffic.in_flight() > 0
+                full = orthogonalized(_assembled(plan, traffic.held[i]), row_parts[i], settings)
+                traffic.held[i] = _flat_blocks(plan, full)
                 first = plan.origin[0] if len(plan.whole_shape) > 2 else 0
                 self.owned_last_step.append((self.names.get(params[i], str(i)), first,
                                              first + math.prod(plan.whole_shape[:-2])))
-        blocks = _scatter_all(sharded, held, updates)
-        _broadcast_to_replicas(sharded, blocks)
-        results.update(blocks)
+            traffic.issue_first_scatter(i)
+
+        for level in range(max((len(plan.cut_mesh_dims) for plan in sharded.values()), default=0) or 1):
+            traffic.issue_gathers(level)
+            if level == 0:  # what needs no gather is orthogonalized while the first gathers travel
+                for i, p in enumerate(params):
+                    if i not in sharded:  # a plain tensor: whole on every rank
+                        self.overlapped_last_step += traffic.in_flight() > 0
+                        results[i] = orthogonalized(updates[i], row_parts[i], settings)
+                        self.owned_last_step.append((self.names.get(p, str(i)), 0, math.prod(p.shape[:-2])))
+                for i in [i for i, plan in sharded.items() if not plan.cut_mesh_dims]:
+                    finish(i)
+            for i in traffic.wait_gathers():  # each matrix as soon as its blocks are in, later ones still travel
+                finish(i)
+        results.update(traffic.finish_scatters())
+        _broadcast_to_replicas(sharded, results)
         return [results[i] for i in range(len(params))]
 
 
@@ -238,51 +251,88 @@ def _region(whole: torch.Tensor, origin: tuple[int, ...], shape: tuple[int, ...]
     return view
 
 
-def _gather_all(plans: dict[int, ShardedMatrix], updates: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Every block onto its owner, one cut mesh dimension at a time, innermost first: after the level of a
-    dimension the ranks at the owner's coordinate on it hold the blocks of the ranks along it."""
-    held = {i: _flat_padded(updates[i], plan.padded_numel()) for i, plan in plans.items()
-            if _matches_owner(plan, plan.replicate_mesh_dims)}
-    for level in range(max((len(plan.cut_mesh_dims) for plan in plans.values()), default=0)):
-        received, works = {}, []
-        for i, plan in plans.items():
-            if i not in held or level >= len(plan.cut_mesh_dims):
+class _Traffic:
+    """The owners' gathers and scatters of one step, issued async and waited as late as each matrix allows.
+
+    Gathers go one cut mesh dimension at a time, innermost first: after the level of a dimension the ranks at
+    the owner's coordinate on it hold the blocks of the ranks along it. A matrix's first scatter (over its
+    outermost cut dimension, the one its last gather used) is issued as soon as its owner has orthogonalized
+    it; the scatters over inner dimensions follow once those are in. Every rank issues the collectives of a
+    process group in the same order (the loop's, whoever owns what), so gloo's and NCCL's async collectives
+    pair up; waiting late only lets the Newton-Schulz math run while the others travel.
+    """
+
+    def __init__(self, plans: dict[int, ShardedMatrix], updates: list[torch.Tensor]) -> None:
+        self.plans, self.updates = plans, updates
+        # the flat blocks this rank holds or will send, by matrix: its own, then what its gathers brought
+        self.held = {i: _flat_padded(updates[i], plan.padded_numel()) for i, plan in plans.items()
+                     if _matches_owner(plan, plan.replicate_mesh_dims)}
+        self.gathers: list[tuple[int, dist.Work | None, list[torch.Tensor] | None]] = []
+        self.scatters: list[tuple[int, dist.Work | None, torch.Tensor]] = []
+        self.level = 0
+
+    def in_flight(self) -> int:
+        """The collectives issued and not yet waited."""
+        return len(self.gathers) + len(self.scatters)
+
+    def issue_gathers(self, level: int) -> None:
+        self.level = level
+        for i, plan in self.plans.items():
+            if i not in self.held or level >= len(plan.cut_mesh_dims):
                 continue
             dims = plan.cut_mesh_dims[::-1]
             if not _matches_owner(plan, dims[:level]):
                 continue
             d = dims[level]
-            receives = _matches_owner(plan, (d,))
-            received[i] = [torch.empty_like(held[i]) for _ in range(plan.mesh.size(d))] if receives else None
-            works.append(dist.gather(held[i], received[i], group=plan.mesh.get_group(d), group_dst=plan.owner[d],
-                                     async_op=True))
-        _wait(works)
-        for i, pieces in received.items():
+            pieces = [torch.empty_like(self.held[i]) for _ in range(plan.mesh.size(d))] \
+                if _matches_owner(plan, (d,)) else None
+            self.gathers.append((i, dist.gather(self.held[i], pieces, group=plan.mesh.get_group(d),
+                                                group_dst=plan.owner[d], async_op=True), pieces))
+
+    def wait_gathers(self) -> Iterator[int]:
+        """Waits this level's gathers in issue order; yields each matrix whose last gather just completed."""
+        while self.gathers:
+            i, work, pieces = self.gathers.pop(0)
+            if work is not None:
+                work.wait()
             if pieces is not None:
-                held[i] = torch.cat(pieces)
-    return held
+                self.held[i] = torch.cat(pieces)
+            if self.level == len(self.plans[i].cut_mesh_dims) - 1:
+                yield i
 
+    def issue_first_scatter(self, i: int) -> None:
+        if self.plans[i].cut_mesh_dims:
+            self._issue_scatter(i, 0)
 
-def _scatter_all(plans: dict[int, ShardedMatrix], held: dict[int, torch.Tensor], updates: list[torch.Tensor]
-                 ) -> dict[int, torch.Tensor]:
-    """The owner's blocks back to their ranks, outermost cut dimension first (the gather reversed); each
-    rank of the owner's replica ends with its block, the others with an empty one for the broadcast."""
-    for level in range(max((len(plan.cut_mesh_dims) for plan in plans.values()), default=0)):
-        received, works = {}, []
-        for i, plan in plans.items():
-            dims = plan.cut_mesh_dims
-            if level >= len(dims) or not _matches_owner(plan, plan.replicate_mesh_dims + dims[level + 1:]):
-                continue
-            d = dims[level]
-            pieces = list(held[i].chunk(plan.mesh.size(d))) if _matches_owner(plan, (d,)) else None
-            numel = plan.padded_numel() * math.prod(plan.mesh.size(e) for e in dims[level + 1:])
-            received[i] = updates[i].new_empty(numel)
-            works.append(dist.scatter(received[i], pieces, group=plan.mesh.get_group(d), group_src=plan.owner[d],
-                                      async_op=True))
-        _wait(works)
-        held.update(received)
-    return {i: held[i][:updates[i].numel()].view(updates[i].shape) if i in held else torch.empty_like(updates[i])
-            for i in plans}
+    def _issue_scatter(self, i: int, level: int) -> None:
+        """The owner's blocks of matrix ``i`` over its ``level``-th cut dimension, outermost first (the gather
+        reversed); each rank of the owner's replica ends with its block."""
+        plan = self.plans[i]
+        dims = plan.cut_mesh_dims
+        if level >= len(dims) or not _matches_owner(plan, plan.replicate_mesh_dims + dims[level + 1:]):
+            return
+        d = dims[level]
+        pieces = list(self.held[i].chunk(plan.mesh.size(d))) if _matches_owner(plan, (d,)) else None
+        received = self.updates[i].new_empty(plan.padded_numel() * math.prod(plan.mesh.size(e)
+                                                                              for e in dims[level + 1:]))
+        self.scatters.append((i, dist.scatter(received, pieces, group=plan.mesh.get_group(d),
+                                              group_src=plan.owner[d], async_op=True), received))
+
+    def finish_scatters(self) -> dict[int, torch.Tensor]:
+        """Waits the first scatters, runs the inner ones level by level; each matrix's block of the update (an
+        empty one outside the owner's replica, for the broadcast)."""
+        for level in itertools.count(1):
+            for i, work, received in self.scatters:
+                if work is not None:
+                    work.wait()
+                self.held[i] = received
+            self.scatters = []
+            if level >= max((len(plan.cut_mesh_dims) for plan in self.plans.values()), default=0):
+                break
+            for i in self.plans:
+                self._issue_scatter(i, level)
+        return {i: self.held[i][:u.numel()].view(u.shape) if i in self.held else torch.empty_like(u)
+                for i, u in ((i, self.updates[i]) for i in self.plans)}
 
 
 def _broadcast_to_replicas(plans: dict[int, ShardedMatrix], blocks: dict[int, torch.Tensor]) -> None:
