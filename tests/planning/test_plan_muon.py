@@ -1,6 +1,7 @@
 """The planner prices Muon from its real step: the optimizer state (one momentum buffer per matrix), the owners'
-gathers, scatters and HSDP broadcasts, and the Newton-Schulz FLOPs, each against arithmetic on the debug model's
-shapes written here."""
+gathers, scatters and HSDP broadcasts, the Newton-Schulz FLOPs, every owner's load (the slowest one priced) and
+the naive layout (every rank gathering and orthogonalizing every matrix), each against arithmetic on the debug
+model's shapes written here."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 from conftest import debug_config
 
 from torchtitan.planning.clusters import load_cluster
-from torchtitan.planning.cost import estimate
+from torchtitan.planning.cost import collective_s, estimate, phase_compute_s
 from torchtitan.planning.dry_run import dry_runs
+from torchtitan.planning.report import estimate_text
 
 pytestmark = pytest.mark.slow  # the dry run's pool of worker processes
 
@@ -83,3 +85,40 @@ def test_muon_prices_its_state_traffic_and_newton_schulz(runs):
     h100 = load_cluster("h100-sxm-80g")
     adamw_step, muon_step = estimate(runs[0], h100).optimizer_s, estimate(runs[1], h100).optimizer_s
     assert muon_step - adamw_step >= ns / (h100.peak_bf16_flops * h100.matmul_efficiency) > 0
+
+
+def test_muon_prices_the_slowest_owner_and_the_naive_layout(runs):
+    adamw, muon, muon_hsdp = runs
+    flops = [_newton_schulz_flops(m, n) for m, n in MATRICES]
+    loads = [0] * 4
+    for f, o in zip(flops, _owners(4)):
+        loads[o] += f
+    whole = sum(m * n * FP32 for m, n in MATRICES)
+    # FSDP 4 and HSDP 2 x 2 balance the same owners over the 4 ranks; the naive layout orthogonalizes every matrix on
+    # every rank (4 times the mean load: the ranks' count) and all-gathers each whole over dp_shard.
+    for run in (muon, muon_hsdp):
+        work = run.ranks[0].muon
+        assert (work.own_flops, work.max_flops, work.ranks) == (loads[0], max(loads), 4)
+        assert work.mean_flops == sum(loads) / 4
+        assert work.imbalance == pytest.approx(max(loads) * 4 / sum(loads)) and work.imbalance > 1
+        assert work.naive_flops == sum(flops) == 4 * work.mean_flops
+        assert work.naive_gathers == {"dp_shard": (whole, len(MATRICES))}
+    assert adamw.ranks[0].muon is None
+    # Priced: the step waits for the most loaded owner's Newton-Schulz; the naive phase swaps it for every matrix's
+    # and the owners' gathers and scatters for the all-gathers.
+    h100 = load_cluster("h100-sxm-80g")
+    rate = h100.peak_bf16_flops * h100.matmul_efficiency
+    rank = muon.ranks[0]
+    ranks = rank.traffic.group_ranks
+    owner_comm = sum(collective_s(r["kind"], r["bytes"], r["count"], ranks[r["dim"]], h100)
+                     for r in rank.traffic.rows() if r["phase"] == "optimizer")
+    e = estimate(muon, h100)
+    assert e.newton_schulz_s == pytest.approx(max(loads) / rate)
+    assert e.owner_imbalance == rank.muon.imbalance
+    assert e.optimizer_s == pytest.approx(phase_compute_s(rank.work["optimizer"], h100) + (max(loads) - loads[0]) / rate
+                                          + owner_comm)
+    naive_comm = collective_s("all_gather", whole, len(MATRICES), ranks["dp_shard"], h100)
+    naive_extra = (sum(flops) - max(loads)) / rate + naive_comm - owner_comm
+    assert e.naive_optimizer_s - e.optimizer_s == pytest.approx(naive_extra)
+    assert e.naive_comm_bytes == whole
+    assert "most loaded owner" in estimate_text(e, "h100") and "naive" not in estimate_text(estimate(adamw, h100), "")

@@ -57,10 +57,16 @@ class StepEstimate:
     crosses_nodes_by_dim: dict[str, bool] = field(default_factory=dict)
     bound: str = ""
     optimizer_s: float = 0.0  # of the step: the optimizer phase's compute and collectives (exposed) on the slowest rank
+    optimizer_comm_bytes: int = 0  # the optimizer phase's collectives per rank (Muon's owner traffic)
+    newton_schulz_s: float = 0.0  # Muon: the most loaded owner's Newton-Schulz time, which the step waits for
+    owner_imbalance: float = 0.0  # Muon: the most loaded owner's Newton-Schulz work over the mean (0: no owners)
+    naive_optimizer_s: float = 0.0  # Muon: the optimizer phase if every rank gathered and orthogonalized every matrix
+    naive_comm_bytes: int = 0  # Muon: that layout's all-gathers per rank
 
     def to_json(self) -> dict:
         keys = ("fits", "peak_memory_gib", "step_time_s", "tokens_per_second_per_gpu", "mfu", "compute_s",
-                "exposed_comm_s", "bubble_s", "comm_bytes_per_step", "optimizer_s")
+                "exposed_comm_s", "bubble_s", "comm_bytes_per_step", "optimizer_s", "optimizer_comm_bytes",
+                "newton_schulz_s", "owner_imbalance", "naive_optimizer_s", "naive_comm_bytes")
         out = {k: getattr(self, k) for k in keys}
         out.update(tracked_peak_gib=self.tracked_peak_gib, allowance_gib=self.allowance_gib,
                    largest_consumer=self.largest_consumer, bound=self.bound, comm_s_by_dim=self.comm_s_by_dim,
@@ -81,6 +87,16 @@ def phase_compute_terms(w: PhaseWork, c: Cluster) -> dict[str, float]:
 
 def phase_compute_s(w: PhaseWork, c: Cluster) -> float:
     return sum(phase_compute_terms(w, c).values())
+
+
+def _matmul_s(flops: float, c: Cluster) -> float:
+    return flops / (c.peak_bf16_flops * c.matmul_efficiency)
+
+
+def owner_wait_s(run: DryRun, r: RankRun, c: Cluster) -> float:
+    """Muon: how long ``r`` waits beyond its own Newton-Schulz work for the most loaded owner's (every update
+    comes back in the scatters only when its owner is done), over the recorded steps."""
+    return 0.0 if r.muon is None else _matmul_s(run.steps * (r.muon.max_flops - r.muon.own_flops), c)
 
 
 def collective_s(kind: str, nbytes: int, count: int, ranks: list[int], c: Cluster) -> float:
@@ -105,6 +121,8 @@ def all_to_all_transfer_s(nbytes: int, ranks: list[int], c: Cluster) -> float:
 def _rank_times(run: DryRun, r: RankRun, c: Cluster) -> tuple[float, float, float, dict[str, float]]:
     """(compute, exposed communication, bubble, communication by dim) of one rank's step."""
     compute = {phase: phase_compute_s(w, c) for phase, w in r.work.items() if phase != "build"}
+    if r.muon is not None:
+        compute["optimizer"] = compute.get("optimizer", 0.0) + owner_wait_s(run, r, c)
     pp = run.dims.pp
     by_dim: dict[str, float] = {}
     fsdp_by_phase: dict[str, float] = {}
@@ -161,19 +179,42 @@ def estimate(run: DryRun, c: Cluster) -> StepEstimate:
     crossing = {d: crosses_nodes(ranks, c.gpus_per_node) for d, ranks in slowest.traffic.group_ranks.items()}
     bound = max([("compute", compute), ("bubble", bubble)]
                 + [(f"communication ({d})", t) for d, t in by_dim.items() if exposed > 0.2 * step], key=lambda x: x[1])
+    phase = _optimizer_phase(run, slowest, c)
     return StepEstimate(
         fits=tracked + allowance <= c.hbm_gib, peak_memory_gib=tracked + allowance, tracked_peak_gib=tracked,
         allowance_gib=allowance, largest_consumer=f"{largest} ({split[largest] / GIB:.1f} GiB)",
         step_time_s=step, tokens_per_second_per_gpu=tokens_per_gpu, mfu=mfu, compute_s=compute,
         exposed_comm_s=exposed, bubble_s=bubble, comm_bytes_per_step=slowest.traffic.by_dim(),
-        comm_s_by_dim=by_dim, crosses_nodes_by_dim=crossing, bound=bound[0], optimizer_s=_optimizer_s(slowest, c))
+        comm_s_by_dim=by_dim, crosses_nodes_by_dim=crossing, bound=bound[0], optimizer_s=phase.seconds,
+        optimizer_comm_bytes=phase.comm_bytes, newton_schulz_s=phase.newton_schulz_s,
+        owner_imbalance=phase.owner_imbalance, naive_optimizer_s=phase.naive_s, naive_comm_bytes=phase.naive_comm_bytes)
 
 
-def _optimizer_s(r: RankRun, c: Cluster) -> float:
-    """The optimizer phase of ``r``'s step: its kernels (Muon's Newton-Schulz among them) and its collectives, which
-    nothing overlaps (``_rank_times`` counts them exposed)."""
+@dataclass(frozen=True)
+class _OptimizerPhase:
+    seconds: float
+    comm_bytes: int
+    newton_schulz_s: float = 0.0
+    owner_imbalance: float = 0.0
+    naive_s: float = 0.0
+    naive_comm_bytes: int = 0
+
+
+def _optimizer_phase(run: DryRun, r: RankRun, c: Cluster) -> _OptimizerPhase:
+    """The optimizer phase of ``r``'s step: its kernels (Muon's Newton-Schulz among them, the most loaded owner's)
+    and its collectives, which nothing overlaps (``_rank_times`` counts them exposed); for Muon also the naive
+    layout's phase: the same kernels with every matrix's Newton-Schulz, and all-gathers for the owners' traffic."""
     compute = phase_compute_s(r.work["optimizer"], c) if "optimizer" in r.work else 0.0
+    compute += owner_wait_s(run, r, c)
     rows = [row for row in r.traffic.rows() if row["phase"] == "optimizer"]
     ranks = r.traffic.group_ranks
-    return compute + sum(collective_s(row["kind"], row["bytes"], row["count"], ranks.get(row["dim"], []), c)
-                         for row in rows)
+    comm = sum(collective_s(row["kind"], row["bytes"], row["count"], ranks.get(row["dim"], []), c) for row in rows)
+    comm_bytes = sum(row["bytes"] for row in rows)
+    if r.muon is None:
+        return _OptimizerPhase(compute + comm, comm_bytes)
+    newton_schulz = _matmul_s(run.steps * r.muon.max_flops, c)
+    naive_comm = sum(collective_s("all_gather", run.steps * nbytes, run.steps * count, ranks.get(dim, []), c)
+                     for dim, (nbytes, count) in r.muon.naive_gathers.items())
+    naive = compute - newton_schulz + _matmul_s(run.steps * r.muon.naive_flops, c) + naive_comm
+    return _OptimizerPhase(compute + comm, comm_bytes, newton_schulz, r.muon.imbalance, naive,
+                           run.steps * sum(nbytes for nbytes, _ in r.muon.naive_gathers.values()))

@@ -63,6 +63,7 @@ from torchtitan.models import model_args
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.moe import GPU_GROUPED_MM_DTYPES, assume_routing, check_imbalance, moe_notes
+from torchtitan.planning.muon_work import MuonOwnerWork, owner_work
 from torchtitan.planning.pipeline import make_stages_static, stage_io
 from torchtitan.planning.progress import Progress, simulation_label
 from torchtitan.planning.recorder import StepRecorder, track_fsdp_storage
@@ -110,10 +111,12 @@ class RankRun:
     work: dict[str, PhaseWork]
     seconds: float
     stands_for: list[int] = field(default_factory=list)  # the pp ranks of its stage shape (symmetry.py)
+    muon: MuonOwnerWork | None = None  # Muon by owners: every owner's Newton-Schulz work (muon_work.py)
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "coords": self.coords, "pipeline_stages": self.stages,
                 "stands_for_pp_ranks": self.stands_for,
+                "muon": dataclasses.asdict(self.muon) if self.muon is not None else None,
                 "memory": self.memory.to_json(), "collectives": self.traffic.rows(),
                 "work": {k: dataclasses.asdict(v) for k, v in self.work.items()}, "seconds": self.seconds}
 
@@ -278,7 +281,7 @@ def _counted(a: RankRun, b: RankRun, extra: int, memory) -> RankRun:
     """``a`` carried ``extra`` steps along the line through ``a`` and ``b`` (``memory``: how its peak is)."""
     return RankRun(a.rank, a.coords, a.stages, memory(a.memory, b.memory, extra),
                    counted_traffic(a.traffic, b.traffic, extra), counted_work(a.work, b.work, extra),
-                   a.seconds + b.seconds)
+                   a.seconds + b.seconds, muon=a.muon)  # the owners do not change with the blocks counted
 
 
 def _simulated_training(model: Model, training: Training, plan: LaunchPlan) -> tuple[Training, list[str]]:
@@ -345,8 +348,9 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
             for _ in range(steps):
                 job.train_step()
         traffic.group_ranks.update(_all_group_ranks(dims, traffic))
+        muon = owner_work(job.runner.optimizer, traffic.dim_of_group)
         return RankRun(rank, coords, job.stage_ids, memory.report(), traffic, dict(compute.work),
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, muon=muon)
 
 
 def _prebuild_cp_masks(seq_len: int, dims: ParallelDims) -> None:

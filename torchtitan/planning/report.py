@@ -38,8 +38,22 @@ def estimate_text(e: StepEstimate, cluster_name: str) -> str:
              f"bubble {e.bubble_s:.3f}; bound by {e.bound}",
              f"  {e.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu:.1f}%",
              f"  optimizer step {e.optimizer_s:.4f} s ({100 * e.optimizer_s / e.step_time_s:.2f}% of the step)",
-             "  communication per step:"]
+             *_muon_lines(e), "  communication per step:"]
     for dim, nbytes in sorted(e.comm_bytes_per_step.items()):
         where = "crosses nodes" if e.crosses_nodes_by_dim.get(dim) else "within a node"
         lines.append(f"    {dim:14s} {nbytes / GIB:10.3f} GiB/rank {e.comm_s_by_dim.get(dim, 0.0):8.3f} s  ({where})")
     return "\n".join(lines)
+
+
+def _muon_lines(e: StepEstimate) -> list[str]:
+    """Muon by owners: the slowest owner's Newton-Schulz time, the owners' balance, and the naive layout's phase."""
+    if not e.owner_imbalance:
+        return []
+    naive_step = e.step_time_s - e.optimizer_s + e.naive_optimizer_s
+    return [f"  Muon: Newton-Schulz {e.newton_schulz_s:.4f} s ({100 * e.newton_schulz_s / e.step_time_s:.2f}% of the "
+            f"step) on the most loaded owner, {e.owner_imbalance:.3f}x the mean; owner traffic "
+            f"{e.optimizer_comm_bytes / GIB:.3f} GiB/rank",
+            f"  Muon naive (every rank gathers and orthogonalizes every matrix): optimizer step "
+            f"{e.naive_optimizer_s:.4f} s ({100 * e.naive_optimizer_s / naive_step:.2f}% of its step, "
+            f"{100 * e.naive_optimizer_s / e.step_time_s:.1f}% of the owner layout's), all-gathers "
+            f"{e.naive_comm_bytes / GIB:.3f} GiB/rank"]
