@@ -146,8 +146,8 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     max_reserved_pct (CUDA) or peak_rss_gib (CPU), data_pct, eta_s, and a mixture's
     ``data/tokens/<source>`` (tokens each source gave so far) as one compact field, and a model with
     experts' ``moe/...`` (imbalance, auxiliary loss, fewest and most tokens per expert) as another;
-    ``mtp/loss`` (multi-token prediction) beside the loss, and downstream scores (``eval/<task>/<score>``)
-    as a last.
+    ``mtp/loss`` (multi-token prediction) beside the loss, ``attn/max_logit`` (QK-clip), and downstream scores
+    (``eval/<task>/<score>``) as a last.
     """
     fields = [f"step: {step}"]
 
@@ -159,6 +159,7 @@ def format_step_line(step: int, metrics: Mapping[str, float | None]) -> str:
     add("loss", "loss: {:.5g}")
     add("mtp/loss", "mtp_loss: {:.5g}")  # multi-token prediction's, apart from the main loss
     add("z_loss", "z_loss: {:.4g}")
+    add("attn/max_logit", "max_logit: {:.4g}")  # QK-clip's (MuonClip): the largest attention logit of the step
     add("grad_norm", "grad_norm: {:.4f}")
     add("lr", "lr: {:.1e}")
     add("skipped_steps", "skipped: {:.0f}")

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from torchtitan.config import JobConfig
+from torchtitan.optim.qk_clip_checks import qk_clip_problems
 
 
 def muon_problems(cfg: JobConfig) -> list[str]:
     """One line per Muon setting that cannot apply; none when the optimizer is not Muon."""
     o = cfg.optimizer
-    if o.name != "Muon":
+    if o.name not in ("Muon", "MuonClip"):  # MuonClip is Muon, then QK-clip
         return []
-    problems = []
+    problems = qk_clip_problems(cfg)
     if o.lr <= 0:
         problems.append(f"--optimizer.lr={o.lr}: Muon needs a positive learning rate")
     if o.muon_momentum >= 1:

@@ -58,14 +58,14 @@ def build_optimizer(
     Muon needs ``model_parts`` (the modules the parameters belong to: which are matrices)
     and takes ``muon`` (its settings; the defaults where not given).
     """
-    if name == "Muon":
+    if name in ("Muon", "MuonClip"):  # MuonClip's clip is a post-step hook (train_step/max_logit.py)
         if model_parts is None:
-            raise ValueError("optimizer.name=Muon: build_optimizer needs model_parts to tell matrices apart")
+            raise ValueError(f"optimizer.name={name}: build_optimizer needs model_parts to tell matrices apart")
         return build_muon(model_parts, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas,
                           settings=muon or MuonSettings())
     optimizer_cls = _OPTIMIZER_CLASSES.get(name)
     if optimizer_cls is None:
-        choices = ", ".join(sorted([*_OPTIMIZER_CLASSES, "Muon"]))
+        choices = ", ".join(sorted([*_OPTIMIZER_CLASSES, "Muon", "MuonClip"]))
         raise ValueError(f"optimizer.name must be one of [{choices}], got {name!r}")
     groups: list[Any] = list(params)  # tensors, or param-group dicts
     tensors = [t for p in groups for t in (p["params"] if isinstance(p, dict) else [p])]

@@ -41,6 +41,7 @@ from torchtitan.stability.z_loss import ZLossTerm
 from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.callbacks import StepCallbacks
 from torchtitan.train_step.experts import ExpertBalance
+from torchtitan.train_step.max_logit import MaxLogitTerm, install_qk_clip
 from torchtitan.train_step.mtp import MTPTerm
 from torchtitan.train_step.objective import TermBuilder, TermSources, build_objective
 from torchtitan.train_step.runner import ModelRunner
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 # The loss terms after the cross-entropy, in the order the step adds them (the order is part of the bits):
 # each builds its term from the job, or None where the job has none. A new term is one line here.
-LOSS_TERMS: tuple[TermBuilder, ...] = (ZLossTerm.of, MTPTerm.of, AuxLossTerm.of)
+LOSS_TERMS: tuple[TermBuilder, ...] = (ZLossTerm.of, MTPTerm.of, AuxLossTerm.of, MaxLogitTerm.of)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
         weight_decay=o.weight_decay, betas=tuple(o.betas), device_type=device_type, model_parts=model_parts,
         muon=MuonSettings.from_config(o),
     )
+    install_qk_clip(optimizer, model_parts, objective, dims.tp_mesh())  # MuonClip; first: Float8's scales see the clip
     install_after_step(optimizer, model_parts, cfg.model, cfg.float8)
     lr_scheduler = build_lr_scheduler(
         optimizer, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio, decay_type=s.decay_type,

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
+from torchtitan.models.attention.max_logit import LogitProbe
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
 
@@ -77,6 +78,7 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.q_norm: RMSNorm | None = None if c.qk_norm_eps is None else RMSNorm(c.head_dim, c.qk_norm_eps)
         self.k_norm: RMSNorm | None = None if c.qk_norm_eps is None else RMSNorm(c.head_dim, c.qk_norm_eps)
+        self.logit_probe: LogitProbe | None = None  # QK-clip's measurement (attention/max_logit.py), when on
 
     def in_projections(self) -> list[nn.Linear]:
         """The projections into the heads (init and TP treat them alike)."""
@@ -117,5 +119,7 @@ class GroupedQueryAttention(nn.Module):
             k, v = cache.update(k, v)
             out = backend.attend_cached(q, k, v, cache.mask)
         else:
+            if self.logit_probe is not None and self.training:
+                self.logit_probe.observe(q, k, documents)
             out = backend.attend(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))

@@ -1,0 +1,75 @@
+"""The largest pre-softmax attention logit of each head, measured in the training forward for QK-clip
+(``--optimizer.name MuonClip``, torchtitan/optim/qk_clip.py; docs/optimizers.md).
+
+An attention module the clip watches holds a ``LogitProbe`` (``logit_probe``; None otherwise, and then the
+forward does nothing more). Its training forward hands the probe the queries and keys the backend scores,
+after the rotation, and the probe keeps each head's running maximum over the step's forwards. The scores
+are recomputed here without gradient, a few query rows at a time, so no ``[B, H, L, L]`` tensor is ever
+held, under the same mask as the backend's: causal, the document mask, a sliding window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan.compat import in_pipeline_shape_inference
+from torchtitan.models.attention.masks import (
+    DocumentMask,
+    causal_mask_mod,
+    dense_mask,
+    document_causal_mask_mod,
+    sliding_window_mask_mod,
+)
+
+# Scores held at once (float32 elements, 16 MiB): a chunk of query rows against every key.
+CHUNK_ELEMENTS = 1 << 22
+
+
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None = None,
+               window: int | None = None) -> torch.Tensor:
+    """Each query head's largest logit ``q . k / sqrt(D)`` over the (query, key) pairs the mask allows -> [H]
+    float32.
+
+    ``q`` [B, H, L, D] and ``k`` [B, H_kv, L, D] as the backend gets them (rotated; MLA's queries carry the rest
+    of its softmax scale); query head ``h`` reads key head ``h // (H / H_kv)``, as ``repeat_kv``.
+    ``documents`` None: causal over the whole window; ``window``: keys at most that many positions back.
+    """
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.float().reshape(batch, kv_heads, heads // kv_heads, length, dim) * dim ** -0.5
+    keys_t = k.float().unsqueeze(2).transpose(-1, -2)  # [B, H_kv, 1, D, L]
+    rows = max(1, CHUNK_ELEMENTS // (batch * heads * length))
+    best = torch.full((kv_heads, heads // kv_heads), float("-inf"), device=q.device)
+    for start in range(0, length, rows):
+        stop = min(length, start + rows)
+        scores = grouped[..., start:stop, :] @ keys_t  # [B, H_kv, group, rows, L]
+        allowed = dense_mask(_mask_mod(documents, window, start), batch, stop - start, length, q.device)
+        scores.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 3, 4)))
+    return best.flatten()
+
+
+def _mask_mod(documents: DocumentMask | None, window: int | None, q_offset: int):  # noqa: ANN202 - a MaskMod
+    base = causal_mask_mod(q_offset) if documents is None else document_causal_mask_mod(documents.docs, q_offset)
+    return base if window is None else sliding_window_mask_mod(base, window, q_offset)
+
+
+class LogitProbe:
+    """One attention module's per-head maximum logit over the forwards since the last ``take`` (this rank's heads,
+    this rank's tokens). A plain attribute of the module, not a buffer: it is no part of the state dict."""
+
+    def __init__(self) -> None:
+        self.running: torch.Tensor | None = None
+
+    def observe(self, q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None = None,
+                window: int | None = None) -> None:
+        if in_pipeline_shape_inference():  # a schedule's stand-in tensors learning shapes: not the batch
+            return
+        found = max_logits(q, k, documents, window)
+        self.running = found if self.running is None else torch.maximum(self.running, found)
+
+    def take(self) -> torch.Tensor | None:
+        """The maxima [H] since the last call (None: no forward), and start again."""
+        found, self.running = self.running, None
+        return found

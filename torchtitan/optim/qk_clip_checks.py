@@ -1,0 +1,49 @@
+"""What ``--optimizer.name MuonClip`` refuses before any process group (docs/optimizers.md, "QK-clip (MuonClip)")."""
+
+from __future__ import annotations
+
+from torchtitan.config import JobConfig
+
+
+def qk_clip_problems(cfg: JobConfig) -> list[str]:
+    """One line per QK-clip setting that cannot apply; none when the optimizer is not MuonClip."""
+    o, opt = cfg.optimizer, "--optimizer.name=MuonClip"
+    if o.name != "MuonClip":
+        return []
+    problems = []
+    if o.qk_clip_threshold <= 0:
+        problems.append(f"--optimizer.qk_clip_threshold={o.qk_clip_threshold}: the largest attention logit a head "
+                        "may reach must be positive (e.g. 100)")
+    if cfg.training.compile:
+        problems.append(f"{opt} with --training.compile: the max-logit measurement runs in the eager forward only; "
+                        "turn compile off or use --optimizer.name Muon")
+    if cfg.parallelism.context_parallel_degree > 1:
+        problems.append(f"{opt} with --parallelism.context_parallel_degree="
+                        f"{cfg.parallelism.context_parallel_degree}: the max-logit measurement needs every key of "
+                        "a sequence, which context parallelism keeps on other ranks; use --optimizer.name Muon")
+    attention = _attention_problem(cfg)
+    if attention:
+        problems.append(f"{opt}: {attention}; use --optimizer.name Muon")
+    return problems
+
+
+def _attention_problem(cfg: JobConfig) -> str | None:
+    # Imported here: the launch preflight imports the optimizers, not the models' modules.
+    from torchtitan.models.attention.gqa import GQAConfig
+    from torchtitan.models.deepseek_v3.mla import MLAConfig
+    from torchtitan.models.registry import model_args
+
+    try:
+        attention = model_args(cfg.model.name, cfg.model.flavor).attention()
+    except ValueError:  # an unknown model or flavor: check_config names it
+        return None
+    if isinstance(attention, GQAConfig) and attention.qk_norm_eps is not None:
+        return (f"{cfg.model.name}'s attention normalizes each head's queries and keys (QK-norm), so scaling the "
+                "query weights does not reach the logit")
+    if isinstance(attention, (GQAConfig, MLAConfig)):
+        return None
+    from torchtitan.models.gpt_oss.attention import SinkAttentionConfig
+
+    if isinstance(attention, SinkAttentionConfig):
+        return None
+    return f"{cfg.model.name}'s attention ({type(attention).__name__}) is not one QK-clip scales"
