@@ -11,6 +11,7 @@ import torch
 from torchtitan.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.stability.z_loss import ZLossTerm, z_loss_sum
 from torchtitan.train_step import build as build_module
+from torchtitan.train_step import max_logit
 from torchtitan.train_step.aux_loss import AuxLossTerm
 from torchtitan.train_step.mtp import MTPTerm
 from torchtitan.train_step.objective import (
@@ -97,6 +98,7 @@ def test_build_objective_adds_the_registered_terms_the_job_turns_on_in_order():
     sources = TermSources(cfg, plan=None, model=torch.nn.Linear(1, 1), dims=None, loss_fn=cross_entropy_sum)
     objective = build_objective(sources, (ZLossTerm.of, lambda _: None, lambda _: MaxLogitTerm(0.5)))
     assert [term.name for term in objective.terms] == ["loss", "z_loss", "max_logit"]
-    assert build_module.LOSS_TERMS == (ZLossTerm.of, MTPTerm.of, AuxLossTerm.of)  # the step's order, as before
+    # the step's order, as before; QK-clip's log (MuonClip) last: it adds nothing to the loss
+    assert build_module.LOSS_TERMS == (ZLossTerm.of, MTPTerm.of, AuxLossTerm.of, max_logit.MaxLogitTerm.of)
     off = ConfigManager().parse_args([])
     assert build_objective(dataclasses.replace(sources, cfg=off), (ZLossTerm.of,)).terms[1:] == []
