@@ -75,7 +75,7 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     assert tokenizer is not None  # not building it was a problem, raised just above
 
     problems += check_fault_tolerance(cfg.fault_tolerance, dims, comm=cfg.comm, training=cfg.training,
-                                      checkpoint=cfg.checkpoint)
+                                      checkpoint=cfg.checkpoint, optimizer=cfg.optimizer)
     data_degree = data_parallel_degree(cfg, dims)
     grad_accum, found = gradient_accumulation_steps(cfg, data_degree)
     problems += found
@@ -163,7 +163,7 @@ def check_config(cfg: JobConfig, check_data: bool = True) -> list[str]:
     problems += wandb_problems(cfg.metrics.enable_wandb)
     # torchao installed and in range, [float8] options that contradict
     problems += converter_problems(cfg.model, cfg.float8)
-    problems += muon_problems(cfg)  # what Muon cannot do yet (fault tolerance, step skipping)
+    problems += muon_problems(cfg)  # what Muon cannot do yet (step skipping)
     return problems + _validation_problems(cfg) + stability_problems(
         cfg.stability, checkpoint=cfg.checkpoint, ft=cfg.fault_tolerance, debug=cfg.debug)
 

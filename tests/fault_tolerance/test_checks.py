@@ -24,7 +24,7 @@ def _problems(world_size: int, *overrides: str) -> list[str]:
 
 def _check(cfg: JobConfig, dims: ParallelDims) -> list[str]:
     return check_fault_tolerance(cfg.fault_tolerance, dims, comm=cfg.comm, training=cfg.training,
-                                 checkpoint=cfg.checkpoint)
+                                 checkpoint=cfg.checkpoint, optimizer=cfg.optimizer)
 
 
 def test_a_sound_group_passes_and_disabled_checks_nothing(monkeypatch):
@@ -56,11 +56,21 @@ def test_a_sound_group_passes_and_disabled_checks_nothing(monkeypatch):
          "num_fragments and fragment_sync_delay apply to diloco only"),
         (2, ["--checkpoint.create_seed_checkpoint"], "write the seed checkpoint with a plain run"),
         (2, ["--training.dataset=c4"], "needs a token store: --training.dataset=c4 is streamed"),
+        (2, ["--optimizer.name=MuonClip"], "enable with --optimizer.name=MuonClip: QK-clip takes each head's"),
     ],
 )
 def test_each_problem_names_its_fix(world, overrides, needle):
     problems = _problems(world, *overrides)
     assert len(problems) == 1 and needle in problems[0], problems
+
+
+@pytest.mark.parametrize("method", ["none", "diloco"])
+def test_muon_is_accepted_under_fault_tolerance(method):
+    """Muon's state heals like AdamW's and its owners are a group's own ranks (test_ft_runs.py, test_diloco_run.py)."""
+    from torchtitan.preflight import check_config
+
+    cfg = debug_config(*FT, "--optimizer.name=Muon", f"--fault_tolerance.semi_sync_method={method}", config=CI)
+    assert check_config(cfg) == [] and _check(cfg, ParallelDims.from_config(cfg.parallelism, 2)) == []
 
 
 def test_diloco_fragments_must_divide_sync_steps():

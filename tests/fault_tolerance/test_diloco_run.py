@@ -1,5 +1,8 @@
 """DiLoCo across replica groups end to end: one shared run of two one-rank groups (plain ``python``), and a
-whole-job restart from its checkpoint.
+whole-job restart from its checkpoint. The inner optimizer is Muon (AdamW for the non-matrix parameters), with
+one Newton-Schulz step: the run checks the semi-sync machinery around Muon's state (its heal, its checkpoint),
+not the orthogonalization (test_ft_runs.py's main run does that), and one step keeps its cost down. The LocalSGD
+run trains AdamW.
 
 ``semi_sync_method=diloco``, ``sync_steps`` 4 over 2 fragments (a fragment syncs every 2 steps),
 a replica check at every sync, checkpoints every 4 steps into one folder:
@@ -15,8 +18,8 @@ a replica check at every sync, checkpoints every 4 steps into one folder:
   from then on its global state is bitwise the survivor's after every sync;
 - each checkpoint is written by one group and holds the semi-sync state; from step 12 both groups
   restart (a whole-job restart, group 1 2 s after group 0: the startup wait holds group 0's first sync
-  for it): they resume at step 13, group 0's step 13 is bitwise its first
-  run's (weights, Adam, loss, and the reference parameters and outer momentum from the checkpoint),
+  for it): they resume at step 13, group 0's step 13 is bitwise its first run's (weights, Muon's momentum
+  and AdamW's moments, loss, and the reference parameters and outer momentum from the checkpoint),
   the sync count continues, and the groups are bitwise equal after every sync.
 """
 
@@ -44,6 +47,7 @@ RESTART_LATE_S = 2.0
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 DUMP_AT = 2  # the first sync, both groups in it: each saves the states around it (ft_entry.py)
 CHECK_BYTES = 2 * 2 * 8  # the replica check's table: 2 groups x (fingerprint, present) int64
+INNER_MUON = ("--optimizer.name=Muon", "--optimizer.muon_ns_steps=1")
 
 
 def _param_bytes() -> int:
@@ -54,8 +58,9 @@ def _param_bytes() -> int:
 
 
 def _args(tmp: Path, ckpt: str, address: str) -> list[str]:
-    return [*COMMON, f"--training.steps={STEPS}", "--lr_scheduler.warmup_steps=2", "--fault_tolerance.enable",
-            "--fault_tolerance.num_replica_groups=2", f"--fault_tolerance.lighthouse={address}",
+    return [*COMMON, *INNER_MUON, f"--training.steps={STEPS}", "--lr_scheduler.warmup_steps=2",
+            "--fault_tolerance.enable", "--fault_tolerance.num_replica_groups=2",
+            f"--fault_tolerance.lighthouse={address}",
             "--fault_tolerance.semi_sync_method=diloco", f"--fault_tolerance.sync_steps={SYNC}",
             f"--fault_tolerance.outer_lr={OUTER_LR}", f"--fault_tolerance.outer_momentum={OUTER_MOMENTUM}",
             f"--fault_tolerance.num_fragments={FRAGMENTS}", "--fault_tolerance.replica_check_freq=1",
@@ -107,6 +112,7 @@ def _lives(records: list[dict]) -> tuple[list[dict], list[dict]]:
 def test_every_group_finishes(diloco_run):
     tmp, codes, records, _ = diloco_run
     assert codes == {"g0": 0, "g1": 0, "r0": 0, "r1": 0}, (codes, (tmp / "g1.log").read_text()[-3000:])
+    assert all("Muon on" in (tmp / f"{name}.log").read_text() for name in codes), "the inner optimizer is not Muon"
     assert [r["step"] for r in records["g0"]] == list(range(1, STEPS + 1))
     first, second = _lives(records["g1"])
     assert [r["step"] for r in first] == list(range(1, KILL_AT))  # killed during step 4

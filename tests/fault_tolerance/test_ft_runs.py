@@ -1,7 +1,7 @@
 """Fault-tolerant HSDP end to end: replica groups as real processes, and a lighthouse.
 
 Four runs, each answering several questions, to keep CI short. The main one (two groups,
-FSDP 2 each, under torchrun):
+FSDP 2 each, under torchrun) trains Muon (AdamW for the non-matrix parameters); the other three AdamW:
 
 - group 0 trains all the way (the survivor); group 1's rank 1 SIGKILLs itself right after
   step 8 (torchrun stops rank 0) and torchrun (``--max-restarts 1``) starts it again: the stale-key path, since
@@ -9,13 +9,17 @@ FSDP 2 each, under torchrun):
   manager 1 s late, so rank 1 would read that address if it were not deleted);
 - the survivor keeps training alone, discarding at most one step, and its step during the
   crash takes at most the heartbeat timeout + 2 s longer than a healthy one;
-- the restarted group heals from the survivor on its first step (during the LR warmup), and
-  from then on its weights, Adam state and learning rate are bitwise the survivor's and it
-  logs the same loss;
+- the restarted group heals from the survivor on its first step (during the LR warmup), before
+  any step of its own: it takes Muon's momentum buffers and AdamW's moments into the state created
+  at start-up, and from then on its weights, optimizer state and learning rate are bitwise the
+  survivor's and it logs the same loss;
 - while both groups are healthy (steps 1-8) the loss equals a single process training
-  the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative;
+  the same global batch (4 sequences x 2 micro-batches), within 1e-5 relative: each matrix is
+  orthogonalized from the gradient averaged over the groups, by its owner among the group's
+  dp_shard ranks (the float32 iteration, so that the comparison is tight);
 - with gradient accumulation a step takes one cross-group all-reduce per FSDP unit, not
-  one per micro-batch (plus the token count, the loss and the replica check);
+  one per micro-batch (plus the token count, the loss and the replica check); Muon's owner
+  traffic stays inside the group;
 - the replica check runs every step (and passes, also right after the heal).
 
 A second, shorter run has TP 2 inside each group (no data parallelism in a group, where
@@ -69,6 +73,7 @@ FSDP_UNITS = 7  # the debug model's 6 blocks and the root
 GRADS_AT = 1  # the step whose reduced gradients each group's rank 0 and the one process save (ft_entry.py)
 TP_STEPS = 4
 SKIPPED_STEP = 2  # the TP run's step with a non-finite gradient in group 1 (and the reference)
+MUON = ("--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32")  # the main run's optimizer
 
 
 def _env(record: Path, **extra: str) -> dict[str, str]:
@@ -80,7 +85,7 @@ def _env(record: Path, **extra: str) -> dict[str, str]:
 
 
 def _group(tmp: Path, replica_id: int, lighthouse: str, env: dict[str, str], restarts: int,
-           layout: tuple[str, ...] = ("--parallelism.data_parallel_shard_degree=2",)) -> subprocess.Popen:
+           layout: tuple[str, ...] = ("--parallelism.data_parallel_shard_degree=2", *MUON)) -> subprocess.Popen:
     cmd = torchrun_command(
         ENTRY, *COMMON, f"--job.dump_folder={tmp / f'g{replica_id}'}",
         *layout, "--fault_tolerance.enable",
@@ -162,11 +167,11 @@ def ft_run(tmp_path_factory):
                                                      **together), restarts=1),
             # The same global batch (4 sequences x 2 micro-batches), one process, no fault tolerance.
             "ref": subprocess.Popen(
-                [sys.executable, ENTRY, *COMMON, "--training.batch_size=4",
+                [sys.executable, ENTRY, *COMMON, *MUON, "--training.batch_size=4",
                  f"--job.dump_folder={tmp / 'ref'}"], env=_env(tmp / "ref", FT_DUMP_GRADS_AT_STEP=str(GRADS_AT)),
                 stdout=open(tmp / "ref.log", "w"), stderr=subprocess.STDOUT, start_new_session=True),
         }
-        codes = _wait(procs, tmp, timeout=150)
+        codes = _wait(procs, tmp, timeout=200)
     finally:
         lighthouse.kill()
         lighthouse.wait()
@@ -184,6 +189,9 @@ def test_both_groups_finish(ft_run):
     for rank in (0, 1):
         assert [r["step"] for r in records["g0"][rank]] == list(range(1, STEPS + 1)), "survivor skipped or redid a step"
         assert records["g1"][rank][-1]["step"] == STEPS
+    for name in ("g0", "g1", "ref"):  # build_muon's line: the groups' matrices have owners, one process has none
+        expected = "orthogonalized here" if name == "ref" else "each orthogonalized by one owner rank"
+        assert expected in (tmp / f"{name}.log").read_text(), f"{name} did not train Muon"
 
 
 def test_survivor_trains_alone_and_loses_at_most_one_step(ft_run):
@@ -213,7 +221,7 @@ def test_rejoined_group_heals_and_matches_survivor_bitwise(ft_run):
         survivor = _by_step(records["g0"][rank])
         for r in after:
             s = survivor[r["step"]]
-            assert r["state"] == s["state"], f"rank {rank} step {r['step']}: weights/Adam state differ from survivor"
+            assert r["state"] == s["state"], f"rank {rank} step {r['step']}: weights/Muon state differ from survivor"
             assert r["loss"] == s["loss"], f"rank {rank} step {r['step']}: loss {r['loss']} != {s['loss']}"
 
 

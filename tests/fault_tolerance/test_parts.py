@@ -1,5 +1,5 @@
-"""The pieces of fault tolerance on their own: stale store keys, Adam's state from step 0,
-the heal state's round trip, the check that every parameter sits in a hooked FSDP unit,
+"""The pieces of fault tolerance on their own: stale store keys, Adam's and Muon's state from step 0,
+the heal state's round trip (AdamW and Muon), the check that every parameter sits in a hooked FSDP unit,
 DiLoCo's fragments (every parameter in exactly one), and the startup wait's decisions."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 
 from torchtitan.fault_tolerance.state import HealState, init_optimizer_state
+from torchtitan.optim.muon import Muon, MuonSettings
 
 
 def test_stale_manager_keys_are_deleted(monkeypatch, free_port):
@@ -40,6 +41,17 @@ def _model_and_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
 
 
+def _model_and_muon() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Muon on the weights (momentum buffers), AdamW on the biases (moments): both kinds of state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    return model, Muon([m.weight for m in model], [m.bias for m in model], lr=1e-2, weight_decay=0.1,
+                       betas=(0.9, 0.95), eps=1e-8, settings=MuonSettings(ns_dtype="float32"))
+
+
+BUILDERS = {"adamw": _model_and_adamw, "muon": _model_and_muon}
+
+
 def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
     for i in range(n):
         torch.manual_seed(100 + i)
@@ -61,6 +73,25 @@ def test_adam_state_from_step_zero_changes_nothing():
         assert all(torch.equal(lazy.state[a][k], eager.state[b][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
+def test_muon_state_from_step_zero_is_the_first_steps_and_changes_nothing():
+    """Every parameter gets the keys, shapes and dtypes Muon's first step creates (a momentum buffer for a
+    matrix, AdamW's step and moments for the rest), all zero; training from there is bitwise the lazy run."""
+    lazy_model, lazy = _model_and_muon()
+    eager_model, eager = _model_and_muon()
+    init_optimizer_state(eager)
+    created = {name: {k: (v.shape, v.dtype, v.device) for k, v in eager.state[p].items()}
+               for name, p in eager_model.named_parameters()}
+    assert all(not v.any() for p in eager_model.parameters() for v in eager.state[p].values())
+    assert set(created["0.weight"]) == {"momentum_buffer"} and set(created["0.bias"]) == {"step", "exp_avg",
+                                                                                         "exp_avg_sq"}
+    _steps(lazy_model, lazy, 3)
+    _steps(eager_model, eager, 3)
+    assert created == {name: {k: (v.shape, v.dtype, v.device) for k, v in lazy.state[p].items()}
+                       for name, p in lazy_model.named_parameters()}
+    for a, b in zip(lazy_model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b) and all(torch.equal(v, eager.state[b][k]) for k, v in lazy.state[a].items())
+
+
 class _Position:
     def __init__(self):
         self.value = {"step": 0, "data": {"next_window": 0}}
@@ -77,8 +108,10 @@ def _heal_state(model, optimizer, position: _Position) -> tuple[HealState, torch
     return HealState([model], optimizer, scheduler, position.get, position.set), scheduler
 
 
-def test_heal_state_hands_over_references_and_loads_bitwise():
-    peer_model, peer_opt = _model_and_adamw()
+@pytest.mark.parametrize("optimizer", sorted(BUILDERS))
+def test_heal_state_hands_over_references_and_loads_bitwise(optimizer):
+    """A group that never stepped (its state created eagerly) takes a peer's state and steps bitwise like it."""
+    peer_model, peer_opt = BUILDERS[optimizer]()
     init_optimizer_state(peer_opt)
     peer_pos = _Position()
     peer, peer_sched = _heal_state(peer_model, peer_opt, peer_pos)
@@ -91,7 +124,7 @@ def test_heal_state_hands_over_references_and_loads_bitwise():
     # References, not copies: nothing is read from the modules on the quorum thread.
     assert handed["model"]["0.0.weight"].data_ptr() == peer_model[0].weight.data_ptr()
 
-    model, opt = _model_and_adamw()
+    model, opt = BUILDERS[optimizer]()
     torch.manual_seed(5)
     for p in model.parameters():
         p.data.normal_()
@@ -101,7 +134,8 @@ def test_heal_state_hands_over_references_and_loads_bitwise():
     mine.load_state_dict(copy.deepcopy(handed))
     for a, b in zip(peer_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
-        assert all(torch.equal(peer_opt.state[a][k], opt.state[b][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+        assert peer_opt.state[a].keys() == opt.state[b].keys()
+        assert all(torch.equal(v, opt.state[b][k]) for k, v in peer_opt.state[a].items())
     assert sched.last_epoch == peer_sched.last_epoch and opt.param_groups[0]["lr"] == peer_opt.param_groups[0]["lr"]
     assert pos.value == {"step": 2, "data": {"next_window": 16}}
     _steps(peer_model, peer_opt, 1)

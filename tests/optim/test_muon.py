@@ -241,8 +241,7 @@ def test_muon_refuses_non_positive_lr_and_ns_steps():
         Muon([w], [], lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, settings=MuonSettings(ns_steps=0))
 
 
-@pytest.mark.parametrize("option", ["--fault_tolerance.enable",
-                                    "--stability.skip_nonfinite_steps",
+@pytest.mark.parametrize("option", ["--stability.skip_nonfinite_steps",
                                     "--optimizer.lr=0", "--optimizer.muon_momentum=1.0"])
 def test_what_muon_cannot_do_yet_is_refused_before_any_process_group(option, debug_cfg):
     from torchtitan.preflight import check_config

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from torchtitan.config.job_config import Checkpoint, Comm, FaultTolerance, Training
+from torchtitan.config.job_config import Checkpoint, Comm, FaultTolerance, Optimizer, Training
 from torchtitan.distributed import ParallelDims
 
 FT = "--fault_tolerance."
@@ -24,9 +24,10 @@ def lighthouse_address(ft: FaultTolerance) -> str | None:
 
 
 def check_fault_tolerance(ft: FaultTolerance, dims: ParallelDims, *, comm: Comm, training: Training,
-                          checkpoint: Checkpoint) -> list[str]:
+                          checkpoint: Checkpoint, optimizer: Optimizer) -> list[str]:
     """One line per problem of the ``[fault_tolerance]`` section ``ft``, against the layout and the other sections
-    it constrains (the timeouts, the seed, the data, the checkpoint's start); none when it is disabled."""
+    it constrains (the timeouts, the seed, the data, the checkpoint's start, the optimizer); none when it is
+    disabled."""
     if not ft.enable:
         return []
     problems: list[str] = []
@@ -52,7 +53,7 @@ def check_fault_tolerance(ft: FaultTolerance, dims: ParallelDims, *, comm: Comm,
                         "start from different weights")
     problems += _timeout_problems(ft, comm)
     problems += _semi_sync_problems(ft)
-    problems += _not_built_problems(checkpoint, training)
+    problems += _not_built_problems(checkpoint, training, optimizer)
     return problems
 
 
@@ -87,7 +88,7 @@ def _timeout_problems(ft: FaultTolerance, comm: Comm) -> list[str]:
             "before it fails a group's own collectives (a crash)"]
 
 
-def _not_built_problems(checkpoint: Checkpoint, training: Training) -> list[str]:
+def _not_built_problems(checkpoint: Checkpoint, training: Training, optimizer: Optimizer) -> list[str]:
     """Parts of fault tolerance this project does not have yet: refused, never silently ignored."""
     problems = []
     if checkpoint.create_seed_checkpoint:
@@ -98,4 +99,9 @@ def _not_built_problems(checkpoint: Checkpoint, training: Training) -> list[str]
         problems.append(f"{FT}enable needs a token store: --training.dataset={t.dataset} is streamed from the hub, "
                         "whose order depends on the data-parallel degree; prepare it with scripts/prepare_data.py "
                         "and pass --training.dataset_path")
+    if optimizer.name == "MuonClip":
+        # Muon alone works: its owners are the group's ranks, fed the gradient torchft averaged over the groups.
+        problems.append(f"{FT}enable with --optimizer.name=MuonClip: QK-clip takes each head's largest logit over "
+                        "this replica group's ranks only, so the groups would rescale different heads and drift "
+                        "apart; use --optimizer.name=Muon under fault tolerance")
     return problems

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_fault_tolerant_step(ft: FaultTolerance, parts: StepParts, device: torch.device) -> FaultTolerantStep:
-    """Create Adam's state, the heal state, the manager and the hooks (or DiLoCo/LocalSGD); return the step."""
+    """Create the optimizer's state, the heal state, the manager and the hooks (or DiLoCo/LocalSGD); return the step."""
     init_optimizer_state(parts.optimizer)
     assert parts.dataloader is not None, "only the planner's dry run has no dataloader, and it runs no torchft"
     position = GroupPosition(parts.dataloader)

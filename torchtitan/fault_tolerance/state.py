@@ -3,9 +3,10 @@
 torchft asks for the state on its quorum thread, while the training thread runs forward:
 calling ``state_dict()`` on FSDP modules there would race with FSDP's own parameter
 swapping. So the training thread caches plain references (local shards of parameters and
-Adam moments, small dicts for the rest) just before each step starts its quorum, and the
-callback hands those over. Nothing mutates them until the step commits, and torchft blocks
-the commit until a transfer in progress has been read.
+of the optimizer state: Adam's moments, Muon's momentum; small dicts for the rest) just
+before each step starts its quorum, and the callback hands those over. Nothing mutates
+them until the step commits, and torchft blocks the commit until a transfer in progress has
+been read.
 """
 
 from __future__ import annotations
@@ -25,25 +26,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create Adam's state (zero moments, step 0) now, exactly as Adam's first step would.
+    """Create the optimizer's state now, exactly as its first step would: Adam's (zero moments, step 0), or
+    Muon's (a zero momentum buffer for each matrix, Adam's state for the rest).
 
-    A group that heals before its first step must be able to receive the moments; taking
-    a zero-lr step to create them would count a step in Adam's bias correction.
+    A group that heals before its first step must be able to receive the peer's state, and it
+    takes it key by key into tensors of its own; taking a zero-lr step to create them would
+    count a step in Adam's bias correction.
     """
     for group in optimizer.param_groups:
-        fused_or_capturable = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = optimizer.state[p]
             if state:
                 continue
-            if fused_or_capturable:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            if group.get("use_muon"):  # torchtitan/optim/muon.py's matrix group
+                state["momentum_buffer"] = torch.zeros_like(p)
             else:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                _init_adam_state(group, p, state)
+
+
+def _init_adam_state(group: dict[str, Any], p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    """torch's Adam/AdamW state of ``p`` before its first step (Muon's non-matrix group keeps the same)."""
+    if group.get("fused") or group.get("capturable"):
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    else:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class HealState:

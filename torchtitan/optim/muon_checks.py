@@ -17,9 +17,6 @@ def muon_problems(cfg: JobConfig) -> list[str]:
     if o.muon_momentum >= 1:
         problems.append(f"--optimizer.muon_momentum={o.muon_momentum}: Muon's momentum is a fraction in [0, 1), "
                         "e.g. 0.95")
-    if cfg.fault_tolerance.enable:
-        problems.append("--fault_tolerance.enable: its replica state holds Adam's moments, not Muon's momentum; "
-                        "use --optimizer.name AdamW under fault tolerance")
     if cfg.stability.guards_steps:
         problems.append("--stability.skip_nonfinite_steps / --stability.skip_spikes: a skipped step needs the fused "
                         "AdamW kernel, which Muon lacks; turn both off with Muon")
