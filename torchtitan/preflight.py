@@ -47,7 +47,7 @@ from torchtitan.metrics.wandb_run import wandb_problems
 from torchtitan.models import DecoderConfig, get_model_spec, model_args
 from torchtitan.models.spec import ModelSpec
 from torchtitan.optim.lr_scheduler import validate_schedule
-from torchtitan.optim.muon_checks import muon_problems
+from torchtitan.optim.muon_checks import muon_model_problems, muon_problems
 from torchtitan.quantization import converter_problems
 from torchtitan.quantization.converters import device_problems as converter_device_problems
 from torchtitan.quantization.converters import model_problems as converter_model_problems
@@ -85,6 +85,8 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
     problems += check_parallelism(args, dims, cfg, spec)
     # --float8.filter_fqns against the model
     problems += converter_model_problems(cfg.model, cfg.float8, lambda: spec.build(args))
+    # --optimizer.muon_adamw_fqns against the model's parameter names
+    problems += muon_model_problems(cfg.optimizer, lambda: spec.build(args), f"{cfg.model.name} {cfg.model.flavor}")
     pipeline = None
     if dims.pp_enabled:
         try:

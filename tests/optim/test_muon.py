@@ -99,7 +99,17 @@ def test_split_keeps_tables_vectors_and_routers_for_adamw():
         "experts_bias", "norm.weight", "output.weight", "proj.bias", "router.gate.weight", "tok_embeddings.weight"]
 
 
-@pytest.mark.parametrize("flavor", [("llama3", "debugmodel_tied"), ("deepseek_v3", "debugmodel")])
+# per flavor: the head-split weights of layer 0's attention and their parts (--optimizer.muon_split_heads)
+HEAD_PARTS = {
+    "llama3": {"wq": (16,) * 16, "wk": (16,) * 8, "wv": (16,) * 8},  # n_heads 16, n_kv_heads 8, head_dim 16
+    "gpt_oss": {"wq": (32,) * 8, "wk": (32,) * 4, "wv": (32,) * 4},  # sink attention is grouped-query attention
+    # MLA: q_lora_rank 96 (wq_b), per head qk_nope 32 + qk_rope 16 query rows; wkv_b: 32 key, then 24 value rows
+    "deepseek_v3": {"wq_b": (48,) * 8, "wkv_b": (32, 24) * 8},
+}
+
+
+@pytest.mark.parametrize("flavor", [("llama3", "debugmodel_tied"), ("deepseek_v3", "debugmodel"),
+                                    ("gpt_oss", "debugmodel")])
 def test_split_of_the_debug_models(flavor):
     from torchtitan.models.registry import get_model_spec, model_args
 
@@ -109,12 +119,46 @@ def test_split_of_the_debug_models(flavor):
     names = {groups.names[p]: p for p in groups.matrices}
     assert not any("embeddings" in n or n.startswith("output") or "router" in n or "norm" in n for n in names)
     assert "layers.0.attention.wo.weight" in names
+    fused = {p: (64, 16) for n, p in names.items() if n.endswith("attention.wkv_a.weight")}
     if flavor[0] == "llama3":  # tied: the one table is the embedding's, AdamW's
         assert [groups.names[p] for p in groups.others if p.ndim == 2] == ["tok_embeddings.weight"]
-    else:
+    if flavor[0] == "deepseek_v3":
         assert "layers.1.feed_forward.experts.w1" in names
-        fused = [p for n, p in names.items() if n.endswith("attention.wkv_a.weight")]
-        assert len(fused) == 4 and groups.row_parts == {p: (64, 16) for p in fused}  # kv_lora_rank, rope
+        assert len(fused) == 4  # kv_lora_rank, rope
+    assert groups.row_parts == fused  # --optimizer.muon_split_heads off: the fused weights only, as before it
+    # on, through the optimizer's build: every layer's query/key/value weights in their heads' rows
+    muon = build_optimizer([], name="Muon", lr=0.01, eps=1e-8, weight_decay=0.1, betas=(0.9, 0.95), device_type="cpu",
+                           model_parts=[model], muon=MuonSettings(split_heads=True))
+    assert isinstance(muon, Muon)
+    expected = {names[f"layers.{i}.attention.{w}.weight"]: parts for w, parts in HEAD_PARTS[flavor[0]].items()
+                for i in range(model.args.n_layers)}
+    assert muon.row_parts == {**fused, **expected}
+
+
+def _heads_reference(g: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
+    """Each part's rows orthogonalized and scaled on their own, one after the other."""
+    return torch.cat([0.2 * math.sqrt(max(part.shape)) * _reference_ns(part) for part in g.split(list(parts))])
+
+
+def test_split_heads_orthogonalizes_each_heads_rows_alone():
+    torch.manual_seed(5)
+    gqa = nn.Parameter(torch.randn(12, 16))  # 3 heads of 4 rows
+    mla = nn.Parameter(torch.randn(15, 16))  # 3 heads of 3 key rows then 2 value rows
+    whole = nn.Parameter(torch.randn(12, 16))  # the option off: one matrix, as without it
+    parts = {gqa: (4,) * 3, mla: (3, 2) * 3}
+    opt = Muon([gqa, mla, whole], [], lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, settings=FP32,
+               row_parts=parts)
+    start = {p: p.detach().clone() for p in (gqa, mla, whole)}
+    for p in start:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    for p, heads in parts.items():  # Nesterov's first update is (1 + mu) * grad
+        expected = start[p] - 0.1 * _heads_reference(1.95 * p.grad, heads)
+        torch.testing.assert_close(p.detach(), expected)
+    # the whole matrix, bitwise: the same operations as the optimizer's, with the one-matrix iteration
+    nesterov = whole.grad.add(torch.zeros(12, 16).mul_(0.95).add_(whole.grad), alpha=0.95)
+    today = newton_schulz(nesterov, 5, torch.float32) * (0.2 * math.sqrt(16))
+    assert torch.equal(whole.detach(), start[whole].mul_(1.0).add_(today, alpha=-0.1))
 
 
 def test_experts_are_batched_matrices_and_fused_rows_are_orthogonalized_per_part():
@@ -132,6 +176,46 @@ def test_experts_are_batched_matrices_and_fused_rows_are_orthogonalized_per_part
     top, bottom = (1.95 * fused.grad).split([6, 4])
     expected = f0 - 0.1 * 0.2 * math.sqrt(12) * torch.cat([_reference_ns(top), _reference_ns(bottom)])
     torch.testing.assert_close(fused.detach(), expected)
+
+
+def test_adamw_fqns_send_the_matching_parameters_to_adamw():
+    groups = split_params([_Tiny()], adamw_fqns=("proj",))
+    assert [groups.names[p] for p in groups.matrices] == ["experts"]
+    assert {"proj.weight", "proj.bias"} <= {groups.names[p] for p in groups.others}
+
+
+def test_muon_parameter_options_that_cannot_apply_are_refused_in_one_line(debug_cfg):
+    import dataclasses
+
+    from torchtitan.models.registry import get_model_spec, model_args
+    from torchtitan.optim.muon_checks import muon_model_problems
+
+    def problems(*options: str, patterns: list[str] | None = None) -> list[str]:
+        o = debug_cfg(*options).optimizer
+        o = o if patterns is None else dataclasses.replace(o, muon_adamw_fqns=patterns)
+        return muon_model_problems(o, lambda: get_model_spec("llama3").build(model_args("llama3", "debugmodel")),
+                                   "llama3 debugmodel")
+
+    muon = ("--optimizer.name=Muon", "--optimizer.muon_split_heads")
+    assert problems(*muon, "--optimizer.muon_adamw_fqns=attention.wq,feed_forward") == []
+    assert problems(*muon, "--optimizer.muon_adamw_fqns=attention.wq,nosuch") == [
+        "--optimizer.muon_adamw_fqns: no parameter of llama3 debugmodel has 'nosuch' in its name, so it sends nothing "
+        "to AdamW; name part of a parameter's FQN such as layers.0.attention.wq.weight, or drop it"]
+    assert problems(*muon, patterns=["wq", ""]) == [
+        "--optimizer.muon_adamw_fqns: an empty pattern is part of every parameter's name and would send them all to "
+        "AdamW; drop it"]
+    unused = problems("--optimizer.muon_split_heads", "--optimizer.muon_adamw_fqns=wq")  # the optimizer is AdamW
+    assert [line.split(":")[0] for line in unused] == ["--optimizer.muon_split_heads", "--optimizer.muon_adamw_fqns"]
+    settings = MuonSettings.from_config(debug_cfg(*muon, "--optimizer.muon_adamw_fqns=wq,wk").optimizer)
+    assert settings.split_heads and settings.adamw_fqns == ("wq", "wk")
+
+
+def test_an_adamw_fqn_that_matches_nothing_stops_the_launch_before_any_process_group(debug_cfg):
+    from torchtitan.preflight import preflight
+
+    with pytest.raises(ConfigError) as info:  # the launcher's preflight: exit 2 before any rank starts
+        preflight(debug_cfg("--optimizer.name=Muon", "--optimizer.muon_adamw_fqns=nosuch"), 2)
+    assert [line.split(":")[0] for line in info.value.problems] == ["--optimizer.muon_adamw_fqns"]
 
 
 def test_adamw_part_matches_torch_adamw():

@@ -11,6 +11,7 @@ Sharded matrices (DTensors of FSDP2, HSDP, DDP, TP, EP and their mixes) are orth
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,10 +43,14 @@ class MuonSettings:
     ns_steps: int = 5
     ns_dtype: str = "bfloat16"  # a key of NS_DTYPES
     update_scale: str = "match_adamw_rms"  # one of UPDATE_SCALES
+    # Which parameters and parts it takes (muon_params.py): the attention's heads apart, and the names sent to AdamW.
+    split_heads: bool = False
+    adamw_fqns: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, o: OptimizerConfig) -> MuonSettings:
-        return cls(o.muon_momentum, o.muon_nesterov, o.muon_ns_steps, o.muon_ns_dtype, o.muon_update_scale)
+        return cls(o.muon_momentum, o.muon_nesterov, o.muon_ns_steps, o.muon_ns_dtype, o.muon_update_scale,
+                   o.muon_split_heads, tuple(o.muon_adamw_fqns))
 
 
 def newton_schulz(matrices: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -78,14 +83,28 @@ def orthogonalized(full: torch.Tensor, row_parts: tuple[int, ...], settings: Muo
     """The scaled update of one whole weight ``[m, n]`` or ``[E, m, n]`` from its (Nesterov) momentum.
 
     ``row_parts`` splits the rows of a fused weight into the matrices it concatenates; each part is
-    orthogonalized and scaled on its own (empty: the weight is one matrix).
+    orthogonalized and scaled on its own (empty: the weight is one matrix). Parts that repeat a pattern (the
+    heads of ``--optimizer.muon_split_heads``) go through the iteration as one batch per kind of part.
     """
+    pattern, repeats = _period(row_parts)
+    if repeats > 1:
+        per_repeat = full.unflatten(-2, (repeats, sum(pattern)))
+        return orthogonalized(per_repeat, pattern, settings).flatten(-3, -2)
     parts = full.split(list(row_parts), dim=-2) if row_parts else (full,)
     out = []
     for part in parts:
         o = newton_schulz(part, settings.ns_steps, NS_DTYPES[settings.ns_dtype])
         out.append(o.to(full.dtype) * update_scale(part.size(-2), part.size(-1), settings.update_scale))
     return torch.cat(out, dim=-2) if len(out) > 1 else out[0]
+
+
+def _period(row_parts: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """The shortest pattern ``row_parts`` repeats, and how many times (1: no repetition)."""
+    n = len(row_parts)
+    for length in range(1, n // 2 + 1):
+        if n % length == 0 and row_parts == row_parts[:length] * (n // length):
+            return row_parts[:length], n // length
+    return row_parts, 1
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -153,8 +172,7 @@ class Muon(torch.optim.Optimizer):
             buf, grad = local(state["momentum_buffer"]), local(p.grad)
             buf.mul_(momentum).add_(grad)
             updates.append(grad.add(buf, alpha=momentum) if group["nesterov"] else buf.clone())
-        settings = MuonSettings(momentum, group["nesterov"], self.settings.ns_steps, self.settings.ns_dtype,
-                                self.settings.update_scale)
+        settings = dataclasses.replace(self.settings, momentum=momentum, nesterov=group["nesterov"])
         parts = [self.row_parts.get(p, ()) for p in params]
         lr, decay = group["lr"], group["lr"] * group["weight_decay"]
         for p, update in zip(params, self.orthogonalize(params, updates, settings, parts)):

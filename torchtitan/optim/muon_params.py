@@ -27,29 +27,38 @@ class MuonParams:
     row_parts: dict[torch.Tensor, tuple[int, ...]] = field(default_factory=dict)
 
 
-def _kept_for_adamw(model: nn.Module) -> set[torch.Tensor]:
+def _kept_for_adamw(model: nn.Module, adamw_fqns: tuple[str, ...]) -> set[torch.Tensor]:
+    """The tables and routers, and the parameters whose name holds one of ``adamw_fqns``
+    (``--optimizer.muon_adamw_fqns``)."""
     kept: set[torch.Tensor] = set()
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Embedding) or name == OUTPUT_HEAD or last == ROUTER:
             kept.update(module.parameters())
+    kept.update(p for name, p in model.named_parameters() if any(pattern in name for pattern in adamw_fqns))
     return kept
 
 
-def _fused_rows(model: nn.Module) -> dict[torch.Tensor, tuple[int, ...]]:
-    """The family's fused weights (MLA's ``wkv_a``), each split into its parts' rows; a module no family
-    built (a test's, a user's own) declares none."""
+def _row_parts(model: nn.Module, split_heads: bool) -> dict[torch.Tensor, tuple[int, ...]]:
+    """The family's fused weights (MLA's ``wkv_a``), each split into its parts' rows, and with ``split_heads``
+    the attention's query, key and value projections split into their heads' rows; a module no family built
+    (a test's, a user's own) declares none."""
     # Imported here: the launch preflight imports the optimizers, not the models' modules.
     from torchtitan.models.common.decoder import Decoder
 
-    return model.fused_row_parts() if isinstance(model, Decoder) else {}
+    if not isinstance(model, Decoder):
+        return {}
+    return {**model.fused_row_parts(), **(model.head_row_parts() if split_heads else {})}
 
 
-def split_params(model_parts: list[nn.Module]) -> MuonParams:
+def split_params(model_parts: list[nn.Module], *, split_heads: bool = False,
+                 adamw_fqns: tuple[str, ...] = ()) -> MuonParams:
+    """The matrices of ``model_parts`` for Muon, the rest for AdamW (``split_heads``, ``adamw_fqns``: the
+    options ``--optimizer.muon_split_heads`` and ``--optimizer.muon_adamw_fqns``)."""
     out = MuonParams()
     for model in model_parts:
-        kept = _kept_for_adamw(model)
-        out.row_parts.update(_fused_rows(model))
+        kept = _kept_for_adamw(model, adamw_fqns)
+        out.row_parts.update(_row_parts(model, split_heads))
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue

@@ -89,7 +89,7 @@ def build_optimizer(
 def build_muon(model_parts: list[torch.nn.Module], *, lr: float, eps: float, weight_decay: float,
                betas: Sequence[float], settings: MuonSettings) -> Muon:
     """Muon over the matrices of ``model_parts``, AdamW over the rest; sharded matrices by owner ranks."""
-    groups = split_params(model_parts)
+    groups = split_params(model_parts, split_heads=settings.split_heads, adamw_fqns=settings.adamw_fqns)
     sharded = any(isinstance(p, DTensor) for p in groups.matrices)
     orthogonalize = OwnerUpdate(groups.matrices, groups.names, groups.row_parts) if sharded else None
     # One line, so a run's log says which optimizer took which tensors (the launcher matrix reads it).

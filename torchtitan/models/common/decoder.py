@@ -42,6 +42,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.attention import (
     AttentionBackend,
     DocumentMask,
+    GroupedQueryAttention,
     decoding_backend,
     select_backend,
 )
@@ -374,6 +375,19 @@ class Decoder(nn.Module):
         """Weights whose rows stack several projections, each part's row count: a matrix optimizer (Muon)
         orthogonalizes each part alone. The shared decoder fuses none."""
         return {}
+
+    def head_row_parts(self) -> dict[torch.Tensor, tuple[int, ...]]:
+        """The attention's query, key and value weights, each split into its heads' rows (``head_dim`` each):
+        Muon's ``--optimizer.muon_split_heads`` orthogonalizes each head's map alone. Grouped-query attention
+        (sink attention's too): ``wq`` has ``n_heads`` parts, ``wk`` and ``wv`` ``n_kv_heads``."""
+        parts: dict[torch.Tensor, tuple[int, ...]] = {}
+        for module in self.modules():
+            if isinstance(module, GroupedQueryAttention):
+                for linear in (module.wq, module.wk, module.wv):
+                    # the global shape, a DTensor's too: the owner orthogonalizes the whole weight
+                    heads = linear.weight.shape[0] // module.head_dim
+                    parts[linear.weight] = (module.head_dim,) * heads
+        return parts
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once

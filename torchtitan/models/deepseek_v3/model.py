@@ -95,6 +95,22 @@ class DeepSeekV3Model(Decoder):
         return {m.wkv_a.weight: (m.kv_lora_rank, m.rope) for m in self.modules()
                 if isinstance(m, MultiHeadLatentAttention)}
 
+    def head_row_parts(self) -> dict[torch.Tensor, tuple[int, ...]]:
+        """MLA's per-head weights in their heads' rows: the query (``wq``, or ``wq_b`` after the low-rank
+        path) a part of ``qk_nope + qk_rope`` rows per head; ``wkv_b`` two parts per head, its ``qk_nope`` key
+        rows then its ``v_head_dim`` value rows: the head's key and value are two maps of the latent (as
+        ``wk`` and ``wv`` are in grouped-query attention), so each is orthogonalized alone. The shared
+        projections (``wq_a``, ``wkv_a``) have no heads."""
+        parts: dict[torch.Tensor, tuple[int, ...]] = {}
+        for m in self.modules():
+            if isinstance(m, MultiHeadLatentAttention):
+                query = m.wq if m.wq is not None else m.wq_b
+                assert query is not None, "MLA has wq or, with q_lora_rank, wq_b"
+                heads = m.wkv_b.weight.shape[0] // (m.nope + m.v_dim)  # the global shape, a DTensor's too
+                parts[query.weight] = (m.head_dim,) * heads
+                parts[m.wkv_b.weight] = (m.nope, m.v_dim) * heads
+        return parts
+
     # ---------------------------------------------------------------- the model
 
     def _rope_cache(self, device: torch.device | None) -> torch.Tensor:
