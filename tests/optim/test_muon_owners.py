@@ -4,8 +4,8 @@ One gloo world of 4 ranks trains a small model as FSDP 4, HSDP 2x2 (also with th
 EP 2 x FSDP 2, TP 2 x FSDP 2 and TP 2 x DP 2 in turn, for 3 steps on gradients that are a function of the
 weights (the same in every layout), with the float32 iteration. Its matrices cover an uneven cut (5 rows on
 4 ranks: one rank holds none), batched experts (whole on each rank under FSDP and EP: no communication), a
-fused weight split in parts, and TP's column-wise (rows cut on two mesh dimensions) and row-wise (rows and
-columns cut) weights.
+fused weight split in parts, a weight split in heads (``--optimizer.muon_split_heads``; its blocks cut across
+heads), and TP's column-wise (rows cut on two mesh dimensions) and row-wise (rows and columns cut) weights.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class _Model(nn.Module):
 
 def _optimizer(model: nn.Module, distributed: bool) -> Muon:
     groups = split_params([model])
-    row_parts = {model.fused.weight: (6, 4)}
+    row_parts = {model.fused.weight: (6, 4), model.up.weight: (4,) * 3}  # up: 3 heads of 4 rows
     owners = OwnerUpdate(groups.matrices, groups.names, row_parts) if distributed else None
     return Muon(groups.matrices, groups.others, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
                 settings=FP32, row_parts=row_parts, orthogonalize=owners)
