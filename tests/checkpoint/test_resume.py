@@ -183,17 +183,13 @@ def test_async_save_resumes_bitwise_and_keeps_latest_k(tmp_path):
 
 
 
-def test_muon_fsdp_trains_the_one_process_model_and_resumes_bitwise(tmp_path_factory, tmp_path):
-    """Muon through the trainer (docs/optimizers.md): FSDP 2, whose matrices are orthogonalized by owner ranks, trains
-    the one-process model (float32 iteration), and its state through DCP (a sharded momentum per matrix,
-    AdamW's moments for the rest) resumes bitwise from step 3."""
+def test_muon_fsdp_resumes_bitwise(tmp_path_factory, tmp_path):
+    """Muon through the trainer (docs/optimizers.md): FSDP 2's state through DCP (a sharded momentum per matrix,
+    AdamW's moments for the rest) resumes bitwise from step 3. (FSDP 2 against one process, and this state
+    resumed on other layouts: tests/optim/test_muon_layouts.py.)"""
     muon = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32"]
     straight_dump, straight = _straight(tmp_path_factory, "muon", 2, FSDP2, muon)
-    one = run_ranks(train, 1, str(tmp_path_factory.mktemp("muon_one")), ["--training.batch_size=4", *RUN, *muon],
-                    timeout=400)
-    losses, control = straight[0]["losses"], one[0]["losses"]
-    assert abs(losses[0] - control[0]) <= 1e-5 * abs(control[0])
-    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, control, strict=True)), (losses, control)
+    losses = straight[0]["losses"]
     copy_checkpoint(straight_dump, 3, tmp_path)
     resumed = run_ranks(resume_and_inspect, 2, str(tmp_path), [*FSDP2, *RUN, *muon], timeout=400)
     assert resumed[0]["loaded"]["step"] == 3

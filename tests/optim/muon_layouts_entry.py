@@ -4,8 +4,9 @@
 ``"resume": name`` and ``"resume_dump": folder``: it starts from the step-``RESUME_STEP`` checkpoint that layout
 saved in ``folder`` (a run of another launch, so on another number of ranks). Rank 0 records for each layout
 its losses, how far training moved every parameter (final - initial, gathered whole from every rank and
-stage) saved as a torch file whose path it returns, and how many matrices of each shape ``newton_schulz``
-orthogonalized at each step, summed over the ranks.
+stage) saved as a torch file whose path it returns, how many matrices of each shape ``newton_schulz``
+orthogonalized at each step, summed over the ranks, and the ``attn/`` scalars (QK-clip's log) it wrote to
+TensorBoard where a layout turns it on.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def train(layout: Layout) -> dict:
         moved = _merged(moved)
         matrices = _summed([matrices])[0]
     return {"losses": losses, "moved": _saved(moved, layout.dump / "moved.pt"),
-            "orthogonalized": _summed(per_step), "matrices": matrices}
+            "orthogonalized": _summed(per_step), "matrices": matrices, "attn": _attention_scalars(layout.dump)}
 
 
 def _matrices(parts: list[torch.nn.Module]) -> dict[str, int]:
@@ -77,6 +78,18 @@ def _matrices(parts: list[torch.nn.Module]) -> dict[str, int]:
         for rows in groups.row_parts.get(p, (p.shape[-2],)):
             out[f"{rows}x{p.shape[-1]}"] += p.shape[:-2].numel()
     return dict(out)
+
+
+def _attention_scalars(dump: Path) -> dict[str, list[float]]:
+    """The ``attn/...`` scalars (QK-clip's max logit and clipped heads) rank 0 wrote to TensorBoard (none if off)."""
+    events = sorted({p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")})
+    if not events:
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"] if tag.startswith("attn/")}
 
 
 def _full(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
 """Muon through the trainer in every layout: the one-process update, each matrix orthogonalized by one rank,
 and its state resumed on another layout (docs/optimizers.md, "Distributed" and "Checkpoints").
 
-The Llama 3 debug model (FSDP 2, TP 2, PP 2, HSDP 2x2) and the DeepSeek-V3 debug model (MLA, 8 experts; EP 2 x
-FSDP 2) train 6 steps of Muon with the float32 iteration, float32 on CPU/gloo, ``training.deterministic``, a
+The Llama 3 debug model's shape with 2 blocks (FSDP 2, TP 2, PP 2, HSDP 2x2) trains 6 steps of Muon, and the
+DeepSeek-V3 debug model (MLA, 8 experts; EP 2 x FSDP 2) 6 steps of MuonClip, its QK-clip threshold low enough that
+heads are clipped at every step; all with the float32 iteration, float32 on CPU/gloo, ``training.deterministic``, a
 global batch of 4 sequences of 32 tokens everywhere. Three launches (tests/distributed/layout_entry.py): 2 ranks
 (FSDP 2, which saves step 3, TP 2, PP 2), then 1 rank (the one-process controls, and FSDP 2's step 3 resumed)
 and 4 ranks (HSDP 2x2, EP 2 x FSDP 2, and FSDP 2's step 3 resumed). Each layout's step-1 loss is within 1e-5
@@ -11,6 +12,7 @@ initial, gathered whole) as in one process: the norm of the difference of the tw
 the norm of one process's movement. At every step the ranks together orthogonalize each of the model's
 matrices exactly once (counted in ``newton_schulz``, by shape), and a resume on another layout continues the
 uninterrupted FSDP 2 run within 1e-5. (The same-layout resume is bitwise: tests/checkpoint/test_resume.py.)
+MuonClip clips the same number of heads as in one process at every step, its logged max logit within 1e-4.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ COMMON = [f"--training.steps={STEPS}", f"--training.seq_len={SEQ}", "--training.
           "--training.mixed_precision_param=float32", "--job.print_args=false", "--metrics.enable_tensorboard=false",
           f"--metrics.log_freq={STEPS}", "--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32"]
 SAVE = ["--checkpoint.enable_checkpoint", f"--checkpoint.interval={SAVE_STEP}"]
+# QK-clip on the DeepSeek-V3 runs, its log read back from TensorBoard every step: the debug model's largest
+# logit is about 0.2 at the start, so this threshold clips heads at every step
+QK_CLIP_THRESHOLD = 0.1
+MUON_CLIP = ["--optimizer.name=MuonClip", f"--optimizer.qk_clip_threshold={QK_CLIP_THRESHOLD}",
+             "--metrics.enable_tensorboard=true", "--metrics.log_freq=1"]
 LLAMA_BLOCKS = 2  # the Llama 3 debug model's shape with 2 blocks: Newton-Schulz is most of a step's time on CPU
 
 
@@ -46,7 +53,7 @@ def _dims(shard: int = 1, replicate: int = 1, **more: int) -> list[str]:
 
 
 # name -> (model, overrides); the models' overrides are the fixture's
-ONE, ONE_DSV3 = "one process", "one process, DeepSeek-V3"
+ONE, ONE_DSV3 = "one process", "one process, DeepSeek-V3, MuonClip"
 SOURCE = "FSDP 2"  # saves step SAVE_STEP, resumed on other layouts
 LAYOUTS_2 = {
     SOURCE: ("llama", [*_dims(shard=2), *SAVE]),
@@ -57,7 +64,7 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "HSDP 2x2": ("llama", _dims(shard=2, replicate=2)),
     # dense weights FSDP over 4 ranks; the experts over 2 EP ranks x 2 FSDP ranks
-    "EP 2 x FSDP 2, DeepSeek-V3": ("dsv3", _dims(shard=4, ep=2)),
+    "EP 2 x FSDP 2, DeepSeek-V3, MuonClip": ("dsv3", _dims(shard=4, ep=2)),
 }
 CONTROLS = {ONE: ("llama", _dims()), ONE_DSV3: ("dsv3", _dims())}
 RESUMED = {"one process": _dims(), "HSDP 2x2": _dims(shard=2, replicate=2)}  # resumed from SOURCE's step SAVE_STEP
@@ -66,7 +73,7 @@ RESUMED = {"one process": _dims(), "HSDP 2x2": _dims(shard=2, replicate=2)}  # r
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, debug_blocks) -> dict:
     models = {"llama": [f"--job.config_file={DEBUG_CONFIG}", f"--model.flavor={debug_blocks(LLAMA_BLOCKS)}"],
-              "dsv3": [f"--job.config_file={REPO / 'train_configs' / 'deepseek_v3_debug.toml'}"]}
+              "dsv3": [f"--job.config_file={REPO / 'train_configs' / 'deepseek_v3_debug.toml'}", *MUON_CLIP]}
 
     def spec(layouts: dict[str, tuple[str, list[str]]]) -> dict[str, dict]:
         return {name: {"overrides": [*models[model], *o]} for name, (model, o) in layouts.items()}
@@ -129,3 +136,16 @@ def test_fsdp2_checkpoint_resumes_on_another_layout(layout, runs):
     rel = _rel(resumed, straight)
     print(f"\n{layout} resumed from {SOURCE}: max rel over steps {SAVE_STEP + 1}-{STEPS} {max(rel):.1e}")
     assert len(resumed) == STEPS - SAVE_STEP and max(rel) <= 1e-5, (layout, resumed, straight)
+
+
+def test_muonclip_clips_heads_at_every_step_as_one_process_does(runs):
+    """MLA under EP 2 x FSDP 2 with QK-clip: heads are clipped at every step (the logged max logit is above the
+    threshold and the clipped-head count is positive), and the same heads as in one process: the per-head maxima
+    are reduced over every rank before the clip."""
+    name = "EP 2 x FSDP 2, DeepSeek-V3, MuonClip"
+    run, control = runs[name]["attn"], runs[ONE_DSV3]["attn"]
+    print(f"\n{name}: max logit {run['attn/max_logit']}, clipped heads {run['attn/clipped_heads']}")
+    assert len(control["attn/max_logit"]) == STEPS and min(control["attn/max_logit"]) > QK_CLIP_THRESHOLD
+    assert min(control["attn/clipped_heads"]) > 0
+    assert run["attn/clipped_heads"] == control["attn/clipped_heads"]
+    assert max(_rel(run["attn/max_logit"], control["attn/max_logit"])) <= 1e-4, (run, control)
