@@ -143,6 +143,22 @@ def test_heal_state_hands_over_references_and_loads_bitwise(optimizer):
     assert all(torch.equal(a, b) for a, b in zip(peer_model.parameters(), model.parameters()))
 
 
+def test_a_peer_state_of_another_optimizer_is_refused_before_anything_is_copied():
+    """A group started with AdamW healing from a Muon group: one line naming the parameter and the fix."""
+    peer_model, peer_opt = _model_and_muon()
+    init_optimizer_state(peer_opt)
+    peer, _ = _heal_state(peer_model, peer_opt, _Position())
+    peer.refresh()
+    model, opt = _model_and_adamw()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    init_optimizer_state(opt)
+    mine, _ = _heal_state(model, opt, _Position())
+    with pytest.raises(RuntimeError, match=r"of 0\.0\.weight holds \['momentum_buffer'\].*same --optimizer.name"):
+        mine.load_state_dict(copy.deepcopy(peer.state_dict()))
+    assert not torch.equal(model[0].weight, peer_model[0].weight), "weights were copied before the refusal"
+
+
 def _hook_coverage(rank: int, world_size: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -86,9 +86,21 @@ class HealState:
             raise RuntimeError("HealState.refresh() must run before the first quorum")
         return self._cached
 
+    def _check_fits(self, state: dict[str, Any]) -> None:
+        """Raise, before anything is copied, where the peer's state does not fit this group's: a key left out
+        would keep this group's own value and the groups would drift apart silently."""
+        for name, p in self._named_params():
+            peer, mine = state["optimizer"].get(name), self.optimizer.state[p]
+            if name not in state["model"] or peer is None or peer.keys() != mine.keys():
+                raise RuntimeError(
+                    f"fault tolerance heal: the peer's optimizer state of {name} holds {sorted(peer or {})}, this "
+                    f"group's {sorted(mine)}; every replica group must train the same model with the same "
+                    "--optimizer.name and options")
+
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's state in place (training thread, inside torchft's ``should_commit``)."""
+        self._check_fits(state)
         for name, p in self._named_params():
             _local(p).copy_(state["model"][name])
             mine = self.optimizer.state[p]
