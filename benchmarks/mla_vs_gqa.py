@@ -33,11 +33,11 @@ from moe_step import print_ratio, step_options, time_steps
 
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.models import model_args
-from torchtitan.models.common.args import DecoderArgs
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.parallel import use_attention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.models.mixtral.args import MixtralArgs
 from torchtitan.ops.cpu_kernels import use_onednn_linears
 
 GQA_HEADS, GQA_KV_HEADS, GQA_HEAD_DIM = 8, 4, 26
@@ -51,11 +51,12 @@ def mla_args(seq_len: int) -> DeepSeekV3Args:
                                attn_mask_type="causal")
 
 
-def gqa_args(mla: DeepSeekV3Args) -> DecoderArgs:
-    """The same decoder with grouped-query attention of (nearly) the same parameters."""
-    return DecoderArgs(dim=mla.dim, n_layers=mla.n_layers, n_heads=GQA_HEADS, n_kv_heads=GQA_KV_HEADS,
+def gqa_args(mla: DeepSeekV3Args) -> MixtralArgs:
+    """The same decoder with grouped-query attention of (nearly) the same parameters: Mixtral's arguments
+    (grouped-query attention without a query/key norm), no experts."""
+    return MixtralArgs(dim=mla.dim, n_layers=mla.n_layers, n_heads=GQA_HEADS, n_kv_heads=GQA_KV_HEADS,
                        head_dim=GQA_HEAD_DIM, vocab_size=mla.vocab_size, ffn_hidden_size=mla.ffn_hidden_size,
-                       norm_eps=mla.norm_eps, rope_theta=mla.rope_theta, max_seq_len=mla.max_seq_len, qk_norm=False,
+                       norm_eps=mla.norm_eps, rope_theta=mla.rope_theta, max_seq_len=mla.max_seq_len,
                        attn_mask_type="causal")
 
 

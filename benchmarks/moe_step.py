@@ -27,7 +27,7 @@ from common import load_average, machine_description
 
 from torchtitan.distributed.layout_init import init_params_layout_invariant
 from torchtitan.models import model_args
-from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.common.args import MoEDecoderArgs
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.flops import flops_per_token, param_counts
 from torchtitan.models.common.parallel import use_attention
@@ -35,10 +35,10 @@ from torchtitan.models.layers import FeedForward
 from torchtitan.ops.cpu_kernels import use_onednn_linears
 
 
-def dense_counterpart(moe_args: DecoderArgs) -> tuple[DecoderArgs, dict[int, int]]:
+def dense_counterpart(moe_args: MoEDecoderArgs) -> tuple[MoEDecoderArgs, dict[int, int]]:
     """(dense args, per-layer feed-forward width): sparse layers get width top_k * moe_hidden_size.
 
-    ``DecoderArgs`` has one dense width, so the args carry the sparse layers' width and the map
+    ``MoEDecoderArgs`` has one dense width, so the args carry the sparse layers' width and the map
     gives the layers (the MoE model's dense ones) whose width differs.
     """
     active_width = moe_args.top_k * moe_args.moe_hidden_size
@@ -47,22 +47,22 @@ def dense_counterpart(moe_args: DecoderArgs) -> tuple[DecoderArgs, dict[int, int
     return dense, widths
 
 
-def _width_correction(dense: DecoderArgs, widths: dict[int, int]) -> int:
+def _width_correction(dense: MoEDecoderArgs, widths: dict[int, int]) -> int:
     """Parameters the layers of another width add to the dense args' count (3 * dim per unit of width)."""
     return sum(3 * dense.dim * (w - dense.ffn_hidden_size) for w in widths.values())
 
 
-def dense_active_params(dense: DecoderArgs, widths: dict[int, int]) -> int:
+def dense_active_params(dense: MoEDecoderArgs, widths: dict[int, int]) -> int:
     """``param_counts`` of the dense args, corrected for the layers of another width."""
     return param_counts(dense)[1] + _width_correction(dense, widths)
 
 
-def dense_flops_per_token(dense: DecoderArgs, widths: dict[int, int], seq_len: int) -> float:
+def dense_flops_per_token(dense: MoEDecoderArgs, widths: dict[int, int], seq_len: int) -> float:
     """``flops_per_token`` of the dense args, corrected likewise (6 FLOPs per parameter and token)."""
     return flops_per_token(dense, seq_len) + 6.0 * _width_correction(dense, widths)
 
 
-def build(args: DecoderArgs, widths: dict[int, int], seed: int) -> Decoder:
+def build(args: MoEDecoderArgs, widths: dict[int, int], seed: int) -> Decoder:
     model = Decoder(args)
     for i, width in widths.items():
         model.layers[str(i)].feed_forward = FeedForward(args.dim, width)
@@ -86,7 +86,7 @@ def step(model: Decoder, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
     return middle - start, time.perf_counter() - middle
 
 
-def describe(moe_args: DecoderArgs, dense_args: DecoderArgs, widths: dict[int, int], dense: Decoder,
+def describe(moe_args: MoEDecoderArgs, dense_args: MoEDecoderArgs, widths: dict[int, int], dense: Decoder,
              seq_len: int) -> None:
     """Print both models' parameter and FLOP counts; raise if the dense model built is not the one counted."""
     moe_total, moe_active = param_counts(moe_args)

@@ -4,12 +4,13 @@ The trainer, preflight, evaluation, the planner and the checkpoint formats never
 they look its spec up by ``model.name`` (``torchtitan/models/registry.py``) and go through it. A
 family lives in ``torchtitan/models/<family>/`` and registers its spec there (docs/models.md says
 how to add one). A family is a class: its ``model`` is the one decoder (``models/common/decoder.py``)
-or a subclass overriding what differs, its arguments a ``DecoderConfig`` dataclass; the spec adds the
-family's own flavors, release reader and weight names.
+or a subclass overriding what differs, its arguments a dataclass subclassing the abstract root
+``DecoderConfig``; the spec adds the family's own flavors, release reader and weight names.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -121,13 +122,18 @@ class ModelSpec(Generic[ArgsT]):
     # classmethods answer from args alone (FLOPs, preflight checks, the job's options), its methods parallelize a
     # model part (TP plan, attention backend, pipeline pruning, experts); its param_init_specs() are the init
     model: type[Decoder]
-    args_type: type[ArgsT]  # the family's DecoderConfig dataclass
+    args_type: type[ArgsT]  # the family's own DecoderConfig subclass (not an abstract one)
     # ---- sizes: named flavors, and a release's config.json / params.json read into args
     flavors: Mapping[str, ArgsT]
     read_release: Callable[[str], ArgsT]  # ValueError (one line) for what the family cannot represent
     # ---- weights in Hugging Face releases, and Meta's (None: the family has none)
     state_dict_adapter: StateDictAdapter
     meta_release: MetaRelease | None = None
+
+    def __post_init__(self) -> None:
+        if inspect.isabstract(self.args_type):
+            raise TypeError(f"model family {self.name!r}: args_type {self.args_type.__name__} is abstract (the shared "
+                            "root or base of families' arguments); give the family's own args class")
 
     def build(self, args: DecoderConfig) -> Decoder:
         """The family's model of ``args`` (on the current default device)."""

@@ -1,14 +1,17 @@
-"""What the shared decoder reads from a family's arguments: ``DecoderConfig``.
+"""What the shared decoder reads from a family's arguments: the abstract root ``DecoderConfig``.
 
-Every family's arguments are a dataclass that satisfies this protocol (Llama 3's ``ModelArgs``, the
-``DecoderArgs`` of Qwen3 and Mixtral); the decoder, its init specs, TP plan, FLOPs count and preflight
-checks read nothing else. A family differs from another only in how its fields give these answers.
+Every family's arguments are a dataclass subclassing it (Llama 3's ``ModelArgs``; ``common/args.py``'s
+``MoEDecoderArgs`` for Qwen3, Mixtral, DeepSeek-V3 and GPT-OSS); the decoder, its init specs, TP plan,
+FLOPs count and preflight checks read nothing else. A family differs from another only in its own
+fields and in how it answers these queries.
 """
 
 from __future__ import annotations
 
-from dataclasses import Field
-from typing import Any, ClassVar, Protocol
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -17,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.models.attention.backends import AttentionNeeds
+from torchtitan.models.attention.masks import check_mask_type
 from torchtitan.models.kv_cache import LayerCacheSize
 from torchtitan.models.layers import RopeScaling
 from torchtitan.models.moe import MoEArgs
@@ -58,65 +62,80 @@ class AttentionConfig(Protocol):
     def cache_size(self) -> LayerCacheSize: ...
 
 
-class DecoderConfig(Protocol):
-    """A decoder's shape; the four plain fields are those preflight replaces from the job's config.
+@dataclass
+class DecoderConfig(ABC):
+    """The abstract root of every family's arguments: the fields the shared decoder reads of any family.
 
-    A dataclass (``dataclasses.replace`` makes variants of it).
+    Abstract: neither built nor registered as a family's arguments (``ModelSpec`` refuses it). A family's
+    dataclass subclasses it, states its own defaults for the shape fields, adds its own fields and answers
+    the abstract queries (``head_dim``, ``attention``, ``dense_ffn_dim``); the other queries default to a
+    dense decoder with one attention on every layer and no multi-token prediction. No family's field
+    belongs here (tests/models/test_args_root.py keeps the field list to what the decoder reads).
     """
 
-    __dataclass_fields__: ClassVar[dict[str, Field[object]]]
-
-    vocab_size: int  # a named flavor takes the tokenizer's
-    max_seq_len: int  # the training sequence length
-    attn_mask_type: str  # --model.attn_mask_type
-    n_layers: int  # the blocks that pipeline stages split
+    # The shape, with each family's defaults there. Preflight replaces vocab_size (a named flavor takes the
+    # tokenizer's), max_seq_len (the training sequence length), n_layers (pipeline stand-ins) and attn_mask_type.
     dim: int
+    n_layers: int
     n_heads: int
+    vocab_size: int
     norm_eps: float
     rope_theta: float
-    tie_word_embeddings: bool
+    max_seq_len: int
+    tie_word_embeddings: bool = False  # one parameter serves as the embedding and the output projection
     # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)); False: 0.02 / sqrt(2 * n_layers).
-    depth_init: bool
+    depth_init: bool = True
+    # "block_causal": a token attends only to earlier tokens of its own document (documents are read from the
+    # positions passed to forward, which restart at 0 per document); "causal": every earlier token of the
+    # window. See docs/attention_masks.md.
+    attn_mask_type: str = "block_causal"
+
+    def __post_init__(self) -> None:
+        check_mask_type(self.attn_mask_type)
 
     @property
-    def head_dim(self) -> int: ...
+    @abstractmethod
+    def head_dim(self) -> int:
+        """The query/key head size the rotary cache is built for."""
+
+    @abstractmethod
+    def attention(self) -> AttentionConfig:
+        """The attention module each block is given."""
+
+    @abstractmethod
+    def dense_ffn_dim(self) -> int:
+        """The SwiGLU width of the dense layers."""
 
     @property
     def num_experts(self) -> int:
         """Experts per sparse layer; 0: a dense model."""
-        ...
+        return 0
 
-    def attention(self) -> AttentionConfig:
-        """The attention module each block is given."""
-        ...
+    def is_moe_layer(self, i: int) -> bool:
+        return False
+
+    def moe_args(self) -> MoEArgs:
+        raise ValueError(f"{type(self).__name__} describes a model without experts")
 
     def rope_scaling_params(self) -> RopeScaling | None:
         """The rotary frequencies' scaling (``layers.rope_frequencies``); None: none."""
-        ...
-
-    def dense_ffn_dim(self) -> int:
-        """The SwiGLU width of the dense layers."""
-        ...
-
-    def is_moe_layer(self, i: int) -> bool: ...
-
-    def moe_args(self) -> MoEArgs: ...
+        return None
 
     def layer_attention(self, layer: int) -> AttentionConfig:
         """Layer ``layer``'s attention (GPT-OSS: its window; the others: ``attention()`` on every layer)."""
-        ...
+        return self.attention()
 
     def with_first_layers(self, n_layers: int) -> DecoderConfig:
         """The same model cut to its first ``n_layers`` blocks, per-layer patterns cut alike (the planner's
         shorter stand-ins)."""
-        ...
+        return dataclasses.replace(self, n_layers=n_layers)
 
     @property
     def has_mtp(self) -> bool:
         """Whether the family can predict further tokens (``--model.mtp_layers``; DeepSeek-V3)."""
-        ...
+        return False
 
     @property
     def mtp_depths(self) -> int:
         """The multi-token prediction depths the model adds; 0: none."""
-        ...
+        return 0

@@ -48,6 +48,7 @@ from torchtitan.models.attention import (
 )
 from torchtitan.models.aux_loss import return_aux_losses
 from torchtitan.models.common import flops, parallel
+from torchtitan.models.common.args import MoEDecoderArgs
 from torchtitan.models.common.config import AttentionModule, DecoderConfig
 from torchtitan.models.expert_balance import ExpertLayer
 from torchtitan.models.kv_cache import KVCache, LayerCache
@@ -329,7 +330,7 @@ class Decoder(nn.Module):
     @classmethod
     def with_job_options(cls, args: DecoderConfig, model: job_config.Model, moe: job_config.Moe) -> DecoderConfig:
         """``args`` with the job's options applied: the [moe] balancing of a model with experts."""
-        if not args.num_experts:
+        if not isinstance(args, MoEDecoderArgs) or not args.num_experts:
             return args
         return dataclasses.replace(args, load_balance_coeff=moe.load_balance_coeff or 0.0, aux_loss=moe.aux_loss,
                                    aux_loss_coeff=moe.aux_loss_coeff if moe.aux_loss != "none" else 0.0)

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
-from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.common.args import MoEDecoderArgs
 from torchtitan.models.deepseek_v3.mla import MLAConfig
 from torchtitan.models.layers import YarnScaling
 from torchtitan.models.moe import MoEArgs
 
 
 @dataclass
-class DeepSeekV3Args(DecoderArgs):
-    """``DecoderArgs`` plus multi-head latent attention and multi-token prediction.
+class DeepSeekV3Args(MoEDecoderArgs):
+    """``MoEDecoderArgs`` plus multi-head latent attention, DeepSeek-V3's routing and multi-token prediction.
 
     Derived, not set: ``n_kv_heads`` (= ``n_heads``: MLA expands keys and values for every head),
     ``head_dim`` (= ``qk_nope_head_dim + qk_rope_head_dim``, the query/key head), ``mlp_only_layers``
-    (the first ``first_k_dense_replace``), ``qk_norm`` (none).
+    (the first ``first_k_dense_replace``).
     """
 
     q_lora_rank: int = 0  # q_lora_rank (None there): 0 is one projection wq, else wq_a -> q_norm -> wq_b
@@ -34,13 +35,18 @@ class DeepSeekV3Args(DecoderArgs):
     yarn: YarnScaling | None = None  # rope_scaling / rope_parameters with rope_type yarn
     num_mtp_layers: int = 0  # multi-token prediction depths (num_nextn_predict_layers); 0: off
     mtp_loss_weight: float = 0.3  # lambda of the report's L = L_main + lambda / D * sum_k L_MTP^k
+    # ---- routing beyond Qwen3-MoE's; the releases score by sigmoid (the table's fixed score_func)
+    score_func: Literal["softmax", "sigmoid"] = "softmax"  # scoring_func
+    route_scale: float = 1.0  # routed_scaling_factor
+    num_shared_experts: int = 0  # n_shared_experts
+    num_groups: int = 1  # n_group: group-limited routing
+    topk_groups: int = 1  # topk_group
 
     def __post_init__(self) -> None:
         self.check_mla()
         self.n_kv_heads = self.n_heads
         self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.mlp_only_layers = tuple(range(min(self.first_k_dense_replace, self.n_layers)))
-        self.qk_norm = False
         super().__post_init__()
         if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
             raise ValueError(f"num_mtp_layers={self.num_mtp_layers} and mtp_loss_weight={self.mtp_loss_weight} "
@@ -67,9 +73,12 @@ class DeepSeekV3Args(DecoderArgs):
                          softmax_scale=self.softmax_scale())
 
     def moe_args(self) -> MoEArgs:
-        """The shared MoE's, with the routing bias always there: DeepSeek-V3's ``e_score_correction_bias`` is
-        part of the model (the job's ``load_balance_coeff`` says whether training moves it)."""
-        return dataclasses.replace(super().moe_args(), load_balance_bias=True)
+        """The shared MoE's with DeepSeek-V3's routing, and the routing bias always there: its
+        ``e_score_correction_bias`` is part of the model (the job's ``load_balance_coeff`` says whether training
+        moves it)."""
+        return dataclasses.replace(super().moe_args(), score_func=self.score_func, route_scale=self.route_scale,
+                                   num_shared_experts=self.num_shared_experts, num_groups=self.num_groups,
+                                   topk_groups=self.topk_groups, load_balance_bias=True)
 
     def rope_scaling_params(self) -> YarnScaling | None:
         return self.yarn

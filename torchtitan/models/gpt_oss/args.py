@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.common.args import MoEDecoderArgs
 from torchtitan.models.gpt_oss.attention import SinkAttentionConfig
 from torchtitan.models.layers import YarnScaling
 from torchtitan.models.moe import MoEArgs
@@ -27,8 +27,8 @@ def alternating_layer_types(n_layers: int) -> tuple[str, ...]:
 
 
 @dataclass
-class GptOssArgs(DecoderArgs):
-    """``DecoderArgs`` with GPT-OSS's attention and experts. Every layer is sparse; Hugging Face's names
+class GptOssArgs(MoEDecoderArgs):
+    """``MoEDecoderArgs`` with GPT-OSS's attention and experts. Every layer is sparse; Hugging Face's names
     are in the comments.
 
     - attention: biased q/k/v/o projections, a learned sink logit per head, ``sliding_window`` keys
@@ -39,8 +39,6 @@ class GptOssArgs(DecoderArgs):
     - rotary: YaRN (``rope_yarn``; None: plain).
     """
 
-    qk_norm: bool = False
-    norm_topk_prob: bool = True
     norm_eps: float = 1e-5
     sliding_window: int = 128  # sliding_window
     layer_types: tuple[str, ...] = ()  # layer_types; () is the releases' alternation
@@ -54,8 +52,8 @@ class GptOssArgs(DecoderArgs):
         if len(self.layer_types) != self.n_layers or any(t not in LAYER_TYPES for t in self.layer_types):
             raise ValueError(f"layer_types must name {self.n_layers} layers, each one of {', '.join(LAYER_TYPES)}; "
                              f"got {list(self.layer_types)}")
-        if not self.num_experts or self.qk_norm or self.mlp_only_layers or self.decoder_sparse_step != 1:
-            raise ValueError("GPT-OSS has experts in every layer and no query/key norm")
+        if not self.num_experts or self.mlp_only_layers or self.decoder_sparse_step != 1:
+            raise ValueError("GPT-OSS has experts in every layer")
         if self.sliding_window < 1 or self.swiglu_limit <= 0:
             raise ValueError(f"sliding_window={self.sliding_window} and swiglu_limit={self.swiglu_limit} must be "
                              "positive")

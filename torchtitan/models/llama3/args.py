@@ -1,8 +1,8 @@
 """Hyper-parameters of the Llama 3 family and the named model sizes ("flavors").
 
-``ModelArgs`` is a ``DecoderConfig`` (models/common/config.py): Llama 3 is the shared decoder with
-grouped-query attention without a query/key norm, ``head_dim = dim / n_heads``, a SwiGLU width
-derived as Meta's ``params.json`` describes it, the Llama 3.1 rotary scaling, and no experts.
+``ModelArgs`` subclasses the abstract root ``DecoderConfig`` (models/common/config.py): Llama 3 is the
+shared decoder with grouped-query attention without a query/key norm, ``head_dim = dim / n_heads``, a
+SwiGLU width derived as Meta's ``params.json`` describes it, the Llama 3.1 rotary scaling, and no experts.
 """
 
 from __future__ import annotations
@@ -10,26 +10,27 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan.models.attention import GQAConfig, check_mask_type
-from torchtitan.models.moe import MoEArgs
+from torchtitan.models.attention import GQAConfig
+from torchtitan.models.common.config import DecoderConfig
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(DecoderConfig):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
+    vocab_size: int = 128256
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048
     # None means plain multi-head attention (one K/V head per query head).
     n_kv_heads: int | None = None
-    vocab_size: int = 128256
     # The SwiGLU hidden size is rounded up to a multiple of this (kernel-friendly shapes).
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
     # The SwiGLU hidden size as a release states it (HF intermediate_size); None: derived from
     # dim, ffn_dim_multiplier and multiple_of as Meta's params.json describe it.
     ffn_hidden_size: int | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
     # Llama 3.1 long-context frequency scaling: frequencies whose wavelength exceeds
     # original_context / low_freq_factor are divided by the factor, those below
     # original_context / high_freq_factor are kept, the band between is blended.
@@ -39,19 +40,9 @@ class ModelArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 2048
-    # One parameter serves as the embedding and the output projection (Llama 3.2 1B and 3B).
-    tie_word_embeddings: bool = False
-    # True: output projections of layer i get std 0.02 / sqrt(2 * (i + 1)).
-    # False: every layer uses 0.02 / sqrt(2 * n_layers).
-    depth_init: bool = True
-    # "block_causal": a token attends only to earlier tokens of its own document (documents are
-    # read from the positions passed to forward, which restart at 0 per document; RoPE uses them).
-    # "causal": every earlier token of the window, across documents. See docs/attention_masks.md.
-    attn_mask_type: str = "block_causal"
 
     def __post_init__(self) -> None:
-        check_mask_type(self.attn_mask_type)
+        super().__post_init__()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads != 0:
@@ -77,10 +68,6 @@ class ModelArgs:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
-    @property
-    def num_experts(self) -> int:
-        return 0  # a dense family
-
     def attention(self) -> GQAConfig:
         """Grouped-query attention, head_dim = dim / n_heads, no query/key norm."""
         return GQAConfig(self.dim, self.n_heads, self.kv_heads, self.head_dim)
@@ -93,20 +80,6 @@ class ModelArgs:
 
     def with_first_layers(self, n_layers: int) -> ModelArgs:
         return dataclasses.replace(self, n_layers=n_layers)
-
-    @property
-    def has_mtp(self) -> bool:
-        return False  # no multi-token prediction modules in Llama 3
-
-    @property
-    def mtp_depths(self) -> int:
-        return 0
-
-    def is_moe_layer(self, i: int) -> bool:
-        return False
-
-    def moe_args(self) -> MoEArgs:
-        raise ValueError("Llama 3 has no experts")
 
     def rope_scaling_params(self) -> dict[str, float] | None:
         """The scaling rule's parameters (keyword arguments of ``rope_frequencies``), None when off."""

@@ -7,15 +7,18 @@ rope_theta 1e6, rms_norm_eps 1e-5, untied.
 
 from dataclasses import dataclass
 
-from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.attention import GQAConfig
+from torchtitan.models.common.args import MoEDecoderArgs
 
 
 @dataclass
-class MixtralArgs(DecoderArgs):
-    """Mixtral: ``DecoderArgs`` without the query/key norm, every layer sparse, softmax weights renormalised."""
+class MixtralArgs(MoEDecoderArgs):
+    """Mixtral: ``MoEDecoderArgs`` with plain grouped-query attention, every layer sparse, softmax weights
+    renormalised."""
 
-    qk_norm: bool = False
-    norm_topk_prob: bool = True
+    def attention(self) -> GQAConfig:
+        """Grouped-query attention without a query/key norm."""
+        return GQAConfig(self.dim, self.n_heads, self.n_kv_heads, self.head_dim)
 
 
 mixtral_flavors: dict[str, MixtralArgs] = {

@@ -9,13 +9,17 @@ All have vocab_size 151936, rope_theta 1e6, rms_norm_eps 1e-6; 0.6B, 1.7B and 4B
 
 from dataclasses import dataclass
 
-from torchtitan.models.common.args import DecoderArgs
+from torchtitan.models.attention import GQAConfig
+from torchtitan.models.common.args import MoEDecoderArgs
 
 
 @dataclass
-class Qwen3Args(DecoderArgs):
-    """Qwen3 and Qwen3-MoE: ``DecoderArgs`` with the query/key norm on (its own type: the registry
-    finds the family by it)."""
+class Qwen3Args(MoEDecoderArgs):
+    """Qwen3 and Qwen3-MoE: ``MoEDecoderArgs`` (its own type: the registry finds the family by it)."""
+
+    def attention(self) -> GQAConfig:
+        """Grouped-query attention with Qwen3's per-head query/key RMSNorm before RoPE."""
+        return GQAConfig(self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.norm_eps)
 
 
 def _dense(dim: int, n_layers: int, n_heads: int, ffn: int, tied: bool) -> Qwen3Args:
