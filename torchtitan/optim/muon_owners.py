@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -267,7 +268,7 @@ class _Traffic:
         # the flat blocks this rank holds or will send, by matrix: its own, then what its gathers brought
         self.held = {i: _flat_padded(updates[i], plan.padded_numel()) for i, plan in plans.items()
                      if _matches_owner(plan, plan.replicate_mesh_dims)}
-        self.gathers: list[tuple[int, dist.Work | None, list[torch.Tensor] | None]] = []
+        self.gathers: deque[tuple[int, dist.Work | None, list[torch.Tensor] | None]] = deque()
         self.scatters: list[tuple[int, dist.Work | None, torch.Tensor]] = []
         self.level = 0
 
@@ -284,15 +285,16 @@ class _Traffic:
             if not _matches_owner(plan, dims[:level]):
                 continue
             d = dims[level]
-            pieces = [torch.empty_like(self.held[i]) for _ in range(plan.mesh.size(d))] \
-                if _matches_owner(plan, (d,)) else None
+            pieces = None  # what the owner's coordinate on d receives: a block per rank along d
+            if _matches_owner(plan, (d,)):
+                pieces = [torch.empty_like(self.held[i]) for _ in range(plan.mesh.size(d))]
             self.gathers.append((i, dist.gather(self.held[i], pieces, group=plan.mesh.get_group(d),
                                                 group_dst=plan.owner[d], async_op=True), pieces))
 
     def wait_gathers(self) -> Iterator[int]:
         """Waits this level's gathers in issue order; yields each matrix whose last gather just completed."""
         while self.gathers:
-            i, work, pieces = self.gathers.pop(0)
+            i, work, pieces = self.gathers.popleft()
             if work is not None:
                 work.wait()
             if pieces is not None:
