@@ -145,6 +145,7 @@ _CHANGED = {
     ("training", "dataset_mix"): [{"path": "web dir/ü", "weight": 0.7},
                                   {"dataset": "embedded", "weight": 0.3, "name": "docs", "validation_path": "v"}],
     ("optimizer", "betas"): [0.5, 0.125],
+    ("optimizer", "muon_adamw_fqns"): ["layers.0.", "attention.wq ü"],
     ("lr_scheduler", "lr_min"): 0.1,
     ("lr_scheduler", "decay_ratio"): 0.3,
     ("parallelism", "data_parallel_shard_degree"): 4,
