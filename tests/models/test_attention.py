@@ -150,14 +150,22 @@ def test_block_causal_backward_matches_documents_alone():
 
 @pytest.mark.slow
 def test_compiled_block_uses_the_dense_mask_and_matches_eager():
-    model = _model("block_causal")
+    """Also QK-clip's measurement (MuonClip) inside the compiled blocks: the same per-head maxima as eager."""
+    from torchtitan.optim.qk_clip import QKClip, attention_names, heads_of
+
+    model = _model("block_causal").train()  # QK-clip measures training forwards (the model has no dropout)
+    rows = attention_names(model)
+    clip = QKClip([model], rows, heads_of(model.get_submodule(rows[0])), threshold=1e9)
     tokens = torch.randint(0, 97, (B, L))
     with torch.no_grad():
         eager = model(tokens, positions=POSITIONS)
+        eager_maxima = clip.measured(tokens.device)
         for block in model.layers.values():
             block.compile(fullgraph=True)
         compiled = model(tokens, positions=POSITIONS)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(eager_maxima).all()
+    torch.testing.assert_close(clip.measured(tokens.device), eager_maxima, rtol=1e-5, atol=1e-5)
 
 
 def test_model_args_replace_keeps_the_mask_type():

@@ -2,8 +2,8 @@
 
 Every step, after the optimizer's:
 
-1. each attention module's probe (models/attention/max_logit.py) gives its heads' largest pre-softmax logit
-   over this rank's forwards of the step;
+1. each attention module's ``max_logits`` buffer (models/attention/max_logit.py) holds its heads' largest
+   pre-softmax logit over this rank's forwards of the step;
 2. every rank writes its own into a table ``[attention modules of the whole model, heads]`` (its pipeline
    stage's rows, its tensor-parallel heads at their global index, -inf elsewhere), and one all-reduce (MAX)
    over the world makes it the maximum over the whole global batch and sequence, the same on every rank;
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.compat.mesh import local_shape_and_global_offset
 from torchtitan.models.attention.gqa import GroupedQueryAttention
-from torchtitan.models.attention.max_logit import LogitProbe
+from torchtitan.models.attention.max_logit import take, watch
 from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,6 @@ class WatchedAttention:
 
     row: int
     module: GroupedQueryAttention | MultiHeadLatentAttention
-    probe: LogitProbe
     first_head: int  # under TP: this rank's heads are [first_head, first_head + local heads)
 
     def clip(self, gamma: torch.Tensor) -> None:
@@ -129,19 +128,16 @@ class QKClip:
                 if not isinstance(module, (GroupedQueryAttention, MultiHeadLatentAttention)):
                     continue
                 _check_supported(name, module)
-                probe = LogitProbe()
-                module.logit_probe = probe
-                self.watched.append(WatchedAttention(index[_plain_name(name)], module, probe,
-                                                     tp_rank * heads // tp_size))
+                watch(module, heads // tp_size, module.wo.weight.device)
+                self.watched.append(WatchedAttention(index[_plain_name(name)], module, tp_rank * heads // tp_size))
         self.last: torch.Tensor | None = None  # the last step's reduced table [rows, heads]
 
     def measured(self, device: torch.device) -> torch.Tensor:
         """This rank's table: its modules' maxima at their rows and global heads, -inf elsewhere."""
         table = torch.full((len(self.rows), self.heads), float("-inf"), device=device)
         for w in self.watched:
-            found = w.probe.take()
-            if found is not None:
-                table[w.row, w.first_head: w.first_head + found.numel()] = found
+            found = take(w.module)
+            table[w.row, w.first_head: w.first_head + found.numel()] = found
         return table
 
     @torch.no_grad()

@@ -14,9 +14,6 @@ def qk_clip_problems(cfg: JobConfig) -> list[str]:
     if o.qk_clip_threshold <= 0:
         problems.append(f"--optimizer.qk_clip_threshold={o.qk_clip_threshold}: the largest attention logit a head "
                         "may reach must be positive (e.g. 100)")
-    if cfg.training.compile:
-        problems.append(f"{opt} with --training.compile: the max-logit measurement runs in the eager forward only; "
-                        "turn compile off or use --optimizer.name Muon")
     if cfg.parallelism.context_parallel_degree > 1:
         problems.append(f"{opt} with --parallelism.context_parallel_degree="
                         f"{cfg.parallelism.context_parallel_degree}: the max-logit measurement needs every key of "

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
-from torchtitan.models.attention.max_logit import LogitProbe
+from torchtitan.models.attention.max_logit import observe
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
 
@@ -68,6 +68,8 @@ class GQAConfig:
 class GroupedQueryAttention(nn.Module):
     """``wq, wk, wv`` -> (query/key norms) -> rotation -> the backend's scores -> ``wo``."""
 
+    max_logits: torch.Tensor | None  # QK-clip's per-head maxima (a non-persistent buffer; None: not watched)
+
     def __init__(self, config: GQAConfig):
         super().__init__()
         c = config
@@ -78,7 +80,7 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.q_norm: RMSNorm | None = None if c.qk_norm_eps is None else RMSNorm(c.head_dim, c.qk_norm_eps)
         self.k_norm: RMSNorm | None = None if c.qk_norm_eps is None else RMSNorm(c.head_dim, c.qk_norm_eps)
-        self.logit_probe: LogitProbe | None = None  # QK-clip's measurement (attention/max_logit.py), when on
+        self.register_buffer("max_logits", None, persistent=False)  # QK-clip's measurement (attention/max_logit.py)
 
     def in_projections(self) -> list[nn.Linear]:
         """The projections into the heads (init and TP treat them alike)."""
@@ -119,7 +121,7 @@ class GroupedQueryAttention(nn.Module):
             k, v = cache.update(k, v)
             out = backend.attend_cached(q, k, v, cache.mask)
         else:
-            if self.logit_probe is not None and self.training:
-                self.logit_probe.observe(q, k, documents)
+            if self.training:
+                observe(self.max_logits, q, k, documents)
             out = backend.attend(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))

@@ -1,9 +1,11 @@
 """The largest pre-softmax attention logit of each head, measured in the training forward for QK-clip
 (``--optimizer.name MuonClip``, torchtitan/optim/qk_clip.py; docs/optimizers.md).
 
-An attention module the clip watches holds a ``LogitProbe`` (``logit_probe``; None otherwise, and then the
-forward does nothing more). Its training forward hands the probe the queries and keys the backend scores,
-after the rotation, and the probe keeps each head's running maximum over the step's forwards. The scores
+An attention module registers ``max_logits`` as a non-persistent buffer (no part of the state dict), None until
+the clip watches it (``watch``: a tensor [heads here] of -inf); its training forward then hands ``observe`` the
+queries and keys the backend scores, after the rotation, which keeps each head's running maximum over the step's
+forwards in place. A buffer of fixed shape, not a Python object, so a compiled block traces it as one more input
+and every block shares one graph. The scores
 are recomputed here without gradient, a few query rows at a time, so no ``[B, H, L, L]`` tensor is ever
 held, under the same mask as the backend's: causal, the document mask, a sliding window.
 """
@@ -11,6 +13,7 @@ held, under the same mask as the backend's: causal, the document mask, a sliding
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from torchtitan.compat import in_pipeline_shape_inference
 from torchtitan.models.attention.masks import (
@@ -55,21 +58,24 @@ def _mask_mod(documents: DocumentMask | None, window: int | None, q_offset: int)
     return base if window is None else sliding_window_mask_mod(base, window, q_offset)
 
 
-class LogitProbe:
-    """One attention module's per-head maximum logit over the forwards since the last ``take`` (this rank's heads,
-    this rank's tokens). A plain attribute of the module, not a buffer: it is no part of the state dict."""
+@torch.no_grad()
+def observe(maxima: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None = None,
+            window: int | None = None) -> None:
+    """Fold this forward's per-head maxima into ``maxima`` in place: an attention module's ``max_logits`` buffer
+    ([heads here], -inf when nothing was measured yet); None: the module is not watched."""
+    if maxima is None or in_pipeline_shape_inference():  # a schedule's stand-in tensors learning shapes: not counted
+        return
+    maxima.copy_(torch.maximum(maxima, max_logits(q, k, documents, window)))
 
-    def __init__(self) -> None:
-        self.running: torch.Tensor | None = None
 
-    def observe(self, q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None = None,
-                window: int | None = None) -> None:
-        if in_pipeline_shape_inference():  # a schedule's stand-in tensors learning shapes: not the batch
-            return
-        found = max_logits(q, k, documents, window)
-        self.running = found if self.running is None else torch.maximum(self.running, found)
+def watch(module: nn.Module, heads: int, device: torch.device) -> None:
+    """Give ``module`` (which registered ``max_logits`` as a non-persistent buffer, None until now) its maxima."""
+    module.max_logits = torch.full((heads,), float("-inf"), device=device)
 
-    def take(self) -> torch.Tensor | None:
-        """The maxima [H] since the last call (None: no forward), and start again."""
-        found, self.running = self.running, None
-        return found
+
+def take(module: nn.Module) -> torch.Tensor:
+    """The module's maxima [heads here] since the last call (-inf: no forward), and start again."""
+    maxima = module.get_buffer("max_logits")
+    found = maxima.clone()
+    maxima.fill_(float("-inf"))
+    return found

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
-from torchtitan.models.attention.max_logit import LogitProbe
+from torchtitan.models.attention.max_logit import observe
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
 
@@ -88,6 +88,8 @@ class MLAConfig:
 class MultiHeadLatentAttention(nn.Module):
     """``forward(x [B, L, dim], rope_cache, *, backend, documents=None, cache=None) -> [B, L, dim]``."""
 
+    max_logits: torch.Tensor | None  # QK-clip's per-head maxima (a non-persistent buffer; None: not watched)
+
     def __init__(self, config: MLAConfig):
         super().__init__()
         c = config
@@ -110,7 +112,7 @@ class MultiHeadLatentAttention(nn.Module):
         # the backends scale by 1/sqrt(head_dim): the queries carry the rest of the softmax scale
         self.query_scale = c.softmax_scale * math.sqrt(c.head_dim)
         self.tp_group: dist.ProcessGroup | None = None  # use_tp_group
-        self.logit_probe: LogitProbe | None = None  # QK-clip's measurement (attention/max_logit.py), when on
+        self.register_buffer("max_logits", None, persistent=False)  # QK-clip's measurement (attention/max_logit.py)
 
     def in_projections(self) -> list[nn.Linear]:
         """The projections into the heads and the latent (init treats them alike)."""
@@ -165,7 +167,7 @@ class MultiHeadLatentAttention(nn.Module):
             out = backend.attend_cached(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache.mask)
         else:
             k, v = self.expand(latent, k_rope)
-            if self.logit_probe is not None and self.training:  # q_nope . k_nope + q_rope . k_rope, as scored
-                self.logit_probe.observe(q.transpose(1, 2), k.transpose(1, 2), documents)
+            if self.training:  # q_nope . k_nope + q_rope . k_rope, as the backend scores them
+                observe(self.max_logits, q.transpose(1, 2), k.transpose(1, 2), documents)
             out = backend.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))

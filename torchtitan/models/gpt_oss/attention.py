@@ -24,6 +24,7 @@ from torchtitan.models.attention import (
     GroupedQueryAttention,
     ScoreExtras,
 )
+from torchtitan.models.attention.max_logit import observe
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 
 
@@ -99,7 +100,7 @@ class SinkAttention(GroupedQueryAttention):
             k, v = cache.update(k, v)
             out = backend.attend_cached(q, k, v, cache.mask, extras)
         else:
-            if self.logit_probe is not None and self.training:  # QK-clip: the logits q . k the sinks compete with
-                self.logit_probe.observe(q, k, documents, self.window)
+            if self.training:  # QK-clip: the logits q . k the sinks compete with
+                observe(self.max_logits, q, k, documents, self.window)
             out = backend.attend(q, k, v, documents, extras)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
