@@ -279,11 +279,12 @@ def test_tokens_per_second_count_the_wait_for_the_device(tmp_path, monkeypatch):
     """On a GPU the host runs ahead of the device until the loss read of a log step waits for it; a log window's
     tokens/s must count that wait. A read that sleeps stands in for the device's backlog here (step 2's read: the
     first step also pays for the set-up). The same run has a loss term added in one registration
-    (``LOSS_TERMS``): it is trained and logged with no other change."""
+    (``LOSS_TERMS``): it is trained and logged with no other change. It trains MuonClip, which the trainer wires
+    (QK-clip after each step, its max-logit term logged)."""
     from torchtitan.train_step import build as build_module
 
     monkeypatch.setattr(build_module, "LOSS_TERMS", (*build_module.LOSS_TERMS, lambda sources: _LogitPeak()))
-    trainer = conftest.make_trainer(tmp_path, "--metrics.log_freq=1", "--training.steps=2")
+    trainer = conftest.make_trainer(tmp_path, "--metrics.log_freq=1", "--training.steps=2", "--optimizer.name=MuonClip")
     backlog_s, read, reads = 2.0, trainer.readout.read, []
 
     def read_after_the_device(*args, **kwargs):
@@ -302,7 +303,8 @@ def test_tokens_per_second_count_the_wait_for_the_device(tmp_path, monkeypatch):
         trainer.close()
         shutdown_distributed(ok=True, timeout_seconds=60)
     second = [m for m in logged if "step_time_s" in m][1]
-    assert [term.name for term in trainer.runner.objective.terms] == ["loss", "logit_peak"]
+    assert [term.name for term in trainer.runner.objective.terms] == ["loss", "attn/max_logit", "logit_peak"]
     assert all(m["logit_peak"] > 0 for m in logged if "step_time_s" in m)  # each step's own log entry
+    assert all(m["attn/max_logit"] > 0 for m in logged if "step_time_s" in m)  # measured and reduced after each step
     assert second["step_time_s"] >= backlog_s
     assert second["tps"] <= trainer.cfg.training.batch_size * trainer.cfg.training.seq_len / backlog_s
