@@ -5,7 +5,7 @@
 For each expert-parallel degree it starts that many processes (gloo, one thread each), builds one
 ``MoE`` layer (``torchtitan/models/moe``) and shards its experts with ``apply_expert_parallel``,
 then runs a forward and backward on ``--tokens`` tokens per rank, once plainly and once under
-activation checkpointing. While they run, ``torch.distributed.all_to_all_single`` is wrapped so
+activation checkpointing. While they run, a dispatch mode counts each functional all-to-all, so
 that each call adds the bytes its splits send to other ranks (rows and token counts, forward and
 backward). The table compares that measurement, per rank, with
 ``torchtitan.models.moe.traffic.exact_all_to_all_bytes`` (the count this routing implies, from
@@ -21,13 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -54,34 +56,39 @@ class AllToAllCounter:
         self.counts = 0
         self.calls = 0
 
-    def add(self, tensor: torch.Tensor, in_splits: list[int] | None, group: Any) -> None:
-        ep, me = dist.get_world_size(group), dist.get_rank(group)
+    def add(self, tensor: torch.Tensor, in_splits: list[int], group: Any) -> None:
+        me = dist.get_rank(group)
         row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
-        splits = in_splits if in_splits is not None else [tensor.shape[0] // ep] * ep
-        sent = sum(s for r, s in enumerate(splits) if r != me) * row_bytes
+        sent = sum(s for r, s in enumerate(in_splits) if r != me) * row_bytes
         self.calls += 1
-        if in_splits is None:  # the dispatcher's count exchange: equal splits of the [E] counts
+        if tensor.dim() == 1:  # the dispatcher's count exchange: equal splits of the [E] counts
             self.counts += sent
         else:
             self.rows += sent
 
 
+class _CountingMode(TorchDispatchMode):
+    """Adds each functional all-to-all that runs (what ``dispatch.py`` calls) to ``counter``. A dispatch mode
+    sees only the calls that communicate: one whose output selective activation checkpointing kept is
+    answered from the saved tensor, under the checkpoint's own mode, and never reaches this one."""
+
+    def __init__(self, counter: AllToAllCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            tensor, _, in_splits, group_name = args
+            self.counter.add(tensor, list(in_splits), _resolve_process_group(group_name))
+        return func(*args, **(kwargs or {}))
+
+
 @contextmanager
 def counting_all_to_all() -> Iterator[AllToAllCounter]:
-    """Wrap ``torch.distributed.all_to_all_single`` (what ``dispatch.py`` calls) while the block runs."""
-    original: Callable = dist.all_to_all_single
+    """Count the all-to-alls (calls and bytes sent) that run while the block runs, forward and backward."""
     counter = AllToAllCounter()
-
-    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None,  # noqa: A002, ANN001
-                async_op=False):  # noqa: ANN001
-        counter.add(input, input_split_sizes, group)
-        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-    dist.all_to_all_single = counted
-    try:
+    with _CountingMode(counter):
         yield counter
-    finally:
-        dist.all_to_all_single = original
 
 
 def build_moe(dim: int, num_experts: int, top_k: int, dtype: torch.dtype, skewed: bool, seed: int = 0):

@@ -42,15 +42,15 @@ def test_values_a_type_cannot_express(arg, needle):
     assert len(msgs) == 1 and needle in msgs[0], msgs
 
 
-@pytest.mark.parametrize("option", ["x", "0", "-1", "1.5", ""])
+@pytest.mark.parametrize("option", ["x", "0", "-1", "1.5", "", "MoE"])
 def test_selective_ac_option_is_checked_before_any_process_group(option):
     # It used to be checked only while the model was wrapped, after the process group existed.
     args = ["--activation_checkpoint.mode=selective", f"--activation_checkpoint.selective_ac_option={option}"]
     (line,) = check_config(parse(*args))
-    assert line.startswith(f"--activation_checkpoint.selective_ac_option={option}: use 'op'")
+    assert line.startswith(f"--activation_checkpoint.selective_ac_option={option}: use 'op', 'moe' or a positive")
     assert check_config(parse("--activation_checkpoint.mode=full",
                               "--activation_checkpoint.selective_ac_option=x")) == []
-    for good in ("op", "1", "3"):
+    for good in ("op", "moe", "1", "3"):
         assert check_config(parse("--activation_checkpoint.mode=selective",
                                   f"--activation_checkpoint.selective_ac_option={good}")) == []
 

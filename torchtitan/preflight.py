@@ -35,7 +35,7 @@ from torchtitan.checkpoint.store import scan
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.datasets import DATASETS, HeldOutSplit, Tokenizer, build_tokenizer, check_training_data
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import selective_ac_interval
+from torchtitan.distributed.activation_checkpoint import is_per_op, selective_ac_interval
 from torchtitan.distributed.parallel_dims import dp_shard_problem
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.distributed.seeding import sharded_dims_problem
@@ -268,7 +268,7 @@ def _expert_problems(args: DecoderConfig, dims: ParallelDims, cfg: JobConfig) ->
 def check_installed_torch(cfg: JobConfig, dims: ParallelDims) -> list[str]:
     """Layouts that this torch release is known to fail in (docs/versions.md), one line each."""
     ac = cfg.activation_checkpoint
-    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
+    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and not is_per_op(ac.selective_ac_option))
     release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if release == (2, 13) and dims.tp > 1 and cfg.training.compile and whole_blocks:
         # Compiled TP blocks recomputed whole (checkpoint without a policy) save the DeviceMesh for backward

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import pytest
 import torch
 
 from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.llama3 import ModelArgs
 
@@ -40,7 +44,7 @@ def test_checkpointed_blocks_recompute_and_keep_fqns_and_grads(mode, option, exp
 
 
 def test_bad_selective_option_is_rejected():
-    with pytest.raises(ValueError, match="use 'op' or a positive integer"):
+    with pytest.raises(ValueError, match="use 'op', 'moe' or a positive integer"):
         apply_activation_checkpointing(Decoder(ARGS), "selective", "zero")
 
 
@@ -79,3 +83,50 @@ def test_layers_that_are_not_a_module_dict_are_refused_by_name():
     model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     with pytest.raises(TypeError, match=r"Module.layers, a ModuleList here: .* an nn.ModuleDict"):
         apply_activation_checkpointing(model, "full", "")
+
+
+class _CountBackwardProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """The linear and grouped products that run (entered for backward only: what it recomputes shows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default):
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+MOE_DEBUG_MODELS = {"deepseek_v3": ("debugmodel", {"n_layers": 3}), "qwen3": ("debugmodel_moe", {})}
+
+
+def _moe_backward(name: str, option: str | None) -> tuple[torch.Tensor, dict, collections.Counter, torch.nn.Module]:
+    flavor, changes = MOE_DEBUG_MODELS[name]
+    args = dataclasses.replace(model_args(name, flavor), vocab_size=256, **changes)
+    torch.manual_seed(0)
+    model = get_model_spec(name).build(args)
+    model.init_weights()
+    if option is not None:
+        apply_activation_checkpointing(model.train(), "selective", option)
+    loss = model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))).square().mean()
+    with _CountBackwardProducts() as count:
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, count.ops, model
+
+
+@pytest.mark.parametrize("name", list(MOE_DEBUG_MODELS))
+def test_moe_policy_recomputes_the_router_and_up_projections_only_and_trains_the_same_model(name):
+    """'moe' on the DeepSeek-V3 (MLA, a dense first block) and Qwen3-MoE debug models: the loss and every
+    gradient bitwise as without AC; backward reruns exactly the router's and MLA's up-projections' products
+    (one each), no grouped expert GEMM (kept)."""
+    loss, grads, plain, _ = _moe_backward(name, None)
+    moe_loss, moe_grads, recomputing, model = _moe_backward(name, "moe")
+    assert torch.equal(moe_loss, loss)
+    assert moe_grads.keys() == grads.keys()
+    for fqn, grad in grads.items():
+        assert torch.equal(moe_grads[fqn], grad), fqn
+    marked = [n for n, _ in model.named_modules() if n.endswith((".router", ".wq_b", ".wkv_b"))]
+    assert any(n.endswith(".router") for n in marked)
+    extra = {op: recomputing[op] - plain[op] for op in plain}
+    assert extra == {"aten.mm.default": len(marked), "aten._grouped_mm.default": 0}, (extra, marked)

@@ -45,7 +45,9 @@ def test_blocks_are_counted_only_where_they_are_alike(debug_blocks):
     assert fewer == 0 and "Muon" in why
     fewer, why = counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")
     assert fewer == 0 and "every 2 blocks" in why
-    assert counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")[0] == 7
+    for per_op in ("op", "moe"):  # every block alike: each keeps and recomputes the same ops
+        option = f"--activation_checkpoint.selective_ac_option={per_op}"
+        assert counted("--activation_checkpoint.mode=selective", option)[0] == 7
     # Under a pipeline, each stage's blocks: 10 over 2 stages leaves 5 a stage, too few to be worth counting.
     assert counted(f"{_PP}degree=2", "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")[0] == 0
     assert blocks_to_count(plan_job(debug_config(), 1), debug_config().activation_checkpoint)[0] == 0

@@ -315,7 +315,9 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: str = field_with_help("none", "Recompute activations in backward", choices=("none", "full", "selective"))
     selective_ac_option: str = field_with_help(
-        "2", "Selective AC: 'op' (keep every second linear output and attention's) or N (every N-th block)")
+        "2", "Selective AC: 'op' (keep every second linear output and attention's), 'moe' (keep the all-to-alls, "
+        "grouped expert GEMMs, attention and linears; recompute norms, activations, the router and MLA's "
+        "up-projections) or N (every N-th block)")
 
 
 @dataclass

@@ -59,6 +59,66 @@ def _every_second_linear_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
+# Selective 'moe' AC, for MoE blocks with MLA or grouped-query attention (as the DeepSeek-V3 report recomputes):
+# a block keeps what costs the most to recompute per byte kept and recomputes the rest.
+# Kept: every all-to-all output (dispatch, combine and the token counts: recomputing them would send the tokens
+# again, the dearest thing a block does), the routed experts' grouped GEMMs (most of a block's FLOPs), attention
+# (as in 'op'), a tensor-parallel reduce-scatter, and the other linears' outputs (dense feed-forward, shared
+# experts, MLA's down-projections wq_a/wkv_a, whose latent outputs are narrow, and wo).
+# Recomputed: norms, SiLU and the SwiGLU product, the router (a GEMM to a few hundred experts, cheap, and its
+# top-k) and MLA's up-projections wq_b/wkv_b: their outputs are as wide as all heads' queries or keys and values
+# from a latent of a few hundred columns, the cheapest GEMM FLOPs per byte of the block.
+_KEPT_BY_MOE_POLICY = {
+    *_ALWAYS_SAVE,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    *([torch.ops.aten._grouped_mm.default] if hasattr(torch.ops.aten, "_grouped_mm") else []),
+    *([torch.ops.aten._scaled_grouped_mm.default] if hasattr(torch.ops.aten, "_scaled_grouped_mm") else []),
+}
+# The modules whose linear products 'moe' recomputes: ops alone cannot tell wq_b's mm from wo's, so a forward
+# hook on each (by its name in the block) marks the ops that run inside it.
+_RECOMPUTED_MODULES = ("router", "wq_b", "wkv_b")
+_inside_recomputed = [0]
+
+
+def _enter_recomputed(module: torch.nn.Module, args: object) -> None:
+    _inside_recomputed[0] += 1
+
+
+def _leave_recomputed(module: torch.nn.Module, args: object, output: object) -> None:
+    _inside_recomputed[0] -= 1
+
+
+def _moe_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """'moe': the forward and its recompute run the same ops inside the same marked modules, so they agree."""
+    if op in _KEPT_BY_MOE_POLICY or (op in _LINEAR_PRODUCTS and not _inside_recomputed[0]):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _moe_contexts():
+    return create_selective_checkpoint_contexts(_moe_policy)
+
+
+def _mark_recomputed_modules(block: torch.nn.Module) -> int:
+    """Hook the block's router and MLA up-projections so that '_moe_policy' recomputes their products."""
+    marked = 0
+    for name, module in block.named_modules():
+        if name.rsplit(".", 1)[-1] in _RECOMPUTED_MODULES:
+            module.register_forward_pre_hook(_enter_recomputed)
+            module.register_forward_hook(_leave_recomputed, always_call=True)
+            marked += 1
+    return marked
+
+
+# Per-op policies by name (selective_ac_option); 'op' is the one for dense blocks.
+PER_OP_POLICIES = ("op", "moe")
+
+
+def is_per_op(option: str) -> bool:
+    """Whether selective AC with ``option`` decides per op (keeps every block, recomputes part of each)."""
+    return option in PER_OP_POLICIES
+
+
 def _checkpoint_forward(module: torch.nn.Module, context_fn: Callable | None) -> None:
     """Make ``module.forward`` recompute itself in backward, in place.
 
@@ -79,17 +139,19 @@ def _checkpoint_forward(module: torch.nn.Module, context_fn: Callable | None) ->
 
 
 def selective_ac_interval(option: str) -> int | None:
-    """The N of selective AC every N-th block, None for 'op'; ValueError for anything else."""
-    if option == "op":
+    """The N of selective AC every N-th block, None for a per-op policy; ValueError for anything else."""
+    if is_per_op(option):
         return None
     if not (option.isdigit() and int(option) >= 1):
-        raise ValueError(f"selective_ac_option={option}: use 'op' or a positive integer N ('op' keeps every second "
-                         "linear output, N checkpoints every N-th block)")
+        raise ValueError(f"selective_ac_option={option}: use 'op', 'moe' or a positive integer N ('op' keeps every "
+                         "second linear output, 'moe' the all-to-alls, grouped GEMMs and linears but the router's "
+                         "and MLA's up-projections, N checkpoints every N-th block)")
     return int(option)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_option: str) -> None:
-    """full: recompute every block; selective 'op': keep every second linear output; selective N: every N-th block."""
+    """full: recompute every block; selective 'op': keep every second linear output; selective 'moe': keep the
+    all-to-alls, grouped GEMMs and linears but the router's and MLA's up-projections; selective N: every N-th block."""
     layers = model.layers
     if not isinstance(layers, torch.nn.ModuleDict):  # every family's decoder holds its blocks in one
         raise TypeError(f"activation checkpointing wraps the blocks in {type(model).__name__}.layers, a "
@@ -99,6 +161,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_
         chosen, context_fn = blocks, None
     elif selective_option == "op":
         chosen, context_fn = blocks, _every_second_linear_contexts
+    elif selective_option == "moe":
+        chosen, context_fn = blocks, _moe_contexts
+        for block in blocks:
+            _mark_recomputed_modules(block)
     else:
         every = selective_ac_interval(selective_option)
         assert every is not None, "None only for 'op', handled above"

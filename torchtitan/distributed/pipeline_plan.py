@@ -16,6 +16,7 @@ import torch
 
 from torchtitan.config import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint, Parallelism, Training
+from torchtitan.distributed.activation_checkpoint import is_per_op
 
 # Our schedule name -> the class name in torch.distributed.pipelining.schedules.
 SCHEDULE_CLASS_NAMES = {
@@ -242,7 +243,7 @@ def _backward_problems(t: Training, ac: ActivationCheckpoint, schedule: str) -> 
             f"{_PP}schedule={schedule} splits backward into input and weight passes, which torch does not support "
             "on compiled blocks; turn off --training.compile or choose another schedule"
         )
-    if ac.mode == "selective" and ac.selective_ac_option == "op":
+    if ac.mode == "selective" and is_per_op(ac.selective_ac_option):
         problems.append(
             f"{_PP}schedule={schedule} runs backward through each block twice (input, then weight gradients), "
             "which op-level selective activation checkpointing forbids; use --activation_checkpoint.mode=full, "

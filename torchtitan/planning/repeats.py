@@ -35,6 +35,7 @@ import dataclasses
 import torch
 
 from torchtitan.config.job_config import ActivationCheckpoint, Parallelism, Training
+from torchtitan.distributed.activation_checkpoint import is_per_op
 from torchtitan.launch_plan import LaunchPlan
 from torchtitan.planning.compute import PhaseWork
 from torchtitan.planning.memory import MemoryReport, fold
@@ -105,7 +106,7 @@ def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str =
     if optimizer == "Muon":
         return 0, ("every block simulated: Muon balances its owners over all the job's matrices, so a rank's "
                    "share of the Newton-Schulz work does not grow by the same amount with each block")
-    if ac.mode == "selective" and ac.selective_ac_option not in ("op", "1"):
+    if ac.mode == "selective" and not (is_per_op(ac.selective_ac_option) or ac.selective_ac_option == "1"):
         return 0, (f"every block simulated: selective AC every {ac.selective_ac_option} blocks makes the blocks "
                    "differ")
     if not _blocks_alike(plan):

@@ -98,9 +98,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty(sum(out_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+    """The functional (out-of-place) collective, not ``dist.all_to_all_single``'s in-place one: selective
+    activation checkpointing (distributed/activation_checkpoint.py) can keep its output, so a block's
+    recompute reuses the tokens received instead of sending them again."""
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -138,8 +140,8 @@ class AllToAllDispatcher:
     def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """``(rows from each rank per local expert [ep, E/ep], rows per local expert [E/ep], rows received
         from each rank, rows sent to each rank)``: the counts exchanged, the split sizes read on the host."""
-        received_counts = torch.empty_like(counts)
-        dist.all_to_all_single(received_counts, counts, group=self.group)  # E/ep counts to each rank
+        equal = [self.num_local_experts] * self.ep  # E/ep counts to each rank
+        received_counts = _exchange(counts, equal, equal, self.group)
         by_rank = received_counts.view(self.ep, self.num_local_experts)  # [source rank, local expert]
         in_splits = counts.view(self.ep, self.num_local_experts).sum(dim=1).tolist()
         out_splits = by_rank.sum(dim=1).tolist()
