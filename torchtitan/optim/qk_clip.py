@@ -73,43 +73,66 @@ def mla_row_scales(gamma: torch.Tensor, nope: int, rope: int, v_dim: int) -> tup
     return query, key
 
 
-@torch.no_grad()
-def scale_rows(weight: torch.Tensor, row_scale: torch.Tensor) -> None:
-    """Multiply the global rows of ``weight`` by ``row_scale`` (one factor per global row), in place: on a
-    DTensor, the rows of this rank's shard (FSDP2 and column-wise TP cut whole rows; their global offset comes
-    from the placements, with no collective)."""
-    if isinstance(weight, DTensor):
-        shape, offset = local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-        local = weight.to_local()
-        part = row_scale[offset[0]: offset[0] + shape[0]]
-    else:
-        local, part = weight, row_scale
-    part = part.to(local.dtype)
-    local.mul_(part if local.ndim == 1 else part.unsqueeze(-1))  # a bias, or a weight's rows
+@dataclass(frozen=True)
+class ShardRows:
+    """A weight (or bias) and the global rows ``[start, stop)`` of this rank's shard: FSDP2 and column-wise TP cut
+    whole rows, and their offset comes from the placements. Found once, at set-up: the scaling after each step
+    then needs neither a collective nor the mesh (the planner's dry run steps on fake tensors)."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+
+    @staticmethod
+    def of(param: torch.Tensor) -> ShardRows:
+        if isinstance(param, DTensor):
+            shape, offset = local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            return ShardRows(param, offset[0], offset[0] + shape[0])
+        return ShardRows(param, 0, param.shape[0])
+
+    @torch.no_grad()
+    def scale(self, row_scale: torch.Tensor) -> None:
+        """Multiply the shard's rows by their factors in ``row_scale`` (one per global row), in place."""
+        local = self.param.to_local() if isinstance(self.param, DTensor) else self.param
+        part = row_scale[self.start: self.stop].to(local.dtype)
+        local.mul_(part if local.ndim == 1 else part.unsqueeze(-1))  # a bias, or a weight's rows
 
 
 @dataclass
 class WatchedAttention:
-    """One attention module of this rank: its table row and where its heads start among the model's."""
+    """One attention module of this rank: its table row, where its heads start among the model's, and the shards
+    the clip scales (the query projection, its bias, and MLA's ``wkv_b``)."""
 
     row: int
     module: GroupedQueryAttention | MultiHeadLatentAttention
     first_head: int  # under TP: this rank's heads are [first_head, first_head + local heads)
+    query: ShardRows
+    query_bias: ShardRows | None
+    mla_keys: ShardRows | None  # MLA's wkv_b (compressed keys and values)
+
+    @staticmethod
+    def of(row: int, module: GroupedQueryAttention | MultiHeadLatentAttention, first_head: int) -> WatchedAttention:
+        if isinstance(module, MultiHeadLatentAttention):
+            query = module.wq if module.wq is not None else module.wq_b
+            assert query is not None, "MLA has wq or wq_b"
+            return WatchedAttention(row, module, first_head, ShardRows.of(query.weight), None,
+                                    ShardRows.of(module.wkv_b.weight))
+        bias = module.wq.bias
+        return WatchedAttention(row, module, first_head, ShardRows.of(module.wq.weight),
+                                ShardRows.of(bias) if bias is not None else None, None)
 
     def clip(self, gamma: torch.Tensor) -> None:
         """Scale this module's weights by the whole model's per-head factors ``gamma`` [heads]."""
         m = self.module
         if isinstance(m, MultiHeadLatentAttention):
             query_scale, key_scale = mla_row_scales(gamma, m.nope, m.rope, m.v_dim)
-            query = m.wq if m.wq is not None else m.wq_b
-            assert query is not None, "MLA has wq or wq_b"
-            scale_rows(query.weight, query_scale)
-            scale_rows(m.wkv_b.weight, key_scale)
-            return
-        query_scale = gqa_row_scales(gamma, m.head_dim)
-        scale_rows(m.wq.weight, query_scale)
-        if m.wq.bias is not None:  # a biased query scales with its rows
-            scale_rows(m.wq.bias, query_scale)
+            assert self.mla_keys is not None
+            self.mla_keys.scale(key_scale)
+        else:
+            query_scale = gqa_row_scales(gamma, m.head_dim)
+        self.query.scale(query_scale)
+        if self.query_bias is not None:  # a biased query scales with its rows
+            self.query_bias.scale(query_scale)
 
 
 class QKClip:
@@ -129,7 +152,7 @@ class QKClip:
                     continue
                 _check_supported(name, module)
                 watch(module, heads // tp_size, module.wo.weight.device)
-                self.watched.append(WatchedAttention(index[_plain_name(name)], module, tp_rank * heads // tp_size))
+                self.watched.append(WatchedAttention.of(index[_plain_name(name)], module, tp_rank * heads // tp_size))
         self.last: torch.Tensor | None = None  # the last step's reduced table [rows, heads]
 
     def measured(self, device: torch.device) -> torch.Tensor:
