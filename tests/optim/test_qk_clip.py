@@ -200,6 +200,7 @@ def test_muon_clip_through_the_optimizer_step_hook_and_its_logged_term():
 
 @pytest.mark.parametrize(("option", "config", "line"), [
     ("--optimizer.qk_clip_threshold=0", "debug_model.toml", "--optimizer.qk_clip_threshold=0"),
+    ("--fault_tolerance.enable", "debug_model.toml", "--optimizer.name=MuonClip with --fault_tolerance.enable"),
     ("--parallelism.context_parallel_degree=2", "debug_model.toml",
      "--optimizer.name=MuonClip with --parallelism.context_parallel_degree=2"),
     (None, "qwen3_debug_moe.toml", "--optimizer.name=MuonClip: qwen3's attention normalizes"),

@@ -14,6 +14,9 @@ def qk_clip_problems(cfg: JobConfig) -> list[str]:
     if o.qk_clip_threshold <= 0:
         problems.append(f"--optimizer.qk_clip_threshold={o.qk_clip_threshold}: the largest attention logit a head "
                         "may reach must be positive (e.g. 100)")
+    if cfg.fault_tolerance.enable:
+        problems.append(f"{opt} with --fault_tolerance.enable: the clip's all-reduce spans one replica group, so "
+                        "the groups would clip their replicas apart; use --optimizer.name Muon")
     if cfg.parallelism.context_parallel_degree > 1:
         problems.append(f"{opt} with --parallelism.context_parallel_degree="
                         f"{cfg.parallelism.context_parallel_degree}: the max-logit measurement needs every key of "
