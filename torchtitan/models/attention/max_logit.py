@@ -46,8 +46,9 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None 
     best = torch.full((kv_heads, heads // kv_heads), float("-inf"), device=q.device)
     for start in range(0, length, rows):
         stop = min(length, start + rows)
-        scores = grouped[..., start:stop, :] @ keys_t  # [B, H_kv, group, rows, L]
-        allowed = dense_mask(_mask_mod(documents, window, start), batch, stop - start, length, q.device)
+        # every mask is causal: the chunk's queries see no key after its last row
+        scores = grouped[..., start:stop, :] @ keys_t[..., :stop]  # [B, H_kv, group, rows, stop]
+        allowed = dense_mask(_mask_mod(documents, window, start), batch, stop - start, stop, q.device)
         scores.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 3, 4)))
     return best.flatten()
