@@ -6,23 +6,37 @@ launch) saved. Rank 0 records for each layout its losses and gradient norms (bef
 digests of the whole model at initialisation and after training, and how far training moved each parameter
 (the norm of final - initial), all gathered (under PP from every stage, a parameter that two stages hold
 recorded as "differs" unless both copies give the same value), every router bias this rank
-holds after training, and the ``moe/`` and ``mtp/`` metrics it wrote to TensorBoard (where a layout turns
-it on).
+holds after training, the ``moe/`` and ``mtp/`` metrics it wrote to TensorBoard (where a layout turns
+it on), and where a layout names ``"count_all_to_alls": true``, the expert all-to-alls this rank sent in
+training (a dispatch mode's count: one that selective AC answered from a kept output is not sent).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from layout_entry import Layout, run_layouts
+from torch.utils._python_dispatch import TorchDispatchMode
 
 RESUME_STEP = 3  # test_moe_layouts.HALF
 
 
 def _digest(t) -> str:  # noqa: ANN001
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+class _CountAllToAlls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.calls += func is torch.ops._c10d_functional.all_to_all_single.default
+        return func(*args, **(kwargs or {}))
 
 
 def train(layout: Layout) -> dict:
@@ -42,12 +56,15 @@ def train(layout: Layout) -> dict:
     world = dist.get_world_size() if trainer.pipeline is not None else 1
     start = _full(trainer.model_parts)
     init = _merged({fqn: _digest(t) for fqn, t in start.items()}, world)
-    losses = trainer.train()
+    counter = _CountAllToAlls()
+    with counter if layout.spec.get("count_all_to_alls") else contextlib.nullcontext():
+        losses = trainer.train()
     end = _full(trainer.model_parts)
     final = _merged({fqn: _digest(t) for fqn, t in end.items()}, world)
     moved = _merged({fqn: float((end[fqn].double() - start[fqn].double()).norm()) for fqn in end}, world)
     return {"losses": losses, "grad_norms": grad_norms, "init": init, "final": final, "moved": moved,
-            "biases": _biases(trainer), "moe_metrics": _moe_scalars(dump)}
+            "biases": _biases(trainer), "moe_metrics": _moe_scalars(dump),
+            "all_to_alls": counter.calls}
 
 
 def _full(parts: list) -> dict:  # noqa: ANN001 - the model parts -> {fqn: full tensor}

@@ -14,7 +14,8 @@ init bitwise (the embedding's two copies included), the losses and gradient norm
 loss (``mtp/loss``) within 1e-5 at step 1 and 1e-4 after, every parameter moved by training as far as in one
 process (within 1e-4), and the embedding's two copies bitwise equal after training. A DeepSeek-V3 config made
 with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4, its step-1 loss
-transformers' own.
+transformers' own. Selective AC 'moe' under EP 2 x FSDP 4 trains the same model too, and sends as many expert
+all-to-alls as that layout without AC (its recompute reuses the kept outputs).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ MTP = "--model.mtp_layers=1"
 # the MTP loss is read back from TensorBoard, logged at every step
 TB = ["--metrics.enable_tensorboard=true", "--metrics.log_freq=1"]
 RELEASE = "transformers release, EP2 x FSDP4"
+SAC_MOE = "EP2 x FSDP4, selective AC moe"
+COUNTED = ("EP2 x FSDP4", SAC_MOE)  # layouts whose all-to-alls are counted (moe_entry.py)
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"), f"--training.steps={STEPS}",
           f"--training.seq_len={SEQ}", "--job.print_args=false", "--metrics.enable_tensorboard=false",
           f"--metrics.log_freq={STEPS}", "--training.deterministic", "--moe.load_balance_coeff=0.001",
@@ -51,6 +54,9 @@ PARITY = {
     "CP2 x FSDP2": _dims(2, 2, cp=2),
     "PP2 x FSDP2": _dims(2, 2, pp=2) + ["--parallelism.pipeline_parallel_microbatches=2"],
     "EP2 x FSDP4": _dims(4, 1, ep=2),
+    # selective AC 'moe': the same model, and the all-to-alls' outputs kept, not sent again in the recompute
+    SAC_MOE: _dims(4, 1, ep=2) + ["--activation_checkpoint.mode=selective",
+                                  "--activation_checkpoint.selective_ac_option=moe"],
     "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
     # EP borrowing TP's ranks: each TP rank routes its own sequence shard to the 4 EP ranks (ParallelDims)
     "EP4 on TP2 x FSDP2": _dims(2, 2, ep=4, tp=2),
@@ -115,7 +121,7 @@ def runs(tmp_path_factory, release) -> dict:
     one = {"control": {"overrides": _dims(1, BATCH)}, "control MTP": {"overrides": [*_dims(1, BATCH), MTP, *TB]}}
     control = launch(entry, tmp_path_factory.mktemp("dsv3_control"), COMMON, one, nproc=1, timeout=1200,
                      env={"OMP_NUM_THREADS": "1"})
-    layouts = {name: {"overrides": o} for name, o in PARITY.items()}
+    layouts = {name: {"overrides": o, "count_all_to_alls": name in COUNTED} for name, o in PARITY.items()}
     load = [f"--model.flavor={release}", f"--checkpoint.initial_load_path={release}",
             "--checkpoint.initial_load_format=hf", "--model.attn_mask_type=causal"]
     layouts[RELEASE] = {"overrides": [*_dims(4, 1, ep=2), *load]}
@@ -152,6 +158,13 @@ def test_layout_trains_the_one_process_model(name, runs):
     moved = {k: abs(v - control["moved"][k]) / control["moved"][k] for k, v in run["moved"].items()}
     assert run["moved"].keys() == control["moved"].keys() and max(moved.values()) <= 1e-4, (
         name, sorted(moved.items(), key=lambda kv: -kv[1])[:3])
+
+
+def test_selective_ac_moe_sends_no_all_to_all_again(runs):
+    """'moe' keeps every all-to-all's output (tokens and counts): its recompute sends none, so training under it
+    sends as many as without AC (the parity test above: and trains the same model)."""
+    plain, kept = (runs[name]["all_to_alls"] for name in COUNTED)
+    assert plain > 0 and kept == plain, (plain, kept)
 
 
 def test_a_transformers_release_gives_transformers_step1_loss(runs, release):

@@ -144,5 +144,8 @@ def test_search_tries_ep_for_models_with_experts():
     assert eps == {f"--parallelism.expert_parallel_degree={ep}" for ep in (1, 2, 4, 8)}
     dense = candidate_overrides(basis(debug_config("--metrics.enable_tensorboard=false")), 8, 8)
     assert not any("expert_parallel_degree" in o for layout in dense for o in layout)
+    # the per-op 'moe' AC policy is a candidate for a model with experts only
+    moe_ac = "--activation_checkpoint.selective_ac_option=moe"
+    assert any(moe_ac in layout for layout in moe) and not any(moe_ac in layout for layout in dense)
     ep8 = next(layout for layout in moe if "--parallelism.expert_parallel_degree=8" in layout)
     assert plan_job(_moe_cfg(*ep8), 8).dims.ep == 8  # what it proposes the preflight can take

@@ -3,7 +3,9 @@
 Enumerated: tensor parallel degrees up to a node (1, 2, 4, 8), pipeline degrees (1, 2, 4, 8, 16)
 with 1F1B and Interleaved1F1B (one micro-batch per sequence of the local batch), context parallel
 degrees for long sequences (seq_len >= 32k), expert parallel degrees (1 to 64) for a model with
-experts, full and selective activation checkpointing, and the local batch that keeps the config's
+experts, full and selective activation checkpointing (and for a model with experts the per-op 'moe' policy,
+which keeps the all-to-alls and GEMMs and recomputes norms, activations, the router and MLA's
+up-projections), and the local batch that keeps the config's
 global batch, and with ``float8`` (a cluster with FP8 tensor cores) each of them again in Float8
 (tensorwise, FP8 all-gather, scales after the step). The preflight drops what it refuses; layouts that
 do not fit the cluster's memory are dropped; the rest are ranked by predicted tokens/s per GPU.
@@ -57,6 +59,16 @@ class Layout:
         return {**self.estimate.to_json(), "overrides": self.overrides}
 
 
+_AC = "--activation_checkpoint."
+
+
+def _ac_choices(experts: int) -> list[list[str]]:
+    """Full and selective AC (the config's option); with experts also the per-op 'moe' policy, whose memory and
+    recompute the dry run measures from the ops it keeps, so the ranking prices it like the others."""
+    moe = [[f"{_AC}mode=selective", f"{_AC}selective_ac_option=moe"]] if experts else []
+    return [[f"{_AC}mode=full"], [f"{_AC}mode=selective"], *moe]
+
+
 def _ep_fits(ep: int, data: int, tp: int) -> bool:
     """ParallelDims' rule: ep divides dp_shard x cp, or is a multiple of tp dividing dp_shard x cp x tp."""
     return data % ep == 0 or (ep % tp == 0 and (data * tp) % ep == 0)
@@ -79,11 +91,11 @@ def candidate_overrides(job: SearchBasis, world_size: int, gpus_per_node: int) -
         # none for a dense model.
         eps = [[f"--parallelism.expert_parallel_degree={ep}"] for ep in EP_DEGREES
                if _ep_fits(ep, dp * cp, tp) and experts % ep == 0] if experts else [[]]
-        for (schedule, v), ac, ep in itertools.product(schedules, ("full", "selective"), eps):
+        for (schedule, v), ac, ep in itertools.product(schedules, _ac_choices(experts), eps):
             o = [f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.pipeline_parallel_degree={pp}",
                  f"--parallelism.context_parallel_degree={cp}", "--parallelism.data_parallel_replicate_degree=1",
                  f"--parallelism.data_parallel_shard_degree={dp}", f"--training.batch_size={local}",
-                 f"--activation_checkpoint.mode={ac}", *ep]
+                 *ac, *ep]
             if schedule is not None:
                 o += [f"--parallelism.pipeline_parallel_schedule={schedule}",
                       f"--parallelism.pipeline_parallel_stages_per_rank={v}",
