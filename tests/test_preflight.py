@@ -195,11 +195,12 @@ def test_compiled_tp_with_whole_block_ac_is_refused_on_torch_2_13_alone(ac):
         assert preflight(cfg, 2).dims.tp == 2
     # Op-level selective AC compiles under TP on 2.13 too, and the planner (check_data=False) plans for the
     # cluster's torch: neither is refused.
-    op_ac = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2",
-                                        "--parallelism.data_parallel_shard_degree=1", "--training.compile",
-                                        "--activation_checkpoint.mode=selective",
-                                        "--activation_checkpoint.selective_ac_option=op"])
-    assert preflight(op_ac, 2).dims.tp == 2
+    for per_op in ("op", "moe"):
+        op_ac = ConfigManager().parse_args(["--job.config_file", DEBUG, "--parallelism.tensor_parallel_degree=2",
+                                            "--parallelism.data_parallel_shard_degree=1", "--training.compile",
+                                            "--activation_checkpoint.mode=selective",
+                                            f"--activation_checkpoint.selective_ac_option={per_op}"])
+        assert preflight(op_ac, 2).dims.tp == 2
     assert preflight(cfg, 2, check_data=False).dims.tp == 2
 
 

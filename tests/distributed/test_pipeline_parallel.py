@@ -294,9 +294,10 @@ def test_schedule_constraints_are_config_errors():
         assert "exactly 2 stages per rank" in _plan_error(*_pp("ZBVZeroBubble"), "--training.batch_size=6",
                                                           "--parallelism.pipeline_parallel_stages_per_rank=3")
         assert "--training.compile" in _plan_error(*_pp("ZBVZeroBubble"), "--training.compile")
-        assert "op-level selective activation checkpointing" in _plan_error(
-            *_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=selective",
-            "--activation_checkpoint.selective_ac_option=op")
+        for per_op in ("op", "moe"):
+            assert "op-level selective activation checkpointing" in _plan_error(
+                *_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=selective",
+                f"--activation_checkpoint.selective_ac_option={per_op}")
         _plan(*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=full")  # recomputing whole blocks is fine
 
 
