@@ -203,7 +203,7 @@ def test_muon_clip_through_the_optimizer_step_hook_and_its_logged_term():
     ("--fault_tolerance.enable", "debug_model.toml", "--optimizer.name=MuonClip with --fault_tolerance.enable"),
     ("--parallelism.context_parallel_degree=2", "debug_model.toml",
      "--optimizer.name=MuonClip with --parallelism.context_parallel_degree=2"),
-    (None, "qwen3_debug_moe.toml", "--optimizer.name=MuonClip: qwen3's attention normalizes"),
+    (None, "qwen3_debug_moe.toml", "--optimizer.name=MuonClip: qwen3: its attention normalizes"),
 ])
 def test_what_muon_clip_cannot_do_is_refused_in_one_line(option, config, line, debug_cfg):
     from torchtitan.preflight import check_config

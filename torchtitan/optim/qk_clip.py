@@ -8,7 +8,7 @@ Every step, after the optimizer's:
    stage's rows, its tensor-parallel heads at their global index, -inf elsewhere), and one all-reduce (MAX)
    over the world makes it the maximum over the whole global batch and sequence, the same on every rank;
 3. head ``h`` of a module whose maximum ``S_h`` exceeds the threshold ``tau`` has its query/key weights
-   scaled so that its logits scale by ``gamma_h = tau / S_h`` (``gqa_row_scales``, ``mla_row_scales``); the
+   scaled so that its logits scale by ``gamma_h = tau / S_h`` (each module's ``clip_row_scales``); the
    rows are scaled on each rank's own shard of the (DTensor) weights, located by their global offset, with no
    further collective.
 """
@@ -25,9 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.compat.mesh import local_shape_and_global_offset
-from torchtitan.models.attention.gqa import GroupedQueryAttention
-from torchtitan.models.attention.max_logit import take, watch
-from torchtitan.models.deepseek_v3.mla import MultiHeadLatentAttention
+from torchtitan.models.attention.max_logit import QKClipped, take, watch
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +37,7 @@ def attention_names(model: nn.Module) -> list[str]:
     """The names of the attention modules QK-clip takes (grouped-query attention and MLA), in module order: the
     rows of the table. From the whole model, so every pipeline stage numbers the rows alike."""
     return [_plain_name(name) for name, module in model.named_modules()
-            if isinstance(module, (GroupedQueryAttention, MultiHeadLatentAttention))]
+            if isinstance(module, QKClipped)]
 
 
 def _plain_name(name: str) -> str:
@@ -49,28 +47,6 @@ def _plain_name(name: str) -> str:
 def clip_factors(maxima: torch.Tensor, threshold: float) -> torch.Tensor:
     """``gamma = min(1, tau / S)`` per head (1 where a head was not measured, ``S`` = -inf)."""
     return torch.where(maxima > threshold, threshold / maxima, torch.ones_like(maxima))
-
-
-def gqa_row_scales(gamma: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The factor of each row of ``wq`` (``[heads * head_dim]``): head ``h``'s query rows by ``gamma_h``.
-
-    Why the queries alone: a key head is shared by its query group, so scaling a key would move the logits of
-    every head of the group, those under the threshold too. Scaling head ``h``'s query rows scales its logits by
-    exactly ``gamma_h`` and leaves every other head's weights bitwise as they are (a factor of 1 is exact).
-    """
-    return gamma.repeat_interleave(head_dim)
-
-
-def mla_row_scales(gamma: torch.Tensor, nope: int, rope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The row factors of MLA's query projection (``[heads * (nope + rope)]``) and of ``wkv_b``
-    (``[heads * (nope + v_dim)]``): the logit ``q_nope . k_nope + q_rope . k_rope`` scales by ``gamma`` when the
-    compressed query and key parts take ``sqrt(gamma)`` each and the rotary query ``gamma``; the rotary key is
-    shared by every head (in ``wkv_a``) and the values do not enter the logit, so both stay as they are."""
-    root = gamma.sqrt().unsqueeze(1)
-    ones = torch.ones(gamma.shape[0], v_dim, device=gamma.device, dtype=gamma.dtype)
-    query = torch.cat([root.expand(-1, nope), gamma.unsqueeze(1).expand(-1, rope)], dim=1).flatten()
-    key = torch.cat([root.expand(-1, nope), ones], dim=1).flatten()
-    return query, key
 
 
 @dataclass(frozen=True)
@@ -101,38 +77,23 @@ class ShardRows:
 @dataclass
 class WatchedAttention:
     """One attention module of this rank: its table row, where its heads start among the model's, and the shards
-    the clip scales (the query projection, its bias, and MLA's ``wkv_b``)."""
+    of the parameters its clip scales (``QKClipped.clip_row_scales``, in that order)."""
 
     row: int
-    module: GroupedQueryAttention | MultiHeadLatentAttention
+    module: QKClipped
     first_head: int  # under TP: this rank's heads are [first_head, first_head + local heads)
-    query: ShardRows
-    query_bias: ShardRows | None
-    mla_keys: ShardRows | None  # MLA's wkv_b (compressed keys and values)
+    shards: list[ShardRows]
 
     @staticmethod
-    def of(row: int, module: GroupedQueryAttention | MultiHeadLatentAttention, first_head: int) -> WatchedAttention:
-        if isinstance(module, MultiHeadLatentAttention):
-            query = module.wq if module.wq is not None else module.wq_b
-            assert query is not None, "MLA has wq or wq_b"
-            return WatchedAttention(row, module, first_head, ShardRows.of(query.weight), None,
-                                    ShardRows.of(module.wkv_b.weight))
-        bias = module.wq.bias
-        return WatchedAttention(row, module, first_head, ShardRows.of(module.wq.weight),
-                                ShardRows.of(bias) if bias is not None else None, None)
+    def of(row: int, module: QKClipped, first_head: int) -> WatchedAttention:
+        ones = torch.ones(module.clip_heads())
+        return WatchedAttention(row, module, first_head,
+                                [ShardRows.of(param) for param, _ in module.clip_row_scales(ones)])
 
     def clip(self, gamma: torch.Tensor) -> None:
         """Scale this module's weights by the whole model's per-head factors ``gamma`` [heads]."""
-        m = self.module
-        if isinstance(m, MultiHeadLatentAttention):
-            query_scale, key_scale = mla_row_scales(gamma, m.nope, m.rope, m.v_dim)
-            assert self.mla_keys is not None
-            self.mla_keys.scale(key_scale)
-        else:
-            query_scale = gqa_row_scales(gamma, m.head_dim)
-        self.query.scale(query_scale)
-        if self.query_bias is not None:  # a biased query scales with its rows
-            self.query_bias.scale(query_scale)
+        for shard, (_, row_scale) in zip(self.shards, self.module.clip_row_scales(gamma), strict=True):
+            shard.scale(row_scale)
 
 
 class QKClip:
@@ -148,10 +109,12 @@ class QKClip:
         self.watched: list[WatchedAttention] = []
         for part in model_parts:
             for name, module in part.named_modules():
-                if not isinstance(module, (GroupedQueryAttention, MultiHeadLatentAttention)):
+                if not isinstance(module, QKClipped):
                     continue
-                _check_supported(name, module)
-                watch(module, heads // tp_size, module.wo.weight.device)
+                refusal = module.clip_refusal()
+                if refusal:
+                    raise ValueError(f"optimizer.name=MuonClip: {name}: {refusal}; use --optimizer.name Muon")
+                watch(module, heads // tp_size, next(module.parameters()).device)
                 self.watched.append(WatchedAttention.of(index[_plain_name(name)], module, tp_rank * heads // tp_size))
         self.last: torch.Tensor | None = None  # the last step's reduced table [rows, heads]
 
@@ -165,7 +128,7 @@ class QKClip:
 
     @torch.no_grad()
     def step(self) -> None:
-        device = next(iter(self.watched)).module.wo.weight.device if self.watched else torch.device("cpu")
+        device = next(self.watched[0].module.parameters()).device if self.watched else torch.device("cpu")
         table = self.measured(device)
         if dist.is_initialized() and dist.get_world_size() > 1:  # the one collective of the clip
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
@@ -182,13 +145,5 @@ class QKClip:
 
 def heads_of(module: nn.Module) -> int:
     """The query heads of a whole (unsharded, possibly meta) attention module."""
-    if isinstance(module, MultiHeadLatentAttention):
-        return module.wkv_b.weight.shape[0] // (module.nope + module.v_dim)
-    assert isinstance(module, GroupedQueryAttention)
-    return module.wq.weight.shape[0] // module.head_dim
-
-
-def _check_supported(name: str, module: nn.Module) -> None:
-    if isinstance(module, GroupedQueryAttention) and module.q_norm is not None:
-        raise ValueError(f"optimizer.name=MuonClip: {name} normalizes its queries and keys per head (QK-norm), so "
-                         "scaling wq cannot reach the logit; use --optimizer.name Muon")
+    assert isinstance(module, QKClipped)
+    return module.clip_heads()

@@ -29,21 +29,11 @@ def qk_clip_problems(cfg: JobConfig) -> list[str]:
 
 def _attention_problem(cfg: JobConfig) -> str | None:
     # Imported here: the launch preflight imports the optimizers, not the models' modules.
-    from torchtitan.models.attention.gqa import GQAConfig
-    from torchtitan.models.deepseek_v3.mla import MLAConfig
     from torchtitan.models.registry import model_args
 
     try:
-        attention = model_args(cfg.model.name, cfg.model.flavor).attention()
+        args = model_args(cfg.model.name, cfg.model.flavor)
     except ValueError:  # an unknown model or flavor: check_config names it
         return None
-    if isinstance(attention, GQAConfig) and attention.qk_norm_eps is not None:
-        return (f"{cfg.model.name}'s attention normalizes each head's queries and keys (QK-norm), so scaling the "
-                "query weights does not reach the logit")
-    if isinstance(attention, (GQAConfig, MLAConfig)):
-        return None
-    from torchtitan.models.gpt_oss.attention import SinkAttentionConfig
-
-    if isinstance(attention, SinkAttentionConfig):
-        return None
-    return f"{cfg.model.name}'s attention ({type(attention).__name__}) is not one QK-clip scales"
+    refusal = args.attention().qk_clip_refusal()
+    return f"{cfg.model.name}: {refusal}" if refusal else None

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
-from torchtitan.models.attention.max_logit import observe
+from torchtitan.models.attention.max_logit import QKClipped, observe
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
 
@@ -64,11 +64,15 @@ class GQAConfig:
         keys_and_values = 2 * self.n_kv_heads * self.head_dim
         return LayerCacheSize(held=keys_and_values, expanded=keys_and_values)
 
+    def qk_clip_refusal(self) -> str | None:
+        if self.qk_norm_eps is not None:
+            return ("its attention normalizes each head's queries and keys (QK-norm), so scaling the query weights "
+                    "does not reach the logit")
+        return None
 
-class GroupedQueryAttention(nn.Module):
+
+class GroupedQueryAttention(QKClipped):
     """``wq, wk, wv`` -> (query/key norms) -> rotation -> the backend's scores -> ``wo``."""
-
-    max_logits: torch.Tensor | None  # QK-clip's per-head maxima (a non-persistent buffer; None: not watched)
 
     def __init__(self, config: GQAConfig):
         super().__init__()
@@ -81,6 +85,27 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm: RMSNorm | None = None if c.qk_norm_eps is None else RMSNorm(c.head_dim, c.qk_norm_eps)
         self.k_norm: RMSNorm | None = None if c.qk_norm_eps is None else RMSNorm(c.head_dim, c.qk_norm_eps)
         self.register_buffer("max_logits", None, persistent=False)  # QK-clip's measurement (attention/max_logit.py)
+
+    def clip_heads(self) -> int:
+        return self.wq.weight.shape[0] // self.head_dim
+
+    def clip_refusal(self) -> str | None:
+        if self.q_norm is not None:
+            return ("it normalizes each head's queries and keys (QK-norm), so scaling wq cannot reach the logit")
+        return None
+
+    def clip_row_scales(self, gamma: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Head ``h``'s query rows (and their bias) by ``gamma_h``, the keys untouched.
+
+        Why the queries alone: a key head is shared by its query group, so scaling a key would move the logits of
+        every head of the group, those under the threshold too. Scaling head ``h``'s query rows scales its logits
+        by exactly ``gamma_h`` and leaves every other head's weights bitwise as they are (a factor of 1 is exact).
+        """
+        rows = gamma.repeat_interleave(self.head_dim)
+        scaled = [(self.wq.weight, rows)]
+        if self.wq.bias is not None:  # a biased query (GPT-OSS) scales with its rows
+            scaled.append((self.wq.bias, rows))
+        return scaled
 
     def in_projections(self) -> list[nn.Linear]:
         """The projections into the heads (init and TP treat them alike)."""

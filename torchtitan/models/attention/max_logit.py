@@ -24,6 +24,28 @@ from torchtitan.models.attention.masks import (
     sliding_window_mask_mod,
 )
 
+
+class QKClipped(nn.Module):
+    """An attention module QK-clip can take: it measures ``max_logits`` in its training forward (``observe``) and
+    says which rows of its weights scale by how much for given per-head factors. The clip (optim/qk_clip.py)
+    reaches every family's attention through these queries, never through a family's own class."""
+
+    max_logits: torch.Tensor | None  # the per-head maxima (a non-persistent buffer; None: not watched)
+
+    def clip_heads(self) -> int:
+        """The query heads of the whole module (its global weight shapes: the same sharded or not)."""
+        raise NotImplementedError
+
+    def clip_refusal(self) -> str | None:
+        """Why scaling this module's weights cannot bound its logits (None: it can)."""
+        return None
+
+    def clip_row_scales(self, gamma: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, a factor per global row of it) that scale head ``h``'s logits by ``gamma[h]`` exactly, in a
+        fixed order; parameters left out stay as they are."""
+        raise NotImplementedError
+
+
 # Scores held at once (float32 elements, 16 MiB): a chunk of query rows against every key.
 CHUNK_ELEMENTS = 1 << 22
 

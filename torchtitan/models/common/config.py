@@ -61,6 +61,10 @@ class AttentionConfig(Protocol):
 
     def cache_size(self) -> LayerCacheSize: ...
 
+    def qk_clip_refusal(self) -> str | None:
+        """Why QK-clip (``--optimizer.name MuonClip``) cannot bound this attention's logits; None: it can."""
+        ...
+
 
 @dataclass
 class DecoderConfig(ABC):

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.models.attention.backends import AttentionBackend, AttentionNeeds
 from torchtitan.models.attention.masks import DocumentMask
-from torchtitan.models.attention.max_logit import observe
+from torchtitan.models.attention.max_logit import QKClipped, observe
 from torchtitan.models.kv_cache import LayerCache, LayerCacheSize
 from torchtitan.models.layers import RMSNorm
 
@@ -84,11 +84,12 @@ class MLAConfig:
         return LayerCacheSize(held=self.kv_lora_rank + self.qk_rope_head_dim,
                               expanded=self.n_heads * (self.head_dim + self.v_head_dim))
 
+    def qk_clip_refusal(self) -> str | None:
+        return None  # the compressed and rotary query/key rows scale per head (MultiHeadLatentAttention)
 
-class MultiHeadLatentAttention(nn.Module):
+
+class MultiHeadLatentAttention(QKClipped):
     """``forward(x [B, L, dim], rope_cache, *, backend, documents=None, cache=None) -> [B, L, dim]``."""
-
-    max_logits: torch.Tensor | None  # QK-clip's per-head maxima (a non-persistent buffer; None: not watched)
 
     def __init__(self, config: MLAConfig):
         super().__init__()
@@ -113,6 +114,22 @@ class MultiHeadLatentAttention(nn.Module):
         self.query_scale = c.softmax_scale * math.sqrt(c.head_dim)
         self.tp_group: dist.ProcessGroup | None = None  # use_tp_group
         self.register_buffer("max_logits", None, persistent=False)  # QK-clip's measurement (attention/max_logit.py)
+
+    def clip_heads(self) -> int:
+        return self.wkv_b.weight.shape[0] // (self.nope + self.v_dim)
+
+    def clip_row_scales(self, gamma: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The query projection's rows (``[heads * (nope + rope)]``) and ``wkv_b``'s (``[heads * (nope + v_dim)]``):
+        the logit ``q_nope . k_nope + q_rope . k_rope`` scales by ``gamma`` when the compressed query and key parts
+        take ``sqrt(gamma)`` each and the rotary query ``gamma``; the rotary key is shared by every head (in
+        ``wkv_a``) and the values do not enter the logit, so both stay as they are."""
+        root = gamma.sqrt().unsqueeze(1)
+        ones = torch.ones(gamma.shape[0], self.v_dim, device=gamma.device, dtype=gamma.dtype)
+        query_rows = torch.cat([root.expand(-1, self.nope), gamma.unsqueeze(1).expand(-1, self.rope)], dim=1)
+        key_rows = torch.cat([root.expand(-1, self.nope), ones], dim=1)
+        query = self.wq if self.wq is not None else self.wq_b
+        assert query is not None, "MLA has wq or wq_b"
+        return [(query.weight, query_rows.flatten()), (self.wkv_b.weight, key_rows.flatten())]
 
     def in_projections(self) -> list[nn.Linear]:
         """The projections into the heads and the latent (init treats them alike)."""

@@ -59,6 +59,9 @@ class SinkAttentionConfig:
         keys_and_values = 2 * self.n_kv_heads * self.head_dim
         return LayerCacheSize(held=keys_and_values, expanded=keys_and_values, window=self.window)
 
+    def qk_clip_refusal(self) -> str | None:
+        return None  # the query rows and their bias scale per head; the sinks are not logits of a key
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's heads of a per-head parameter (tensor parallelism shards it with the heads)."""
