@@ -54,6 +54,6 @@ def _muon_lines(e: StepEstimate) -> list[str]:
             f"step) on the most loaded owner, {e.owner_imbalance:.3f}x the mean; owner traffic "
             f"{e.optimizer_comm_bytes / GIB:.3f} GiB/rank",
             f"  Muon naive (every rank gathers and orthogonalizes every matrix): optimizer step "
-            f"{e.naive_optimizer_s:.4f} s ({100 * e.naive_optimizer_s / naive_step:.2f}% of its step, "
-            f"{100 * e.naive_optimizer_s / e.step_time_s:.1f}% of the owner layout's), all-gathers "
-            f"{e.naive_comm_bytes / GIB:.3f} GiB/rank"]
+            f"{e.naive_optimizer_s:.4f} s ({100 * e.naive_optimizer_s / naive_step:.2f}% of its step of "
+            f"{naive_step:.3f} s; {100 * e.naive_optimizer_s / e.step_time_s:.1f}% of the owner layout's step), "
+            f"all-gathers {e.naive_comm_bytes / GIB:.3f} GiB/rank"]
