@@ -39,6 +39,17 @@ class Run(TypedDict):
     seconds: float
 
 
+class Gain(TypedDict):
+    best_adamw_lr: float
+    best_muon_lr: float
+    target: float  # Muon's best final held-out loss
+    muon_tokens: int
+    adamw_steps_searched: int
+    adamw_tokens: float | None  # None: AdamW's best never reached the target
+    ratio: float | None  # adamw_tokens / muon_tokens
+    ratio_above: float | None  # when never reached: the ratio is above this bound
+
+
 def read_curve(log: str) -> list[tuple[int, float]]:
     """(training tokens seen, held-out loss) of every ``validation step:`` line rank 0 printed, in order."""
     curve = []
@@ -87,7 +98,7 @@ def train(optimizer: str, lr: float, steps: int, args: argparse.Namespace, log: 
     return Run(optimizer=optimizer, lr=lr, steps=steps, curve=curve, final=curve[-1][1], seconds=seconds)
 
 
-def gain(runs: list[Run], steps: int) -> dict[str, object]:
+def gain(runs: list[Run], steps: int) -> Gain:
     """Each optimizer's best run at ``steps`` and the token ratio AdamW / Muon to Muon's best final loss."""
     def best(name: str) -> Run:
         return min((r for r in runs if r["optimizer"] == name and r["steps"] == steps), key=lambda r: r["final"])
@@ -96,13 +107,10 @@ def gain(runs: list[Run], steps: int) -> dict[str, object]:
     muon_tokens = muon["curve"][-1][0]
     longest = max((r for r in runs if r["optimizer"] == "AdamW" and r["lr"] == adamw["lr"]), key=lambda r: r["steps"])
     reached = tokens_to_reach(longest["curve"], muon["final"])
-    out: dict[str, object] = {"best_adamw_lr": adamw["lr"], "best_muon_lr": muon["lr"], "target": muon["final"],
-                              "muon_tokens": muon_tokens, "adamw_steps_searched": longest["steps"]}
-    if reached is None:
-        out.update(adamw_tokens=None, ratio=None, ratio_above=longest["curve"][-1][0] / muon_tokens)
-    else:
-        out.update(adamw_tokens=reached, ratio=reached / muon_tokens, ratio_above=None)
-    return out
+    return Gain(best_adamw_lr=adamw["lr"], best_muon_lr=muon["lr"], target=muon["final"], muon_tokens=muon_tokens,
+                adamw_steps_searched=longest["steps"], adamw_tokens=reached,
+                ratio=None if reached is None else reached / muon_tokens,
+                ratio_above=longest["curve"][-1][0] / muon_tokens if reached is None else None)
 
 
 def report(result: dict) -> str:
