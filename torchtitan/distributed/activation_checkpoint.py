@@ -12,7 +12,13 @@ from collections.abc import Callable
 from functools import wraps
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from torchtitan.ops.cpu_kernels import onednn_available
 
@@ -40,6 +46,39 @@ _ALWAYS_SAVE = {
 }
 
 
+def _is_profiler_marker(op) -> bool:
+    return getattr(op, "namespace", None) == "profiler"
+
+
+class _KeepingMode(_CachingTorchDispatchMode):
+    """SAC's forward mode, blind to profiler markers. SAC matches the recompute's ops to the forward's by
+    their count per op, and FSDP's hooks on a unit inside a block (the expert-parallel experts) open a
+    different number of ``record_function`` ranges in the recompute (already unsharded, under a pipeline)
+    than in the forward: the markers compute nothing, so they run outside the bookkeeping."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if _is_profiler_marker(func):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _ReusingMode(_CachedTorchDispatchMode):
+    """SAC's recompute mode, blind to profiler markers (see ``_KeepingMode``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if _is_profiler_marker(func):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _per_op_contexts(policy: Callable[..., CheckpointPolicy]) -> tuple[_KeepingMode, _ReusingMode]:
+    """``create_selective_checkpoint_contexts(policy)`` with profiler markers left out of its op counts."""
+    keeping, _ = create_selective_checkpoint_contexts(policy)  # validates the policy as torch does
+    assert isinstance(keeping, _CachingTorchDispatchMode)
+    storage = keeping.storage
+    return _KeepingMode(policy, storage), _ReusingMode(None, storage)
+
+
 def _every_second_linear_contexts():
     """SAC contexts for one checkpointed call, with their own count of linear products.
 
@@ -56,7 +95,7 @@ def _every_second_linear_contexts():
             keep = op in _ALWAYS_SAVE
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return _per_op_contexts(policy)
 
 
 # Selective 'moe' AC, for MoE blocks with MLA or grouped-query attention (as the DeepSeek-V3 report recomputes):
@@ -96,7 +135,7 @@ def _moe_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _moe_contexts():
-    return create_selective_checkpoint_contexts(_moe_policy)
+    return _per_op_contexts(_moe_policy)
 
 
 def _mark_recomputed_modules(block: torch.nn.Module) -> int:
