@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan import compat
-from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, Routing
+from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, Routing, exchange_rows
 from torchtitan.models.moe.moe import MoE
 
 
@@ -66,8 +66,8 @@ class AssumedAllToAllDispatcher(AllToAllDispatcher):
         return _sort(experts, [n for rank_rows in sent for n in even_split(rank_rows, self.num_local_experts)])
 
     def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        received_counts = torch.empty_like(counts)
-        dist.all_to_all_single(received_counts, counts, group=self.group)  # the count exchange, as the real one
+        equal = [self.num_local_experts] * self.ep
+        exchange_rows(counts, equal, equal, self.group)  # the count exchange, as the real one
         sent, received = self._plan(sum(counts.tolist()))  # counts: this rank's, from sort (on the host)
         per_expert = [even_split(n, self.num_local_experts) for n in received]
         by_rank = _host([n for row in per_expert for n in row], (self.ep, self.num_local_experts))

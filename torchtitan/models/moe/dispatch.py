@@ -89,15 +89,16 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # noqa: ANN001
                 group: dist.ProcessGroup) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x, out_splits, in_splits, group)
+        return exchange_rows(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+        return exchange_rows(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                  group: dist.ProcessGroup) -> torch.Tensor:
     """The functional (out-of-place) collective, not ``dist.all_to_all_single``'s in-place one: selective
     activation checkpointing (distributed/activation_checkpoint.py) can keep its output, so a block's
     recompute reuses the tokens received instead of sending them again."""
@@ -141,7 +142,7 @@ class AllToAllDispatcher:
         """``(rows from each rank per local expert [ep, E/ep], rows per local expert [E/ep], rows received
         from each rank, rows sent to each rank)``: the counts exchanged, the split sizes read on the host."""
         equal = [self.num_local_experts] * self.ep  # E/ep counts to each rank
-        received_counts = _exchange(counts, equal, equal, self.group)
+        received_counts = exchange_rows(counts, equal, equal, self.group)
         by_rank = received_counts.view(self.ep, self.num_local_experts)  # [source rank, local expert]
         in_splits = counts.view(self.ep, self.num_local_experts).sum(dim=1).tolist()
         out_splits = by_rank.sum(dim=1).tolist()
