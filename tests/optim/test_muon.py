@@ -13,7 +13,7 @@ from torch import nn
 from torchtitan.config import ConfigError
 from torchtitan.optim import build_optimizer
 from torchtitan.optim.muon import Muon, MuonSettings, newton_schulz
-from torchtitan.optim.muon_owners import assign_owners, newton_schulz_cost
+from torchtitan.optim.muon_owners import _is_grid, _tiled_whole, assign_owners, newton_schulz_cost
 from torchtitan.optim.muon_params import split_params
 
 FP32 = MuonSettings(ns_dtype="float32")
@@ -269,6 +269,25 @@ def test_state_dict_is_torch_standard_and_resumes_bitwise():
         step(resumed, opt2, k)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_blocks_tile_their_box_checked_in_linear_time_on_a_grid():
+    """An owner checks that the blocks of the ranks it gathers tile one box. A grid (what Shard placements cut) is
+    recognized without comparing every pair (1,024 FSDP blocks of a matrix, a 2 x 512 cut, empty blocks of an
+    uneven cut left out); a tiling that is not a grid still passes through the pairwise check; an overlap, a hole or
+    a block given twice is refused."""
+    rows = [((8, 64), (8 * i, 0)) for i in range(1024)] + [((0, 64), (8192, 0))]
+    assert _tiled_whole(rows) == ((0, 0), (8192, 64))
+    cells = [((4, 8), (4 * i, 8 * j)) for i in range(2) for j in range(512)]
+    assert _is_grid(cells, (0, 0), (8, 4096)) and _tiled_whole(cells) == ((0, 0), (8, 4096))
+    l_shape = [((2, 2), (0, 0)), ((1, 1), (0, 2)), ((1, 1), (1, 2))]  # tiles 2 x 3, but not as a grid
+    assert not _is_grid(l_shape, (0, 0), (2, 3)) and _tiled_whole(l_shape) == ((0, 0), (2, 3))
+    hole = cells[:-1]
+    assert not _is_grid(hole, (0, 0), (8, 4096)) and _tiled_whole(hole) == (None, ())
+    twice = cells + cells[:1]
+    assert not _is_grid(twice, (0, 0), (8, 4096)) and _tiled_whole(twice) == (None, ())
+    overlap = [((2, 2), (0, 0)), ((2, 2), (0, 1))]
+    assert _tiled_whole(overlap) == (None, ())
 
 
 def test_owner_heap_balances_by_cost_and_is_deterministic():
