@@ -41,8 +41,9 @@ def test_blocks_are_counted_only_where_they_are_alike(debug_blocks):
 
     assert counted("--activation_checkpoint.mode=full")[0] == 7  # simulated with 3 and 4 of the 10
     # Muon's owners are balanced over every matrix of the job: a block more moves a rank's share unevenly.
-    fewer, why = counted("--activation_checkpoint.mode=full", "--optimizer.name=Muon")
-    assert fewer == 0 and "Muon" in why
+    for muon in ("Muon", "MuonClip"):  # MuonClip is Muon, then QK-clip
+        fewer, why = counted("--activation_checkpoint.mode=full", f"--optimizer.name={muon}")
+        assert fewer == 0 and "Muon" in why
     fewer, why = counted("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")
     assert fewer == 0 and "every 2 blocks" in why
     for per_op in ("op", "moe"):  # every block alike: each keeps and recomputes the same ops

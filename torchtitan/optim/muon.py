@@ -32,6 +32,8 @@ NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # so AdamW's learning rate and weight decay carry over.
 ADAMW_RMS = 0.2
 UPDATE_SCALES = ("match_adamw_rms", "shape_ratio")
+# The optimizer names that train the matrices with Muon: MuonClip is Muon, then QK-clip after each step.
+MUON_OPTIMIZERS = ("Muon", "MuonClip")
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,14 @@ from torch import nn
 
 from torchtitan.config import JobConfig
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.optim.muon import MUON_OPTIMIZERS
 from torchtitan.optim.qk_clip_checks import qk_clip_problems
 
 
 def muon_problems(cfg: JobConfig) -> list[str]:
     """One line per Muon setting that cannot apply; none when the optimizer is not Muon."""
     o = cfg.optimizer
-    if o.name not in ("Muon", "MuonClip"):  # MuonClip is Muon, then QK-clip
+    if o.name not in MUON_OPTIMIZERS:  # MuonClip is Muon, then QK-clip
         return []
     problems = qk_clip_problems(cfg)
     if o.lr <= 0:
@@ -33,7 +34,7 @@ def muon_model_problems(o: OptimizerConfig, model_factory: Callable[[], nn.Modul
     """One line per problem of the options that choose Muon's parameters (``--optimizer.muon_split_heads``,
     ``--optimizer.muon_adamw_fqns``): set for another optimizer, an empty pattern (it would match every
     parameter), or a pattern in no parameter's name of the model ``model_factory`` builds (on the meta device)."""
-    if o.name not in ("Muon", "MuonClip"):
+    if o.name not in MUON_OPTIMIZERS:
         unused = [f"--optimizer.{name}" for name, on in (("muon_split_heads", o.muon_split_heads),
                                                           ("muon_adamw_fqns", bool(o.muon_adamw_fqns))) if on]
         return [f"{option}: applies to --optimizer.name Muon only, not {o.name}; drop it or choose Muon"

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.compat import fused_kernel_devices
-from torchtitan.optim.muon import Muon, MuonSettings
+from torchtitan.optim.muon import MUON_OPTIMIZERS, Muon, MuonSettings
 from torchtitan.optim.muon_owners import OwnerUpdate
 from torchtitan.optim.muon_params import split_params
 
@@ -58,7 +58,7 @@ def build_optimizer(
     Muon needs ``model_parts`` (the modules the parameters belong to: which are matrices)
     and takes ``muon`` (its settings; the defaults where not given).
     """
-    if name in ("Muon", "MuonClip"):  # MuonClip's clip is a post-step hook (train_step/max_logit.py)
+    if name in MUON_OPTIMIZERS:  # MuonClip's clip is a post-step hook (train_step/max_logit.py)
         if model_parts is None:
             raise ValueError(f"optimizer.name={name}: build_optimizer needs model_parts to tell matrices apart")
         return build_muon(model_parts, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas,

@@ -37,6 +37,7 @@ import torch
 from torchtitan.config.job_config import ActivationCheckpoint, Parallelism, Training
 from torchtitan.distributed.activation_checkpoint import is_per_op
 from torchtitan.launch_plan import LaunchPlan
+from torchtitan.optim.muon import MUON_OPTIMIZERS
 from torchtitan.planning.compute import PhaseWork
 from torchtitan.planning.memory import MemoryReport, fold
 from torchtitan.planning.traffic import CollectiveStats, TrafficLedger
@@ -103,7 +104,7 @@ def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str =
     fewest = min(counts)
     if fewest < FEWEST_BLOCKS:
         return 0, ""
-    if optimizer == "Muon":
+    if optimizer in MUON_OPTIMIZERS:
         return 0, ("every block simulated: Muon balances its owners over all the job's matrices, so a rank's "
                    "share of the Newton-Schulz work does not grow by the same amount with each block")
     if ac.mode == "selective" and not (is_per_op(ac.selective_ac_option) or ac.selective_ac_option == "1"):
