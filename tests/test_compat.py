@@ -466,12 +466,45 @@ def test_no_module_outside_compat_imports_a_private_torch_module():
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module == "torch":
-                names = [f"torch.{a.name}" for a in node.names]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                names = [f"{node.module}.{a.name}" for a in node.names]  # a private name of a public module too
             found += [f"{path.relative_to(package)}:{node.lineno} {name}" for name in names
                       if name.split(".")[0] == "torch" and any(part.startswith("_") for part in name.split("."))]
     assert not found, "private torch imports outside torchtitan/compat/ (give each a function there): " + \
         ", ".join(found)
+
+
+def test_shard_dim_reads_shards_and_strided_shards():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    assert compat.shard_dim(Shard(1)) == 1
+    assert compat.shard_dim(_StridedShard(0, split_factor=2)) == 0  # FSDP2 over TP or EP
+    assert compat.shard_dim(Replicate()) is None and compat.shard_dim(Partial()) is None
+
+
+def test_selective_contexts_keep_torch_modes_and_run_profiler_markers_outside_the_counts():
+    from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode, checkpoint
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    keeping, reusing = compat.selective_contexts_without_profiler_markers(policy)
+    assert isinstance(keeping, _CachingTorchDispatchMode) and isinstance(reusing, _CachedTorchDispatchMode)
+    runs = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        if len(runs) == 2:  # a marker in the recompute only, as FSDP's hooks open under a pipeline
+            with torch.profiler.record_function("recompute only"):
+                pass
+        return (x @ x).sin()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    checkpoint(fn, x, use_reentrant=False,
+               context_fn=lambda: compat.selective_contexts_without_profiler_markers(policy)).sum().backward()
+    expected = torch.func.grad(lambda t: (t @ t).sin().sum())(x.detach())
+    assert len(runs) == 2 and torch.allclose(x.grad, expected)
 
 
 def test_grouped_mm_runs_on_cpu_and_equals_per_group_products():

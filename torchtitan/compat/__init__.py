@@ -11,7 +11,8 @@ fails there first. Tested versions: docs/versions.md.
 
 The modules: ``c10d`` (process groups, c10d ops), ``mesh`` (DeviceMesh, DTensor), ``compile`` (async
 collectives into compiled code), ``fsdp`` (FSDP2), ``pipelining`` (schedules and stages), ``autograd``
-(dispatch and the autograd engine), ``kernels`` (grouped GEMM, causal bias, fused optimizers),
+(dispatch and the autograd engine), ``checkpointing`` (selective activation checkpointing's modes),
+``kernels`` (grouped GEMM, causal bias, fused optimizers),
 ``dcp`` (distributed checkpointing's fsspec storage and state-dict traversal), ``torchft`` (LocalSGD /
 DiLoCo), ``import_noise`` (the warnings torchao's import logs that do not apply,
 dropped at their loggers), ``errors`` (``CompatError``). ``from torchtitan.compat import X`` reaches
@@ -42,6 +43,7 @@ from torchtitan.compat.c10d import (
     resolve_process_group,
     set_pg_timeout,
 )
+from torchtitan.compat.checkpointing import selective_contexts_without_profiler_markers
 from torchtitan.compat.compile import wait_async_collective
 from torchtitan.compat.dcp import (
     fsspec_file_system_type,
@@ -68,6 +70,7 @@ from torchtitan.compat.mesh import (
     flatten_mesh,
     install_dtensor_rng_tracker,
     local_shape_and_global_offset,
+    shard_dim,
     unflatten_mesh,
 )
 from torchtitan.compat.pipelining import (
@@ -104,7 +107,8 @@ __all__ = [
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_as_on", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
-    "semi_sync_reference", "semi_sync_save_reference", "set_pg_timeout", "set_semi_sync_local_step",
+    "semi_sync_reference", "semi_sync_save_reference", "selective_contexts_without_profiler_markers",
+    "set_pg_timeout", "set_semi_sync_local_step", "shard_dim",
     "unflatten_mesh",
     "wait_async_collective", "cuda_capability", "scaled_grouped_mm_available", "scaled_mm_supported",
     "fsspec_file_system_type", "fsspec_reader_type", "fsspec_writer_type", "set_state_dict_element",

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from torchtitan.compat.errors import missing
 
@@ -55,6 +55,18 @@ def local_shape_and_global_offset(shape: torch.Size | tuple[int, ...], mesh: Dev
     if coordinate is None:
         return compute_local_shape_and_global_offset(shape, mesh, placements)
     return _compute_local_shape_and_global_offset(shape, mesh.shape, list(coordinate), placements)
+
+
+def shard_dim(placement: Placement) -> int | None:
+    """The tensor dimension ``placement`` cuts: a ``Shard``, or the ``_StridedShard`` FSDP2 writes over TP or EP
+    (not a ``Shard`` subclass in torch 2.11 to 2.13); None for a replica or a partial sum."""
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError as e:
+        raise missing("torch.distributed.tensor.placement_types._StridedShard") from e
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim
+    return None
 
 
 def dtensor_local(t: DTensor) -> torch.Tensor:

@@ -12,14 +12,9 @@ from collections.abc import Callable
 from functools import wraps
 
 import torch
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    _CachedTorchDispatchMode,
-    _CachingTorchDispatchMode,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from torchtitan.compat.checkpointing import selective_contexts_without_profiler_markers
 from torchtitan.ops.cpu_kernels import onednn_available
 
 logger = logging.getLogger(__name__)
@@ -46,37 +41,11 @@ _ALWAYS_SAVE = {
 }
 
 
-def _is_profiler_marker(op) -> bool:
-    return getattr(op, "namespace", None) == "profiler"
-
-
-class _KeepingMode(_CachingTorchDispatchMode):
-    """SAC's forward mode, blind to profiler markers. SAC matches the recompute's ops to the forward's by
-    their count per op, and FSDP's hooks on a unit inside a block (the expert-parallel experts) open a
-    different number of ``record_function`` ranges in the recompute (already unsharded, under a pipeline)
-    than in the forward: the markers compute nothing, so they run outside the bookkeeping."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if _is_profiler_marker(func):
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class _ReusingMode(_CachedTorchDispatchMode):
-    """SAC's recompute mode, blind to profiler markers (see ``_KeepingMode``)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if _is_profiler_marker(func):
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def _per_op_contexts(policy: Callable[..., CheckpointPolicy]) -> tuple[_KeepingMode, _ReusingMode]:
-    """``create_selective_checkpoint_contexts(policy)`` with profiler markers left out of its op counts."""
-    keeping, _ = create_selective_checkpoint_contexts(policy)  # validates the policy as torch does
-    assert isinstance(keeping, _CachingTorchDispatchMode)
-    storage = keeping.storage
-    return _KeepingMode(policy, storage), _ReusingMode(None, storage)
+def _per_op_contexts(policy: Callable[..., CheckpointPolicy]) -> tuple[object, object]:
+    """SAC's contexts for ``policy``, blind to profiler markers: FSDP's hooks on a unit inside a block (the
+    expert-parallel experts) open a different number of ``record_function`` ranges in the recompute than in the
+    forward (compat/checkpointing.py)."""
+    return selective_contexts_without_profiler_markers(policy)
 
 
 def _every_second_linear_contexts():

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, Replicate
 
-from torchtitan.compat.mesh import local_shape_and_global_offset
+from torchtitan.compat.mesh import local_shape_and_global_offset, shard_dim
 from torchtitan.optim.muon import MuonSettings, orthogonalized
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # a block's shape and its global offset
@@ -78,11 +77,11 @@ def assign_owners(costs: list[int], candidates: list[list[int]]) -> list[int]:
 def _expert_dims(placements: tuple, ndim: int) -> tuple[int, ...]:
     """The mesh dimensions that cut the experts (dim 0) of a 3-D weight: each rank holds whole matrices."""
     return tuple(d for d, p in enumerate(placements)
-                 if ndim >= 3 and isinstance(p, (Shard, _StridedShard)) and p.dim == 0)
+                 if ndim >= 3 and shard_dim(p) == 0)
 
 
 def _layout_problem(placements: tuple, ndim: int) -> str | None:
-    if any(not isinstance(p, (Shard, _StridedShard, Replicate)) for p in placements):
+    if any(shard_dim(p) is None and not isinstance(p, Replicate) for p in placements):
         return "only Shard and Replicate placements are supported (no partial sums)"
     return None
 
