@@ -311,9 +311,11 @@ def build_flavors() -> list[Flavor]:
         f("fsdp_tp", "FSDP 2 x TP 2 (sequence parallel, loss parallel)",
           (_phase(4, 2, {"dp_shard": 2, "tp": 2}, *_dp(1, 2), *_tp(2)),), requires=("tp",)),
         # tests/optim/test_muon_owners.py checks the owner update against one process in seven layouts.
-        f("muon_fsdp_tp", "Muon, FSDP 2 x TP 2: each matrix orthogonalized by one owner rank",
-          (_phase(4, 2, {"dp_shard": 2, "tp": 2}, *_dp(1, 2), *_tp(2), "--optimizer.name=Muon"),), requires=("tp",),
-          checks=(_log_contains(r"Muon on \d+ matrices \(each orthogonalized by one owner rank\)"),)),
+        # tests/optim/test_qk_clip_layouts.py checks the clip against one process on TP 2 x FSDP 2.
+        f("muon_fsdp_tp", "MuonClip, FSDP 2 x TP 2: each matrix orthogonalized by one owner rank, QK-clip logged",
+          (_phase(4, 2, {"dp_shard": 2, "tp": 2}, *_dp(1, 2), *_tp(2), "--optimizer.name=MuonClip"),),
+          requires=("tp",), checks=(_log_contains(r"Muon on \d+ matrices \(each orthogonalized by one owner rank\)"),
+                                    _log_contains(r"max_logit: \d"))),
         f("tp2_no_sp", "TP 2 without sequence parallel", (_phase(
             2, 1, {"tp": 2}, *_dp(1, 1), *_tp(2), "--parallelism.enable_sequence_parallel=false"),),
           requires=("tp",)),
