@@ -12,7 +12,7 @@ been read.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 _init_adam_state(group, p, state)
 
 
-def _init_adam_state(group: dict[str, Any], p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+def _init_adam_state(group: Mapping[str, object], p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
     """torch's Adam/AdamW state of ``p`` before its first step (Muon's non-matrix group keeps the same)."""
     if group.get("fused") or group.get("capturable"):
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -86,12 +86,13 @@ class HealState:
             raise RuntimeError("HealState.refresh() must run before the first quorum")
         return self._cached
 
-    def _check_fits(self, state: dict[str, Any]) -> None:
-        """Raise, before anything is copied, where the peer's state does not fit this group's: a key left out
-        would keep this group's own value and the groups would drift apart silently."""
+    def _check_fits(self, model: Mapping[str, object], optimizer: Mapping[str, Mapping[str, object]]) -> None:
+        """Raise, before anything is copied, where the peer's state (its ``model`` and ``optimizer`` parts) does
+        not fit this group's: a key left out would keep this group's own value and the groups would drift apart
+        silently."""
         for name, p in self._named_params():
-            peer, mine = state["optimizer"].get(name), self.optimizer.state[p]
-            if name not in state["model"] or peer is None or peer.keys() != mine.keys():
+            peer, mine = optimizer.get(name), self.optimizer.state[p]
+            if name not in model or peer is None or peer.keys() != mine.keys():
                 raise RuntimeError(
                     f"fault tolerance heal: the peer's optimizer state of {name} holds {sorted(peer or {})}, this "
                     f"group's {sorted(mine)}; every replica group must train the same model with the same "
@@ -100,7 +101,7 @@ class HealState:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a peer's state in place (training thread, inside torchft's ``should_commit``)."""
-        self._check_fits(state)
+        self._check_fits(state["model"], state["optimizer"])
         for name, p in self._named_params():
             _local(p).copy_(state["model"][name])
             mine = self.optimizer.state[p]
