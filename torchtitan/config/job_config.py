@@ -248,6 +248,9 @@ class Moe:
         "none", "Auxiliary balance loss added to the training loss: none, switch (as Hugging Face's Qwen3-MoE and "
         "Mixtral) or sequence (DeepSeek-V3's sequence-wise loss)", choices=("none", "switch", "sequence"))
     aux_loss_coeff: float = field_with_help(1e-3, "Weight of the auxiliary balance loss", min=0.0)
+    overlap_all_to_all: bool = field_with_help(
+        True, "Under expert parallelism, send the routed tokens asynchronously and run the shared experts while they "
+        "travel (forward, and their backward beside the returning gradients); the same model either way (docs/moe.md)")
 
 
 @dataclass
