@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callable] = ()) -> i
     argv = sys.argv[1:] if argv is None else argv
     manager = ConfigManager()
     if "--help" in argv or "-h" in argv:
-        print(manager.help_text())
+        from torchtitan.models.registry import config_help  # imported here: it imports every family
+
+        print(manager.help_text(config_help()))
         return 0
     if argv[:1] == ["--preflight_only"]:
         return preflight_only(manager, argv[1:])

@@ -9,61 +9,20 @@ the command line, and ``preflight.py`` checks it before any process group exists
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torchtitan.config.dataset_mix import CLI_FORM, parse_mix_entry
 
 
-class HelpWrittenOnUse(Mapping[str, Any]):
-    """A field's metadata whose help line is written the first time it is read (by ``--help``).
-
-    For help made from the model registry: the registry imports every family (torch included), which
-    parsing a config must not pay for, and the families import this module.
-    """
-
-    def __init__(self, meta: dict[str, Any], write_help: Callable[[], str]) -> None:
-        self._meta, self._write_help = meta, write_help
-
-    def __getitem__(self, key: str) -> Any:
-        if key == "help" and "help" not in self._meta:
-            self._meta["help"] = self._write_help()
-        return self._meta[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter({**self._meta, "help": None})
-
-    def __len__(self) -> int:
-        return len({**self._meta, "help": None})
-
-
-def field_with_help(default: Any, help: str | Callable[[], str], *, choices: tuple | None = None,
+def field_with_help(default: Any, help: str, *, choices: tuple | None = None,
                     min: float | None = None, parse: Any = None) -> Any:
     """A dataclass field with a default, a help line and optional checks (``parse``: how a ``list[dict]``
-    field reads one item, ``(value, from_cli) -> dict``). ``help`` may be a function that writes the line
-    when ``--help`` first reads it."""
-    checks = {"choices": choices, "min": min, "parse": parse}
-    meta: Mapping[str, Any] = (HelpWrittenOnUse(checks, help) if callable(help) else {"help": help, **checks})
+    field reads one item, ``(value, from_cli) -> dict``)."""
+    meta = {"help": help, "choices": choices, "min": min, "parse": parse}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
-
-
-def flavor_help() -> str:
-    """``--model.flavor``'s help: every registered family with its flavors, as the registry has them."""
-    from torchtitan.models.registry import model_flavors, model_names
-
-    families = "; ".join(f"{name}: {', '.join(model_flavors(name))}" for name in model_names())
-    return (f"Model size within the family ({families}), or a release to read the shape from: a folder holding a "
-            "Hugging Face config.json or Meta's params.json, or the file itself")
-
-
-def family_help() -> str:
-    """``--model.name``'s help: the families the model registry knows."""
-    from torchtitan.models.registry import model_names
-
-    return f"Model family, as the model registry names it: {', '.join(model_names())}"
 
 
 @dataclass
@@ -77,8 +36,9 @@ class Job:
 @dataclass
 class Model:
     # The families are those the model registry knows (torchtitan/models/registry.py); preflight checks the name.
-    name: str = field_with_help("llama3", family_help)
-    flavor: str = field_with_help("debugmodel", flavor_help)
+    # ``--help`` prints the registry's own lines for these two (``registry.config_help``).
+    name: str = field_with_help("llama3", "Model family, as the model registry names it")
+    flavor: str = field_with_help("debugmodel", "Model size within the family, or a release to read the shape from")
     tokenizer_path: str = field_with_help(
         "torchtitan/datasets/assets/tokenizer.model",
         "Tokenizer: SentencePiece or Llama 3 tiktoken tokenizer.model, or a Hugging Face tokenizer.json (file or "

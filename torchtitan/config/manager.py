@@ -17,6 +17,7 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -164,7 +165,10 @@ class ConfigManager:
             raise ConfigError(problems)
         return cfg
 
-    def help_text(self) -> str:
+    def help_text(self, written: Mapping[str, str] | None = None) -> str:
+        """Every option with its help line; ``written`` replaces the lines of some (``"section.key"``), such as
+        those the model registry writes (``models/registry.config_help``)."""
+        written = written or {}
         defaults = JobConfig()
         lines = ["usage: train.py [--section.key VALUE | --section.key=VALUE | --bool.flag[=false]] ...", ""]
         lines.append("Lists are comma-separated; precedence is CLI > TOML (--job.config_file) > defaults.")
@@ -175,7 +179,7 @@ class ConfigManager:
                 shown = "unset" if default is None else (",".join(map(str, default)) if ftype.is_list else default)
                 extra = f" {{{','.join(f.metadata['choices'])}}}" if f.metadata.get("choices") else ""
                 lines.append(f"  --{section}.{key} ({ftype.describe()}){extra}")
-                lines.append(f"      {f.metadata['help']} (default: {shown})")
+                lines.append(f"      {written.get(f'{section}.{key}', f.metadata['help'])} (default: {shown})")
         return "\n".join(lines)
 
     # ---- internals --------------------------------------------------------

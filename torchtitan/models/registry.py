@@ -58,6 +58,18 @@ def model_flavors(name: str) -> dict[str, DecoderConfig]:
     return dict(get_model_spec(name).flavors)
 
 
+def config_help() -> dict[str, str]:
+    """The ``--help`` lines of the options whose values the registry knows (``ConfigManager.help_text``):
+    every family, and every family's flavors. The config module cannot write them itself: the families
+    import it."""
+    families = "; ".join(f"{name}: {', '.join(model_flavors(name))}" for name in model_names())
+    return {
+        "model.name": f"Model family, as the model registry names it: {', '.join(model_names())}",
+        "model.flavor": f"Model size within the family ({families}), or a release to read the shape from: a folder "
+                        "holding a Hugging Face config.json or Meta's params.json, or the file itself",
+    }
+
+
 def is_flavor_path(flavor: str) -> bool:
     """Whether ``--model.flavor`` names a release (a path) rather than a flavor by name."""
     return os.sep in flavor or flavor.endswith(".json") or os.path.exists(os.path.expanduser(flavor))
