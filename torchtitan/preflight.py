@@ -101,7 +101,8 @@ def preflight(cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = 
         return LaunchPlan(dims, grad_accum, args, spec, tokenizer, pipeline)
     # The installed torch's known failures: a planner plans for the cluster's torch, so only a launch checks them.
     problems += check_installed_torch(cfg, dims)
-    problems += converter_device_problems(cfg.model, cfg.float8)  # FP8 on a GPU without FP8 tensor cores
+    # FP8 on a GPU without FP8 tensor cores, or routed experts without the FP8 grouped GEMM
+    problems += converter_device_problems(cfg.model, cfg.float8, lambda: spec.build(args))
     _raise_if(problems)
     problems += check_validation_data(ValidationOptions.of(cfg.validation, cfg.training, cfg.model), tokenizer,
                                       dims.degree("dp"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -13,11 +14,12 @@ from torchtitan import compat
 from torchtitan.config import ConfigError
 from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.moe import experts as experts_module
+from torchtitan.models.moe import float8_experts
 from torchtitan.models.moe.experts import ClampedSwiGLUExperts, GroupedExperts
 from torchtitan.models.moe.float8_experts import ALIGN, aligned_rows, padded_grouped_mm
 from torchtitan.preflight import preflight
 from torchtitan.quantization import checks, converter_problems
-from torchtitan.quantization.converters import model_problems
+from torchtitan.quantization.converters import device_problems, model_problems
 from torchtitan.quantization.float8 import convert_to_float8, skip_reason
 
 FP8 = "--model.converters=float8"
@@ -64,8 +66,8 @@ def test_a_filter_that_matches_no_linear_is_refused_in_one_line():
     with pytest.raises(ConfigError) as info:  # the launcher's preflight: exit 2 before any rank starts
         preflight(bad, 2)
     assert info.value.problems == [
-        "--float8.filter_fqns: no linear layer of llama3 debugmodel has 'nosuchmodule' in its FQN, so it filters "
-        "nothing; name part of a linear's FQN such as layers.0.attention.wq, or drop it"]
+        "--float8.filter_fqns: no linear layer or routed-experts module of llama3 debugmodel has 'nosuchmodule' in "
+        "its FQN, so it filters nothing; name part of such an FQN such as layers.0.attention.wq, or drop it"]
     with pytest.raises(ValueError, match="'nosuchmodule'"):  # a direct caller, before the model changes
         convert_to_float8(_build("llama3", "debugmodel"), bad.float8, "cpu", "llama3 debugmodel")
     # The built-in patterns may be named again (a TorchTitan config does), even where a model has no router.
@@ -115,6 +117,78 @@ def test_to_float8_switches_plain_experts_only_and_falls_back_where_fp8_does_not
         getattr(plain, name).data.copy_(getattr(reference, name))
     x, counts = torch.randn(10, 16), torch.tensor([3, 0, 5, 2])
     assert torch.equal(plain(x, counts), reference(x, counts))
+
+
+def _expert_lines(caplog: pytest.LogCaptureFixture, name: str, flavor: str, device_type: str, *flags: str
+                  ) -> list[str]:
+    with caplog.at_level(logging.INFO, logger="torchtitan.quantization.float8"):
+        caplog.clear()
+        convert_to_float8(_build(name, flavor), debug_config(FP8, *flags).float8, device_type, f"{name} {flavor}")
+    return [r.getMessage() for r in caplog.records if "routed experts" in r.getMessage()]
+
+
+def test_routed_experts_say_in_one_line_why_they_skip_fp8(caplog):
+    """One line at conversion for the experts that take FP8 grouped GEMMs, one per reason the others do not."""
+    skipped = "Float8: FP8 grouped GEMMs for the routed experts of {} MoE layers: skipped, {} (the high-precision " \
+              "grouped product runs)"
+    assert _expert_lines(caplog, "qwen3", "debugmodel_moe", "cpu") == [
+        skipped.format(3, "no CUDA device (this run is on cpu)")]
+    assert _expert_lines(caplog, "qwen3", "debugmodel_moe", "cuda", "--float8.emulate") == [
+        skipped.format(3, "--float8.emulate (no FP8 kernel is asked for)")]
+    assert _expert_lines(caplog, "qwen3", "debugmodel_moe", "cuda", "--float8.filter_fqns=layers.1.feed_forward") == [
+        skipped.format(1, "filtered by --float8.filter_fqns"),
+        "Float8: the routed experts of 2 MoE layers run FP8 grouped GEMMs (rowwise scales)"]
+    assert _expert_lines(caplog, "gpt_oss", "debugmodel", "cuda") == [
+        skipped.format(model_args("gpt_oss", "debugmodel").n_layers,
+                       "ClampedSwiGLUExperts is not checked in FP8 (biased, clamped products)")]
+    assert _expert_lines(caplog, "llama3", "debugmodel", "cpu") == []  # no experts, no line
+
+
+def test_fp8_grouped_gemm_selection(monkeypatch):
+    assert float8_experts.fp8_skip_reason("cpu", emulate=False) == "no CUDA device (this run is on cpu)"
+    assert float8_experts.fp8_skip_reason("cuda", emulate=True) == "--float8.emulate (no FP8 kernel is asked for)"
+    assert float8_experts.fp8_skip_reason("cuda", emulate=False) is None  # torch 2.13 and torchao 0.18 have it
+    monkeypatch.setattr(float8_experts, "TORCHAO_GROUPED_MM", "torchao.no_such_module")
+    assert "the installed torchao has no torchao.no_such_module" in str(float8_experts.kernel_missing())
+    monkeypatch.setattr(compat, "scaled_grouped_mm_available", lambda: False)
+    assert float8_experts.fp8_skip_reason("cuda", emulate=False) == \
+        f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    assert not float8_experts.fp8_grouped_mm_runs("cuda", emulate=False)
+
+
+MOE = ("--model.name=qwen3", "--model.flavor=debugmodel_moe")
+
+
+def test_fp8_experts_on_a_gpu_without_the_kernel_are_refused_before_any_process_group(monkeypatch):
+    """An SM 9.0 GPU (the device query mocked) whose torch lacks ``_scaled_grouped_mm``: the launcher's preflight
+    refuses the FP8 experts in one line (exit 2) naming the fixes, each of which passes."""
+    monkeypatch.setattr(compat, "cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(compat, "scaled_grouped_mm_available", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        preflight(debug_config(FP8, *MOE), 1)
+    assert info.value.problems == [
+        "--model.converters=float8: the routed experts of qwen3 debugmodel_moe (layers.1.feed_forward.experts and 2 "
+        f"more) take FP8 grouped GEMMs on this GPU, but torch {torch.__version__} has no torch._scaled_grouped_mm; "
+        f"install torch and torchao with it ({checks.TORCHAO_PIN}), set --float8.emulate (the experts stay in high "
+        "precision), keep them in high precision with --float8.filter_fqns=feed_forward.experts, or drop float8 "
+        "from --model.converters"]
+    for fix in (("--float8.emulate",), ("--float8.filter_fqns=feed_forward.experts",), ()):
+        cfg = debug_config(*(fix or MOE), *(MOE if fix else ()), *((FP8,) if fix else ()))
+        assert device_problems(cfg.model, cfg.float8, _factory(cfg)) == [], fix
+    # Models without FP8-capable experts need no kernel: a dense model, GPT-OSS's clamped experts.
+    for model in (("--model.name=llama3", "--model.flavor=debugmodel"),
+                  ("--model.name=gpt_oss", "--model.flavor=debugmodel")):
+        cfg = debug_config(FP8, *model)
+        assert device_problems(cfg.model, cfg.float8, _factory(cfg)) == [], model
+    monkeypatch.setattr(compat, "cuda_capability", lambda: (8, 0))  # before FP8 tensor cores: the GPU's own line
+    cfg = debug_config(FP8, *MOE)
+    (problem,) = device_problems(cfg.model, cfg.float8, _factory(cfg))
+    assert "compute capability 8.0" in problem and "--float8.emulate" in problem
+
+
+def _factory(cfg):  # noqa: ANN001, ANN202 - a JobConfig; the model builder preflight hands the check
+    args = dataclasses.replace(model_args(cfg.model.name, cfg.model.flavor), vocab_size=2048)
+    return lambda: get_model_spec(cfg.model.name).build(args)
 
 
 def test_emulate_follows_the_option_and_the_cpu_kernel():

@@ -1,8 +1,9 @@
 """What ``--model.converters float8`` needs, checked before any process group: one line per problem.
 
 torchao must import and lie in the tested range; the recipe must allow what the ``[float8]``
-options ask (the FP8 all-gather needs one scale per tensor); and a GPU must have FP8 tensor
-cores (SM 8.9: Ada, Hopper and later) unless the products are emulated.
+options ask (the FP8 all-gather needs one scale per tensor); a GPU must have FP8 tensor
+cores (SM 8.9: Ada, Hopper and later) unless the products are emulated; and routed experts that would take
+FP8 grouped GEMMs there need torch's ``_scaled_grouped_mm`` and torchao's grouped GEMM.
 """
 
 from __future__ import annotations
@@ -65,3 +66,14 @@ def capability_problem(capability: tuple[int, int] | None, emulate: bool) -> str
     need = f"{MIN_FP8_CAPABILITY[0]}.{MIN_FP8_CAPABILITY[1]}"
     return (f"--model.converters=float8 on a GPU of compute capability {major}.{minor}: FP8 products need SM {need} "
             "or newer (Ada, Hopper, Blackwell); set --float8.emulate (no speed-up) or drop the converter")
+
+
+def experts_kernel_problem(experts: list[str], missing: str, model_label: str) -> str:
+    """The routed experts ``experts`` of ``model_label`` would take FP8 grouped GEMMs on this GPU, but ``missing``
+    says why the kernel is not there."""
+    shown = experts[0] + (f" and {len(experts) - 1} more" if len(experts) > 1 else "")
+    suffix = ".".join(experts[0].split(".")[-2:])  # "feed_forward.experts": not the shared experts
+    return (f"--model.converters=float8: the routed experts of {model_label} ({shown}) take FP8 grouped GEMMs on "
+            f"this GPU, but {missing}; install torch and torchao with it ({TORCHAO_PIN}), set --float8.emulate "
+            f"(the experts stay in high precision), keep them in high precision with --float8.filter_fqns="
+            f"{suffix}, or drop float8 from --model.converters")

@@ -12,6 +12,7 @@ import torch
 
 from torchtitan import compat
 from torchtitan.config.job_config import Float8, Model
+from torchtitan.models.moe.float8_experts import kernel_missing
 from torchtitan.quantization import checks
 
 CONVERTERS = ("float8",)
@@ -40,21 +41,36 @@ def model_problems(model_cfg: Model, f8: Float8, model_factory: Callable[[], tor
     """Problems of the converters' options with the model ``model_factory`` builds (on the meta device)."""
     if "float8" not in model_cfg.converters or not f8.filter_fqns:
         return []
-    from torchtitan.quantization.float8 import unmatched_filter_problem
+    from torchtitan.quantization.float8 import routed_experts, unmatched_filter_problem
 
     with torch.device("meta"):
         model = model_factory()
     linears = [fqn for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    problem = unmatched_filter_problem(f8, linears, model_label(model_cfg))
+    problem = unmatched_filter_problem(f8, [*linears, *routed_experts(model)], model_label(model_cfg))
     return [problem] if problem else []
 
 
-def device_problems(model_cfg: Model, f8: Float8) -> list[str]:
-    """Problems with this machine's GPU (a launch checks them; a planner plans for its cluster's)."""
+def device_problems(model_cfg: Model, f8: Float8, model_factory: Callable[[], torch.nn.Module]) -> list[str]:
+    """Problems with this machine's GPU (a launch checks them; a planner plans for its cluster's): FP8 tensor
+    cores, and the FP8 grouped GEMM for routed experts that would take it (``model_factory`` builds the model on
+    the meta device)."""
     if "float8" not in model_cfg.converters:
         return []
-    problem = checks.capability_problem(compat.cuda_capability(), f8.emulate)
-    return [problem] if problem else []
+    capability = compat.cuda_capability()
+    problem = checks.capability_problem(capability, f8.emulate)
+    if problem is not None or capability is None or f8.emulate:
+        return [problem] if problem else []
+    missing = kernel_missing()
+    if missing is None:
+        return []
+    from torchtitan.quantization.float8 import filter_patterns, routed_experts
+
+    with torch.device("meta"):
+        model = model_factory()
+    patterns = filter_patterns(f8)
+    experts = [fqn for fqn in routed_experts(model, float8_capable_only=True)
+               if not any(pattern in fqn for pattern in patterns)]
+    return [checks.experts_kernel_problem(experts, missing, model_label(model_cfg))] if experts else []
 
 
 def apply_converters(model: torch.nn.Module, model_cfg: Model, f8: Float8, device_type: str) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from torchtitan import compat
 from torchtitan.config.job_config import Float8, Model
+from torchtitan.models.moe.float8_experts import fp8_skip_reason
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +55,17 @@ def filter_patterns(f8: Float8) -> tuple[str, ...]:
 
 
 def unmatched_filter_problem(f8: Float8, linear_fqns: Iterable[str], model_label: str) -> str | None:
-    """One line naming ``--float8.filter_fqns`` and its patterns that are part of no linear's FQN (each would
-    filter nothing) of the model ``model_label`` names, or None; the built-in patterns pass (a model may have
-    no router)."""
+    """One line naming ``--float8.filter_fqns`` and its patterns that are part of no FQN of ``linear_fqns`` (the
+    linears and routed experts of the model ``model_label`` names: each would filter nothing), or None; the
+    built-in patterns pass (a model may have no router)."""
     fqns = list(linear_fqns)
     unmatched = [p for p in f8.filter_fqns
                  if p not in ALWAYS_HIGH_PRECISION and not any(p in fqn for fqn in fqns)]
     if not unmatched:
         return None
     example = f" such as {fqns[0]}" if fqns else ""
-    return (f"--float8.filter_fqns: no linear layer of {model_label} has "
-            f"{' or '.join(map(repr, unmatched))} in its FQN, so it filters nothing; name part of a linear's FQN"
+    return (f"--float8.filter_fqns: no linear layer or routed-experts module of {model_label} has "
+            f"{' or '.join(map(repr, unmatched))} in its FQN, so it filters nothing; name part of such an FQN"
             f"{example}, or drop it")
 
 
@@ -92,7 +93,7 @@ def convert_to_float8(model: nn.Module, f8: Float8, device_type: str, model_labe
     reasons: dict[str, str | None] = {
         fqn: skip_reason(m, fqn, patterns) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     # Preflight refuses this first; a direct caller is told here, before the model changes.
-    problem = unmatched_filter_problem(f8, reasons, model_label)
+    problem = unmatched_filter_problem(f8, [*reasons, *routed_experts(model)], model_label)
     if problem is not None:
         raise ValueError(problem)
 
@@ -101,39 +102,64 @@ def convert_to_float8(model: nn.Module, f8: Float8, device_type: str, model_labe
 
     convert_to_float8_training(model, config=float8_linear_config(f8, device_type), module_filter_fn=keep)
     counts = Counter("converted" if r is None else r for r in reasons.values())
-    counts.update(_convert_experts(model, f8, device_type))
     _log(f8, device_type, counts, [fqn for fqn, r in reasons.items() if r is not None])
-    return dict(counts)
+    experts = _convert_experts(model, f8, device_type, patterns)
+    _log_experts(experts)
+    counts.update({"experts_fp8": experts.pop(None, 0), "experts_high_precision": sum(experts.values())})
+    return {key: n for key, n in counts.items() if n}
 
 
-def _convert_experts(model: nn.Module, f8: Float8, device_type: str) -> Counter[str]:
-    """Ask each routed-experts module that can (a ``to_float8`` method: models/moe/experts.py) to take FP8
-    grouped GEMMs; count those that did and those that stay in high precision."""
-    found: Counter[str] = Counter()
-    for module in list(model.modules()):
-        to_float8 = getattr(module, "to_float8", None)
-        if callable(to_float8):
-            found["experts_fp8" if to_float8(device_type, emulated(f8, device_type)) else
-                  "experts_high_precision"] += 1
+def routed_experts(model: nn.Module, float8_capable_only: bool = False) -> list[str]:
+    """The FQNs of ``model``'s routed-experts modules (those with a ``to_float8``: models/moe/experts.py); with
+    ``float8_capable_only``, those whose ``to_float8`` takes FP8 grouped GEMMs where they run."""
+    return [fqn for fqn, m in model.named_modules() if callable(getattr(m, "to_float8", None))
+            and (not float8_capable_only or getattr(m, "float8_capable", False))]
+
+
+def expert_skip_reason(module: nn.Module, fqn: str, patterns: Iterable[str], device_type: str,
+                       emulate: bool) -> str | None:
+    """Why the routed experts ``fqn`` stay in high precision (None: they take FP8 grouped GEMMs here)."""
+    if not getattr(module, "float8_capable", False):
+        return f"{type(module).__name__} is not checked in FP8 (biased, clamped products)"
+    if any(pattern in fqn for pattern in patterns):
+        return "filtered by --float8.filter_fqns"
+    return fp8_skip_reason(device_type, emulate)
+
+
+def _convert_experts(model: nn.Module, f8: Float8, device_type: str, patterns: Iterable[str]
+                     ) -> Counter[str | None]:
+    """Ask each routed-experts module (models/moe/experts.py) not filtered to take FP8 grouped GEMMs; count the
+    modules by why they stay in high precision (None: they take them)."""
+    found: Counter[str | None] = Counter()
+    emulate = emulated(f8, device_type)
+    for fqn in routed_experts(model):
+        module = model.get_submodule(fqn)
+        reason = expert_skip_reason(module, fqn, patterns, device_type, emulate)
+        to_float8 = getattr(module, "to_float8")  # noqa: B009 - nn.Module's stubs type attributes as Tensor | Module
+        if reason is None and not to_float8(device_type, emulate):
+            reason = f"{type(module).__name__}.to_float8 declined"
+        found[reason] += 1
     return found
 
 
+def _log_experts(found: Counter[str | None]) -> None:
+    """One line for the experts that take FP8 grouped GEMMs, one per reason the others do not."""
+    for reason, n in found.items():
+        if reason is None:
+            logger.info("Float8: the routed experts of %d MoE layers run FP8 grouped GEMMs (rowwise scales)", n)
+        else:
+            logger.info("Float8: FP8 grouped GEMMs for the routed experts of %d MoE layers: skipped, %s (the "
+                        "high-precision grouped product runs)", n, reason)
+
+
 def _log(f8: Float8, device_type: str, counts: Counter[str], kept: list[str]) -> None:
-    total = sum(n for key, n in counts.items() if not key.startswith("experts"))
-    skipped = ", ".join(f"{n} {why}" for why, n in counts.items()
-                        if why != "converted" and not why.startswith("experts"))
+    total = sum(counts.values())
+    skipped = ", ".join(f"{n} {why}" for why, n in counts.items() if why != "converted")
     shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
     logger.info("Float8 (%s%s%s): %d of %d linear layers converted%s", f8.recipe_name,
                 ", FP8 all-gather" if f8.enable_fsdp_float8_all_gather else "",
                 ", emulated" if emulated(f8, device_type) else "", counts["converted"], total,
                 f"; high precision: {skipped} ({shown})" if kept else "")
-    if counts["experts_fp8"]:
-        logger.info("Float8: the routed experts of %d MoE layers run FP8 grouped GEMMs (rowwise scales)",
-                    counts["experts_fp8"])
-    if counts["experts_high_precision"]:
-        logger.info("Float8: the routed experts of %d MoE layers stay in high precision (FP8 grouped GEMMs need "
-                    "CUDA with SM 8.9+ and no emulation; this run is on %s)", counts["experts_high_precision"],
-                    device_type)
 
 
 def precompute_scales_hook(model_parts: list[nn.Module]) -> Callable[..., None]:

@@ -90,6 +90,8 @@ class GroupedExperts(nn.Module):
 
     # The parameters stacked over the experts ([E, ...]): what expert parallelism shards on dim 0.
     stacked_names: tuple[str, ...] = ("w1", "w2", "w3")
+    # Whether ``to_float8`` takes FP8 grouped GEMMs where they run (preflight reads it on the meta model).
+    float8_capable: bool = True
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
@@ -133,6 +135,7 @@ class ClampedSwiGLUExperts(GroupedExperts):
     """
 
     stacked_names = ("w1", "w2", "w3", "w1_bias", "w2_bias", "w3_bias")
+    float8_capable = False  # see to_float8
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, limit: float, alpha: float,
                  use_grouped_mm: bool = True):
