@@ -12,6 +12,7 @@ one auxiliary-loss-free update.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -43,12 +44,12 @@ def _args(case: dict[str, Any]) -> MoEArgs:
     return MoEArgs(**(base | case["args"]))
 
 
-def _build(case: dict[str, Any], ep_mesh=None) -> MoE:
+def _build(case: dict[str, Any], ep_mesh=None, overlap: bool = True) -> MoE:
     """On meta, expert-parallel if a mesh is given, then materialised and initialised as the trainer does."""
     from torchtitan.models.moe.parallel import apply_expert_parallel
 
     with torch.device("meta"):
-        moe = MoE(_args(case))
+        moe = MoE(dataclasses.replace(_args(case), overlap_all_to_all=overlap))
     if ep_mesh is not None:
         apply_expert_parallel(moe, ep_mesh)
     moe.to_empty(device="cpu")
@@ -122,9 +123,64 @@ def _refusal(rank: int) -> str:
     return "accepted"
 
 
+def _spy_on(fn_class: type, name: str, events: list[str]) -> None:
+    """Record ``name forward`` / ``name backward`` in ``events`` when ``fn_class`` (an autograd Function) runs."""
+    forward, backward = fn_class.forward, fn_class.backward
+
+    def spied_forward(ctx, *args):
+        out = forward(ctx, *args)
+        events.append(f"{name} forward")
+        return out
+
+    def spied_backward(ctx, *grads):
+        out = backward(ctx, *grads)
+        events.append(f"{name} backward")
+        return out
+
+    fn_class.forward, fn_class.backward = staticmethod(spied_forward), staticmethod(spied_backward)
+
+
+def _overlap_run(rank: int, overlap: bool) -> dict[str, Any]:
+    """The shared-experts case at EP 2 with ``overlap_all_to_all`` on or off: the order in which the rows'
+    exchanges and the shared experts ran, forward and backward, the output and every gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.models.moe import dispatch
+
+    case = CASES["ep2_deepseek"]
+    mesh = init_device_mesh("cpu", (WORLD // 2, 2), mesh_dim_names=("dp", "ep"))
+    moe = _build(case, mesh["ep"], overlap=overlap)
+    events: list[str] = []
+    spied = {dispatch._AllToAll: "exchange", dispatch._IssueAllToAll: "issue", dispatch._WaitAllToAll: "wait"}
+    saved = {cls: (cls.forward, cls.backward) for cls in spied}
+    for cls, name in spied.items():
+        _spy_on(cls, name, events)
+    shared = moe.shared_experts
+    assert shared is not None
+    shared.register_forward_pre_hook(lambda *_: events.append("shared forward"))
+
+    def mark_backward(_module, _args, out: torch.Tensor) -> None:
+        out.register_hook(lambda _grad: events.append("shared backward"))  # when its backward starts
+
+    shared.register_forward_hook(mark_backward)
+    shared.w1.weight.register_hook(lambda g: events.append("shared backward done"))
+    try:
+        x, g = _batch(rank)
+        x.requires_grad_(True)
+        y = moe(x)
+        events.append("backward")
+        (y * g).sum().backward()
+    finally:
+        for cls, (forward, backward) in saved.items():
+            cls.forward, cls.backward = staticmethod(forward), staticmethod(backward)
+    grads = {n: _local(p.grad) for n, p in moe.named_parameters()}
+    return dict(events=events, y=y.detach(), x_grad=x.grad, grads=grads)
+
+
 def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {name: _run_case(rank, case) for name, case in CASES.items()}
     out["refusal"] = _refusal(rank)
+    out["overlap"] = {on: _overlap_run(rank, on) for on in (True, False)}
     return out
 
 
@@ -185,3 +241,27 @@ def test_bitwise_where_it_can_be(world):
     ref = _reference(CASES["ep4_softmax"])
     for rank, results in enumerate(world):
         assert torch.equal(results["ep4_softmax"]["y"], ref["y"][rank]), f"rank {rank}: output not bitwise"
+
+
+# The rows' exchanges and the shared experts, in the order they ran on each rank. "exchange": a blocking one
+# (issued and waited at once); "issue" / "wait": the dispatch's halves (in backward, the wait's backward issues the
+# gradient's reverse exchange and the issue's backward waits for it). Combine's exchange stays blocking.
+OVERLAPPED = ["issue forward", "shared forward", "wait forward", "exchange forward", "backward",
+              "exchange backward", "wait backward", "shared backward", "shared backward done", "issue backward"]
+SERIAL = ["exchange forward", "exchange forward", "shared forward", "backward",
+          "shared backward", "shared backward done", "exchange backward", "exchange backward"]
+
+
+def test_shared_experts_run_while_the_dispatch_travels(world):
+    """With ``overlap_all_to_all`` the shared experts run between the dispatch's issue and its wait, in forward and
+    in backward; without it, after the exchanges in forward (as before); the output and every gradient are the same
+    bit for bit either way."""
+    for rank, results in enumerate(world):
+        on, off = results["overlap"][True], results["overlap"][False]
+        assert on["events"] == OVERLAPPED, f"rank {rank}: overlapped order {on['events']}"
+        assert off["events"] == SERIAL, f"rank {rank}: serial order {off['events']}"
+        assert torch.equal(on["y"], off["y"]), f"rank {rank}: output differs with the overlap"
+        assert torch.equal(on["x_grad"], off["x_grad"]), f"rank {rank}: input gradient differs with the overlap"
+        assert on["grads"].keys() == off["grads"].keys()
+        for name, grad in off["grads"].items():
+            assert torch.equal(on["grads"][name], grad), f"rank {rank}: {name}.grad differs with the overlap"

@@ -365,3 +365,16 @@ def test_aux_loss_is_handed_to_the_model_once_and_trains_with_the_weight_it_is_g
     moe(x)
     assert moe.take_aux_loss() is None  # evaluation keeps none
     assert not make_moe(aux_loss=kind).has_aux_loss  # without a coefficient there is no loss
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "gpt_oss"])
+def test_overlap_all_to_all_reaches_every_moe_layer(family):
+    """``--moe.overlap_all_to_all`` (default on) reaches the MoE layers' arguments through the job's options."""
+    from torchtitan.config import job_config
+    from torchtitan.models import get_model_spec, model_args
+
+    flavor = "debugmodel_moe" if family == "qwen3" else "debugmodel"
+    args, spec = model_args(family, flavor), get_model_spec(family)
+    for overlap in (True, False):
+        configured = spec.model.with_job_options(args, job_config.Model(), job_config.Moe(overlap_all_to_all=overlap))
+        assert configured.moe_args().overlap_all_to_all is overlap, f"{family}: overlap_all_to_all={overlap} lost"

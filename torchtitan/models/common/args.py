@@ -43,6 +43,7 @@ class MoEDecoderArgs(DecoderConfig):
     load_balance_coeff: float = 0.0  # > 0: the auxiliary-loss-free routing bias, moved by this much per step
     aux_loss: Literal["none", "switch", "sequence"] = "none"
     aux_loss_coeff: float = 0.0
+    overlap_all_to_all: bool = True  # the shared experts run while the routed tokens travel (the same model)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,4 +72,5 @@ class MoEDecoderArgs(DecoderConfig):
         return MoEArgs(dim=self.dim, hidden_dim=self.moe_hidden_size, num_experts=self.num_experts,
                        top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                        load_balance_bias=self.load_balance_coeff > 0, aux_loss=self.aux_loss,
-                       aux_loss_coeff=self.aux_loss_coeff, use_grouped_mm=self.use_grouped_mm)
+                       aux_loss_coeff=self.aux_loss_coeff, use_grouped_mm=self.use_grouped_mm,
+                       overlap_all_to_all=self.overlap_all_to_all)

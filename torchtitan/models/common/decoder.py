@@ -329,11 +329,13 @@ class Decoder(nn.Module):
 
     @classmethod
     def with_job_options(cls, args: DecoderConfig, model: job_config.Model, moe: job_config.Moe) -> DecoderConfig:
-        """``args`` with the job's options applied: the [moe] balancing of a model with experts."""
+        """``args`` with the job's options applied: the [moe] balancing and all-to-all overlap of a model with experts
+        (``--moe.overlap_all_to_all`` reaches each MoE layer through ``moe_args``)."""
         if not isinstance(args, MoEDecoderArgs) or not args.num_experts:
             return args
         return dataclasses.replace(args, load_balance_coeff=moe.load_balance_coeff or 0.0, aux_loss=moe.aux_loss,
-                                   aux_loss_coeff=moe.aux_loss_coeff if moe.aux_loss != "none" else 0.0)
+                                   aux_loss_coeff=moe.aux_loss_coeff if moe.aux_loss != "none" else 0.0,
+                                   overlap_all_to_all=moe.overlap_all_to_all)
 
     # ---------------------------------------------------------------- the family's seam, on a model part
 

@@ -6,7 +6,8 @@ A step of the MoE feed-forward, for ``T`` tokens each routed to ``k`` experts:
    number of pairs per expert (``bincount``: no ``histc``, no atomics);
 2. ``permute``: the tokens gathered in that order (expert-major rows);
 3. a dispatcher's ``exchange``: ``LocalDispatcher`` keeps them (every expert here);
-   ``AllToAllDispatcher`` sends each expert's rows to the rank that holds it;
+   ``AllToAllDispatcher`` sends each expert's rows to the rank that holds it (or, in two halves,
+   ``begin_exchange`` and ``end_exchange``, so that other work runs while the rows travel);
 4. the experts, grouped by local expert;
 5. the dispatcher's ``exchange_back``, the inverse of 3;
 6. ``combine``: rows back to (token, slot) order by a gather, then the weighted sum over
@@ -112,6 +113,69 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+def issue_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """``exchange_rows`` without its wait: the output may be read only after ``wait_tensor`` on it."""
+    return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+
+
+class _ReverseInFlight:
+    """The gradient's reverse exchange between the backwards of ``_WaitAllToAll`` (which issues it) and
+    ``_IssueAllToAll`` (which waits for it): autograd hands a gradient of the received rows' shape between them."""
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+
+class _IssueAllToAll(torch.autograd.Function):
+    """The first half of ``_AllToAll``: the rows exchange issued, its output not yet waited for.
+
+    Backward: the wait for the reverse exchange of the gradient, which ``_WaitAllToAll``'s backward issued.
+    Autograd's CPU ready queue runs the node created later in forward first, so the nodes created
+    between the two halves (the shared experts') run their backward between that issue and this wait.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # noqa: ANN001
+                group: dist.ProcessGroup, reverse: _ReverseInFlight) -> torch.Tensor:
+        ctx.reverse = reverse
+        return issue_rows(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        in_flight, ctx.reverse.grad = ctx.reverse.grad, None
+        assert in_flight is not None, "the wait's backward issues the reverse exchange first"
+        return torch.ops._c10d_functional.wait_tensor(in_flight), None, None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """The second half of ``_AllToAll``: the wait for the rows; backward issues the gradient's reverse exchange
+    (and passes the gradient on unchanged, for ``_IssueAllToAll``'s backward to wait for the exchange instead)."""
+
+    @staticmethod
+    def forward(ctx, in_flight: torch.Tensor, out_splits: list[int], in_splits: list[int],  # noqa: ANN001
+                group: dist.ProcessGroup, reverse: _ReverseInFlight) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.reverse = (out_splits, in_splits), group, reverse
+        return torch.ops._c10d_functional.wait_tensor(in_flight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        out_splits, in_splits = ctx.splits
+        ctx.reverse.grad = issue_rows(grad, in_splits, out_splits, ctx.group)
+        return grad, None, None, None, None
+
+
+@dataclass
+class PendingExchange:
+    """An exchange between its halves: the rows (in flight until ``end_exchange``) and the counts already read."""
+
+    rows: torch.Tensor
+    reverse: _ReverseInFlight
+    by_rank: torch.Tensor  # [ep, E/ep]: rows from each rank per local expert
+    local_counts: torch.Tensor  # [E/ep]
+    out_splits: list[int]
+    in_splits: list[int]
+
+
 @dataclass
 class _Exchanged:
     to_expert_major: torch.Tensor  # [M]: received (rank-major) row of each expert-major row
@@ -151,7 +215,25 @@ class AllToAllDispatcher:
     def exchange(self, routed: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _Exchanged]:
         by_rank, local_counts, out_splits, in_splits = self.exchange_counts(routing.counts)
         received = all_to_all_rows(routed, out_splits, in_splits, self.group)
-        segment = torch.repeat_interleave(torch.arange(by_rank.numel(), device=routed.device), by_rank.reshape(-1),
+        return self._regroup(received, by_rank, local_counts, out_splits, in_splits)
+
+    def begin_exchange(self, routed: torch.Tensor, routing: Routing) -> PendingExchange:
+        """``exchange`` up to the rows issued: the counts are exchanged (and read on the host), the rows travel."""
+        by_rank, local_counts, out_splits, in_splits = self.exchange_counts(routing.counts)
+        reverse = _ReverseInFlight()
+        in_flight = _IssueAllToAll.apply(routed, out_splits, in_splits, self.group, reverse)
+        return PendingExchange(in_flight, reverse, by_rank, local_counts, out_splits, in_splits)
+
+    def end_exchange(self, pending: PendingExchange) -> tuple[torch.Tensor, torch.Tensor, _Exchanged]:
+        """The rest of ``exchange``: the wait for the rows, then the regrouping; the same ops and result."""
+        received = _WaitAllToAll.apply(pending.rows, pending.out_splits, pending.in_splits, self.group,
+                                       pending.reverse)
+        return self._regroup(received, pending.by_rank, pending.local_counts, pending.out_splits, pending.in_splits)
+
+    def _regroup(self, received: torch.Tensor, by_rank: torch.Tensor, local_counts: torch.Tensor,
+                 out_splits: list[int], in_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor, _Exchanged]:
+        """The received rows from rank-major to expert-major order, with what ``exchange_back`` needs."""
+        segment = torch.repeat_interleave(torch.arange(by_rank.numel(), device=received.device), by_rank.reshape(-1),
                                           output_size=sum(out_splits))  # known: no second read of the counts
         expert_major_key = (segment % self.num_local_experts) * self.ep + segment // self.num_local_experts
         to_expert_major = torch.argsort(expert_major_key, stable=True)

@@ -29,7 +29,7 @@ from torchtitan import compat
 from torchtitan.distributed.init_spec import InitSpec, trunc_normal_spec
 from torchtitan.models.expert_balance import ExpertLayer
 from torchtitan.models.moe.balance import aux_loss
-from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine, permute
+from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, Routing, combine, permute
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.router import TokenChoiceRouter, check_routing
 from torchtitan.models.moe.tp_grads import call_summing_grads
@@ -54,6 +54,8 @@ class MoEArgs:
     aux_loss_coeff: float = 0.0
     use_grouped_mm: bool = True
     router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS)
+    # Under expert parallelism, run the shared experts while the routed tokens travel (--moe.overlap_all_to_all)
+    overlap_all_to_all: bool = True
 
     def check(self) -> None:
         """ValueError, one line, for options that cannot work."""
@@ -139,11 +141,14 @@ class MoE(nn.Module):
         if counting:
             with torch.no_grad():
                 self.tokens_per_expert += routing.counts
-        routed, counts, state = self.dispatcher.exchange(permute(tokens, routing), routing)
-        out = self.dispatcher.exchange_back(self.experts(routed, counts), state)
-        y = combine(out, routing, weights, tokens.dtype)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
+        if self._overlaps():
+            y = self._routed_beside_shared(tokens, routing, weights)
+        else:
+            routed, counts, state = self.dispatcher.exchange(permute(tokens, routing), routing)
+            out = self.dispatcher.exchange_back(self.experts(routed, counts), state)
+            y = combine(out, routing, weights, tokens.dtype)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(tokens)
         if self.has_aux_loss and self.training:
             sequences = math.prod(shape[:-2]) if len(shape) > 2 else 1
             loss = aux_loss(self.args.aux_loss, scores, experts, sequences)
@@ -152,6 +157,25 @@ class MoE(nn.Module):
             if not compat.in_backward_pass():
                 self._aux_loss = loss
         return y.view(shape)
+
+    def _overlaps(self) -> bool:
+        """Whether the shared experts run while the routed tokens travel (``--moe.overlap_all_to_all``)."""
+        return (self.args.overlap_all_to_all and self.shared_experts is not None
+                and isinstance(self.dispatcher, AllToAllDispatcher))
+
+    def _routed_beside_shared(self, tokens: torch.Tensor, routing: Routing, weights: torch.Tensor) -> torch.Tensor:
+        """The routed and shared experts' sum, the shared experts computed between the dispatch's issue and its wait.
+
+        The same ops as the plain path in another order, summed in the same order: the same result, bit for bit.
+        In backward, autograd runs the later-created node first: the wait's backward issues the gradient's
+        reverse exchange, the shared experts' backward runs, then the issue's backward waits for it.
+        """
+        assert isinstance(self.dispatcher, AllToAllDispatcher) and self.shared_experts is not None
+        pending = self.dispatcher.begin_exchange(permute(tokens, routing), routing)
+        shared = self.shared_experts(tokens)
+        routed, counts, state = self.dispatcher.end_exchange(pending)
+        out = self.dispatcher.exchange_back(self.experts(routed, counts), state)
+        return combine(out, routing, weights, tokens.dtype) + shared
 
     @property
     def has_aux_loss(self) -> bool:
