@@ -26,17 +26,49 @@ _OPTIMIZER_CLASSES: dict[str, type[torch.optim.Adam] | type[torch.optim.AdamW]] 
 _FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+def _no_fused_reason(device_type: str, tensors: list[torch.Tensor]) -> str | None:
+    """Why the fused kernel cannot take ``tensors`` on ``device_type`` (None: it can)."""
+    if device_type not in fused_kernel_devices():
+        return f"torch {torch.__version__} has no fused kernel for {device_type}"
+    others = sorted({str(t.dtype) for t in tensors if t.dtype not in _FUSED_DTYPES})
+    return f"the fused kernel takes no {', '.join(others)}" if others else None
+
+
 def _implementation_kwargs(device_type: str, tensors: list[torch.Tensor]) -> dict[str, bool]:
     """Fused where torch has a fused kernel for the device and every parameter's dtype, else foreach.
 
     The fused kernel does the whole update in one pass per dtype group, and DTensor has
-    sharding rules for it, so FSDP2 and TP parameters take it too. On CPU it is several
-    times faster than foreach on the debug model (benchmarks/README.md section 10).
-    Foreach stays the path for any device or dtype the fused kernels do not cover.
+    sharding rules for it, so FSDP2 and TP parameters take it too: the routed experts' stacked
+    weights (3-D, sharded on the expert dim over the ``efsdp`` mesh while the rest sit on the dense
+    mesh) go through the same call as the others, since DTensor runs a fused or foreach op over
+    tensors of several meshes as one local kernel. On CPU it is several times faster than foreach
+    on the debug model (benchmarks/README.md section 10). Foreach stays the path for any device or
+    dtype the fused kernels do not cover.
     """
-    if device_type in fused_kernel_devices() and all(t.dtype in _FUSED_DTYPES for t in tensors):
-        return {"fused": True}
-    return {"foreach": True}
+    return {"foreach": True} if _no_fused_reason(device_type, tensors) else {"fused": True}
+
+
+def _expert_tensors(model_parts: list[torch.nn.Module] | None) -> set[int]:
+    """The ids of the routed experts' stacked parameters (modules with ``stacked_names``: models/moe/experts.py)."""
+    found: set[int] = set()
+    for part in model_parts or ():
+        for module in part.modules():
+            names = getattr(module, "stacked_names", ())
+            found.update(id(p) for name, p in module.named_parameters(recurse=False) if name in names)
+    return found
+
+
+def _log_kernel(name: str, device_type: str, groups: list[Any], tensors: list[torch.Tensor],
+                model_parts: list[torch.nn.Module] | None) -> None:
+    """One line: which kernel the update takes, over how many tensors and calls, the experts' among them."""
+    experts = _expert_tensors(model_parts)
+    n_experts = sum(1 for t in tensors if id(t) in experts)
+    reason = _no_fused_reason(device_type, tensors)
+    logger.info("%s: the %s kernel over %d tensors in %d param group(s)%s%s", name,
+                "fused" if reason is None else "foreach", len(tensors),
+                sum(1 for g in groups if isinstance(g, dict)) or 1,
+                f", the routed experts' {n_experts} stacked weights among them" if n_experts else "",
+                f" (fused skipped: {reason})" if reason else "")
 
 
 def build_optimizer(
@@ -76,6 +108,7 @@ def build_optimizer(
             # next to DTensor linears; the foreach and fused kernels take one kind per call, and the
             # optimizer calls them once per group.
             groups = [{"params": dtensors}, {"params": [p for p in groups if not isinstance(p, DTensor)]}]
+    _log_kernel(name, device_type, groups, tensors, model_parts)
     return optimizer_cls(
         groups,
         lr=lr,
