@@ -301,6 +301,42 @@ def test_schedule_constraints_are_config_errors():
         _plan(*_pp("ZBVZeroBubble"), "--activation_checkpoint.mode=full")  # recomputing whole blocks is fine
 
 
+@pytest.mark.skipif("DualPipeV" not in schedules(), reason="this torch has no ScheduleDualPipeV")
+def test_dualpipev_constraints_are_config_errors_naming_the_fix():
+    """torch's own requirements (2 stages a rank, V-shaped; microbatches >= stages), refused by the plan in one line
+    that names the option and the fix, before torch's constructor would raise on every rank."""
+    assert _plan_error(*_pp("DualPipeV"), "--parallelism.pipeline_parallel_microbatches=2") == (
+        "--parallelism.pipeline_parallel_schedule=DualPipeV needs at least as many microbatches as stages (4); got 2: "
+        "set --parallelism.pipeline_parallel_microbatches to a divisor of --training.batch_size that is >= 4")
+    plan = _plan(*_pp("DualPipeV", 4), *WEIGHTS, "--training.batch_size=8")  # the default: one microbatch a stage
+    assert plan.microbatches == 8 and [plan.stage_ids(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert _plan_error(*_pp("DualPipeV"), "--training.batch_size=6",
+                       "--parallelism.pipeline_parallel_stages_per_rank=3") == (
+        "--parallelism.pipeline_parallel_schedule=DualPipeV needs exactly 2 stages per rank (got 3); set "
+        "--parallelism.pipeline_parallel_stages_per_rank=2 or give pipeline_parallel_degree * 2 - 1 split points")
+    assert "--training.compile" in _plan_error(*_pp("DualPipeV"), "--training.compile")
+    assert "op-level selective activation checkpointing" in _plan_error(
+        *_pp("DualPipeV"), "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=moe")
+
+
+@pytest.mark.skipif("DualPipeV" not in schedules(), reason="this torch has no ScheduleDualPipeV")
+def test_dualpipev_with_mtp_is_refused_before_any_process_group():
+    """The V shape puts the first and the last stage on one rank, both holding the embedding the MTP modules share."""
+    from conftest import REPO
+
+    from torchtitan.preflight import preflight
+
+    cfg = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"),
+                                      "--model.mtp_layers=1", *_pp("DualPipeV"), "--training.batch_size=4",
+                                      "--parallelism.data_parallel_shard_degree=1"])
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, 2)
+    assert info.value.problems == [
+        "--model.mtp_layers=1 with --parallelism.pipeline_parallel_schedule=DualPipeV: the V-shaped schedule puts the "
+        "first and the last stage, which both hold the embedding the MTP modules share, on one rank; use a looped "
+        "schedule (1F1B, Interleaved1F1B, ...) or --model.mtp_layers=0"]
+
+
 def test_preflight_reports_pipeline_errors_before_any_process_group():
     from torchtitan.preflight import preflight
 

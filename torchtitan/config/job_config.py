@@ -172,7 +172,8 @@ class Parallelism:
         "and exchange tokens by all-to-all (docs/moe.md); must divide the number of experts and dp_shard x cp, or "
         "else be a multiple of tp dividing dp_shard x cp x tp (it then borrows all of TP's ranks)", min=1)
     pipeline_parallel_schedule: str = field_with_help(
-        "1F1B", "Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble"
+        "1F1B", "Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+        "DualPipeV"
     )
     pipeline_parallel_microbatches: int | None = field_with_help(
         None, "Pipeline microbatches per local batch (unset = number of stages)", min=1

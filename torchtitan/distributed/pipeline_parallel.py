@@ -19,7 +19,7 @@ Three parts, each usable on its own:
   (validation).
 
 Placement: stage ``s`` of ``S = pp * v`` lives on pp rank ``s % pp`` ("looped"), so
-rank ``r`` holds stages ``r, r + pp, ...``. ZBVZeroBubble needs the V shape instead:
+rank ``r`` holds stages ``r, r + pp, ...``. ZBVZeroBubble and DualPipeV need the V shape instead:
 rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``.
 
 Loss and gradients: the last stage computes the trainer's loss (a sum of token
@@ -32,6 +32,7 @@ reduces once per schedule step.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -43,7 +44,14 @@ from torch.distributed.pipelining import PipelineStage
 from torchtitan.batch import Batch
 from torchtitan.compat import in_pipeline_shape_inference, mark_pipeline_shape_inference, step_keeping_no_outputs
 from torchtitan.distributed.collectives import local_value
-from torchtitan.distributed.pipeline_plan import SINGLE_STAGE_SCHEDULES, PipelinePlan, schedules
+from torchtitan.distributed.pipeline_plan import (
+    OVERLAPPED_IN_SEQUENCE_NOTE,
+    SINGLE_STAGE_SCHEDULES,
+    PipelinePlan,
+    schedules,
+)
+
+logger = logging.getLogger(__name__)
 
 # (stage, the layers it keeps, is it the first stage, is it the last) -> None: prunes the stage in place.
 PruneStage = Callable[[torch.nn.Module, range, bool, bool], None]
@@ -204,6 +212,8 @@ def build_pipeline(
         schedule = cls(stages[0], n_microbatches=plan.microbatches, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=plan.microbatches, loss_fn=loss, scale_grads=False)
+    if plan.schedule == "DualPipeV":
+        logger.info(OVERLAPPED_IN_SEQUENCE_NOTE)
     return PipelineRunner(schedule, stages, loss, plan, pp_mesh), parts
 
 

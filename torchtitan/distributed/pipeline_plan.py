@@ -26,6 +26,7 @@ SCHEDULE_CLASS_NAMES = {
     "LoopedBFS": "ScheduleLoopedBFS",
     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
     "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
 }
 
 
@@ -44,9 +45,15 @@ def schedules() -> dict[str, type]:
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # These split backward into input and weight passes, which torch does not support on compiled modules.
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
-V_SHAPED_SCHEDULES = ("ZBVZeroBubble",)
+# DualPipeV pairs one micro-batch's forward with another's backward (OVERLAP_F_B); torch's runtime runs the pair
+# one after the other (OVERLAPPED_IN_SEQUENCE_NOTE).
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 DEFAULT_STAGES_PER_RANK = 2
+OVERLAPPED_IN_SEQUENCE_NOTE = (
+    "DualPipeV: each overlapped pair (one micro-batch's forward with another's backward) runs as the forward, then "
+    "the backward; the schedule's order is DualPipeV's, but no pair's compute runs while the other's all-to-all "
+    "travels (docs/parallelism.md)")
 
 _PP = "--parallelism.pipeline_parallel_"
 
@@ -205,7 +212,8 @@ def _stages_per_rank_problems(schedule: str, v: int) -> list[str]:
             f"use {' or '.join(SINGLE_STAGE_SCHEDULES)} for one stage per rank"
         )
     if schedule in V_SHAPED_SCHEDULES and v != 2:
-        problems.append(f"{_PP}schedule={schedule} needs exactly 2 stages per rank (got {v})")
+        problems.append(f"{_PP}schedule={schedule} needs exactly 2 stages per rank (got {v}); set "
+                        f"{_PP}stages_per_rank=2 or give pipeline_parallel_degree * 2 - 1 split points")
     return problems
 
 
@@ -218,8 +226,9 @@ def _microbatch_problems(p: Parallelism, batch: int, schedule: str, m: int, num_
             f"{'' if p.pipeline_parallel_microbatches else ' (the default: one per stage)'}; set "
             f"{_PP}microbatches to a divisor of the batch size or change the batch size"
         )
-    if schedule == "1F1B" and m < num_stages:
-        problems.append(f"{_PP}schedule=1F1B needs at least as many microbatches as stages ({num_stages}); got {m}")
+    if schedule in ("1F1B", "DualPipeV") and m < num_stages:
+        problems.append(f"{_PP}schedule={schedule} needs at least as many microbatches as stages ({num_stages}); got "
+                        f"{m}: set {_PP}microbatches to a divisor of --training.batch_size that is >= {num_stages}")
     if schedule not in SINGLE_STAGE_SCHEDULES:
         rounds = max(1, m // pp)
         if m < pp:
