@@ -37,8 +37,10 @@ from torchtitan.models.attention import (
     SDPACausal,
     backend_problems,
     decoding_backend,
+    describe_backend,
     select_backend,
 )
+from torchtitan.models.attention.backends import has_score_extras
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.kv_cache import KVCache
 from torchtitan.models.llama3 import llama3_flavors
@@ -59,6 +61,27 @@ def test_select_backend_is_the_one_choice(choice, mask, device, expected):
     backend = select_backend(choice, mask, device, cpu_kernels=device == "cpu")
     assert type(backend) is expected and backend.cpu_kernels == (device == "cpu")
     assert select_backend(choice, mask, device, cpu_kernels=device == "cpu") is backend  # one object per choice
+
+
+def test_sinks_and_windows_say_which_kernel_runs_once_at_start_up():
+    """GPT-OSS's sinks take FlexAttention on CUDA; elsewhere the start-up line says it is skipped and why."""
+    assert has_score_extras(_meta("gpt_oss", "debugmodel")) and not has_score_extras(_meta("llama3", "debugmodel"))
+    line = describe_backend
+    assert line("auto", "causal", "cpu", compiled=False, context_parallel=False, score_extras=True) == (
+        "attention mask: causal (across documents); kernel for the sinks and sliding windows: FlexAttention skipped, "
+        "no CUDA device (the explicit scores with the sink column run)")
+    assert line("auto", "block_causal", "cuda", compiled=False, context_parallel=False, score_extras=True) == (
+        "attention mask: block_causal (documents from the data's positions); kernel for the sinks and sliding "
+        "windows: FlexAttention with a block mask, rescaled by the sinks")
+    assert line("auto", "causal", "cuda", compiled=False, context_parallel=True, score_extras=True).endswith(
+        "FlexAttention skipped under context parallelism (the explicit scores with the sink column run, per chunk)")
+    # Without sinks the line names the backend's own kernel, as before.
+    assert line("auto", "causal", "cpu", compiled=False, context_parallel=False).endswith("kernel: causal SDPA")
+
+
+def _meta(name: str, flavor: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return get_model_spec(name).build(model_args(name, flavor))
 
 
 def test_backend_problems_name_each_missing_capability_in_one_line():

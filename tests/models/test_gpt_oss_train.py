@@ -52,6 +52,11 @@ def test_transformers_folder_trains_with_their_step1_loss_under_ep2_and_exports_
     assert out.returncode == 0, out.stderr[-3000:]
     loss = float(re.search(r"step: 1 +loss: ([0-9.]+)", out.stderr).group(1))
     assert loss == pytest.approx(want, rel=1e-5, abs=1e-4)  # the log prints 5 significant digits
+    # Once at start-up: the sinks skip FlexAttention here (no CUDA), and the experts' stacked weights (2 layers x 3
+    # weights and 3 biases, on their own EP x FSDP mesh) take AdamW's fused kernel in one call with the rest.
+    assert "kernel for the sinks and sliding windows: FlexAttention skipped, no CUDA device" in out.stderr
+    assert re.search(r"AdamW: the fused kernel over \d+ tensors in 1 param group\(s\), the routed experts' 12 "
+                     r"stacked weights among them", out.stderr), out.stderr[-3000:]
 
     exported = tmp_path / "exported"
     assert load_script("scripts/export_checkpoint.py").main(

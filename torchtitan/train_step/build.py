@@ -31,6 +31,7 @@ from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.distributed.stage_copies import StageCopies
 from torchtitan.loss import training_loss
 from torchtitan.models import describe_backend
+from torchtitan.models.attention.backends import has_score_extras
 from torchtitan.models.aux_loss import accept_carried_aux_loss
 from torchtitan.models.spec import family_model, prune_stage
 from torchtitan.optim import build_lr_scheduler, build_optimizer
@@ -80,7 +81,7 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
     fpt = spec.model.flops_per_token(plan.model_args, cfg.training.seq_len)
     objective = build_objective(TermSources(cfg, plan, model, dims, training_loss(device_type)), LOSS_TERMS)
     if options.describe:
-        _describe(cfg, dims, plan, model.num_params(), fpt, device)
+        _describe(cfg, dims, plan, model.num_params(), fpt, device, has_score_extras(model))
 
     def materialize(module: torch.nn.Module) -> torch.nn.Module:
         return _materialize(module, cfg, dims, plan, device, device_type, options)
@@ -123,11 +124,12 @@ def build_runner(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, device: t
 
 
 def _describe(cfg: JobConfig, dims: ParallelDims, plan: LaunchPlan, n_params: int, fpt: float,
-              device: torch.device) -> None:
+              device: torch.device, has_sinks: bool) -> None:
     logger.info("Model %s %s: %s parameters, %.3g FLOPs/token", cfg.model.name, cfg.model.flavor, f"{n_params:,}",
                 fpt)
     logger.info(describe_backend(cfg.model.attention_backend, plan.model_args.attn_mask_type, device.type,
-                                 compiled=cfg.training.compile, context_parallel=dims.cp_enabled))
+                                 compiled=cfg.training.compile, context_parallel=dims.cp_enabled,
+                                 score_extras=has_sinks))
     if plan.pipeline is not None:
         logger.info("Pipeline %s, %d microbatches: %s", plan.pipeline.schedule, plan.pipeline.microbatches,
                     plan.pipeline.describe())

@@ -250,11 +250,34 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 _DENSE = "SDPA with the dense document mask"
-_DOCS = "attention mask: block_causal (documents from the data's positions); kernel: "
+_DOCS_MASK = "attention mask: block_causal (documents from the data's positions)"
+_DOCS = _DOCS_MASK + "; kernel: "
 
 
-def describe_backend(choice: str, mask_type: str, device_type: str, *, compiled: bool, context_parallel: bool) -> str:
-    """The log line naming the mask and the kernel a run uses."""
+def has_score_extras(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention has learned sinks (GPT-OSS's attention holds a ``sinks`` parameter, and its
+    sliding windows come with them), so its scores go through the sink kernels."""
+    return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+
+
+def describe_score_extras(device_type: str, context_parallel: bool) -> str:
+    """The kernel of attention with sinks and sliding windows (GPT-OSS's): FlexAttention on CUDA, and why not."""
+    what = "kernel for the sinks and sliding windows: "
+    explicit = "the explicit scores with the sink column run"
+    if context_parallel:
+        return what + f"FlexAttention skipped under context parallelism ({explicit}, per chunk)"
+    if device_type != "cuda":
+        return what + f"FlexAttention skipped, no CUDA device ({explicit})"
+    return what + "FlexAttention with a block mask, rescaled by the sinks"
+
+
+def describe_backend(choice: str, mask_type: str, device_type: str, *, compiled: bool, context_parallel: bool,
+                     score_extras: bool = False) -> str:
+    """The log line naming the mask and the kernel a run uses; ``score_extras``: the model's attention has sinks
+    or sliding windows (GPT-OSS), which every backend hands the sink kernels."""
+    if score_extras:
+        mask = _DOCS_MASK if mask_type != "causal" else "attention mask: causal (across documents)"
+        return f"{mask}; {describe_score_extras(device_type, context_parallel)}"
     name = backend_name(choice, mask_type, device_type, context_parallel)
     cp = " (context parallel chunks)" if context_parallel else ""
     if mask_type == "causal":
@@ -322,5 +345,6 @@ def backend_problems(choice: str, needs: AttentionNeeds, device_type: str, conte
 
 __all__ = ["BACKENDS", "BACKEND_CHOICES", "NO_EXTRAS", "AttentionBackend", "AttentionNeeds",
            "Capabilities", "ContextParallel", "DocumentSDPA", "FlexDocument", "KVCacheDecode", "SDPACausal",
-           "ScoreExtras", "backend_name", "decoding_backend", "describe_backend", "backend_problems", "select_backend"]
+           "ScoreExtras", "backend_name", "decoding_backend", "describe_backend", "describe_score_extras",
+           "has_score_extras", "backend_problems", "select_backend"]
 
