@@ -15,7 +15,8 @@
   host first, and the experts wait for the rows); under PP the gradient reduce-scatters run after the
   schedule (exposed).
   Pipeline send/recv are asynchronous; their time counts as exposed only beyond the bubble.
-- Pipeline bubble: (pp - 1) / (v x microbatches) of the rank's compute, v = stages per rank.
+- Pipeline bubble: the rank's idle time when the schedule's own action lists run with each stage's
+  forward and backward per micro-batch (``pipeline_timeline.py``; ``pipeline.pipeline_bubble_s``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torchtitan.planning.clusters import Cluster
 from torchtitan.planning.compute import PhaseWork
 from torchtitan.planning.dry_run import DryRun, RankRun
 from torchtitan.planning.memory import GIB
+from torchtitan.planning.pipeline import pipeline_bubble_s
 from torchtitan.planning.traffic import crosses_nodes
 
 _FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -150,10 +152,18 @@ def _rank_times(run: DryRun, r: RankRun, c: Cluster) -> tuple[float, float, floa
     if pp > 1:
         plan = run.plan.pipeline
         assert plan is not None, "pp > 1 has a pipeline plan"
-        step_compute = total_compute - compute.get("optimizer", 0.0)
-        bubble = (pp - 1) / (plan.stages_per_rank * plan.microbatches) * step_compute
+        bubble = pipeline_bubble_s(plan, _pipeline_phase_s(run, c), r.coords.get("pp", 0))
         exposed += max(0.0, by_dim.get("pp", 0.0) - bubble)
     return total_compute, exposed, bubble, by_dim
+
+
+def _pipeline_phase_s(run: DryRun, c: Cluster) -> dict[int, tuple[float, float]]:
+    """pp rank -> (forward, backward) compute of its step, from the simulated rank that stands for it."""
+    out: dict[int, tuple[float, float]] = {}
+    for r in run.ranks:
+        forward, backward = (phase_compute_s(r.work[p], c) if p in r.work else 0.0 for p in ("forward", "backward"))
+        out.update(dict.fromkeys(r.stands_for or [r.coords.get("pp", 0)], (forward, backward)))
+    return out
 
 
 def _local_blocks(run: DryRun, r: RankRun) -> int:

@@ -1,6 +1,9 @@
 """The pipeline of a dry run: the trainer's stages and schedule (``build_runner`` builds them), with static
 stage shapes.
 
+``pipeline_bubble_s`` prices a rank's bubble from the schedule the trainer builds for the plan
+(``pipeline_timeline.py`` simulates its action lists).
+
 The schedule's first step normally exchanges each stage's input and output shapes, and votes on
 whether every stage stated them, over the pp group; both read numbers that a fake process group
 never delivers. The dry run states every stage's shapes (``stage_io``, worked out from the config
@@ -9,7 +12,9 @@ as the model's forward makes them) and skips the vote: every stage is static.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,9 +25,10 @@ from torchtitan.config.job_config import Parallelism, Training
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import mixed_precision
 from torchtitan.distributed.pipeline_parallel import PipelineRunner
-from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.distributed.pipeline_plan import SINGLE_STAGE_SCHEDULES, PipelinePlan, schedules
 from torchtitan.models import DecoderConfig
 from torchtitan.models.spec import ModelSpec
+from torchtitan.planning.pipeline_timeline import Action, StageTimes, action_lists, simulate
 
 
 def make_stages_static(pp_runner: PipelineRunner) -> None:
@@ -76,3 +82,50 @@ def stage_io(t: Training, p: Parallelism, dims: ParallelDims, spec: ModelSpec, a
                 "output_grads": outputs}
 
     return io
+
+
+@dataclasses.dataclass
+class _StandInStage:
+    """What a torch schedule reads of its stages when it lists its actions: where each stage sits."""
+
+    stage_index: int
+    num_stages: int
+    group_size: int
+    group_rank: int
+    submod: torch.nn.Module = dataclasses.field(default_factory=torch.nn.Module)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+
+@functools.cache
+def planned_actions(plan: PipelinePlan) -> dict[int, list[Action]]:
+    """Every pp rank's compute actions in the schedule the trainer builds for ``plan`` (``build_runner``'s
+    class, micro-batches and stage placement; its stages stand-ins, which the listing does not run)."""
+    cls = schedules()[plan.schedule]
+    stages = [_StandInStage(s, plan.num_stages, plan.pp, 0) for s in plan.stage_ids(0)]
+    if plan.schedule in SINGLE_STAGE_SCHEDULES:
+        schedule = cls(stages[0], n_microbatches=plan.microbatches, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=plan.microbatches, scale_grads=False)
+    return action_lists(schedule)
+
+
+def pipeline_bubble_s(plan: PipelinePlan, phase_s: Mapping[int, tuple[float, float]], pp_rank: int) -> float:
+    """The bubble of pp rank ``pp_rank``: its idle time in the simulated schedule of ``plan``.
+
+    ``phase_s``: pp rank -> (forward, backward) compute of its step, all its stages and micro-batches; each of
+    its stages takes an equal share of it per micro-batch (the dry run records work by phase, not by stage).
+    A pp rank that was not simulated is taken to run as ``pp_rank`` does.
+    """
+    share = plan.stages_per_rank * plan.microbatches
+    times: dict[int, StageTimes] = {}
+    for rank in range(plan.pp):
+        forward, backward = phase_s.get(rank, phase_s[pp_rank])
+        times.update({s: StageTimes(forward / share, backward / share) for s in plan.stage_ids(rank)})
+    return simulate(planned_actions(plan), times).bubble_s(pp_rank)
