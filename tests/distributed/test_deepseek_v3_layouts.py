@@ -7,15 +7,16 @@ layout starts from bitwise the one-process weights (not checked under PP, whose 
 layers), its step-1 loss is within 1e-5 and 10 steps within 1e-4 of the control's, and so is the global
 gradient norm (a gradient summed twice, or once too few, over TP shows there: Adam would hide it from
 the losses). TP 2 runs with sequence parallelism: MLA shards its heads and keeps the latent path whole.
-Multi-token prediction (one depth) runs under EP 2 x FSDP 4, TP 2 (SP) x FSDP 2 and PP 2 x FSDP 2
-(Interleaved1F1B: the MTP module on the last of four stages, with its copy of the embedding) against a
+Multi-token prediction (one depth) runs under EP 2 x FSDP 4, TP 2 (SP) x FSDP 2 and EP 2 x PP 2 x FSDP 2
+(InterleavedZeroBubble: the MTP module on the last of four stages, with its copy of the embedding) against a
 one-process control with it on:
 init bitwise (the embedding's two copies included), the losses and gradient norms as above, the logged MTP
 loss (``mtp/loss``) within 1e-5 at step 1 and 1e-4 after, every parameter moved by training as far as in one
 process (within 1e-4), and the embedding's two copies bitwise equal after training. A DeepSeek-V3 config made
 with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4, its step-1 loss
 transformers' own. Selective AC 'moe' under EP 2 x FSDP 4 trains the same model too, and sends as many expert
-all-to-alls as that layout without AC (its recompute reuses the kept outputs).
+all-to-alls as that layout without AC (its recompute reuses the kept outputs). EP 2 x PP 2 trains it under the
+V-shaped schedules too (ZBVZeroBubble, and DualPipeV with EP borrowing TP's ranks).
 """
 
 from __future__ import annotations
@@ -64,10 +65,19 @@ PARITY = {
     "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP, *TB],
     # the MTP module's norms and eh_proj on the sequence shards, its block with a block's plan
     "MTP, TP2 (SP) x FSDP2": _dims(2, 2, tp=2) + [MTP, *TB],
-    # the MTP module and a copy of the embedding on the last of 4 stages (rank 1 holds stages 1 and 3)
-    "MTP, PP2 x FSDP2, interleaved": _dims(2, 2, pp=2) + [
-        "--parallelism.pipeline_parallel_microbatches=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
-        MTP, *TB],
+    # the MTP module and a copy of the embedding on the last of 4 stages (rank 1 holds stages 1 and 3), under a
+    # zero-bubble schedule with experts: the all-to-all inside each stage's input-gradient pass, the grouped
+    # experts' weight gradients in a pass of their own (the looped interleaved order of Interleaved1F1B, which
+    # test_moe_layouts.py runs with experts; the V shape cannot hold MTP: refused in preflight)
+    "MTP, EP2 x PP2 x FSDP2, InterleavedZeroBubble": _dims(2, 2, ep=2, pp=2) + [
+        "--parallelism.pipeline_parallel_microbatches=2",
+        "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble", MTP, *TB],
+    # ... and V-shaped (rank 0 holds stages 0 and 3)
+    "EP2 x PP2 x FSDP2, ZBVZeroBubble": _dims(2, 2, ep=2, pp=2) + [
+        "--parallelism.pipeline_parallel_microbatches=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"],
+    # DualPipeV needs a microbatch a stage (4): the whole batch on each rank, EP borrowing TP's ranks
+    "EP2 on TP2 x PP2, DualPipeV": _dims(1, 4, ep=2, tp=2, pp=2) + [
+        "--parallelism.pipeline_parallel_microbatches=4", "--parallelism.pipeline_parallel_schedule=DualPipeV"],
 }
 
 

@@ -6,10 +6,11 @@ balancers on: the auxiliary-loss-free routing bias (``--moe.load_balance_coeff``
 DeepSeek's sequence-wise auxiliary loss. All 8-rank layouts train in one launch
 (tests/distributed/moe_entry.py); one process is the control:
 
-- each layout starts from bitwise the one-process weights (EP 4 on TP 2 included: expert parallelism borrowing
-  TP's ranks) (experts included; not checked under PP,
-  whose ranks hold different layers), its step-1 loss is within 1e-5 and 6 steps within 1e-4 of
-  the control's, and its routing biases end equal to the control's up to a few flipped choices;
+- each layout (the pipelined ones under Interleaved1F1B and ZBVZeroBubble; DualPipeV:
+  test_deepseek_v3_layouts.py) starts from bitwise the one-process weights (EP 4 on TP 2 included: expert
+  parallelism borrowing TP's ranks) (experts included; not checked under PP, whose ranks hold different layers),
+  its step-1 loss is within 1e-5 and 6 steps within 1e-4 of the control's, and its routing biases end equal to
+  the control's up to a few flipped choices;
 - "EP2 x FSDP8" saves at step 3: the same layout resumed from it repeats steps 4-6 bitwise (routing
   bias included), and EP 1 and EP 2 x TP 2 resume it within 1e-4.
 
@@ -56,6 +57,10 @@ PARITY = {
     # Two stages a rank: the counts and the auxiliary loss of both reach the balance (1F1B is the simpler case).
     "EP2 x PP2 x FSDP2, interleaved": _dims(shard=4, batch=2, pp=2) + PP2 + [
         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", TB],
+    # The zero-bubble schedules split each stage's backward into input and weight passes: the all-to-all and the
+    # auxiliary loss's gradient in the first, the grouped experts' weight gradients in the second; V-shaped here.
+    "EP2 x PP2 x FSDP2, ZBVZeroBubble": _dims(shard=4, batch=2, pp=2) + PP2 + [
+        "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", TB],
     # EP borrowing TP's ranks (dp_shard 2 cannot hold EP 4): each TP rank routes its own sequence shard, sliced from
     # the replicated input without SP; its counts are summed over TP too. The sequence-wise loss would take each
     # shard as a sequence, as under CP: without it here.
