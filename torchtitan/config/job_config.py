@@ -223,8 +223,9 @@ class Float8:
         "per row), rowwise_with_gw_hp (rowwise, weight gradient in high precision)",
         choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
     filter_fqns: list[str] = field_with_help(
-        [], "Linears whose FQN contains one of these stay in high precision, in addition to the output head and the "
-        "MoE router gates (always) and any whose dims are not multiples of 16; each must match a linear")
+        [], "Linears and routed experts whose FQN contains one of these stay in high precision, in addition to the "
+        "output head and the MoE router gates (always) and any whose dims are not multiples of 16; each must match "
+        "a linear or routed experts (feed_forward.experts: all of them)")
     enable_fsdp_float8_all_gather: bool = field_with_help(
         False, "FSDP all-gathers the weights in Float8 (tensorwise only): half the bytes of bf16")
     precompute_float8_dynamic_scale_for_fsdp: bool = field_with_help(
