@@ -28,7 +28,7 @@ from torchtitan.distributed.pipeline_parallel import PipelineRunner
 from torchtitan.distributed.pipeline_plan import SINGLE_STAGE_SCHEDULES, PipelinePlan, schedules
 from torchtitan.models import DecoderConfig
 from torchtitan.models.spec import ModelSpec
-from torchtitan.planning.pipeline_timeline import Action, StageTimes, action_lists, simulate
+from torchtitan.planning.pipeline_timeline import Action, StageTimes, Timeline, action_lists, simulate
 
 
 def make_stages_static(pp_runner: PipelineRunner) -> None:
@@ -128,4 +128,10 @@ def pipeline_bubble_s(plan: PipelinePlan, phase_s: Mapping[int, tuple[float, flo
     for rank in range(plan.pp):
         forward, backward = phase_s.get(rank, phase_s[pp_rank])
         times.update({s: StageTimes(forward / share, backward / share) for s in plan.stage_ids(rank)})
-    return simulate(planned_actions(plan), times).bubble_s(pp_rank)
+    return _timeline(plan, tuple(times[s] for s in range(plan.num_stages))).bubble_s(pp_rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _timeline(plan: PipelinePlan, stage_times: tuple[StageTimes, ...]) -> Timeline:
+    """One simulation serves every rank priced with the same stage times (``cost.estimate`` prices each)."""
+    return simulate(planned_actions(plan), dict(enumerate(stage_times)))

@@ -72,7 +72,7 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Timeline:
     """What ``simulate`` found: each rank's compute time and the time its last action ends."""
 
