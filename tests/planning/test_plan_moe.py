@@ -3,12 +3,14 @@ FLOPs, the imbalance factor and its refusal, EP in --search, and the preflight's
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import REPO, debug_config, load_script
 
 from torchtitan.config import ConfigManager
 from torchtitan.planning import cli
-from torchtitan.planning.compute import grouped_mm_flops
+from torchtitan.planning.compute import PhaseWork, grouped_mm_flops
 from torchtitan.planning.dry_run import dry_run, dry_runs, plan_job
 from torchtitan.planning.search import SearchBasis, candidate_overrides
 
@@ -149,3 +151,48 @@ def test_search_tries_ep_for_models_with_experts():
     assert any(moe_ac in layout for layout in moe) and not any(moe_ac in layout for layout in dense)
     ep8 = next(layout for layout in moe if "--parallelism.expert_parallel_degree=8" in layout)
     assert plan_job(_moe_cfg(*ep8), 8).dims.ep == 8  # what it proposes the preflight can take
+
+
+DSV3 = str(REPO / "train_configs" / "deepseek_v3_debug.toml")
+DSV3_SHARED_HIDDEN = 128  # the debug model's one shared expert: moe_hidden_size x num_shared_experts
+
+
+@pytest.mark.slow  # the dry run's pool of worker processes
+def test_overlapped_all_to_all_is_exposed_only_beyond_the_shared_experts():
+    """EP 2 x FSDP 2 on the DeepSeek-V3 debug model (3 MoE layers with a shared expert): with
+    ``--moe.overlap_all_to_all`` each layer's dispatch runs beside its shared expert, forward and backward; the
+    cost model hides up to that compute of it, per all-to-all, never more than its time. Off: no cover, the old
+    figure."""
+    from torchtitan.planning import cost
+    from torchtitan.planning.clusters import load_cluster
+
+    def cfg(*more: str):
+        return debug_config("--metrics.enable_tensorboard=false", "--parallelism.data_parallel_shard_degree=2",
+                            "--parallelism.expert_parallel_degree=2", *more, config=DSV3)
+
+    on, off = dry_runs([(cfg(), 2, None), (cfg("--moe.overlap_all_to_all=false"), 2, None)])
+    h100 = load_cluster("h100-sxm-80g")
+    one_per_node = dataclasses.replace(h100, gpus_per_node=1)  # EP over the network: slower than the cover
+    shared_mm = 3 * 2 * T * D * DSV3_SHARED_HIDDEN  # the shared expert's three linears on the layer's T tokens
+    for r_on, r_off in zip(on.ranks, off.ranks, strict=True):
+        assert not r_off.traffic.covers, "without the overlap every all-to-all waits at once"
+        assert r_on.traffic.rows() == r_off.traffic.rows()  # the same collectives, and the same work
+        assert {p: w.as_tuple() for p, w in r_on.work.items()} == {p: w.as_tuple() for p, w in r_off.work.items()}
+        covers = {(cover.key[2], PhaseWork(*cover.work).matmul_flops): n for cover, n in r_on.traffic.covers.items()}
+        # forward: the shared expert's products beside the dispatch; backward: their gradients (twice the FLOPs)
+        assert covers == {("forward", shared_mm): 3 * on.steps, ("backward", 2 * shared_mm): 3 * on.steps}, covers
+        for c in (h100, one_per_node):
+            ranks = r_on.traffic.group_ranks["ep"]
+            hidden = sum(n * min(cost.collective_s("all_to_all", cover.nbytes, 1, ranks, c),
+                                 cost.phase_compute_s(PhaseWork(*cover.work), c))
+                         for cover, n in r_on.traffic.covers.items())
+            exposed_on, exposed_off = cost._rank_times(on, r_on, c)[1], cost._rank_times(off, r_off, c)[1]
+            assert hidden > 0 and exposed_on == pytest.approx(exposed_off - hidden, rel=1e-12, abs=1e-15)
+            a2a = sum(cost.collective_s(row["kind"], row["bytes"], row["count"], ranks, c)
+                      for row in r_on.traffic.rows() if row["kind"] == "all_to_all")
+            assert 0 <= a2a - hidden < a2a  # never below zero: what is hidden is at most the all-to-alls' time
+    # on NVLink the cover outlasts the exchange (all of the covered one is hidden); over the network it does not
+    for c, clipped in ((h100, True), (one_per_node, False)):
+        cover = next(iter(on.ranks[0].traffic.covers))
+        t = cost.collective_s("all_to_all", cover.nbytes, 1, on.ranks[0].traffic.group_ranks["ep"], c)
+        assert (cost.phase_compute_s(PhaseWork(*cover.work), c) >= t) is clipped, (c.name, c.gpus_per_node)

@@ -125,38 +125,54 @@ class PhaseWork:
     memory_bytes: int = 0  # read + written by the memory-bound kernels
     kernels: int = 0
 
+    def add(self, other: PhaseWork) -> None:
+        for f in self.__dataclass_fields__:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+def op_work(func, args, kwargs, out) -> PhaseWork | None:
+    """One op's work (None: an op that launches no kernel)."""
+    name = op_name(func)
+    if name in _FREE:
+        return None
+    w = PhaseWork(kernels=1)
+    if func in _MATMULS and not _float8_operands(args):
+        w.matmul_flops = matmul_flops(func, args)
+    elif func in _FP8_MATMULS or func in _MATMULS:
+        w.matmul_flops = w.fp8_matmul_flops = matmul_flops(func, args)
+    elif "scaled_dot_product" in name:
+        w.attention_flops, causal = attention_flops(name, args)
+        w.causal_attention_flops = w.attention_flops if causal else 0
+    else:
+        w.memory_bytes = moved_bytes(func, args, kwargs, out)
+    return w
+
 
 @dataclass
 class ComputeLedger:
-    """Work by phase (forward / backward / optimizer), summed over the recorded steps."""
+    """Work by phase (forward / backward / optimizer), summed over the recorded steps.
+
+    ``covers``: the work since each in-flight collective was issued (``StepRecorder`` opens one at an
+    asynchronous all-to-all's issue and closes it at the wait on its output): what runs while it travels.
+    """
 
     phase: str = "build"
     recording: bool = False
     work: dict[str, PhaseWork] = field(default_factory=lambda: defaultdict(PhaseWork))
+    covers: dict[int, PhaseWork] = field(default_factory=dict)  # in-flight output's storage id -> work since issue
 
     def on_op(self, func, args, kwargs, out) -> None:
         if not self.recording:
             return
-        name = op_name(func)
-        if name in _FREE:
+        w = op_work(func, args, kwargs, out)
+        if w is None:
             return
-        w = self.work[self.phase]
-        w.kernels += 1
-        if func in _MATMULS and not _float8_operands(args):
-            w.matmul_flops += matmul_flops(func, args)
-            return
-        if func in _FP8_MATMULS or func in _MATMULS:
-            flops = matmul_flops(func, args)
-            w.matmul_flops += flops
-            w.fp8_matmul_flops += flops
-            return
-        if "scaled_dot_product" in name:
-            flops, causal = attention_flops(name, args)
-            w.attention_flops += flops
-            if causal:
-                w.causal_attention_flops += flops
-            return
-        w.memory_bytes += moved_bytes(func, args, kwargs, out)
+        self.work[self.phase].add(w)
+        for cover in self.covers.values():
+            cover.add(w)
 
     def totals(self) -> PhaseWork:
         total = PhaseWork()

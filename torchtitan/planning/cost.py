@@ -12,8 +12,10 @@
   phase's compute, so only what exceeds it is exposed, plus the first all-gather and the last
   reduce-scatter of the phase; TP/SP and CP collectives sit on the critical path (eager PyTorch), so
   all of them are exposed, and so are the experts' all-to-alls (their split sizes are read on the
-  host first, and the experts wait for the rows); under PP the gradient reduce-scatters run after the
-  schedule (exposed).
+  host first, and the experts wait for the rows), except what ran between an all-to-all's issue and
+  its wait (``--moe.overlap_all_to_all``: the shared experts beside the dispatch; the recorder's cover):
+  each exposes max(0, its time - its cover's compute time); under PP the gradient reduce-scatters run
+  after the schedule (exposed).
   Pipeline send/recv are asynchronous; their time counts as exposed only beyond the bubble.
 - Pipeline bubble: the rank's idle time when the schedule's own action lists run with each stage's
   forward and backward per micro-batch (``pipeline_timeline.py``; ``pipeline.pipeline_bubble_s``).
@@ -142,6 +144,8 @@ def _rank_times(run: DryRun, r: RankRun, c: Cluster) -> tuple[float, float, floa
             exposed += t / blocks  # gathered once per step (kept across micro-batches), prefetched after the first
         elif row["dim"] == "pp" and row["phase"] != "optimizer":
             continue  # asynchronous; hidden in the schedule (see below)
+        elif row["kind"] == "all_to_all":
+            exposed += t - _covered_s(r, row, ranks, c)
         else:
             exposed += t
     for phase, t in fsdp_by_phase.items():
@@ -164,6 +168,15 @@ def _pipeline_phase_s(run: DryRun, c: Cluster) -> dict[int, tuple[float, float]]
         forward, backward = (phase_compute_s(r.work[p], c) if p in r.work else 0.0 for p in ("forward", "backward"))
         out.update(dict.fromkeys(r.stands_for or [r.coords.get("pp", 0)], (forward, backward)))
     return out
+
+
+def _covered_s(r: RankRun, row: dict, ranks: list[int], c: Cluster) -> float:
+    """The part of ``row``'s all-to-alls that ran beside compute (``TrafficLedger.covers``): each hides up to its
+    cover's compute time, so its exposed time is max(0, its time - its cover's)."""
+    key = (row["dim"], row["kind"], row["phase"], row["via"])
+    return sum(n * min(collective_s(cover.key[1], cover.nbytes, 1, ranks, c),
+                       phase_compute_s(PhaseWork(*cover.work), c))
+               for cover, n in r.traffic.covers.items() if cover.key == key)
 
 
 def _local_blocks(run: DryRun, r: RankRun) -> int:

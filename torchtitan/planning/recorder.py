@@ -14,13 +14,22 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from torchtitan.compat import TorchDispatchMode, c10d_op, fsdp_storage_hooks, in_autograd_backward, tree_flatten
-from torchtitan.planning.compute import ComputeLedger
-from torchtitan.planning.memory import MemoryLedger
+from torchtitan.compat import (
+    TorchDispatchMode,
+    c10d_op,
+    fsdp_storage_hooks,
+    in_autograd_backward,
+    storage_id,
+    tree_flatten,
+)
+from torchtitan.planning.compute import ComputeLedger, PhaseWork
+from torchtitan.planning.memory import MemoryLedger, local_tensor
 from torchtitan.planning.traffic import TrafficLedger
 from torchtitan.train_step.callbacks import StepEvent, StepPoint
 
 c10d = torch.ops.c10d
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_ASYNC_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 _GATHER_OUTPUT = {c10d_op("_allgather_base_"), c10d.allgather_into_tensor_coalesced_.default}
 _SCATTER_OUTPUT = {c10d_op("_reduce_scatter_base_"), c10d.reduce_scatter_tensor_coalesced_.default}
 
@@ -34,6 +43,8 @@ class StepRecorder(TorchDispatchMode):
         self._phase = "build"
         self._in_logits = 0
         self.microbatch = ""  # set by the pipeline's stage hooks: "stage.microbatch"
+        # In-flight all-to-alls: their output's storage id -> their row and bytes (the compute ledger keeps the work)
+        self._in_flight: dict[int, tuple[tuple[str, str, str, str], int]] = {}
 
     # ---- what the step is doing ----------------------------------------------
     @contextlib.contextmanager
@@ -109,17 +120,37 @@ class StepRecorder(TorchDispatchMode):
         phase_before = self.traffic.phase
         if in_backward and self._phase == "forward":  # the pipeline schedule runs backward inside its step
             self.traffic.phase = self.compute.phase = "backward"
+        if func is _WAIT:
+            self._close_cover(args[0])
         if self.traffic.on_op(func, args, out):
             if func in _GATHER_OUTPUT:
                 self.memory.register(args[0], "gathered_parameters")
             elif func in _SCATTER_OUTPUT and in_backward:
                 self.memory.register(args[0], "gradients")
         self.compute.on_op(func, args, kwargs, out)
+        if func is _ASYNC_ALL_TO_ALL and self.traffic.recording:
+            self._open_cover(out)
         self.traffic.phase = self.compute.phase = phase_before
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.memory.register(t)
         return out
+
+
+    # ---- what hides an all-to-all ------------------------------------------------
+    # A functional all-to-all's issue opens a window that the wait on its output closes; the work the compute
+    # ledger records in between is its cover. A blocking exchange waits at once: an empty cover, not kept.
+    def _open_cover(self, out: torch.Tensor) -> None:
+        assert self.traffic.last is not None, "the traffic ledger recorded the all-to-all"
+        key = storage_id(local_tensor(out).untyped_storage())
+        self._in_flight[key] = self.traffic.last
+        self.compute.covers[key] = PhaseWork()
+
+    def _close_cover(self, waited: torch.Tensor) -> None:
+        key = storage_id(local_tensor(waited).untyped_storage())
+        issued, work = self._in_flight.pop(key, None), self.compute.covers.pop(key, None)
+        if issued is not None and work is not None and work.kernels:
+            self.traffic.covered(*issued, work.as_tuple())
 
 
 def track_fsdp_storage(memory: MemoryLedger) -> contextlib.AbstractContextManager[None]:

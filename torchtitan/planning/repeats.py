@@ -247,6 +247,8 @@ def counted_traffic(a: TrafficLedger, b: TrafficLedger, extra: int) -> TrafficLe
     for key in {**a.stats, **b.stats}:
         sa, sb = a.stats.get(key, CollectiveStats()), b.stats.get(key, CollectiveStats())
         out.stats[key] = CollectiveStats(_line(sa.count, sb.count, extra), _line(sa.bytes, sb.bytes, extra))
+    # each middle block's all-to-alls, and the work that hides them, alike
+    out.covers.update({k: _line(a.covers.get(k, 0), b.covers.get(k, 0), extra) for k in {**a.covers, **b.covers}})
     return out
 
 

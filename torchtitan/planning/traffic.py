@@ -83,9 +83,24 @@ class CollectiveStats:
     bytes: int = 0  # per rank, summed over the step
 
 
+@dataclass(frozen=True)
+class Cover:
+    """One asynchronous collective and the work that ran between its issue and the wait on its output (``work``:
+    a ``PhaseWork`` as a tuple): what hides it. ``key``: its row's (dim, kind, phase, via)."""
+
+    key: tuple[str, str, str, str]
+    nbytes: int
+    work: tuple[int, ...]
+
+
 @dataclass
 class TrafficLedger:
-    """Collectives by (mesh dim, kind, phase), with each dim's group ranks."""
+    """Collectives by (mesh dim, kind, phase), with each dim's group ranks.
+
+    ``covers``: the asynchronous all-to-alls (the experts' dispatch with ``--moe.overlap_all_to_all``) with work
+    between their issue and their wait, by how many such there were; ``last``: the row and bytes of the collective
+    ``on_op`` recorded last (the recorder opens a cover there).
+    """
 
     dim_of_group: dict[str, str]
     phase: str = "build"
@@ -93,6 +108,8 @@ class TrafficLedger:
         default_factory=lambda: defaultdict(CollectiveStats))
     group_ranks: dict[str, list[int]] = field(default_factory=dict)  # dim -> the global ranks of this rank's group
     recording: bool = False
+    covers: dict[Cover, int] = field(default_factory=lambda: defaultdict(int))
+    last: tuple[tuple[str, str, str, str], int] | None = None
 
     def on_op(self, func, args, out) -> bool:
         """Record ``func`` if it is a collective; True when it was one."""
@@ -113,7 +130,12 @@ class TrafficLedger:
         s = self.stats[(dim, kind, self.phase, source)]
         s.count += 1
         s.bytes += nbytes
+        self.last = ((dim, kind, self.phase, source), nbytes)
         return True
+
+    def covered(self, key: tuple[str, str, str, str], nbytes: int, work: tuple[int, ...]) -> None:
+        """The collective of row ``key`` (``nbytes``) ran beside ``work`` (a ``PhaseWork`` tuple)."""
+        self.covers[Cover(key, nbytes, work)] += 1
 
     def by_dim(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
