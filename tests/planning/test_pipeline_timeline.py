@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import cast
+
 import pytest
 import torch
 
 from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.planning.clusters import load_cluster
+from torchtitan.planning.compute import PhaseWork
+from torchtitan.planning.cost import _pipeline_phase_s, phase_compute_s
+from torchtitan.planning.dry_run import DryRun
 from torchtitan.planning.pipeline import _StandInStage, pipeline_bubble_s, planned_actions
 from torchtitan.planning.pipeline_timeline import Action, StageTimes, action_lists, simulate
 
@@ -92,3 +99,17 @@ def test_weight_backward_waits_for_its_input_backward() -> None:
     # One stage, W listed before I: W cannot run, and the rank's next action never starts.
     with pytest.raises(ValueError, match=r"deadlocks.*0W0"):
         simulate({0: [Action("F", 0, 0), Action("W", 0, 0), Action("I", 0, 0)]}, {0: StageTimes(F, B)})
+
+
+def test_cost_prices_each_pp_rank_from_the_simulated_rank_that_stands_for_it() -> None:
+    # The dry run simulated pp ranks 0 and 2 (2 stands for 1 and 2, twice as slow as 0; 3 not simulated).
+    cluster = load_cluster("h100-sxm-80g")
+    fast, slow = PhaseWork(matmul_flops=10**12), PhaseWork(matmul_flops=2 * 10**12)
+    ranks = [SimpleNamespace(coords={"pp": 0}, stands_for=[0], work={"forward": fast, "backward": fast}),
+             SimpleNamespace(coords={"pp": 2}, stands_for=[1, 2], work={"forward": slow, "backward": slow})]
+    phase_s = _pipeline_phase_s(cast(DryRun, SimpleNamespace(ranks=ranks)), cluster)
+    one, two = phase_compute_s(fast, cluster), phase_compute_s(slow, cluster)
+    assert phase_s == {0: (one, one), 1: (two, two), 2: (two, two)}
+    plan = _plan("1F1B", 4, 1, 8)
+    # Rank 0 waits for the slow ranks 1 and 2; rank 3 runs as the priced rank does.
+    assert pipeline_bubble_s(plan, phase_s, 0) > pipeline_bubble_s(plan, {r: phase_s[0] for r in range(4)}, 0)
