@@ -17,15 +17,19 @@ For every layout the tests check that:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
 from conftest import DEBUG_CONFIG, debug_config
 from dist_harness import run_ranks
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.pipeline_parallel import prune_to_stage
@@ -88,6 +92,24 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
+class _FsdpCollectives(TorchDispatchMode):
+    """Counts the all-gathers and reduce-scatters a rank issues through c10d's base ops (FSDP2's, torch 2.11-2.13;
+    TP's go through the functional collectives and are not counted)."""
+
+    OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func.namespace == "c10d" and func._opname in self.OPS:
+            self.counts[self.OPS[func._opname]] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _train(dump: str, overrides: list[str]) -> dict:
     """Build a trainer, record its initial full weights, train; the (loss, grad norm) curve is what rank 0 logs."""
     from torchtitan.distributed.layout_init import gather_full_state_dict
@@ -98,15 +120,27 @@ def _train(dump: str, overrides: list[str]) -> dict:
     for part in trainer.model_parts:
         full.update({fqn: _digest(t) for fqn, t in gather_full_state_dict(part).items()})
     data = iter(trainer.dataloader)
-    losses, norms, validation = [], [], {}
+    losses, norms, validation, collectives = [], [], {}, []
+    # Counted where FSDP shards (a dispatch mode slows every op a little).
+    count = any(o.startswith("--parallelism.data_parallel_shard_degree") for o in overrides)
     for step in range(1, STEPS + 1):
-        out = trainer.train_step([next(data) for _ in range(trainer.grad_accum)])
+        with _FsdpCollectives() if count else contextlib.nullcontext() as counter:
+            out = trainer.train_step([next(data) for _ in range(trainer.grad_accum)])
+        collectives.append(dict(counter.counts) if counter is not None else None)
         losses.append(float(out.loss))
         norms.append(float(out.grad_norm))
         if step in VALIDATE_AFTER:
             validation[step] = trainer.validate().loss
+    def own_parameters(unit: torch.nn.Module) -> set[int]:  # those no FSDP unit inside ``unit`` holds
+        inner = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+                 for p in sub.parameters()}
+        return {id(p) for p in unit.parameters()} - inner
+
+    # The units that hold parameters of their own (a middle stage's root holds none, and gathers nothing).
+    fsdp_units = sum(bool(own_parameters(m)) for part in trainer.model_parts for m in part.modules()
+                     if isinstance(m, FSDPModule))
     return {"full": full, "losses": losses, "norms": norms, "n_parts": len(trainer.model_parts),
-            "validation": validation}
+            "validation": validation, "collectives": collectives, "fsdp_units": fsdp_units}
 
 
 def _train_all(rank: int, world_size: int, dump: str, layouts: dict[str, list[str]]) -> dict:
@@ -203,6 +237,19 @@ def test_pipeline_ranks_hold_disjoint_stages(runs):
     pp2 = runs["PP 2 1F1B"]
     assert "tok_embeddings.weight" in pp2[0]["full"] and "output.weight" in pp2[1]["full"]
     assert "layers.2.attention.wq.weight" in pp2[0]["full"] and "layers.3.attention.wq.weight" in pp2[1]["full"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["PP 2 x FSDP 4", "PP 2 x HSDP 2x2", "PP 2 x TP 2 x FSDP 2"])
+def test_pipeline_stages_gather_once_and_reduce_scatter_once_per_step(name, runs):
+    """Optimizer-only sharding of the stages: the parameters stay gathered across the micro-batches (one all-gather
+    per FSDP unit per step) and each unit's gradients are reduce-scattered once per step, not per micro-batch."""
+    for r in runs[name]:
+        units = r["fsdp_units"]
+        first, *rest = r["collectives"]
+        assert rest == [{"all_gather": units, "reduce_scatter": units}] * (STEPS - 1), (name, units)
+        # The schedule's first step also runs the forward that learns the stages' shapes: one more gather a unit.
+        assert first == {"all_gather": 2 * units, "reduce_scatter": units}, (name, units)
 
 
 @pytest.mark.slow
