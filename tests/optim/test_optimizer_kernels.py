@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 import pytest
 import torch
@@ -32,10 +31,8 @@ class _MoEPart(torch.nn.Module):
 
 
 @pytest.fixture
-def one_rank_world(free_port, monkeypatch):
-    monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setitem(os.environ, "MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+def one_rank_world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in memory: no port to take
     yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "efsdp"))
     dist.destroy_process_group()
 
