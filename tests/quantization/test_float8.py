@@ -11,6 +11,7 @@ from conftest import debug_config
 from torch import nn
 
 from torchtitan import compat
+from torchtitan.compat import kernels as compat_kernels
 from torchtitan.config import ConfigError
 from torchtitan.models import get_model_spec, model_args
 from torchtitan.models.moe import experts as experts_module
@@ -145,13 +146,13 @@ def test_routed_experts_say_in_one_line_why_they_skip_fp8(caplog):
 
 
 def test_fp8_grouped_gemm_selection(monkeypatch):
-    assert float8_experts.fp8_skip_reason("cpu", emulate=False) == "no CUDA device (this run is on cpu)"
-    assert float8_experts.fp8_skip_reason("cuda", emulate=True) == "--float8.emulate (no FP8 kernel is asked for)"
-    assert float8_experts.fp8_skip_reason("cuda", emulate=False) is None  # torch 2.13 and torchao 0.18 have it
-    monkeypatch.setattr(float8_experts, "TORCHAO_GROUPED_MM", "torchao.no_such_module")
-    assert "the installed torchao has no torchao.no_such_module" in str(float8_experts.kernel_missing())
-    monkeypatch.setattr(compat, "scaled_grouped_mm_available", lambda: False)
-    assert float8_experts.fp8_skip_reason("cuda", emulate=False) == \
+    assert compat.fp8_grouped_mm_skip_reason("cpu", emulate=False) == "no CUDA device (this run is on cpu)"
+    assert compat.fp8_grouped_mm_skip_reason("cuda", emulate=True) == "--float8.emulate (no FP8 kernel is asked for)"
+    assert compat.fp8_grouped_mm_skip_reason("cuda", emulate=False) is None  # torch 2.13 and torchao 0.18 have it
+    monkeypatch.setattr(compat_kernels, "TORCHAO_GROUPED_MM", "torchao.no_such_module")
+    assert "the installed torchao has no torchao.no_such_module" in str(compat.fp8_grouped_mm_missing())
+    monkeypatch.setattr(compat_kernels, "scaled_grouped_mm_available", lambda: False)
+    assert compat.fp8_grouped_mm_skip_reason("cuda", emulate=False) == \
         f"torch {torch.__version__} has no torch._scaled_grouped_mm"
     assert not float8_experts.fp8_grouped_mm_runs("cuda", emulate=False)
 
@@ -163,7 +164,7 @@ def test_fp8_experts_on_a_gpu_without_the_kernel_are_refused_before_any_process_
     """An SM 9.0 GPU (the device query mocked) whose torch lacks ``_scaled_grouped_mm``: the launcher's preflight
     refuses the FP8 experts in one line (exit 2) naming the fixes, each of which passes."""
     monkeypatch.setattr(compat, "cuda_capability", lambda: (9, 0))
-    monkeypatch.setattr(compat, "scaled_grouped_mm_available", lambda: False)
+    monkeypatch.setattr(compat_kernels, "scaled_grouped_mm_available", lambda: False)
     with pytest.raises(ConfigError) as info:
         preflight(debug_config(FP8, *MOE), 1)
     assert info.value.problems == [

@@ -56,6 +56,8 @@ from torchtitan.compat.fsdp import fsdp_hooked_parameters, fsdp_param_groups, fs
 from torchtitan.compat.import_noise import quiet_import_noise
 from torchtitan.compat.kernels import (
     cuda_capability,
+    fp8_grouped_mm_missing,
+    fp8_grouped_mm_skip_reason,
     fused_kernel_devices,
     grouped_mm,
     grouped_mm_as_on,
@@ -110,7 +112,8 @@ __all__ = [
     "semi_sync_reference", "semi_sync_save_reference", "selective_contexts_without_profiler_markers",
     "set_pg_timeout", "set_semi_sync_local_step", "shard_dim",
     "unflatten_mesh",
-    "wait_async_collective", "cuda_capability", "scaled_grouped_mm_available", "scaled_mm_supported",
+    "wait_async_collective", "cuda_capability", "fp8_grouped_mm_missing", "fp8_grouped_mm_skip_reason",
+    "scaled_grouped_mm_available", "scaled_mm_supported",
     "fsspec_file_system_type", "fsspec_reader_type", "fsspec_writer_type", "set_state_dict_element",
 ]
 

@@ -4,6 +4,7 @@ lower-right causal bias without its storage (CP attention), and the fused optimi
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 
 import torch
@@ -130,6 +131,33 @@ def scaled_mm_supported(device_type: str) -> bool:
 def scaled_grouped_mm_available() -> bool:
     """Whether this torch has ``torch._scaled_grouped_mm`` (the FP8 grouped GEMM, CUDA only)."""
     return hasattr(torch, "_scaled_grouped_mm")
+
+
+# Where torchao keeps the FP8 grouped GEMM that routed experts take (models/moe/float8_experts.py).
+TORCHAO_GROUPED_MM = "torchao.prototype.moe_training.fp8_grouped_mm"
+
+
+def fp8_grouped_mm_missing() -> str | None:
+    """Why this torch and torchao cannot compute FP8 grouped GEMMs (on any GPU), or None."""
+    if not scaled_grouped_mm_available():
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    try:
+        module = importlib.import_module(TORCHAO_GROUPED_MM)
+    except ImportError:
+        module = None
+    if not hasattr(module, "_to_fp8_rowwise_then_scaled_grouped_mm"):
+        return f"the installed torchao has no {TORCHAO_GROUPED_MM}._to_fp8_rowwise_then_scaled_grouped_mm"
+    return None
+
+
+def fp8_grouped_mm_skip_reason(device_type: str, emulate: bool) -> str | None:
+    """Why routed experts stay in high precision here, or None where they take FP8 grouped GEMMs (the GPU
+    generation is preflight's check)."""
+    if device_type != "cuda":
+        return f"no CUDA device (this run is on {device_type})"
+    if emulate:
+        return "--float8.emulate (no FP8 kernel is asked for)"
+    return fp8_grouped_mm_missing()
 
 
 def cuda_capability() -> tuple[int, int] | None:

@@ -12,7 +12,6 @@ import torch
 
 from torchtitan import compat
 from torchtitan.config.job_config import Float8, Model
-from torchtitan.models.moe.float8_experts import kernel_missing
 from torchtitan.quantization import checks
 
 CONVERTERS = ("float8",)
@@ -60,7 +59,7 @@ def device_problems(model_cfg: Model, f8: Float8, model_factory: Callable[[], to
     problem = checks.capability_problem(capability, f8.emulate)
     if problem is not None or capability is None or f8.emulate:
         return [problem] if problem else []
-    missing = kernel_missing()
+    missing = compat.fp8_grouped_mm_missing()
     if missing is None:
         return []
     from torchtitan.quantization.float8 import filter_patterns, routed_experts

@@ -26,7 +26,6 @@ from torch import nn
 
 from torchtitan import compat
 from torchtitan.config.job_config import Float8, Model
-from torchtitan.models.moe.float8_experts import fp8_skip_reason
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ def expert_skip_reason(module: nn.Module, fqn: str, patterns: Iterable[str], dev
         return f"{type(module).__name__} is not checked in FP8 (biased, clamped products)"
     if any(pattern in fqn for pattern in patterns):
         return "filtered by --float8.filter_fqns"
-    return fp8_skip_reason(device_type, emulate)
+    return compat.fp8_grouped_mm_skip_reason(device_type, emulate)
 
 
 def _convert_experts(model: nn.Module, f8: Float8, device_type: str, patterns: Iterable[str]

@@ -14,7 +14,6 @@ Where the op cannot run (other devices, emulation, widths not multiples of 16, n
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
@@ -27,35 +26,9 @@ ALIGN = 16  # rows per group that the FP8 grouped GEMM takes
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-TORCHAO_GROUPED_MM = "torchao.prototype.moe_training.fp8_grouped_mm"  # where torchao keeps the FP8 grouped GEMM
-
-
-def kernel_missing() -> str | None:
-    """Why this torch and torchao cannot compute FP8 grouped GEMMs (on any GPU), or None."""
-    if not compat.scaled_grouped_mm_available():
-        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
-    try:
-        module = importlib.import_module(TORCHAO_GROUPED_MM)
-    except ImportError:
-        module = None
-    if not hasattr(module, "_to_fp8_rowwise_then_scaled_grouped_mm"):
-        return f"the installed torchao has no {TORCHAO_GROUPED_MM}._to_fp8_rowwise_then_scaled_grouped_mm"
-    return None
-
-
-def fp8_skip_reason(device_type: str, emulate: bool) -> str | None:
-    """Why routed experts stay in high precision here, or None where they take FP8 grouped GEMMs (the GPU
-    generation is preflight's check)."""
-    if device_type != "cuda":
-        return f"no CUDA device (this run is on {device_type})"
-    if emulate:
-        return "--float8.emulate (no FP8 kernel is asked for)"
-    return kernel_missing()
-
-
 def fp8_grouped_mm_runs(device_type: str, emulate: bool) -> bool:
     """Whether routed experts can take FP8 grouped GEMMs here."""
-    return fp8_skip_reason(device_type, emulate) is None
+    return compat.fp8_grouped_mm_skip_reason(device_type, emulate) is None
 
 
 def aligned_rows(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
