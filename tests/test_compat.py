@@ -705,3 +705,17 @@ def test_skip_pipeline_shape_exchange_makes_every_stage_static(fake_world):
     losses: list[torch.Tensor] = []
     schedule.step(target=torch.zeros(2, 4), losses=losses)  # a fake recv delivers no shapes to exchange
     assert stage._inference_mode == InferenceMode.STATIC and len(losses) == 2
+
+
+def test_warm_up_other_ranks_only_drops_the_messages_to_this_rank(fake_world):
+    # PipelineStage._get_init_p2p_neighbors_ops (torch 2.11's multi-stage warm-up), P2POp.group_peer.
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    group = fake_world.get_group("b")  # pp rank 1 of 2 holds stages 1 and 2 of the V: 0 1 | 2 3 on ranks 0 1 | 1 0
+    stages = [PipelineStage(torch.nn.Linear(4, 4), i, 4, torch.device("cpu"), input_args=torch.empty(1, 4),
+                            output_args=torch.empty(1, 4), group=group) for i in (1, 2)]
+    ScheduleZBVZeroBubble(stages, 2, loss_fn=lambda out, target: out.sum())  # tells each stage where the others are
+    for stage in stages:
+        compat.warm_up_other_ranks_only(stage)
+    # Each stage's neighbour on pp rank 0 (stage 0, stage 3) gets a send and a receive; gloo has no pair to itself.
+    assert [[op.group_peer for op in stage._get_init_p2p_neighbors_ops()] for stage in stages] == [[0, 0], [0, 0]]

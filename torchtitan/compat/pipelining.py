@@ -1,5 +1,5 @@
-"""Pipeline-schedule internals: skipping the shape exchange (the planner's fake world) and telling a stage's
-shape-inference forward from a real one."""
+"""Pipeline-schedule internals: skipping the shape exchange (the planner's fake world), a warm-up without
+messages to a stage's own rank (torch 2.11), and telling a stage's shape-inference forward from a real one."""
 
 from __future__ import annotations
 
@@ -29,6 +29,30 @@ def skip_pipeline_shape_exchange(schedule: Any) -> None:
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = all_static
+
+def warm_up_other_ranks_only(stage: Any) -> None:
+    """Leave out of ``stage``'s (a ``PipelineStage``'s) first-step warm-up the messages to and from its own rank.
+
+    A multi-stage schedule of torch 2.11 warms up the pp group with one send and one receive to each neighbour
+    stage (``_get_init_p2p_neighbors_ops``), also where the neighbour is on the same rank, as stages 1 and 2 are
+    on pp rank 1 of a V-shaped schedule (ZBVZeroBubble, DualPipeV). gloo has no connection from a rank to
+    itself, so the first step failed there: "Pair is not connected ... <--> [none]". Such a message carries
+    nothing (the schedule hands same-rank activations over in memory), so it is dropped, on every backend. From
+    torch 2.13 PipelineStage's warm-up (``_warmup_p2p``) skips same-rank neighbours itself and no longer calls
+    the method; a release without the method has nothing to drop. Wraps this instance's method only.
+    """
+    neighbour_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if neighbour_ops is None:
+        return
+
+    def other_ranks_only() -> list[Any]:
+        ops = neighbour_ops()
+        if any(not hasattr(op, "group_peer") for op in ops):
+            raise missing("torch.distributed.P2POp.group_peer")
+        return [op for op in ops if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = other_ranks_only
+
 
 _SHAPE_INFERENCE = [0]
 # The PipelineStage methods that run a stage's forward or backward only to learn shapes (2.13, 2.14;

@@ -42,7 +42,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch import Batch
-from torchtitan.compat import in_pipeline_shape_inference, mark_pipeline_shape_inference, step_keeping_no_outputs
+from torchtitan.compat import (
+    in_pipeline_shape_inference,
+    mark_pipeline_shape_inference,
+    step_keeping_no_outputs,
+    warm_up_other_ranks_only,
+)
 from torchtitan.distributed.collectives import local_value
 from torchtitan.distributed.pipeline_plan import (
     OVERLAPPED_IN_SEQUENCE_NOTE,
@@ -204,6 +209,7 @@ def build_pipeline(
         io = stage_io(stage_id) if stage_io is not None else {}
         stage = PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group(), **io)
         mark_pipeline_shape_inference(stage)  # so that an MoE does not count the forward that learns shapes
+        warm_up_other_ranks_only(stage)  # torch 2.11's V-shaped schedules sent to their own rank, which gloo cannot
         stages.append(stage)
     loss = ScaledLoss(loss_fn, extra_loss)
     cls = schedules()[plan.schedule]
