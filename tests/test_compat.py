@@ -719,3 +719,23 @@ def test_warm_up_other_ranks_only_drops_the_messages_to_this_rank(fake_world):
         compat.warm_up_other_ranks_only(stage)
     # Each stage's neighbour on pp rank 0 (stage 0, stage 3) gets a send and a receive; gloo has no pair to itself.
     assert [[op.group_peer for op in stage._get_init_p2p_neighbors_ops()] for stage in stages] == [[0, 0], [0, 0]]
+
+
+def test_split_backward_takes_custom_functions_as_the_onednn_linear_finds():
+    # torch.distributed.pipelining._backward.stage_backward_input / stage_backward_weight, the zero-bubble schedules'
+    # input and weight passes, through the project's oneDNN linear (a custom autograd function): torch 2.11 fails it.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from torchtitan.ops.cpu_kernels import OneDNNLinear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN linear")  # nothing of the project's to split then
+    linear = OneDNNLinear(4, 4)
+    x = torch.ones(2, 4, requires_grad=True)
+    _, groups = stage_backward_input([linear(x)], [torch.ones(2, 4)], [x], linear.parameters())
+    try:
+        stage_backward_weight(linear.parameters(), groups)
+        took = linear.weight.grad is not None
+    except RuntimeError:
+        took = False
+    assert compat.split_backward_takes_custom_functions() == took

@@ -79,6 +79,7 @@ from torchtitan.compat.pipelining import (
     in_pipeline_shape_inference,
     mark_pipeline_shape_inference,
     skip_pipeline_shape_exchange,
+    split_backward_takes_custom_functions,
     step_keeping_no_outputs,
     warm_up_other_ranks_only,
 )
@@ -112,7 +113,7 @@ __all__ = [
     "local_shape_and_global_offset", "lower_right_causal_bias", "semi_sync_local_step",
     "semi_sync_reference", "semi_sync_save_reference", "selective_contexts_without_profiler_markers",
     "set_pg_timeout", "set_semi_sync_local_step", "shard_dim",
-    "unflatten_mesh", "warm_up_other_ranks_only",
+    "split_backward_takes_custom_functions", "unflatten_mesh", "warm_up_other_ranks_only",
     "wait_async_collective", "cuda_capability", "fp8_grouped_mm_missing", "fp8_grouped_mm_skip_reason",
     "scaled_grouped_mm_available", "scaled_mm_supported",
     "fsspec_file_system_type", "fsspec_reader_type", "fsspec_writer_type", "set_state_dict_element",

@@ -1,11 +1,15 @@
 """Pipeline-schedule internals: skipping the shape exchange (the planner's fake world), a warm-up without
-messages to a stage's own rank (torch 2.11), and telling a stage's shape-inference forward from a real one."""
+messages to a stage's own rank (torch 2.11), whether the split backward takes a custom autograd function (not
+on torch 2.11), and telling a stage's shape-inference forward from a real one."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from torchtitan.compat.errors import missing
 
@@ -52,6 +56,46 @@ def warm_up_other_ranks_only(stage: Any) -> None:
         return [op for op in ops if op.group_peer != stage.group_rank]
 
     stage._get_init_p2p_neighbors_ops = other_ranks_only
+
+
+class _TimesWeight(torch.autograd.Function):
+    """x W^T as one custom autograd node of the activation and the weight, as a custom linear kernel makes it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+@functools.cache
+def split_backward_takes_custom_functions() -> bool:
+    """Whether the zero-bubble schedules' weight pass can start from a custom autograd function's node.
+
+    Those schedules split a stage's backward: the input pass keeps the nodes where the weights' part of the
+    graph meets the activations' (for a custom linear kernel: its own node), the weight pass later starts
+    from them (``stage_backward_input``, ``stage_backward_weight``). On torch 2.11 a custom function's node
+    no longer answers by then ("Attribute '_input_metadata' is invalid for this instance of
+    _C._FunctionBase"); 2.13 takes it. Tried once on a 2 x 2 product.
+    """
+    try:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    except ImportError as e:
+        raise missing("torch.distributed.pipelining._backward.stage_backward_input / stage_backward_weight") from e
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    x = torch.ones(2, 2, requires_grad=True)
+    _, groups = stage_backward_input([_TimesWeight.apply(x, weight)], [torch.ones(2, 2)], [x], iter([weight]))
+    try:
+        stage_backward_weight(iter([weight]), groups)
+    except RuntimeError as e:
+        if "_input_metadata" not in str(e):
+            raise
+        return False
+    return True
 
 
 _SHAPE_INFERENCE = [0]

@@ -24,11 +24,13 @@ import logging
 
 import torch
 
+from torchtitan.compat import split_backward_takes_custom_functions
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.distributed.compile import apply_compile, wait_for_embedding_output
 from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_plan import ZERO_BUBBLE_SCHEDULES
 from torchtitan.models.spec import family_model
 from torchtitan.ops.cpu_kernels import use_onednn_linears
 from torchtitan.ops.cpu_matmul import resolve_cpu_matmul
@@ -48,14 +50,25 @@ def fsdp_on_one_rank(dims: ParallelDims, cfg: JobConfig, device_type: str) -> bo
         mixed_precision(cfg.training, device_type).param_dtype != torch.float32 or cfg.fault_tolerance.enable)
 
 
+def _onednn_linears(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
+    """Move ``model``'s float32 linear layers to oneDNN, unless the schedule's weight pass cannot go through them."""
+    schedule = cfg.parallelism.pipeline_parallel_schedule
+    if dims.pp_enabled and schedule in ZERO_BUBBLE_SCHEDULES and not split_backward_takes_custom_functions():
+        # oneDNN's linear is a custom autograd function, whose node torch 2.11's weight pass cannot start from.
+        logger.warning("training.cpu_matmul=%s: the linear layers keep torch's products: torch %s's %s cannot take "
+                       "a weight gradient through oneDNN's linear (docs/versions.md)", cfg.training.cpu_matmul,
+                       torch.__version__, schedule)
+    elif n := use_onednn_linears(model):
+        logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul=%s)", n,
+                    cfg.training.cpu_matmul)
+
+
 def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> torch.nn.Module:
     """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
     family = family_model(model, "parallelize")  # the family's model class: its TP plan, attention, experts
     one_rank = fsdp_on_one_rank(dims, cfg, device_type)
     if device_type == "cpu" and resolve_cpu_matmul(cfg.training.cpu_matmul) == "onednn" and not cfg.training.compile:
-        if n := use_onednn_linears(model):
-            logger.info("%d linear layers compute float32 products on oneDNN (training.cpu_matmul=%s)", n,
-                        cfg.training.cpu_matmul)
+        _onednn_linears(model, dims, cfg)
     if dims.tp_enabled:
         # TP parameters must share the root of the mesh FSDP goes on, one-rank FSDP included.
         tp_mesh = dims.tp_mesh()
