@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torchtitan.planning.cost import StepEstimate
-from torchtitan.planning.dry_run import DryRun
+from torchtitan.planning.dry_run import DryRun, RankRun
 from torchtitan.planning.memory import CATEGORIES, GIB
 
 
@@ -16,19 +16,29 @@ def dry_run_text(run: DryRun) -> str:
     lines += [f"  note: {n}" for n in run.notes]
     for r in run.ranks:
         m = r.memory
-        where = f" (pipeline stages {r.stages})" if r.stages else ""
-        lines.append(f"rank {r.rank}{where}: peak {m.peak_bytes / GIB:.2f} GiB tracked, in {m.peak_phase}"
+        lines.append(f"{_rank_name(r)}: peak {m.peak_bytes / GIB:.2f} GiB tracked, in {m.peak_phase}"
                      f" [simulated in {r.seconds:.1f} s]")
         for c in CATEGORIES:
             if m.at_peak.get(c):
                 lines.append(f"    {c:22s} {m.at_peak[c] / GIB:9.3f} GiB")
-    w = run.worst
-    lines.append(f"collectives per step (rank {w.rank}; bytes per rank):")
-    lines.append(f"    {'dim':14s} {'kind':15s} {'phase':10s} {'count':>6s} {'GiB':>10s}")
-    for row in w.traffic.rows():
+    # Every simulated rank's own table: pipeline stages differ in their blocks (DeepSeek-V3's first stage holds
+    # the dense ones), so one rank's collectives, read as another's, are off by the ratio of their blocks.
+    for r in run.ranks:
+        lines += _collective_lines(r)
+    return "\n".join(lines)
+
+
+def _rank_name(r: RankRun) -> str:
+    return f"rank {r.rank}" + (f" (pipeline stages {r.stages})" if r.stages else "")
+
+
+def _collective_lines(r: RankRun) -> list[str]:
+    lines = [f"collectives per step of {_rank_name(r)}, bytes per rank:",
+             f"    {'dim':14s} {'kind':15s} {'phase':10s} {'count':>6s} {'GiB':>10s}"]
+    for row in r.traffic.rows():
         lines.append(f"    {row['dim']:14s} {row['kind']:15s} {row['phase']:10s} {row['count']:6d} "
                      f"{row['bytes'] / GIB:10.4f}")
-    return "\n".join(lines)
+    return lines
 
 
 def estimate_text(e: StepEstimate, cluster_name: str) -> str:
