@@ -66,6 +66,8 @@ class StepEstimate:
     owner_imbalance: float = 0.0  # Muon: the most loaded owner's Newton-Schulz work over the mean (0: no owners)
     naive_optimizer_s: float = 0.0  # Muon: the optimizer phase if every rank gathered and orthogonalized every matrix
     naive_comm_bytes: int = 0  # Muon: that layout's all-gathers per rank
+    worst_rank: int = 0  # the simulated rank of the highest peak (the memory figures are its)
+    slowest_rank: int = 0  # the simulated rank of the longest step (the time and traffic figures are its)
 
     def to_json(self) -> dict:
         keys = ("fits", "peak_memory_gib", "step_time_s", "tokens_per_second_per_gpu", "mfu", "compute_s",
@@ -210,7 +212,8 @@ def estimate(run: DryRun, c: Cluster) -> StepEstimate:
         exposed_comm_s=exposed, bubble_s=bubble, comm_bytes_per_step=slowest.traffic.by_dim(),
         comm_s_by_dim=by_dim, crosses_nodes_by_dim=crossing, bound=bound[0], optimizer_s=phase.seconds,
         optimizer_comm_bytes=phase.comm_bytes, newton_schulz_s=phase.newton_schulz_s,
-        owner_imbalance=phase.owner_imbalance, naive_optimizer_s=phase.naive_s, naive_comm_bytes=phase.naive_comm_bytes)
+        owner_imbalance=phase.owner_imbalance, naive_optimizer_s=phase.naive_s, naive_comm_bytes=phase.naive_comm_bytes,
+        worst_rank=worst.rank, slowest_rank=slowest.rank)
 
 
 @dataclass(frozen=True)

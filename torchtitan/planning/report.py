@@ -42,13 +42,15 @@ def _collective_lines(r: RankRun) -> list[str]:
 
 
 def estimate_text(e: StepEstimate, cluster_name: str) -> str:
-    lines = [f"On {cluster_name}: {'fits' if e.fits else 'DOES NOT FIT'} - peak {e.peak_memory_gib:.1f} GiB "
-             f"({e.tracked_peak_gib:.1f} tracked + {e.allowance_gib:.1f} allowance); largest: {e.largest_consumer}",
-             f"  step {e.step_time_s:.3f} s = compute {e.compute_s:.3f} + exposed comm {e.exposed_comm_s:.3f} + "
-             f"bubble {e.bubble_s:.3f}; bound by {e.bound}",
+    # Of a pipeline, the rank of the highest peak and that of the longest step may differ: each figure names its own.
+    lines = [f"On {cluster_name}: {'fits' if e.fits else 'DOES NOT FIT'} - peak {e.peak_memory_gib:.1f} GiB on rank "
+             f"{e.worst_rank} ({e.tracked_peak_gib:.1f} tracked + {e.allowance_gib:.1f} allowance); largest: "
+             f"{e.largest_consumer}",
+             f"  step {e.step_time_s:.3f} s on rank {e.slowest_rank} = compute {e.compute_s:.3f} + exposed comm "
+             f"{e.exposed_comm_s:.3f} + bubble {e.bubble_s:.3f}; bound by {e.bound}",
              f"  {e.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu:.1f}%",
              f"  optimizer step {e.optimizer_s:.4f} s ({100 * e.optimizer_s / e.step_time_s:.2f}% of the step)",
-             *_muon_lines(e), "  communication per step:"]
+             *_muon_lines(e), f"  communication per step of rank {e.slowest_rank}:"]
     for dim, nbytes in sorted(e.comm_bytes_per_step.items()):
         where = "crosses nodes" if e.crosses_nodes_by_dim.get(dim) else "within a node"
         lines.append(f"    {dim:14s} {nbytes / GIB:10.3f} GiB/rank {e.comm_s_by_dim.get(dim, 0.0):8.3f} s  ({where})")
