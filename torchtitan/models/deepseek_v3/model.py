@@ -124,7 +124,8 @@ class DeepSeekV3Model(Decoder):
     def extra_tp_plan(self, seq: Shard | Replicate) -> dict[str, ParallelStyle]:
         """Under sequence parallelism the MTP modules' norms and ``eh_proj`` take this rank's sequence shard
         with their weights replicated (their gradients summed over TP, as a block's norms'); ``eh_proj`` hands
-        its block a plain tensor, as the blocks hand each other. Replicated activations need no plan: every TP
+        its block a plain tensor, as the blocks hand each other (``MTPModule._project`` multiplies the local rows:
+        the plan only replicates its weight). Replicated activations need no plan: every TP
         rank computes the whole, the same."""
         if not isinstance(seq, Shard):
             return {}

@@ -16,7 +16,9 @@ with the main ones (``model.py``); the training step scores them (``train_step/m
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from torchtitan.models.attention import AttentionBackend, DocumentMask
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
@@ -36,8 +38,20 @@ class MTPModule(nn.Module):
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, rope_cache: torch.Tensor, *, backend: AttentionBackend,
                 documents: DocumentMask | None = None) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return self.block(x, rope_cache, backend=backend, documents=documents)
+        x = torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
+        return self.block(self._project(x), rope_cache, backend=backend, documents=documents)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """``eh_proj(x)``. Under sequence parallelism (``x`` a DTensor holding this rank's sequence shard, the
+        weight replicated: ``DeepSeekV3Model.extra_tp_plan``) the product runs on the local rows, as DTensor
+        would: a DTensor linear flattens ``[B, L/tp, 2·dim]`` to rows, which torch 2.11 refuses with the sequence
+        (dimension 1) sharded. The weight's gradient is this rank's partial sum, as DTensor's (summed with the
+        other Partial gradients before clipping). Returns a plain tensor, as the blocks hand each other."""
+        weight = self.eh_proj.weight
+        if not (isinstance(x, DTensor) and isinstance(weight, DTensor)):
+            return self.eh_proj(x)
+        partial_grad = [Partial() if p.is_replicate() else p for p in weight.placements]
+        return F.linear(x.to_local(), weight.to_local(grad_placements=partial_grad))
 
 
 def depth_tokens(tokens: torch.Tensor, k: int) -> torch.Tensor:
