@@ -18,6 +18,7 @@ For every layout the tests check that:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import sys
 import time
@@ -248,8 +249,40 @@ def test_pipeline_stages_gather_once_and_reduce_scatter_once_per_step(name, runs
         units = r["fsdp_units"]
         first, *rest = r["collectives"]
         assert rest == [{"all_gather": units, "reduce_scatter": units}] * (STEPS - 1), (name, units)
-        # The schedule's first step also runs the forward that learns the stages' shapes: one more gather a unit.
-        assert first == {"all_gather": 2 * units, "reduce_scatter": units}, (name, units)
+        # The schedule's first step also runs the forward that learns the stages' shapes; whether the real forward
+        # gathers again after it is torch's choice (see _gathers_of_a_units_first_step).
+        assert first == {"all_gather": _gathers_of_a_units_first_step() * units, "reduce_scatter": units}, (name, units)
+
+
+@functools.cache
+def _gathers_of_a_units_first_step() -> int:
+    """How many of a schedule's first-step forwards find an FSDP unit (kept gathered after its forward) sharded,
+    each an all-gather; tried on one unit as rank 0 of a fake 2-rank world (no process starts).
+
+    Both releases run the stage's forward once to learn its shapes, which gathers the unit. torch 2.13 then
+    reshards every FSDP module of the stage (``_post_metadata_inference_cleanup``), so the first real forward
+    gathers again: 2. torch 2.11's shape inference (``_shape_inference``, a no-grad forward) leaves it gathered: 1.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from torchtitan import compat
+
+    dist.init_process_group("fake", store=compat.fake_process_group_store(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+        unit = torch.nn.Linear(4, 4)
+        fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=False)
+        found_sharded: list[bool] = []  # a sharded unit holds its weight as a DTensor, a gathered one as a tensor
+        unit.register_forward_pre_hook(lambda m, _: found_sharded.append(isinstance(m.weight, DTensor)), prepend=True)
+        stage = PipelineStage(unit, 0, 1, torch.device("cpu"), group=mesh.get_group("pp"))
+        ScheduleGPipe(stage, 1, loss_fn=lambda out, target: out.sum()).step(torch.ones(1, 4), target=torch.zeros(1, 4))
+    finally:
+        dist.destroy_process_group()
+    assert len(found_sharded) == 2, f"expected a shape-learning forward and one micro-batch's: {found_sharded}"
+    return sum(found_sharded)
 
 
 @pytest.mark.slow
