@@ -692,19 +692,32 @@ def test_fsdp_storage_hooks_see_gathers_frees_and_accumulated_gradients(fake_wor
     assert (_fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage) == before
 
 
-def test_skip_pipeline_shape_exchange_makes_every_stage_static(fake_world):
-    # The schedules' _warmup_p2p, torch.distributed.pipelining._utils.InferenceMode.STATIC, a stage's _inference_mode.
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_skip_pipeline_shape_exchange_makes_every_stage_static(fake_world, stage_index):
+    # From torch 2.13 the schedules' _warmup_p2p, torch.distributed.pipelining._utils.InferenceMode.STATIC, a stage's
+    # _inference_mode; on 2.11 a stage's inputs_meta, _get_init_p2p_neighbors_ops and _validate_fwd_input (which
+    # compares strides too: the first stage's micro-batches here are a view, as a batch's token ids are); the
+    # gradient keywords of PipelineStage that 2.13 has and 2.11 has not.
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-    from torch.distributed.pipelining._utils import InferenceMode
 
-    group = fake_world.get_group("b")  # rank 1 is the last of 2 stages
-    stage = PipelineStage(torch.nn.Linear(4, 4), 1, 2, torch.device("cpu"), input_args=torch.empty(1, 4),
-                          output_args=torch.empty(1, 4), group=group)
+    group = fake_world.get_group("b")  # 2 stages; this process is the last's rank, and stands in for the first's
+    grads = compat.stage_gradient_keywords(torch.empty(1, 4) if stage_index else None, torch.empty(1, 4))
+    stage = PipelineStage(torch.nn.Linear(4, 4), stage_index, 2, torch.device("cpu"), input_args=torch.empty(1, 4),
+                          output_args=torch.empty(1, 4), group=group, **grads)
     schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, target: out.sum())
     compat.skip_pipeline_shape_exchange(schedule)
     losses: list[torch.Tensor] = []
-    schedule.step(target=torch.zeros(2, 4), losses=losses)  # a fake recv delivers no shapes to exchange
-    assert stage._inference_mode == InferenceMode.STATIC and len(losses) == 2
+    if stage_index == 0:
+        schedule.step(torch.ones(2, 5)[:, :4])  # a fake recv delivers no shapes to exchange
+    else:
+        schedule.step(target=torch.zeros(2, 4), losses=losses)
+        assert len(losses) == 2
+    if hasattr(schedule, "_warmup_p2p"):
+        from torch.distributed.pipelining._utils import InferenceMode
+
+        assert stage._inference_mode == InferenceMode.STATIC
+    else:  # torch 2.11: the stated shapes stand (no shape inference) and the warm-up sends nothing
+        assert stage._get_init_p2p_neighbors_ops() == [] and stage.inputs_meta is not None
 
 
 def test_warm_up_other_ranks_only_drops_the_messages_to_this_rank(fake_world):

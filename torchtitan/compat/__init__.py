@@ -80,6 +80,7 @@ from torchtitan.compat.pipelining import (
     mark_pipeline_shape_inference,
     skip_pipeline_shape_exchange,
     split_backward_takes_custom_functions,
+    stage_gradient_keywords,
     step_keeping_no_outputs,
     warm_up_other_ranks_only,
 )
@@ -106,7 +107,7 @@ __all__ = [
     "flight_recorder_reset_exists", "fsdp_storage_hooks",
     "functional_collective_ops", "group_timeouts", "in_autograd_backward", "last_collectives", "member_groups_only",
     "missing", "op_name", "op_schema",
-    "resolve_process_group", "step_keeping_no_outputs",
+    "resolve_process_group", "stage_gradient_keywords", "step_keeping_no_outputs",
     "skip_pipeline_shape_exchange", "storage_id", "in_pipeline_shape_inference", "mark_pipeline_shape_inference",
     "functional_collectives", "fsdp_hooked_parameters", "fsdp_param_groups", "fused_kernel_devices",
     "grouped_mm", "grouped_mm_as_on", "grouped_mm_supported", "in_backward_pass", "install_dtensor_rng_tracker",

@@ -17,22 +17,72 @@ from torchtitan.compat.errors import missing
 def skip_pipeline_shape_exchange(schedule: Any) -> None:
     """Make ``schedule``'s first step take every stage as static, with no exchange of shapes over the pp group.
 
-    The schedule's warm-up (``_warmup_p2p``) sends each stage's shapes and votes on whether every
-    stage stated them; a stage in ``InferenceMode.STATIC`` (its ``_inference_mode``) uses the
-    shapes it was given. A fake process group delivers no numbers, so the dry run skips the warm-up.
+    From torch 2.13 the schedule's warm-up (``_warmup_p2p``) sends each stage's shapes and votes on whether
+    every stage stated them; a stage in ``InferenceMode.STATIC`` (its ``_inference_mode``) uses the shapes it
+    was given. A fake process group delivers no numbers, so the dry run skips the warm-up. torch 2.11 has
+    neither: a stage that was given its shapes (``inputs_meta``) skips its shape inference by itself, and the
+    warm-up is one empty message to and from each neighbour stage (``_get_init_p2p_neighbors_ops``), dropped.
     """
+    if hasattr(schedule, "_warmup_p2p"):
+        _skip_warmup_vote(schedule)
+        return
+    stages: list[Any] = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for stage in stages:
+        if not hasattr(stage, "_get_init_p2p_neighbors_ops") or not hasattr(stage, "inputs_meta"):
+            raise missing(f"{type(schedule).__name__}._warmup_p2p (or a stage's _get_init_p2p_neighbors_ops)")
+        if stage.inputs_meta is None:
+            raise ValueError(f"pipeline stage {stage.stage_index} states no input shapes (PipelineStage's "
+                             "input_args): it would learn them from its neighbour, which a fake world cannot")
+        stage._get_init_p2p_neighbors_ops = list
+        if not hasattr(stage, "_validate_fwd_input"):
+            raise missing("PipelineStage._validate_fwd_input")
+        if stage.is_first:  # torch checks only the first stage's inputs
+            stage._validate_fwd_input = functools.partial(_same_shapes, stage)
+
+
+def _same_shapes(stage: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """torch 2.11's check of a first stage's micro-batches against its stated inputs, strides left out: the
+    dry run states the token ids contiguous, while a batch's are a view of one token more per sequence. As
+    torch's, it checks nothing when keywords come too (it cannot tell which stated input each one is)."""
+    if kwargs:
+        return
+    given = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    stated = [tuple(m.shape) for m in stage.inputs_meta if isinstance(m, torch.Tensor)]
+    if given != stated:
+        raise ValueError(f"pipeline stage {stage.stage_index}: micro-batch inputs of shapes {given}, "
+                         f"stated {stated} (PipelineStage's input_args)")
+
+
+def stage_gradient_keywords(input_grads: Any, output_grads: Any) -> dict[str, Any]:
+    """``PipelineStage``'s keywords that state a stage's gradients, where the installed torch takes them.
+
+    From torch 2.13 a stage that is not given its gradients (``input_grads``, ``output_grads``) learns them
+    in a backward on its first step, over the pp group. torch 2.11 has neither keyword nor that backward: it
+    sizes the gradients as the stated activations, so the keywords are left out.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    taken = inspect.signature(PipelineStage.__init__).parameters
+    if "input_grads" in taken and "output_grads" in taken:
+        return {"input_grads": input_grads, "output_grads": output_grads}
+    return {}
+
+
+def _skip_warmup_vote(schedule: Any) -> None:
+    """torch 2.13 and later: every stage ``InferenceMode.STATIC``, no ``_warmup_p2p`` messages or vote."""
     try:
         from torch.distributed.pipelining._utils import InferenceMode
     except ImportError as e:
         raise missing("torch.distributed.pipelining._utils.InferenceMode") from e
-    if not hasattr(schedule, "_warmup_p2p") or not hasattr(InferenceMode, "STATIC"):
-        raise missing(f"{type(schedule).__name__}._warmup_p2p / InferenceMode.STATIC")
+    if not hasattr(InferenceMode, "STATIC"):
+        raise missing("InferenceMode.STATIC")
 
     def all_static(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = all_static
+
 
 def warm_up_other_ranks_only(stage: Any) -> None:
     """Leave out of ``stage``'s (a ``PipelineStage``'s) first-step warm-up the messages to and from its own rank.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.compat import skip_pipeline_shape_exchange
+from torchtitan.compat import skip_pipeline_shape_exchange, stage_gradient_keywords
 from torchtitan.config.job_config import Parallelism, Training
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import mixed_precision
@@ -78,8 +78,8 @@ def stage_io(t: Training, p: Parallelism, dims: ParallelDims, spec: ModelSpec, a
         if aux is not None:
             inputs = inputs if stage_id == 0 else (hidden, aux)
             outputs = (*outputs, aux) if isinstance(outputs, tuple) else (outputs, aux)
-        return {"input_args": inputs, "output_args": outputs, "input_grads": (None if stage_id == 0 else inputs),
-                "output_grads": outputs}
+        return {"input_args": inputs, "output_args": outputs,
+                **stage_gradient_keywords(None if stage_id == 0 else inputs, outputs)}
 
     return io
 
