@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import sys
 import time
 from collections import Counter
@@ -34,7 +35,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.pipeline_parallel import prune_to_stage
-from torchtitan.distributed.pipeline_plan import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES, PipelinePlan, schedules
+from torchtitan.distributed.pipeline_plan import (
+    SINGLE_STAGE_SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    PipelinePlan,
+    schedules,
+)
 
 DEBUG = DEBUG_CONFIG
 STEPS = 4
@@ -458,3 +465,22 @@ def test_pruned_stage_keeps_fqns_and_the_unsplit_init():
     with torch.no_grad():
         torch.testing.assert_close(hidden, whole(tokens), rtol=0, atol=0)  # the stages compose to the model
     assert isinstance(hidden, torch.Tensor) and not isinstance(hidden, DTensor)
+
+
+def test_zero_bubble_with_checkpointing_says_what_it_recomputes(caplog):
+    zero_bubble = [n for n in ZERO_BUBBLE_SCHEDULES if n in schedules()]
+    assert zero_bubble
+    for name in zero_bubble:
+        stages = 4 if name in V_SHAPED_SCHEDULES else 2
+        extra = ["--training.batch_size=4", "--parallelism.pipeline_parallel_microbatches=4"] if stages == 4 else []
+        for mode, warns in (("full", True), ("none", False)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="torchtitan.distributed.pipeline_plan"):
+                _plan(*_pp(name), *extra, f"--activation_checkpoint.mode={mode}")
+            lines = [r.getMessage() for r in caplog.records]
+            assert bool(lines) == warns, (name, mode, lines)
+            assert all("--activation_checkpoint.mode=none" in line and name in line for line in lines)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchtitan.distributed.pipeline_plan"):
+        _plan(*_pp("1F1B"), "--activation_checkpoint.mode=full")
+    assert not caplog.records

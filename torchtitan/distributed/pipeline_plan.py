@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import torch
@@ -56,6 +57,7 @@ OVERLAPPED_IN_SEQUENCE_NOTE = (
     "travels (docs/parallelism.md)")
 
 _PP = "--parallelism.pipeline_parallel_"
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,9 @@ class PipelinePlan:
         problems += _backward_problems(t, ac, schedule)
         if problems:
             raise ConfigError(problems)
+        recompute = zero_bubble_recompute_note(schedule, ac)
+        if recompute:
+            logger.warning(recompute)
         return cls(schedule=schedule, pp=pp, microbatches=microbatches, layer_starts=starts)
 
     @property
@@ -240,6 +245,19 @@ def _microbatch_problems(p: Parallelism, batch: int, schedule: str, m: int, num_
                 f"({rounds} = microbatches // pipeline_parallel_degree); use a multiple of {pp}"
             )
     return problems
+
+
+def zero_bubble_recompute_note(schedule: str, ac: ActivationCheckpoint) -> str | None:
+    """The line a zero-bubble schedule with activation checkpointing logs: it trains, at a price worth saying.
+
+    Its split backward recomputes the checkpointed blocks several times over, as the planner's dry run counts
+    (benchmarks/README.md §37).
+    """
+    if schedule not in ZERO_BUBBLE_SCHEDULES or ac.mode == "none":
+        return None
+    return (f"{_PP}schedule={schedule} with --activation_checkpoint.mode={ac.mode}: the weight pass recomputes "
+            "checkpointed blocks several times over (scripts/plan.py prices it); turn activation checkpointing off "
+            "(--activation_checkpoint.mode=none) or use 1F1B or Interleaved1F1B")
 
 
 def _backward_problems(t: Training, ac: ActivationCheckpoint, schedule: str) -> list[str]:
