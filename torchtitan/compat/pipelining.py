@@ -40,7 +40,7 @@ def skip_pipeline_shape_exchange(schedule: Any) -> None:
             stage._validate_fwd_input = functools.partial(_same_shapes, stage)
 
 
-def _same_shapes(stage: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _same_shapes(stage: Any, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     """torch 2.11's check of a first stage's micro-batches against its stated inputs, strides left out: the
     dry run states the token ids contiguous, while a batch's are a view of one token more per sequence. As
     torch's, it checks nothing when keywords come too (it cannot tell which stated input each one is)."""
@@ -99,7 +99,7 @@ def warm_up_other_ranks_only(stage: Any) -> None:
     if neighbour_ops is None:
         return
 
-    def other_ranks_only() -> list[Any]:
+    def other_ranks_only() -> list[torch.distributed.P2POp]:
         ops = neighbour_ops()
         if any(not hasattr(op, "group_peer") for op in ops):
             raise missing("torch.distributed.P2POp.group_peer")
@@ -112,12 +112,12 @@ class _TimesWeight(torch.autograd.Function):
     """x W^T as one custom autograd node of the activation and the weight, as a custom linear kernel makes it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x, weight)
         return x @ weight.t()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
         x, weight = ctx.saved_tensors
         return grad @ weight, grad.t() @ x
 

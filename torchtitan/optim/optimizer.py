@@ -58,7 +58,7 @@ def _expert_tensors(model_parts: list[torch.nn.Module] | None) -> set[int]:
     return found
 
 
-def _log_kernel(name: str, device_type: str, groups: list[Any], tensors: list[torch.Tensor],
+def _log_kernel(name: str, device_type: str, groups: list[object], tensors: list[torch.Tensor],
                 model_parts: list[torch.nn.Module] | None) -> None:
     """One line: which kernel the update takes, over how many tensors and calls, the experts' among them."""
     experts = _expert_tensors(model_parts)
