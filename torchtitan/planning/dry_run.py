@@ -41,6 +41,8 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
@@ -226,7 +228,7 @@ def dry_runs(jobs: list[tuple[JobConfig, int, list[int] | None]], steps: int = 1
 
 def _simulate_all(flat: list[tuple], labels: list[str], workers: int | None,
                   progress: Progress | None) -> list[RankRun]:
-    """``simulate_rank(*args)`` of each of ``flat``, in a pool of ``workers`` processes; the runs in ``flat``'s order.
+    """``simulate_rank(*args)`` of each of ``flat``, ``workers`` processes at a time; the runs in ``flat``'s order.
 
     One forked process per simulation: DTensor caches meshes (and their process-group names) across
     process groups, so each simulated rank needs a process of its own.
@@ -237,13 +239,45 @@ def _simulate_all(flat: list[tuple], labels: list[str], workers: int | None,
     if progress is not None:
         progress.say(f"simulating {len(flat)} rank step(s) on fake tensors, {workers} at a time; the longest first")
     numbered = [(j, f"[{n}/{len(flat)}] {labels[j]}", progress, flat[j]) for n, j in enumerate(order, 1)]
+    # Each simulation in a process forked from this thread, at most ``workers`` at a time. A pool with one task
+    # per child forks its replacement workers from a thread of its own; such a fork hung once in CI, its child
+    # waiting on a lock that another thread of the parent (a test's server, fsspec's loop) held at the fork.
+    fork = multiprocessing.get_context("fork")
     runs: dict[int, RankRun] = {}
-    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-        for j, run in pool.imap_unordered(_simulate_numbered, numbered, chunksize=1):
+    running: dict[Connection, BaseProcess] = {}
+    while numbered or running:
+        while numbered and len(running) < workers:
+            reader, writer = fork.Pipe(duplex=False)
+            child = fork.Process(target=_simulate_into, args=(numbered.pop(0), writer), daemon=True)
+            child.start()
+            writer.close()
+            running[reader] = child
+        ready = wait(list(running))
+        for reader in [r for r in running if r in ready]:
+            child = running.pop(reader)
+            try:
+                j, run = reader.recv()
+            except EOFError:
+                child.join()
+                raise RuntimeError(f"dry run: a simulation process ended without a result (exit code "
+                                   f"{child.exitcode})") from None
+            child.join()
+            if isinstance(run, BaseException):
+                raise run
             runs[j] = run
             if progress is not None:
                 progress.say(f"done {len(runs)} of {len(flat)}: {labels[j]} ({run.seconds:.1f} s)")
     return [runs[j] for j in range(len(flat))]
+
+
+def _simulate_into(task: tuple[int, str, Progress | None, tuple], out: Connection) -> None:
+    """In a forked child: one simulation, its result (or its error) sent back through ``out``."""
+    try:
+        result: tuple[int, RankRun | BaseException] = _simulate_numbered(task)
+    except Exception as e:
+        result = (task[0], e)
+    out.send(result)
+    out.close()
 
 
 def _simulate_numbered(task: tuple[int, str, Progress | None, tuple]) -> tuple[int, RankRun]:
