@@ -7,11 +7,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan.compat.errors import missing
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 
 def skip_pipeline_shape_exchange(schedule: Any) -> None:
@@ -84,7 +87,7 @@ def _skip_warmup_vote(schedule: Any) -> None:
     schedule._warmup_p2p = all_static
 
 
-def warm_up_other_ranks_only(stage: Any) -> None:
+def warm_up_other_ranks_only(stage: PipelineStage) -> None:
     """Leave out of ``stage``'s (a ``PipelineStage``'s) first-step warm-up the messages to and from its own rank.
 
     A multi-stage schedule of torch 2.11 warms up the pp group with one send and one receive to each neighbour
