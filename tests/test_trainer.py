@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 import conftest
 import pytest
 import torch
-from conftest import DEBUG_CONFIG, REPO, run_torchrun
+from conftest import DEBUG_CONFIG, REPO, run_torchrun, torchrun_env
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -74,8 +73,7 @@ def test_global_grad_norm_equals_single_process(tmp_path):
 
 
 def test_single_process_cli_run_writes_config_and_tensorboard(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
+    env = torchrun_env()  # no RANK, MASTER_PORT...: a plain one-process run makes its own store
     out = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--job.config_file", DEBUG, f"--job.dump_folder={tmp_path}",
          "--training.steps=10", "--metrics.enable_tensorboard"],

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, torchrun_env
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -21,8 +21,7 @@ CONFIG = str(REPO / "train_configs" / "qwen3_debug_moe.toml")
 
 
 def test_shipped_debug_moe_config_trains_on_one_process(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
+    env = torchrun_env()  # no RANK, MASTER_PORT...: a plain one-process run makes its own store
     out = subprocess.run([sys.executable, str(REPO / "train.py"), "--job.config_file", CONFIG,
                           f"--job.dump_folder={tmp_path}", "--training.steps=20", "--moe.aux_loss=switch",
                           "--metrics.log_freq=2"],

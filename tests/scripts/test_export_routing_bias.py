@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REPO, debug_config, load_script
+from conftest import REPO, debug_config, load_script, torchrun_env
 
 from torchtitan.checkpoint.formats import routing_bias_problem
 from torchtitan.models import get_model_spec
@@ -44,15 +44,13 @@ def test_a_trained_routing_bias_is_named_for_every_family_without_a_place_for_it
 def test_export_script_refuses_a_qwen3_moe_trained_with_the_bias_in_one_line(tmp_path, capsys):
     """train.py (one process, 2 steps, the bias on), then scripts/export_checkpoint.py --format hf: exit 2 with
     one line naming the option; with it, the folder is written and transformers reads it."""
-    import os
     import subprocess
     import sys
 
     import transformers
 
     dump = tmp_path / "dump"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
+    env = torchrun_env()  # no RANK, MASTER_PORT...: a plain one-process run makes its own store
     out = subprocess.run([sys.executable, str(REPO / "train.py"), "--job.config_file",
                           str(REPO / "train_configs" / "qwen3_debug_moe.toml"), f"--job.dump_folder={dump}",
                           "--training.steps=2", "--training.seq_len=32", "--moe.load_balance_coeff=0.001",
