@@ -237,6 +237,47 @@ def test_output_keeps_the_input_dtype_and_experts_compute_in_the_parameter_dtype
     assert y.dtype == torch.bfloat16
 
 
+def _slot_loop(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of the slots as plain autograd runs it: slot by slot in float32."""
+    wide, w = slots.float(), weights.float()
+    total = wide[:, 0] * w[:, :1]
+    for slot in range(1, slots.shape[1]):
+        total = total + wide[:, slot] * w[:, slot : slot + 1]
+    return total.to(slots.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_backward_equals_autograds_and_writes_no_slot_sized_buffer_per_slot(dtype):
+    """The combine's own backward: bitwise autograd's through the slot loop, without the per-slot zero-filled
+    float32 [T, k, D] buffers (and their k-fold sum) that autograd's select backward writes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan.models.moe.dispatch import _WeightedSlotSum
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, k, dim = 11, 8, 24
+    slots = torch.randn(tokens, k, dim, generator=gen).to(dtype).requires_grad_()
+    weights = torch.rand(tokens, k, generator=gen).requires_grad_()
+    grad = torch.randn(tokens, dim, generator=gen).to(dtype)
+
+    class SlotSized(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (tokens, k, dim) and out.dtype == torch.float32:
+                self.count += 1
+            return out
+
+    expected = torch.autograd.grad(_slot_loop(slots, weights), (slots, weights), grad)
+    out = _WeightedSlotSum.apply(slots, weights, dtype)
+    assert torch.equal(out, _slot_loop(slots, weights))
+    with SlotSized() as seen:
+        got = torch.autograd.grad(out, (slots, weights), grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert seen.count <= 3, seen.count  # the slots' gradient, the widened slots, their product: not k of each
+
+
 # ---------------------------------------------------------------- counts
 
 

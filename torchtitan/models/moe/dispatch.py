@@ -56,12 +56,36 @@ def combine(out: torch.Tensor, routing: Routing, weights: torch.Tensor, dtype: t
     """Expert outputs ``[T*k, D]`` (expert-major) -> ``sum_j weights[t, j] * out(t, j)`` as ``[T, D]``."""
     inverse = torch.empty_like(routing.order)
     inverse[routing.order] = torch.arange(routing.order.numel(), device=routing.order.device)
-    slots = out.index_select(0, inverse).view(routing.num_tokens, routing.top_k, -1).float()
-    weights = weights.float()
-    total = slots[:, 0] * weights[:, :1]
-    for slot in range(1, routing.top_k):  # slot order: the same sum on every layout and device
-        total = total + slots[:, slot] * weights[:, slot : slot + 1]
-    return total.to(dtype)
+    slots = out.index_select(0, inverse).view(routing.num_tokens, routing.top_k, -1)
+    return _WeightedSlotSum.apply(slots, weights, dtype)
+
+
+class _WeightedSlotSum(torch.autograd.Function):
+    """``sum_j weights[:, j] * slots[:, j]`` in float32, slot by slot (the same sum on every layout and device).
+
+    Its own backward because autograd's, through the k slot selections, writes a zero-filled float32
+    ``[T, k, D]`` per slot and adds the k of them up: O(k^2) memory traffic, which was DeepSeek-V3's
+    largest memory-bound cost (k = 8). Here the slots' gradient is one product, the weights' one
+    product and one reduction over D, the same values as autograd's; and the slots are kept in their
+    own dtype (bf16 under mixed precision), not as the float32 copy.
+    """
+
+    @staticmethod
+    def forward(ctx, slots: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(slots, weights)
+        wide, w = slots.float(), weights.float()
+        total = wide[:, 0] * w[:, :1]
+        for slot in range(1, slots.shape[1]):
+            total = total + wide[:, slot] * w[:, slot : slot + 1]
+        return total.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        slots, weights = ctx.saved_tensors
+        g = grad.float().unsqueeze(1)
+        grad_slots = (g * weights.float().unsqueeze(-1)).to(slots.dtype)
+        grad_weights = (g * slots.float()).sum(-1).to(weights.dtype)
+        return grad_slots, grad_weights, None
 
 
 class LocalDispatcher:
