@@ -12,7 +12,8 @@ from collections import Counter
 import torch
 
 from torchtitan.compat import TorchDispatchMode, op_name
-from torchtitan.planning.compute import moved_bytes
+from torchtitan.planning.compute import PhaseWork, moved_bytes, op_work
+from torchtitan.planning.fused_attention import fused_attention_as_on_gpu
 
 
 class _BytesByOp(TorchDispatchMode):
@@ -57,3 +58,64 @@ def test_in_place_updates_and_out_buffers_count_each_tensor_once_each_way():
     assert counted.bytes["_foreach_norm"] == 4 * 320 + 2 * 4
     assert counted.bytes["add"] == 3 * 4 * 100
     assert counted.bytes["add_"] == 3 * 4 * 100
+
+
+class _Ledger(TorchDispatchMode):
+    """Each op's work as the dry run's ``ComputeLedger`` records it, summed, and the largest tensor made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work = PhaseWork()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        w = op_work(func, args, kwargs, out)
+        if w is not None:
+            self.work.add(w)
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_attention_with_its_own_value_head_is_priced_as_the_fused_kernel_through_a_recompute():
+    """MLA's attention (query head 192, value head 128) in the dry run: one fused op forward and backward
+    (the recompute of a checkpointed forward included), FLOPs of both products at their own head sizes, no
+    score matrix made, and no other kernel's bytes; a call with equal heads keeps torch's own op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.checkpoint import checkpoint
+
+    b, h, s, d, dv = 1, 4, 256, 192, 128
+    with FakeTensorMode(), fused_attention_as_on_gpu():
+        q, k = (torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.randn(b, h, s, dv, dtype=torch.bfloat16, requires_grad=True)
+        with _Ledger() as ledger:
+            out = checkpoint(lambda *t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True),
+                             q, k, v, use_reentrant=False)
+            assert out.shape == (b, h, s, dv)
+            out.sum().backward()
+        assert q.grad is not None and v.grad is not None and q.grad.shape == q.shape and v.grad.shape == v.shape
+    one_pass = 2 * b * h * s * s * (d + dv)
+    assert ledger.work.attention_flops == 4 * one_pass  # forward, its recompute, and a backward of twice the work
+    assert ledger.work.causal_attention_flops == ledger.work.attention_flops
+    assert ledger.largest < b * h * s * s * 2  # no [s, s] scores, not even in bf16
+    assert ledger.work.matmul_flops == 0
+
+    with FakeTensorMode(), fused_attention_as_on_gpu(), _Ledger() as same_heads:
+        q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert same_heads.work.attention_flops == 2 * b * h * s * s * (2 * d)
+
+
+def test_collectives_are_not_priced_as_compute_kernels():
+    """A collective's time is its communication (cost.py): its bytes are not also a memory-bound kernel."""
+    import torch.distributed as dist
+
+    assert op_work(torch.ops._c10d_functional.wait_tensor.default, (torch.ones(4),), {}, torch.ones(4)) is None
+    if dist.is_available():
+        assert op_work(torch.ops._c10d_functional.all_to_all_single.default,
+                       (torch.ones(4), [2, 2], [2, 2], "0"), {}, torch.ones(4)) is None
+    add = op_work(torch.ops.aten.add.Tensor, (torch.ones(4), torch.ones(4)), {}, torch.ones(4))
+    assert add is not None and add.memory_bytes == 48

@@ -72,13 +72,14 @@ def attention_flops(name: str, args) -> tuple[int, bool]:
     """FLOPs of a scaled-dot-product attention op (forward or backward), and whether it is causal.
 
     Counted over the whole score matrix, as ``flops_per_token`` counts it; a causal kernel skips
-    about half of it, which the cost model applies.
+    about half of it, which the cost model applies. The two products are counted at their own head sizes:
+    scores at the query's, the weighted sum at the value's (MLA's differ: ``fused_attention.py``).
     """
     backward = "backward" in name
-    q, k = (args[1], args[2]) if backward else (args[0], args[1])
+    q, k, v = (args[1], args[2], args[3]) if backward else (args[0], args[1], args[2])
     b, h, s_q, d = _shape(q)
-    s_k = _shape(k)[2]
-    forward = 4 * b * h * s_q * s_k * d
+    s_k, d_v = _shape(k)[2], _shape(v)[-1]
+    forward = 2 * b * h * s_q * s_k * (d + d_v)
     causal = any(a is True for a in args[3:])
     return (2 * forward if backward else forward), causal
 
@@ -133,10 +134,15 @@ class PhaseWork:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
 
+# Collectives and their waits: their time is communication (``cost.py`` prices each by its bytes on the
+# network or NVLink), not a memory-bound kernel of the compute stream besides.
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
+
+
 def op_work(func, args, kwargs, out) -> PhaseWork | None:
-    """One op's work (None: an op that launches no kernel)."""
+    """One op's work (None: an op that launches no kernel on the compute stream)."""
     name = op_name(func)
-    if name in _FREE:
+    if name in _FREE or getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
         return None
     w = PhaseWork(kernels=1)
     if func in _MATMULS and not _float8_operands(args):

@@ -63,6 +63,7 @@ from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.launch_plan import LaunchPlan
 from torchtitan.models import model_args
 from torchtitan.planning.compute import ComputeLedger, PhaseWork
+from torchtitan.planning.fused_attention import fused_attention_as_on_gpu
 from torchtitan.planning.memory import MemoryLedger, MemoryReport
 from torchtitan.planning.moe import GPU_GROUPED_MM_DTYPES, assume_routing, check_imbalance, moe_notes
 from torchtitan.planning.muon_work import MuonOwnerWork, owner_work
@@ -375,7 +376,8 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         coords = {name: dims.rank_and_size(name)[0] for name in dims.enabled_dims}
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
         _prebuild_cp_masks(cfg.training.seq_len, dims)
-        with fake, recorder, track_fsdp_storage(memory), grouped_mm_as_on(GPU_GROUPED_MM_DTYPES):
+        with (fake, recorder, track_fsdp_storage(memory), grouped_mm_as_on(GPU_GROUPED_MM_DTYPES),
+              fused_attention_as_on_gpu()):
             job.register_state()
             job.init_optimizer_state(recorder)
             traffic.recording = compute.recording = True
