@@ -31,7 +31,10 @@ _FREE = {"view", "_unsafe_view", "t", "transpose", "detach", "as_strided", "alia
          "view_as_complex", "_conj", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
          "chunk", "unflatten", "flatten", "lift_fresh", "_reshape_alias", "resolve_conj", "resolve_neg",
          "_record_function_enter_new", "_record_function_exit", "device", "set_", "_has_compatible_shallow_copy_type",
-         "record_stream"}
+         "record_stream",
+         # A functional collective's wait: it moves nothing (the collective's own buffers are priced once, at
+         # the collective, as the memory traffic its kernel adds beside its communication time).
+         "wait_tensor"}
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -134,15 +137,12 @@ class PhaseWork:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
 
-# Collectives and their waits: their time is communication (``cost.py`` prices each by its bytes on the
-# network or NVLink), not a memory-bound kernel of the compute stream besides.
-_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 
 
 def op_work(func, args, kwargs, out) -> PhaseWork | None:
-    """One op's work (None: an op that launches no kernel on the compute stream)."""
+    """One op's work (None: an op that launches no kernel)."""
     name = op_name(func)
-    if name in _FREE or getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
+    if name in _FREE:
         return None
     w = PhaseWork(kernels=1)
     if func in _MATMULS and not _float8_operands(args):

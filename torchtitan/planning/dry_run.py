@@ -22,7 +22,9 @@ What differs from a GPU run, and how it is handled:
   the eager-CPU kernels of ``ops/cpu_kernels.py`` are not swapped in and the model runs the code
   that GPUs run; the loss is one cross-entropy, as on a GPU;
 - attention is causal over each whole window (no positions are passed): under ``block_causal`` a
-  GPU runs FlexAttention, whose work on packed documents is at most the causal figure;
+  GPU runs FlexAttention, whose work on packed documents is at most the causal figure; attention
+  with a value head of its own size (MLA) runs as the fused kernel a GPU has for it
+  (``fused_attention.py``), not the CPU's decomposition;
 - no weights are initialized (they are fake; init reads random values: ``init_weights=False``), the
   tokenizer and the data set are not read (the flavor's vocabulary and random token ids stand in),
   and the checkpoint manager is not built (it opens a gloo group and installs signal handlers);
