@@ -103,6 +103,18 @@ def test_attention_with_its_own_value_head_is_priced_as_the_fused_kernel_through
     assert ledger.largest < b * h * s * s * 2  # no [s, s] scores, not even in bf16
     assert ledger.work.matmul_flops == 0
 
+    # Under a per-op policy the output is kept, as the fused kernel's would be: no recompute.
+    from torchtitan.distributed.activation_checkpoint import _moe_contexts
+
+    with FakeTensorMode(), fused_attention_as_on_gpu():
+        q, k = (torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.randn(b, h, s, dv, dtype=torch.bfloat16, requires_grad=True)
+        with _Ledger() as kept:
+            out = checkpoint(lambda *t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True),
+                             q, k, v, use_reentrant=False, context_fn=_moe_contexts)
+            out.sum().backward()
+    assert kept.work.attention_flops == 3 * one_pass
+
     with FakeTensorMode(), fused_attention_as_on_gpu(), _Ledger() as same_heads:
         q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

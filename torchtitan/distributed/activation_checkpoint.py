@@ -82,6 +82,15 @@ _KEPT_BY_MOE_POLICY = {
     *([torch.ops.aten._grouped_mm.default] if hasattr(torch.ops.aten, "_grouped_mm") else []),
     *([torch.ops.aten._scaled_grouped_mm.default] if hasattr(torch.ops.aten, "_scaled_grouped_mm") else []),
 }
+
+
+def keep_as_attention(op: object) -> None:
+    """Every per-op policy keeps ``op``'s output as it keeps a fused attention kernel's: the planner's stand-in
+    for a kernel the CPU lacks (planning/fused_attention.py) must be kept where the kernel it prices would be."""
+    _ALWAYS_SAVE.add(op)
+    _KEPT_BY_MOE_POLICY.add(op)
+
+
 # The modules whose linear products 'moe' recomputes: ops alone cannot tell wq_b's mm from wo's, so a forward
 # hook on each (by its name in the block) marks the ops that run inside it.
 _RECOMPUTED_MODULES = ("router", "wq_b", "wkv_b")

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from torchtitan.distributed.activation_checkpoint import keep_as_attention
+
 _NAMESPACE = "torchtitan_planning"
 _Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -67,6 +69,8 @@ def _grads(ctx, grad_out: torch.Tensor, _grad_logsumexp: torch.Tensor):  # noqa:
 
 
 _forward.register_autograd(_grads, setup_context=_setup_context)
+# Selective AC keeps a fused attention kernel's output (distributed/activation_checkpoint.py): so this one's.
+keep_as_attention(torch.ops.torchtitan_planning.scaled_dot_product_attention.default)
 
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
