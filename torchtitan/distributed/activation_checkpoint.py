@@ -12,6 +12,7 @@ from collections.abc import Callable
 from functools import wraps
 
 import torch
+from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from torchtitan.compat.checkpointing import selective_contexts_without_profiler_markers
@@ -84,7 +85,7 @@ _KEPT_BY_MOE_POLICY = {
 }
 
 
-def keep_as_attention(op: object) -> None:
+def keep_as_attention(op: OpOverload) -> None:
     """Every per-op policy keeps ``op``'s output as it keeps a fused attention kernel's: the planner's stand-in
     for a kernel the CPU lacks (planning/fused_attention.py) must be kept where the kernel it prices would be."""
     _ALWAYS_SAVE.add(op)
