@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import wraps
+from typing import TYPE_CHECKING
 
 import torch
-from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from torchtitan.compat.checkpointing import selective_contexts_without_profiler_markers
 from torchtitan.ops.cpu_kernels import onednn_available
+
+if TYPE_CHECKING:
+    from torchtitan.compat.autograd import OpOverload
 
 logger = logging.getLogger(__name__)
 
