@@ -115,6 +115,16 @@ def test_attention_with_its_own_value_head_is_priced_as_the_fused_kernel_through
             out.sum().backward()
     assert kept.work.attention_flops == 3 * one_pass
 
+    # Grouped K/V heads are read in place: no repeated copy, gradients of their own shape, the query heads' work.
+    with FakeTensorMode(), fused_attention_as_on_gpu():
+        q = torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, 1, s, d, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b, 1, s, dv, dtype=torch.bfloat16, requires_grad=True)
+        with _Ledger() as grouped:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+        assert k.grad is not None and k.grad.shape == k.shape
+    assert grouped.work.attention_flops == 3 * one_pass and grouped.work.memory_bytes < 4 * b * h * s * d * 2
+
     with FakeTensorMode(), fused_attention_as_on_gpu(), _Ledger() as same_heads:
         q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -79,8 +79,8 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.T
     """The planner's op for a call the CPU would decompose; None for one it runs fused (or with a mask)."""
     if v.shape[-1] == q.shape[-1] or attn_mask is not None or dropout_p:
         return None
-    if enable_gqa and k.shape[-3] != q.shape[-3]:  # the fused kernels read grouped K/V in place; the work is the same
-        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
+    # Grouped K/V heads (enable_gqa) go in as they are: the fused kernels read them in place, and the work
+    # (compute.attention_flops) is counted over the query heads.
     out, _ = _forward(q, k, v, is_causal, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     return out
 
