@@ -36,6 +36,16 @@ CASES: dict[str, dict[str, Any]] = {
                                     args=dict(hidden_dim=10, top_k=3)),
     # Activation checkpointing: the recompute inside backward exchanges again and must not count again.
     "ep2_checkpointed": dict(ep=2, bias={3: -1e9}, args=dict(norm_topk_prob=True), checkpoint=True),
+    # The two-hop dispatch (node_dispatch.py): EP 4 as 2 "nodes" of 2 ranks; group-limited routing whose groups
+    # are the nodes' halves, a shared expert, and expert 5 (on node 1) without tokens.
+    "ep4_two_hop_deepseek": dict(ep=4, gpus_per_node=2, bias={5: -1e9, 0: 0.2},
+                                 args=dict(score_func="sigmoid", num_groups=4, topk_groups=2, route_scale=2.5,
+                                           num_shared_experts=1, top_k=3)),
+    # 4 nodes of one rank each (hop 2 within a rank), rank 3's experts idle, under activation checkpointing.
+    "ep4_two_hop_one_per_node": dict(ep=4, gpus_per_node=1, bias={6: -1e9, 7: -1e9}, args=dict(top_k=3),
+                                     checkpoint=True),
+    # EP 2 on a 2 x 2 (dp, ep) mesh: the EP ranks {0, 1} and {2, 3}, each pair split over two "nodes" of one rank.
+    "ep2_two_hop": dict(ep=2, gpus_per_node=1, bias={2: -1e9}, args=dict(norm_topk_prob=True)),
 }
 
 
@@ -46,12 +56,14 @@ def _args(case: dict[str, Any]) -> MoEArgs:
 
 def _build(case: dict[str, Any], ep_mesh=None, overlap: bool = True) -> MoE:
     """On meta, expert-parallel if a mesh is given, then materialised and initialised as the trainer does."""
-    from torchtitan.models.moe.parallel import apply_expert_parallel
+    from torchtitan.models.moe.parallel import apply_expert_parallel, node_hop_groups
 
+    gpus_per_node = case.get("gpus_per_node", 0)
     with torch.device("meta"):
-        moe = MoE(dataclasses.replace(_args(case), overlap_all_to_all=overlap))
+        moe = MoE(dataclasses.replace(_args(case), overlap_all_to_all=overlap, dispatch_gpus_per_node=gpus_per_node))
     if ep_mesh is not None:
-        apply_expert_parallel(moe, ep_mesh)
+        hops = node_hop_groups(ep_mesh.get_group(), gpus_per_node) if gpus_per_node else None
+        apply_expert_parallel(moe, ep_mesh, hops)
     moe.to_empty(device="cpu")
     moe.init_buffers()
     init_params_layout_invariant(moe, SEED)
@@ -103,7 +115,8 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     for grad in shared.values():
         dist.all_reduce(grad)
     counts = update_expert_bias([moe], COEFF, group=dist.group.WORLD)
-    return dict(ep_rank=mesh["ep"].get_local_rank(), initial=initial, y=y.detach(), x_grad=x.grad,
+    return dict(dispatcher=type(moe.dispatcher).__name__, ep_rank=mesh["ep"].get_local_rank(),
+                initial=initial, y=y.detach(), x_grad=x.grad,
                 gate_grad=gate_grad, expert_grads=expert_grads, shared_grads=shared, counts=counts[0],
                 bias=moe.router.expert_bias.clone())
 
@@ -140,15 +153,15 @@ def _spy_on(fn_class: type, name: str, events: list[str]) -> None:
     fn_class.forward, fn_class.backward = staticmethod(spied_forward), staticmethod(spied_backward)
 
 
-def _overlap_run(rank: int, overlap: bool) -> dict[str, Any]:
-    """The shared-experts case at EP 2 with ``overlap_all_to_all`` on or off: the order in which the rows'
-    exchanges and the shared experts ran, forward and backward, the output and every gradient."""
+def _overlap_run(rank: int, overlap: bool, name: str = "ep2_deepseek") -> dict[str, Any]:
+    """A shared-experts case (at EP 2 unless ``name`` says) with ``overlap_all_to_all`` on or off: the order in
+    which the rows' exchanges and the shared experts ran, forward and backward, the output and every gradient."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan.models.moe import dispatch
 
-    case = CASES["ep2_deepseek"]
-    mesh = init_device_mesh("cpu", (WORLD // 2, 2), mesh_dim_names=("dp", "ep"))
+    case = CASES[name]
+    mesh = init_device_mesh("cpu", (WORLD // case["ep"], case["ep"]), mesh_dim_names=("dp", "ep"))
     moe = _build(case, mesh["ep"], overlap=overlap)
     events: list[str] = []
     spied = {dispatch._AllToAll: "exchange", dispatch._IssueAllToAll: "issue", dispatch._WaitAllToAll: "wait"}
@@ -181,6 +194,7 @@ def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {name: _run_case(rank, case) for name, case in CASES.items()}
     out["refusal"] = _refusal(rank)
     out["overlap"] = {on: _overlap_run(rank, on) for on in (True, False)}
+    out["two_hop_overlap"] = {on: _overlap_run(rank, on, "ep4_two_hop_deepseek") for on in (True, False)}
     return out
 
 
@@ -215,6 +229,8 @@ def test_expert_parallel_equals_one_process(world, name):
     per_rank = 8 // case["ep"]
     for rank, results in enumerate(world):
         got = results[name]
+        want = "NodeDispatcher" if case.get("gpus_per_node") else "AllToAllDispatcher"
+        assert got["dispatcher"] == want, f"rank {rank}: {name} ran through {got['dispatcher']}"
         lo = got["ep_rank"] * per_rank
         for w in ("w1", "w2", "w3"):
             assert torch.equal(got["initial"][w], ref["full"][w].detach()[lo:lo + per_rank]), (
@@ -263,5 +279,22 @@ def test_shared_experts_run_while_the_dispatch_travels(world):
         assert torch.equal(on["y"], off["y"]), f"rank {rank}: output differs with the overlap"
         assert torch.equal(on["x_grad"], off["x_grad"]), f"rank {rank}: input gradient differs with the overlap"
         assert on["grads"].keys() == off["grads"].keys()
+        for name, grad in off["grads"].items():
+            assert torch.equal(on["grads"][name], grad), f"rank {rank}: {name}.grad differs with the overlap"
+
+
+def test_two_hop_dispatch_runs_the_shared_experts_while_the_first_hop_travels(world):
+    """Two-hop dispatch with ``overlap_all_to_all``: the shared experts run between the first hop's issue and its
+    wait in forward, and between the wait's backward (which issues the gradients' way back) and the issue's backward
+    (which waits for it); the output and every gradient are the same bit for bit as without the overlap."""
+    for rank, results in enumerate(world):
+        on, off = results["two_hop_overlap"][True], results["two_hop_overlap"][False]
+        events = on["events"]
+        order = [events.index(e) for e in ("issue forward", "shared forward", "wait forward", "backward",
+                                            "wait backward", "shared backward done", "issue backward")]
+        assert order == sorted(order), f"rank {rank}: two-hop overlapped order {events}"
+        assert off["events"].index("shared forward") > off["events"].index("wait forward"), (
+            f"rank {rank}: without the overlap the shared experts ran before the rows arrived: {off['events']}")
+        assert torch.equal(on["y"], off["y"]), f"rank {rank}: output differs with the overlap"
         for name, grad in off["grads"].items():
             assert torch.equal(on["grads"][name], grad), f"rank {rank}: {name}.grad differs with the overlap"

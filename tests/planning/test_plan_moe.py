@@ -196,3 +196,41 @@ def test_overlapped_all_to_all_is_exposed_only_beyond_the_shared_experts():
         cover = next(iter(on.ranks[0].traffic.covers))
         t = cost.collective_s("all_to_all", cover.nbytes, 1, on.ranks[0].traffic.group_ranks["ep"], c)
         assert (cost.phase_compute_s(PhaseWork(*cover.work), c) >= t) is clipped, (c.name, c.gpus_per_node)
+
+
+@pytest.mark.slow  # the dry run's pool of worker processes
+def test_two_hop_dispatch_sends_each_token_once_per_node():
+    """EP 4 x FSDP 4 on the DeepSeek-V3 debug model with ``--moe.dispatch_gpus_per_node=2`` (2 nodes of 2 ranks):
+    the first hop runs over the ranks of the same local index on each node, the second over the node's ranks; a
+    token crosses once per node its experts span (here one: the debug routing keeps one group of two, and the groups
+    are the nodes), so the network carries half of what one hop sends over it, and its exposed time drops."""
+    from torchtitan.models.moe.node_dispatch import nodes_per_token
+    from torchtitan.planning import cost
+    from torchtitan.planning.clusters import load_cluster
+
+    def cfg(*more: str):
+        return debug_config("--metrics.enable_tensorboard=false", "--parallelism.data_parallel_shard_degree=4",
+                            "--parallelism.expert_parallel_degree=4", *more, config=DSV3)
+
+    two, one = dry_runs([(cfg("--moe.dispatch_gpus_per_node=2"), 4, None), (cfg(), 4, None)])
+    k, nodes, layers, float32 = 2, 2, 3, 4
+    pairs = T * nodes_per_token(8, k, nodes, num_groups=2, topk_groups=1)
+    assert pairs == T  # one node per token
+    # per layer, forward: the pair counts, each pair's expert ids and weights, its row there and the sum back
+    hop1 = nodes * INT64 + pairs * k * (INT64 + float32) + 2 * pairs * D * BF16
+    bandwidth_only = dataclasses.replace(load_cluster("h100-sxm-80g"), gpus_per_node=2, network_latency_s=0.0,
+                                         nvlink_latency_s=0.0)
+    for r_two, r_one in zip(two.ranks, one.ranks, strict=True):
+        rows = {(row["dim"], row["phase"]): row for row in r_two.traffic.rows() if row["kind"] == "all_to_all"}
+        assert rows[("ep_inter_node", "forward")]["bytes"] == layers * hop1, rows
+        me = r_two.traffic.group_ranks["ep_intra_node"]
+        assert len(me) == 2 and me[0] // 2 == me[1] // 2, "the second hop stays in a node"
+        inter = r_two.traffic.group_ranks["ep_inter_node"]
+        assert len(inter) == 2 and inter[0] % 2 == inter[1] % 2 and inter[0] // 2 != inter[1] // 2
+        one_hop = {row["phase"]: row["bytes"] for row in r_one.traffic.rows() if row["kind"] == "all_to_all"}
+        assert one_hop["forward"] == layers * (2 * T * k * D * BF16 + 8 * INT64)  # each slot's row there and back
+        # the exchanges' time at bandwidth (at these tiny sizes the latency of the more numerous hops would dominate)
+        seconds = [sum(cost.collective_s("all_to_all", row["bytes"], row["count"], run.traffic.group_ranks[row["dim"]],
+                                         bandwidth_only)
+                       for row in run.traffic.rows() if row["kind"] == "all_to_all") for run in (r_two, r_one)]
+        assert seconds[0] < 0.6 * seconds[1], seconds

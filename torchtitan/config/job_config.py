@@ -212,6 +212,11 @@ class Moe:
     overlap_all_to_all: bool = field_with_help(
         True, "Under expert parallelism, send the routed tokens asynchronously and run the shared experts while they "
         "travel (forward, and their backward beside the returning gradients); the same model either way (docs/moe.md)")
+    dispatch_gpus_per_node: int = field_with_help(
+        0, "Under expert parallelism across nodes of this many consecutive ranks (GPUs per node), dispatch in two "
+        "hops: each token crosses the network once per node holding one of its experts, then is forwarded inside the "
+        "node, and each node's weighted outputs are summed there before the way back (docs/moe.md). The layouts then "
+        "agree to rounding, not bit for bit. 0: one all-to-all over every EP rank", min=0)
 
 
 @dataclass

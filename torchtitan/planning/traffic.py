@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.compat import c10d_op, functional_collective_ops, resolve_process_group
+from torchtitan.distributed.group_labels import extra_group_labels
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 c10d, functional = torch.ops.c10d, functional_collective_ops()
@@ -159,4 +160,4 @@ def dim_of_groups(dims: ParallelDims) -> dict[str, str]:
     world = dist.group.WORLD
     assert world is not None, "the planner runs inside an initialized process group"
     names.setdefault(world.group_name, "world")
-    return names
+    return {**extra_group_labels(), **names}

@@ -44,6 +44,7 @@ class MoEDecoderArgs(DecoderConfig):
     aux_loss: Literal["none", "switch", "sequence"] = "none"
     aux_loss_coeff: float = 0.0
     overlap_all_to_all: bool = True  # the shared experts run while the routed tokens travel (the same model)
+    dispatch_gpus_per_node: int = 0  # > 0: the two-hop dispatch across nodes of this many ranks (node_dispatch.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,4 +74,5 @@ class MoEDecoderArgs(DecoderConfig):
                        top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                        load_balance_bias=self.load_balance_coeff > 0, aux_loss=self.aux_loss,
                        aux_loss_coeff=self.aux_loss_coeff, use_grouped_mm=self.use_grouped_mm,
-                       overlap_all_to_all=self.overlap_all_to_all)
+                       overlap_all_to_all=self.overlap_all_to_all,
+                       dispatch_gpus_per_node=self.dispatch_gpus_per_node)

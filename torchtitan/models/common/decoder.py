@@ -329,13 +329,15 @@ class Decoder(nn.Module):
 
     @classmethod
     def with_job_options(cls, args: DecoderConfig, model: job_config.Model, moe: job_config.Moe) -> DecoderConfig:
-        """``args`` with the job's options applied: the [moe] balancing and all-to-all overlap of a model with experts
-        (``--moe.overlap_all_to_all`` reaches each MoE layer through ``moe_args``)."""
+        """``args`` with the job's options applied: the [moe] balancing, all-to-all overlap and two-hop dispatch of a
+        model with experts (``--moe.overlap_all_to_all`` and ``--moe.dispatch_gpus_per_node`` reach each MoE layer
+        through ``moe_args``)."""
         if not isinstance(args, MoEDecoderArgs) or not args.num_experts:
             return args
         return dataclasses.replace(args, load_balance_coeff=moe.load_balance_coeff or 0.0, aux_loss=moe.aux_loss,
                                    aux_loss_coeff=moe.aux_loss_coeff if moe.aux_loss != "none" else 0.0,
-                                   overlap_all_to_all=moe.overlap_all_to_all)
+                                   overlap_all_to_all=moe.overlap_all_to_all,
+                                   dispatch_gpus_per_node=moe.dispatch_gpus_per_node)
 
     # ---------------------------------------------------------------- the family's seam, on a model part
 

@@ -157,11 +157,13 @@ def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Modul
     ``ep_mesh``, tokens exchanged by all-to-all. Returns the layers' expert modules, which FSDP then shards
     over ``efsdp`` apart from the rest of their block (distributed/fsdp.py)."""
     from torchtitan.models.moe import MoE
-    from torchtitan.models.moe.parallel import apply_expert_parallel
+    from torchtitan.models.moe.parallel import apply_expert_parallel, node_hop_groups
 
     moes = [m for m in model.modules() if isinstance(m, MoE)]
+    gpus_per_node = moes[0].args.dispatch_gpus_per_node if moes else 0
+    hops = node_hop_groups(ep_mesh.get_group(), gpus_per_node) if gpus_per_node else None
     for moe in moes:
-        apply_expert_parallel(moe, ep_mesh)
+        apply_expert_parallel(moe, ep_mesh, hops)
     logger.info("Applied expert parallel on %d ranks to %d MoE layers (%d experts each, %d per rank)",
                 ep_mesh.size(), len(moes), moes[0].args.num_experts if moes else 0,
                 moes[0].args.num_experts // ep_mesh.size() if moes else 0)

@@ -17,6 +17,7 @@ from torch import nn
 from torchtitan import compat
 from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, Routing, exchange_rows
 from torchtitan.models.moe.moe import MoE
+from torchtitan.models.moe.node_dispatch import NodeDispatcher, nodes_per_token
 
 
 def even_split(total: int, parts: int) -> list[int]:
@@ -75,6 +76,37 @@ class AssumedAllToAllDispatcher(AllToAllDispatcher):
         return by_rank, local, received, sent
 
 
+class AssumedNodeDispatcher(NodeDispatcher):
+    """The two-hop dispatch with each token sent to ``nodes_per_token`` nodes (``node_dispatch.nodes_per_token``),
+    spread evenly; each relay gets as many of its node's slots as its rank routed (``T x top_k``: every rank routes
+    alike), its hop-2 exchange the one-hop assumption over the node's ranks (``imbalance`` included)."""
+
+    def __init__(self, real: NodeDispatcher, imbalance: float, per_token: float):
+        super().__init__(real.num_experts, real.inter, real.inner.group)
+        self.inner = AssumedAllToAllDispatcher(real.inner, imbalance)
+        self.per_token = per_token
+        self._slots = 0  # the routing's T x top_k, from the pairs to the relay of the same forward
+
+    def count(self, experts: torch.Tensor) -> torch.Tensor:
+        return _host(even_split(experts.numel(), self.num_experts), (self.num_experts,))
+
+    def _node_pairs(self, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        self._slots = experts.numel()
+        pairs = round(experts.shape[0] * self.per_token)
+        return experts.new_zeros(pairs), even_split(pairs, self.nodes)
+
+    def _exchange_pair_counts(self, per_node: list[int], device: torch.device) -> list[int]:
+        exchange_rows(torch.zeros(self.nodes, dtype=torch.int64, device=device), [1] * self.nodes, [1] * self.nodes,
+                      self.inter)  # the count exchange, as the real one
+        return per_node  # every rank sends alike: as many received from each node as sent to it
+
+    def _relay_sort(self, experts: torch.Tensor) -> tuple[Routing, list[int]]:
+        order = torch.argsort(experts.reshape(-1), stable=True)[: self._slots]
+        counts = _host(even_split(self._slots, self.experts_per_node), (self.experts_per_node,))
+        return (Routing(order, counts, experts.shape[0], experts.shape[1]),
+                even_split(self._slots, experts.shape[1]))
+
+
 def assume_routing(module: nn.Module, imbalance: float) -> int:
     """Give every MoE layer of ``module`` (a model part) an assumed-routing dispatcher; the number changed.
 
@@ -84,7 +116,12 @@ def assume_routing(module: nn.Module, imbalance: float) -> int:
     for m in module.modules():
         if isinstance(m, MoE):
             real = m.dispatcher
-            m.dispatcher = (AssumedAllToAllDispatcher(real, imbalance) if isinstance(real, AllToAllDispatcher)
-                            else AssumedLocalDispatcher(real.num_experts))
+            if isinstance(real, NodeDispatcher):
+                a = m.args
+                per_token = nodes_per_token(a.num_experts, a.top_k, real.nodes, a.num_groups, a.topk_groups)
+                m.dispatcher = AssumedNodeDispatcher(real, imbalance, per_token)
+            else:
+                m.dispatcher = (AssumedAllToAllDispatcher(real, imbalance) if isinstance(real, AllToAllDispatcher)
+                                else AssumedLocalDispatcher(real.num_experts))
             n += 1
     return n

@@ -31,6 +31,7 @@ from torchtitan.models.expert_balance import ExpertLayer
 from torchtitan.models.moe.balance import aux_loss
 from torchtitan.models.moe.dispatch import AllToAllDispatcher, LocalDispatcher, Routing, combine, permute
 from torchtitan.models.moe.experts import GroupedExperts
+from torchtitan.models.moe.node_dispatch import NodeDispatcher
 from torchtitan.models.moe.router import TokenChoiceRouter, check_routing
 from torchtitan.models.moe.tp_grads import call_summing_grads
 
@@ -56,12 +57,18 @@ class MoEArgs:
     router_bias: bool = False  # a learned bias on the router's logits (GPT-OSS)
     # Under expert parallelism, run the shared experts while the routed tokens travel (--moe.overlap_all_to_all)
     overlap_all_to_all: bool = True
+    # Under expert parallelism across nodes of this many consecutive ranks, the two-hop dispatch
+    # (node_dispatch.py; --moe.dispatch_gpus_per_node); 0: one hop
+    dispatch_gpus_per_node: int = 0
 
     def check(self) -> None:
         """ValueError, one line, for options that cannot work."""
         check_routing(self.num_experts, self.top_k, self.score_func, self.num_groups, self.topk_groups)
         if self.aux_loss not in ("none", "switch", "sequence"):
             raise ValueError(f"moe aux_loss={self.aux_loss!r} is unknown; choose none, switch or sequence")
+        if self.dispatch_gpus_per_node < 0:
+            raise ValueError(f"moe dispatch_gpus_per_node={self.dispatch_gpus_per_node} must be 0 (one hop) or the "
+                             "GPUs per node")
         if self.num_shared_experts < 0 or self.hidden_dim < 1 or self.dim < 1:
             raise ValueError(f"moe dim={self.dim}, hidden_dim={self.hidden_dim} and "
                              f"num_shared_experts={self.num_shared_experts} must be positive (shared: or zero)")
@@ -109,7 +116,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.dim, args.hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (SwiGLU(args.dim, args.hidden_dim * args.num_shared_experts)
                                if args.num_shared_experts else None)
-        self.dispatcher: LocalDispatcher | AllToAllDispatcher = LocalDispatcher(args.num_experts)
+        self.dispatcher: LocalDispatcher | AllToAllDispatcher | NodeDispatcher = LocalDispatcher(args.num_experts)
         self.tp_split = 1
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self._aux_loss: torch.Tensor | None = None  # the last training forward's, until its model takes it
@@ -136,19 +143,10 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts, scores = self.router(tokens)
-        routing = self.dispatcher.sort(experts)
-        counting = self._counting()
-        if counting:
-            with torch.no_grad():
-                self.tokens_per_expert += routing.counts
-        if self._overlaps():
-            y = self._routed_beside_shared(tokens, routing, weights)
+        if isinstance(self.dispatcher, NodeDispatcher):
+            y = self._routed_in_two_hops(tokens, experts, weights, self.dispatcher)
         else:
-            routed, counts, state = self.dispatcher.exchange(permute(tokens, routing), routing)
-            out = self.dispatcher.exchange_back(self.experts(routed, counts), state)
-            y = combine(out, routing, weights, tokens.dtype)
-            if self.shared_experts is not None:
-                y = y + self.shared_experts(tokens)
+            y = self._routed(tokens, experts, weights)
         if self.has_aux_loss and self.training:
             sequences = math.prod(shape[:-2]) if len(shape) > 2 else 1
             loss = aux_loss(self.args.aux_loss, scores, experts, sequences)
@@ -157,6 +155,36 @@ class MoE(nn.Module):
             if not compat.in_backward_pass():
                 self._aux_loss = loss
         return y.view(shape)
+
+    def _count(self, counts: torch.Tensor) -> None:
+        if self._counting():
+            with torch.no_grad():
+                self.tokens_per_expert += counts
+
+    def _routed(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed plus shared experts through a one-hop dispatcher (local, or one all-to-all over ``ep``)."""
+        assert not isinstance(self.dispatcher, NodeDispatcher)
+        routing = self.dispatcher.sort(experts)
+        self._count(routing.counts)
+        if self._overlaps():
+            return self._routed_beside_shared(tokens, routing, weights)
+        routed, counts, state = self.dispatcher.exchange(permute(tokens, routing), routing)
+        out = self.dispatcher.exchange_back(self.experts(routed, counts), state)
+        y = combine(out, routing, weights, tokens.dtype)
+        return y if self.shared_experts is None else y + self.shared_experts(tokens)
+
+    def _routed_in_two_hops(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                            dispatcher: NodeDispatcher) -> torch.Tensor:
+        """Routed plus shared experts through the two-hop dispatch; with ``overlap_all_to_all`` the shared experts
+        run while the first hop's rows cross the network (``node_dispatch.py``)."""
+        self._count(dispatcher.count(experts))
+        shared_experts = self.shared_experts
+        if shared_experts is not None and self.args.overlap_all_to_all:
+            y, shared = dispatcher.forward(tokens, experts, weights, self.experts, lambda: shared_experts(tokens))
+            assert shared is not None
+            return y + shared
+        y, _ = dispatcher.forward(tokens, experts, weights, self.experts)
+        return y if shared_experts is None else y + shared_experts(tokens)
 
     def _overlaps(self) -> bool:
         """Whether the shared experts run while the routed tokens travel (``--moe.overlap_all_to_all``)."""

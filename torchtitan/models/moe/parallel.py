@@ -23,17 +23,25 @@ so the experts scale by ``tp / ep``.
 
 from __future__ import annotations
 
+import logging
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan.distributed.group_labels import label_group
 from torchtitan.models.moe.dispatch import AllToAllDispatcher
 from torchtitan.models.moe.moe import MoE
+from torchtitan.models.moe.node_dispatch import NodeDispatcher
+
+logger = logging.getLogger(__name__)
 
 
-def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
-    """Shard ``moe``'s experts over the 1-D ``ep_mesh`` and dispatch tokens by all-to-all over it."""
+def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh,
+                          hops: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> None:
+    """Shard ``moe``'s experts over the 1-D ``ep_mesh`` and dispatch tokens by all-to-all over it: in two hops over
+    ``hops`` (``node_hop_groups``: inter, intra) when given."""
     if ep_mesh.ndim != 1:
         raise ValueError(f"expert parallelism needs a 1-D ep mesh; got {ep_mesh.ndim} dimensions")
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
@@ -51,7 +59,38 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
         setattr(experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
     # The ep ranks' tokens are those of ep / tp_split data ranks (split_over_tp): the mean over those.
     experts.grad_scale = moe.tp_split / ep
-    moe.dispatcher = AllToAllDispatcher(experts.num_experts, ep_mesh.get_group())
+    moe.dispatcher = (AllToAllDispatcher(experts.num_experts, ep_mesh.get_group()) if hops is None
+                      else NodeDispatcher(experts.num_experts, *hops))
+
+
+def node_hop_groups(ep_group: dist.ProcessGroup,
+                    gpus_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+    """``(inter, intra)`` for the two-hop dispatch over ``ep_group``, whose ranks sit on nodes of ``gpus_per_node``
+    consecutive global ranks: ``inter`` the EP ranks of this rank's local index on every node, ``intra`` this node's
+    EP ranks. None (one hop, said) when the EP ranks share one node. The groups are made with local synchronization:
+    only their members create them, each in the same order."""
+    ranks = dist.get_process_group_ranks(ep_group)
+    node_of = [r // gpus_per_node for r in ranks]
+    nodes = list(dict.fromkeys(node_of))
+    per_node = len(ranks) // len(nodes)
+    if any(node_of[i] != nodes[i // per_node] for i in range(len(ranks))) or per_node * len(nodes) != len(ranks):
+        raise ValueError(f"--moe.dispatch_gpus_per_node={gpus_per_node}: the expert-parallel ranks {ranks} are not "
+                         "spread evenly over nodes of that many consecutive ranks; set it to the GPUs per node of "
+                         "this cluster, or 0 for one hop")
+    if len(nodes) == 1:
+        logger.info("--moe.dispatch_gpus_per_node=%d: the %d expert-parallel ranks share one node; one hop",
+                    gpus_per_node, len(ranks))
+        return None
+    me = ranks.index(dist.get_rank())
+    node, local = divmod(me, per_node)
+    inter = dist.new_group([ranks[n * per_node + local] for n in range(len(nodes))], use_local_synchronization=True)
+    intra = dist.new_group(ranks[node * per_node : (node + 1) * per_node], use_local_synchronization=True)
+    assert isinstance(inter, dist.ProcessGroup) and isinstance(intra, dist.ProcessGroup), "a member gets its group"
+    label_group(inter, "ep_inter_node")
+    label_group(intra, "ep_intra_node")
+    logger.info("Two-hop expert dispatch: %d expert-parallel ranks over %d nodes of %d (--moe.dispatch_gpus_per_node"
+                "=%d)", len(ranks), len(nodes), per_node, gpus_per_node)
+    return inter, intra
 
 
 def split_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
