@@ -16,7 +16,8 @@ process (within 1e-4), and the embedding's two copies bitwise equal after traini
 with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x FSDP 4, its step-1 loss
 transformers' own. Selective AC 'moe' under EP 2 x FSDP 4 trains the same model too, and sends as many expert
 all-to-alls as that layout without AC (its recompute reuses the kept outputs). EP 2 x PP 2 trains it under
-DualPipeV too (V-shaped, EP borrowing TP's ranks).
+DualPipeV too (V-shaped, EP borrowing TP's ranks), and EP 4 x FSDP 4 with the two-hop dispatch over 2 "nodes" of 2
+ranks (its sums grouped by node: within the same tolerances).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ PARITY = {
     # selective AC 'moe': the same model, and the all-to-alls' outputs kept, not sent again in the recompute
     SAC_MOE: _dims(4, 1, ep=2) + ["--activation_checkpoint.mode=selective",
                                   "--activation_checkpoint.selective_ac_option=moe"],
+    # the two-hop dispatch (docs/moe.md): EP 4 as 2 "nodes" of 2 ranks, the shared expert beside the first hop
+    "EP4 x FSDP4, two-hop over 2 nodes": _dims(4, 1, ep=4) + ["--moe.dispatch_gpus_per_node=2"],
     "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
     # EP borrowing TP's ranks: each TP rank routes its own sequence shard to the 4 EP ranks (ParallelDims)
     "EP4 on TP2 x FSDP2": _dims(2, 2, ep=4, tp=2),

@@ -136,6 +136,19 @@ def _refusal(rank: int) -> str:
     return "accepted"
 
 
+def _two_hop_refusal(rank: int) -> str:
+    """The error for nodes of 3 ranks under EP 4 (nodes of 3 and 1 ranks), raised before any group is made."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.models.moe.parallel import node_hop_groups
+
+    try:
+        node_hop_groups(init_device_mesh("cpu", (WORLD,)).get_group(), 3)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def _spy_on(fn_class: type, name: str, events: list[str]) -> None:
     """Record ``name forward`` / ``name backward`` in ``events`` when ``fn_class`` (an autograd Function) runs."""
     forward, backward = fn_class.forward, fn_class.backward
@@ -193,6 +206,7 @@ def _overlap_run(rank: int, overlap: bool, name: str = "ep2_deepseek") -> dict[s
 def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {name: _run_case(rank, case) for name, case in CASES.items()}
     out["refusal"] = _refusal(rank)
+    out["two_hop_refusal"] = _two_hop_refusal(rank)
     out["overlap"] = {on: _overlap_run(rank, on) for on in (True, False)}
     out["two_hop_overlap"] = {on: _overlap_run(rank, on, "ep4_two_hop_deepseek") for on in (True, False)}
     return out
@@ -250,6 +264,13 @@ def test_expert_parallel_equals_one_process(world, name):
 def test_experts_not_divisible_by_ep_are_refused_in_one_line_on_every_rank(world):
     for results in world:
         assert results["refusal"] == "moe num_experts=6 is not divisible by the expert-parallel degree 4"
+
+
+def test_two_hop_nodes_that_do_not_split_ep_evenly_are_refused_on_every_rank(world):
+    for results in world:
+        assert results["two_hop_refusal"] == (
+            "--moe.dispatch_gpus_per_node=3: the expert-parallel ranks [0, 1, 2, 3] are not spread evenly over nodes "
+            "of that many consecutive ranks; set it to the GPUs per node of this cluster, or 0 for one hop")
 
 
 def test_bitwise_where_it_can_be(world):

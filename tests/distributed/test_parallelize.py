@@ -1,5 +1,5 @@
 """distributed/parallelize.py: the float32 linear layers move to oneDNN on a CPU unless the schedule cannot
-train them."""
+train them; the two-hop dispatch's option without expert parallelism is said to do nothing."""
 
 from __future__ import annotations
 
@@ -27,3 +27,10 @@ def test_onednn_linears_stay_out_of_a_split_backward_that_cannot_take_them(sched
     parallelize._onednn_linears(model, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, world_size=2), cfg)
     assert isinstance(model[0], OneDNNLinear) == moved
     assert ("cannot take a weight gradient through oneDNN's linear" in caplog.text) == (not moved)
+
+
+def test_two_hop_option_without_expert_parallelism_is_said_to_do_nothing(caplog):
+    parallelize.warn_unused_dispatch_option(ConfigManager().parse_args([]))
+    assert "dispatch_gpus_per_node" not in caplog.text
+    parallelize.warn_unused_dispatch_option(ConfigManager().parse_args(["--moe.dispatch_gpus_per_node=8"]))
+    assert "--moe.dispatch_gpus_per_node=8 has no effect: expert parallelism is off" in caplog.text

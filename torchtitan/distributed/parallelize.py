@@ -63,6 +63,14 @@ def _onednn_linears(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig) 
                     cfg.training.cpu_matmul)
 
 
+def warn_unused_dispatch_option(cfg: JobConfig) -> None:
+    """Say that ``--moe.dispatch_gpus_per_node`` does nothing without expert parallelism (it is not refused: a
+    config written for a cluster may be run, or searched by the planner, in layouts without EP)."""
+    if cfg.moe.dispatch_gpus_per_node:
+        logger.warning("--moe.dispatch_gpus_per_node=%d has no effect: expert parallelism is off (every expert is on "
+                       "each rank, no token is sent)", cfg.moe.dispatch_gpus_per_node)
+
+
 def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, device_type: str) -> torch.nn.Module:
     """Parallelize ``model`` (the whole model or one pipeline stage of it) in place."""
     family = family_model(model, "parallelize")  # the family's model class: its TP plan, attention, experts
@@ -85,6 +93,8 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg: JobConfig, devi
         ep_mesh = dims.get_mesh("ep")
         assert ep_mesh is not None, "EP is on"
         experts = family.apply_ep(ep_mesh)
+    else:
+        warn_unused_dispatch_option(cfg)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_ac_option)
