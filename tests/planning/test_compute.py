@@ -14,6 +14,7 @@ import torch
 from torchtitan.compat import TorchDispatchMode, op_name
 from torchtitan.planning.compute import PhaseWork, moved_bytes, op_work
 from torchtitan.planning.fused_attention import fused_attention_as_on_gpu
+from torchtitan.planning.sink_attention import sink_attention_as_on_gpu
 
 
 class _BytesByOp(TorchDispatchMode):
@@ -67,6 +68,7 @@ class _Ledger(TorchDispatchMode):
         super().__init__()
         self.work = PhaseWork()
         self.largest = 0
+        self.shapes: set[tuple[int, ...]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -77,6 +79,7 @@ class _Ledger(TorchDispatchMode):
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel() * t.element_size())
+                self.shapes.add(tuple(t.shape))
         return out
 
 
@@ -136,3 +139,90 @@ def test_a_collectives_wait_moves_nothing():
     assert op_work(torch.ops._c10d_functional.wait_tensor.default, (torch.ones(4),), {}, torch.ones(4)) is None
     add = op_work(torch.ops.aten.add.Tensor, (torch.ones(4), torch.ones(4)), {}, torch.ones(4))
     assert add is not None and add.memory_bytes == 48
+
+
+def _sink_inputs(batch: int, heads: int, kv_heads: int, seq: int, head: int) -> tuple[torch.Tensor, ...]:
+    """GPT-OSS's attention inputs: grouped K/V heads in bf16, float32 sinks [heads] (a parameter)."""
+    q = torch.randn(batch, heads, seq, head, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, head, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.nn.Parameter(torch.randn(heads))
+
+
+def _window_pairs(seq: int, window: int) -> int:
+    return sum(min(i + 1, window) for i in range(seq))  # row i keeps its own key and up to window - 1 before it
+
+
+def test_sink_attention_is_priced_as_flex_attention_over_the_pairs_its_window_keeps():
+    """GPT-OSS's whole-sequence attention in the dry run: one FlexAttention op, no score matrix; a full layer's
+    FLOPs over the whole matrix flagged causal (the cost model halves them), a windowed layer's over the pairs
+    its window keeps (about L x W), not halved again."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtitan.models.attention import backends
+
+    b, h, s, d, window = 1, 4, 256, 32, 16
+    with FakeTensorMode(), sink_attention_as_on_gpu():
+        q, k, v, sinks = _sink_inputs(b, h, 2, s, d)
+        with _Ledger() as full:
+            backends.local_sink_attention(q, k, v, None, sinks, None)
+        with _Ledger() as windowed:
+            backends.local_sink_attention(q, k, v, None, sinks, window)
+    per_pair = 2 * b * h * (d + d)  # the scores' product and the weighted sum's
+    assert full.work.attention_flops == full.work.causal_attention_flops == per_pair * s * s
+    assert windowed.work.attention_flops == per_pair * _window_pairs(s, window)
+    assert windowed.work.causal_attention_flops == 0
+    assert windowed.work.attention_flops < full.work.attention_flops / 2
+    for ledger in (full, windowed):
+        assert ledger.largest < b * h * s * s * 2 and ledger.work.matmul_flops == 0  # no [s, s] scores
+
+
+def test_sink_attention_grads_reach_the_sinks_through_a_recompute_and_per_op_policies_keep_it():
+    """The sinks are parameters: their gradient, and q's, k's and v's, come through a checkpointed block's
+    recompute; the 'op' and 'moe' policies keep the attention's output as a GPU's FlexAttention's (no recompute)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.checkpoint import checkpoint
+
+    from torchtitan.distributed.activation_checkpoint import _every_second_linear_contexts, _moe_contexts
+    from torchtitan.models.attention import backends
+
+    b, h, s, d, window = 1, 4, 128, 32, 16
+    one_pass = 2 * b * h * (d + d) * _window_pairs(s, window)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return backends.local_sink_attention(q, k, v, None, sinks, window)
+
+    for policy, passes in ((None, 4), (_every_second_linear_contexts, 3), (_moe_contexts, 3)):
+        options = {} if policy is None else {"context_fn": policy}
+        with FakeTensorMode(), sink_attention_as_on_gpu():
+            inputs = _sink_inputs(b, h, 2, s, d)
+            with _Ledger() as ledger:
+                checkpoint(attend, *inputs, use_reentrant=False, **options).float().sum().backward()
+            for t in inputs:
+                assert t.grad is not None and t.grad.shape == t.shape
+        # Forward, its recompute unless kept, and a backward of twice the work.
+        assert ledger.work.attention_flops == passes * one_pass, policy
+
+
+def test_a_gpt_oss_step_makes_no_score_sized_tensor_in_the_dry_run():
+    """The debug GPT-OSS (a windowed and a full layer) forward and backward as the dry run runs them: no
+    [B, H, L, L] scores, no [B, 1, L, L] mask, nothing with the sink column [.., L, L + 1]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtitan.compat.kernels import grouped_mm_as_on
+    from torchtitan.models import get_model_spec
+    from torchtitan.models.gpt_oss.args import gpt_oss_flavors
+    from torchtitan.planning.moe import GPU_GROUPED_MM_DTYPES, assume_routing
+
+    seq = 40  # no dim of the debug model's
+    args = gpt_oss_flavors["debugmodel"].with_first_layers(2)
+    assert args.window(0) is not None and args.window(1) is None
+    # As the dry run: fake tensors, the experts' kernel chosen as a GPU's.
+    with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_as_on(GPU_GROUPED_MM_DTYPES), \
+            sink_attention_as_on_gpu():
+        model = get_model_spec("gpt_oss").build(args)
+        assume_routing([model])  # as the dry run: fake tensors hold no token counts
+        with _Ledger() as ledger:
+            model(torch.randint(0, args.vocab_size, (1, seq))).float().sum().backward()
+        assert model.layers["0"].attention.sinks.grad is not None
+    assert ledger.shapes and not [shape for shape in ledger.shapes if shape[-2:] in ((seq, seq), (seq, seq + 1))]
+    assert ledger.work.attention_flops > 0

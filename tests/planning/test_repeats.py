@@ -5,7 +5,7 @@ counted rank equals the simulation of its whole step, figure by figure."""
 from __future__ import annotations
 
 import pytest
-from conftest import debug_config
+from conftest import REPO, debug_config
 
 from torchtitan.planning import repeats
 from torchtitan.planning.dry_run import RankRun, dry_run, plan_job
@@ -52,6 +52,10 @@ def test_blocks_are_counted_only_where_they_are_alike(debug_blocks):
     # Under a pipeline, each stage's blocks: 10 over 2 stages leaves 5 a stage, too few to be worth counting.
     assert counted(f"{_PP}degree=2", "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")[0] == 0
     assert blocks_to_count(plan_job(debug_config(), 1), debug_config().activation_checkpoint)[0] == 0
+    # GPT-OSS's windowed and full blocks hold the same modules but not the same attention work.
+    gpt_oss = debug_config(config=str(REPO / "train_configs" / "gpt_oss_20b.toml"))
+    fewer, why = blocks_to_count(plan_job(gpt_oss, 8), gpt_oss.activation_checkpoint, gpt_oss.optimizer.name)
+    assert fewer == 0 and "attention windows" in why
 
 
 def test_microbatches_are_counted_from_where_each_schedule_repeats(debug_blocks):

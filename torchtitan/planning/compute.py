@@ -71,19 +71,47 @@ def grouped_mm_flops(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return 2 * a[0] * a[1] * a[2] * b[2]
 
 
-def attention_flops(name: str, args) -> tuple[int, bool]:
+# The planner's stand-ins for fused attention kernels the CPU lacks, by op name: fused_attention.py (torch's
+# SDPA names), sink_attention.py (FlexAttention, with its sliding window as an argument).
+_FLEX_ATTENTION = ("flex_attention", "flex_attention_backward")
+
+
+def is_attention(name: str) -> bool:
+    return "scaled_dot_product" in name or name in _FLEX_ATTENTION
+
+
+def causal_pairs(seq: int, window: int) -> int:
+    """The (query, key) pairs a causal sliding window of ``window`` keys (the query's own included) leaves in a
+    sequence of ``seq``: row i keeps min(i + 1, window) keys."""
+    w = min(window, seq)
+    return w * seq - w * (w - 1) // 2
+
+
+def _window(func, args) -> int:
+    """A planner attention op's sliding window (0: none; torch's own ops have none)."""
+    for i, arg in enumerate(op_schema(func).arguments):
+        if arg.name == "window" and i < len(args):
+            return int(args[i])
+    return 0
+
+
+def attention_flops(func, args) -> tuple[int, bool]:
     """FLOPs of a scaled-dot-product attention op (forward or backward), and whether it is causal.
 
     Counted over the whole score matrix, as ``flops_per_token`` counts it; a causal kernel skips
     about half of it, which the cost model applies. The two products are counted at their own head sizes:
     scores at the query's, the weighted sum at the value's (MLA's differ: ``fused_attention.py``).
+    A sliding window's (``sink_attention.py``) are counted over the pairs it keeps, about L x W, whose kernel
+    skips the blocks outside it: reported as not causal, so the cost model does not halve them again.
     """
-    backward = "backward" in name
+    backward = "backward" in op_name(func)
     q, k, v = (args[1], args[2], args[3]) if backward else (args[0], args[1], args[2])
     b, h, s_q, d = _shape(q)
     s_k, d_v = _shape(k)[2], _shape(v)[-1]
-    forward = 2 * b * h * s_q * s_k * (d + d_v)
-    causal = any(a is True for a in args[3:])
+    window = _window(func, args)
+    pairs = causal_pairs(s_q, window) if window else s_q * s_k
+    forward = 2 * b * h * pairs * (d + d_v)
+    causal = not window and any(a is True for a in args[3:])
     return (2 * forward if backward else forward), causal
 
 
@@ -149,8 +177,8 @@ def op_work(func, args, kwargs, out) -> PhaseWork | None:
         w.matmul_flops = matmul_flops(func, args)
     elif func in _FP8_MATMULS or func in _MATMULS:
         w.matmul_flops = w.fp8_matmul_flops = matmul_flops(func, args)
-    elif "scaled_dot_product" in name:
-        w.attention_flops, causal = attention_flops(name, args)
+    elif is_attention(name):
+        w.attention_flops, causal = attention_flops(func, args)
         w.causal_attention_flops = w.attention_flops if causal else 0
     else:
         w.memory_bytes = moved_bytes(func, args, kwargs, out)

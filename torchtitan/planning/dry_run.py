@@ -24,7 +24,8 @@ What differs from a GPU run, and how it is handled:
 - attention is causal over each whole window (no positions are passed): under ``block_causal`` a
   GPU runs FlexAttention, whose work on packed documents is at most the causal figure; attention
   with a value head of its own size (MLA) runs as the fused kernel a GPU has for it
-  (``fused_attention.py``), not the CPU's decomposition;
+  (``fused_attention.py``), not the CPU's decomposition, and GPT-OSS's sink attention as FlexAttention
+  with its windows' block masks (``sink_attention.py``), not the CPU's dense kernel;
 - no weights are initialized (they are fake; init reads random values: ``init_weights=False``), the
   tokenizer and the data set are not read (the flavor's vocabulary and random token ids stand in),
   and the checkpoint manager is not built (it opens a gloo group and installs signal handlers);
@@ -81,6 +82,7 @@ from torchtitan.planning.repeats import (
     counted_work,
     plan_repeats,
 )
+from torchtitan.planning.sink_attention import sink_attention_as_on_gpu
 from torchtitan.planning.symmetry import describe as describe_symmetry
 from torchtitan.planning.symmetry import representatives
 from torchtitan.planning.traffic import TrafficLedger, dim_of_groups
@@ -379,7 +381,7 @@ def simulate_rank(cfg: JobConfig, plan: LaunchPlan, world_size: int, rank: int, 
         logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
         _prebuild_cp_masks(cfg.training.seq_len, dims)
         with (fake, recorder, track_fsdp_storage(memory), grouped_mm_as_on(GPU_GROUPED_MM_DTYPES),
-              fused_attention_as_on_gpu()):
+              fused_attention_as_on_gpu(), sink_attention_as_on_gpu()):
             job.register_state()
             job.init_optimizer_state(recorder)
             traffic.recording = compute.recording = True

@@ -111,7 +111,8 @@ def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str =
         return 0, (f"every block simulated: selective AC every {ac.selective_ac_option} blocks makes the blocks "
                    "differ")
     if not _blocks_alike(plan):
-        return 0, "every block simulated: the model's blocks differ in their modules or parameter shapes"
+        return 0, ("every block simulated: the model's blocks differ in their modules, parameter shapes or "
+                   "attention windows")
     fewer = fewest - FIRST_SIMULATED
     if plan.pipeline is None:
         return fewer, (f"blocks counted: 3 and 4 of the {fewest} simulated, the middle ones counted {fewest - 2} "
@@ -124,7 +125,9 @@ def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str =
 def _blocks_alike(plan: LaunchPlan) -> bool:
     with torch.device("meta"):
         model = plan.model_spec.build(plan.model_args)
-    signatures = {(tuple(type(m).__name__ for m in block.modules()),
+    # A sliding window's block does less attention work than a full one's (GPT-OSS's alternate layers, priced
+    # over the pairs each window keeps: sink_attention.py), so the window is part of a block's signature.
+    signatures = {(tuple((type(m).__name__, getattr(m, "window", None)) for m in block.modules()),
                    tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
                   for block in model.get_submodule("layers").children()}
     return len(signatures) == 1

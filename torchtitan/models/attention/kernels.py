@@ -46,6 +46,7 @@ __all__ = [
     "flex_sink_attention",
     "local_sink_attention",
     "per_document_sdpa",
+    "rescale_by_sinks",
     "sink_attention",
 ]
 
@@ -176,7 +177,12 @@ def flex_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
     """``sink_attention`` on CUDA: FlexAttention under the layer's ``BlockMask``, its output rescaled by the
     share the keys keep beside the sink, ``sigmoid(lse - sink)`` (the softmax over keys and sink, summed over
     the keys, is ``exp(lse) / (exp(lse) + exp(sink))``)."""
-    out, lse = flex_attention_with_lse(q, k, v, block_mask)
+    return rescale_by_sinks(*flex_attention_with_lse(q, k, v, block_mask), sinks)
+
+
+def rescale_by_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """An attention output [B, H, L, D_v] times the share of each row's softmax that its keys keep beside the
+    sink, from the scores' log-sum-exp [B, H, L] (``flex_sink_attention``; the planner's stand-in for it too)."""
     if sinks is None:
         return out
     keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
