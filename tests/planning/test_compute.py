@@ -61,6 +61,16 @@ def test_in_place_updates_and_out_buffers_count_each_tensor_once_each_way():
     assert counted.bytes["add_"] == 3 * 4 * 100
 
 
+def test_an_in_place_index_add_moves_the_indexed_rows_only():
+    """The two-hop dispatch's sums add a few rows at a time into a large float32 buffer: priced as the source, the
+    index, and the rows it updates (read and written), not the whole buffer each time."""
+    total, rows = torch.zeros(1000, 8), torch.randn(10, 8, dtype=torch.bfloat16)
+    index = torch.arange(10) * 7
+    with _BytesByOp() as counted:
+        total.index_add_(0, index, rows.float())
+    assert counted.bytes["index_add_"] == 10 * 8 + 10 * 8 * 4 + 2 * 10 * 8 * 4
+
+
 class _Ledger(TorchDispatchMode):
     """Each op's work as the dry run's ``ComputeLedger`` records it, summed, and the largest tensor made."""
 

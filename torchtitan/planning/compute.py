@@ -124,6 +124,10 @@ def moved_bytes(func, args, kwargs, out) -> int:
     step's bytes. Fused Adam(W)'s schema marks the gradients as written because it unscales them in place
     when given a ``grad_scale``; without one it only reads them.
     """
+    if func is torch.ops.aten.index_add_.default:
+        # A GPU's kernel reads the source and the index and updates only the indexed rows, not all of ``self``.
+        this, index, source = args[0], args[2], args[3]
+        return index.numel() * index.element_size() + source.numel() * (source.element_size() + 2 * this.element_size())
     read: dict[int, torch.Tensor] = {}
     written = {id(t): t for t in _tensors(out)}
     for i, arg in enumerate(op_schema(func).arguments):

@@ -34,7 +34,6 @@ from torchtitan.models.moe.dispatch import (
     _WaitAllToAll,
     all_to_all_rows,
     exchange_rows,
-    permute,
 )
 
 RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows grouped by local expert, counts) -> out
@@ -61,21 +60,22 @@ class NodeDispatcher:
         """``(sum_j weights[t, j] * expert_j(tokens[t]) [T, D], beside's output)``; ``beside`` (the shared experts)
         runs while hop 1's rows travel, forward and backward, as ``MoE``'s overlap does on one hop."""
         pair_index, per_node = self._node_pairs(experts)
+        pair_tokens = torch.div(pair_index, self.nodes, rounding_mode="floor")
         received_per_node = self._exchange_pair_counts(per_node, tokens.device)
         # The small exchanges first: on one communicator the collectives run in the order issued, so the rows,
         # issued last, are the only one in flight while ``beside`` runs.
         relay_experts = exchange_rows(self._pair_experts(experts, pair_index), received_per_node, per_node,
                                       self.inter)
-        relay_weights = all_to_all_rows(_gather_pairs(weights, pair_index, self.nodes), received_per_node, per_node,
-                                        self.inter)
+        relay_weights = all_to_all_rows(gather_in_chunks(weights, pair_tokens, per_node), received_per_node,
+                                        per_node, self.inter)
         reverse = _ReverseInFlight()
-        in_flight = _IssueAllToAll.apply(_gather_pairs(tokens, pair_index, self.nodes), received_per_node, per_node,
+        in_flight = _IssueAllToAll.apply(gather_in_chunks(tokens, pair_tokens, per_node), received_per_node, per_node,
                                          self.inter, reverse)
         shared = beside() if beside is not None else None
         relay_rows = _WaitAllToAll.apply(in_flight, received_per_node, per_node, self.inter, reverse)
         partial = self._relay(relay_rows, relay_experts, relay_weights, run)
         back = all_to_all_rows(partial, per_node, received_per_node, self.inter)
-        return _sum_over_nodes(back, pair_index, per_node, self.nodes, tokens.shape[0]), shared
+        return add_in_chunks(back, pair_tokens, per_node, tokens.shape[0]).to(tokens.dtype), shared
 
     def _exchange_pair_counts(self, per_node: list[int], device: torch.device) -> list[int]:
         """The pairs sent to each node exchanged for those received from each (read on the host)."""
@@ -85,17 +85,26 @@ class NodeDispatcher:
     def _pair_experts(self, experts: torch.Tensor, pair_index: torch.Tensor) -> torch.Tensor:
         """Each pair's k experts as ids local to the pair's node; the sentinel ``experts_per_node`` for a slot whose
         expert is on another node (the relay skips it)."""
-        node_of_expert = torch.div(experts, self.experts_per_node, rounding_mode="floor")
-        local = _gather_pairs(experts - node_of_expert * self.experts_per_node, pair_index, self.nodes)
-        on_pair_node = _gather_pairs(node_of_expert, pair_index, self.nodes) == (pair_index % self.nodes).unsqueeze(1)
-        return torch.where(on_pair_node, local, self.experts_per_node)
+        pair_experts = experts.index_select(0, torch.div(pair_index, self.nodes, rounding_mode="floor"))
+        pair_node = (pair_index % self.nodes).unsqueeze(1)
+        node_of_expert = torch.div(pair_experts, self.experts_per_node, rounding_mode="floor")
+        return torch.where(node_of_expert == pair_node, pair_experts - pair_node * self.experts_per_node,
+                           self.experts_per_node)
 
     def _relay(self, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, run: RunExperts) -> torch.Tensor:
         """This node's weighted expert outputs for each received row, summed in slot order: ``[R, D]``."""
         routing, slot_counts = self._relay_sort(experts)
-        routed, counts, state = self.inner.exchange(permute(rows, routing), routing)
-        out = self.inner.exchange_back(run(routed, counts), state)
-        return _slot_sum(out, routing, weights, slot_counts, rows.dtype)
+        # Slot-major: within one slot each row appears once, so the gather's backward and the sum add distinct rows.
+        by_slot = torch.argsort(routing.order % routing.top_k, stable=True)
+        flat = routing.order.index_select(0, by_slot)  # row * top_k + slot, slot-major
+        slot_rows = torch.div(flat, routing.top_k, rounding_mode="floor")
+        to_expert_major = torch.empty_like(by_slot)
+        to_expert_major[by_slot] = torch.arange(by_slot.numel(), device=by_slot.device)
+        routed = gather_in_chunks(rows, slot_rows, slot_counts).index_select(0, to_expert_major)
+        routed, counts, state = self.inner.exchange(routed, routing)
+        out = self.inner.exchange_back(run(routed, counts), state).index_select(0, by_slot)
+        weighted = out.float() * weights.reshape(-1).index_select(0, flat).float().unsqueeze(1)
+        return add_in_chunks(weighted, slot_rows, slot_counts, rows.shape[0]).to(rows.dtype)
 
     def _node_pairs(self, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """``(token * nodes + node for each (token, node) pair the routing needs, node-major; pairs per node)``."""
@@ -115,39 +124,34 @@ class NodeDispatcher:
         return Routing(order[:valid], counts[: self.experts_per_node], experts.shape[0], experts.shape[1]), slot_counts
 
 
-def _gather_pairs(x: torch.Tensor, pair_index: torch.Tensor, nodes: int) -> torch.Tensor:
-    """``x[token]`` for each pair. Through a ``[T * nodes, ...]`` view, so that each row is read once and the
-    backward writes distinct rows and sums over the nodes by a reduction (no repeated index)."""
-    wide = x.unsqueeze(1).expand(x.shape[0], nodes, *x.shape[1:]).reshape(x.shape[0] * nodes, *x.shape[1:])
-    return wide.index_select(0, pair_index)
+class _GatherInChunks(torch.autograd.Function):
+    """``x.index_select(0, index)``; backward: the rows' gradients added chunk by chunk in float32, each chunk's
+    ``index`` distinct, so no ``index_add`` has a repeated index (the order of addition is the chunks' order)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, chunks: list[int]) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(index)
+        ctx.chunks, ctx.rows = chunks, x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        (index,) = ctx.saved_tensors
+        return add_in_chunks(grad, index, ctx.chunks, ctx.rows).to(grad.dtype), None, None
 
 
-def _slot_sum(out: torch.Tensor, routing: Routing, weights: torch.Tensor, slot_counts: list[int],
-              dtype: torch.dtype) -> torch.Tensor:
-    """``sum_j weights[r, j] * out(r, j)`` over row ``r``'s slots present here, slot by slot in float32, as ``[R, D]``.
-
-    ``out`` is expert-major (``routing.order``); it is regrouped slot-major once, then each slot's rows are added
-    into their distinct rows of the sum.
-    """
-    slot = routing.order % routing.top_k
-    by_slot = torch.argsort(slot, stable=True)
-    flat = routing.order.index_select(0, by_slot)
-    rows, w = flat // routing.top_k, weights.reshape(-1).index_select(0, flat).float()
-    total = out.new_zeros(routing.num_tokens, out.shape[-1], dtype=torch.float32)
-    chunks = zip(out.index_select(0, by_slot).split(slot_counts), rows.split(slot_counts), w.split(slot_counts),
-                 strict=True)
-    for chunk, chunk_rows, chunk_w in chunks:
-        total = total.index_add(0, chunk_rows, chunk.float() * chunk_w.unsqueeze(1))
-    return total.to(dtype)
+def gather_in_chunks(x: torch.Tensor, index: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """``x[index]`` where ``index`` splits into ``chunks`` of distinct values (differentiable, deterministic)."""
+    return _GatherInChunks.apply(x, index, chunks)
 
 
-def _sum_over_nodes(back: torch.Tensor, pair_index: torch.Tensor, per_node: list[int], nodes: int,
-                    num_tokens: int) -> torch.Tensor:
-    """The nodes' partial sums of each token added in node order, in float32: ``[T, D]``."""
-    total = back.new_zeros(num_tokens, back.shape[-1], dtype=torch.float32)
-    for chunk, tokens in zip(back.split(per_node), (pair_index // nodes).split(per_node), strict=True):
-        total = total.index_add(0, tokens, chunk.float())
-    return total.to(back.dtype)
+def add_in_chunks(x: torch.Tensor, index: torch.Tensor, chunks: list[int], rows: int) -> torch.Tensor:
+    """``out[index[i]] += x[i]`` into ``rows`` zero rows of float32, chunk by chunk (each chunk's ``index``
+    distinct), in place: a GPU's kernel touches only the indexed rows."""
+    total = x.new_zeros(rows, *x.shape[1:], dtype=torch.float32)
+    for part, part_index in zip(x.split(chunks), index.split(chunks), strict=True):
+        total.index_add_(0, part_index, part.float())
+    return total
 
 
 def nodes_per_token(num_experts: int, top_k: int, nodes: int, num_groups: int, topk_groups: int) -> float:
