@@ -9,7 +9,7 @@ from conftest import REPO, debug_config
 
 from torchtitan.planning import repeats
 from torchtitan.planning.dry_run import RankRun, dry_run, plan_job
-from torchtitan.planning.repeats import blocks_to_count, microbatches_to_count
+from torchtitan.planning.repeats import block_counting, blocks_to_count, microbatches_to_count
 
 _PP = "--parallelism.pipeline_parallel_"
 _SMALL = ("--metrics.enable_tensorboard=false", "--training.seq_len=32")
@@ -52,10 +52,9 @@ def test_blocks_are_counted_only_where_they_are_alike(debug_blocks):
     # Under a pipeline, each stage's blocks: 10 over 2 stages leaves 5 a stage, too few to be worth counting.
     assert counted(f"{_PP}degree=2", "--parallelism.data_parallel_shard_degree=1", "--training.batch_size=2")[0] == 0
     assert blocks_to_count(plan_job(debug_config(), 1), debug_config().activation_checkpoint)[0] == 0
-    # GPT-OSS's windowed and full blocks hold the same modules but not the same attention work.
+    # GPT-OSS's windowed and full blocks hold the same modules but not the same attention work: counted in pairs.
     gpt_oss = debug_config(config=str(REPO / "train_configs" / "gpt_oss_20b.toml"))
-    fewer, why = blocks_to_count(plan_job(gpt_oss, 8), gpt_oss.activation_checkpoint, gpt_oss.optimizer.name)
-    assert fewer == 0 and "attention windows" in why
+    assert block_counting(plan_job(gpt_oss, 8), gpt_oss.activation_checkpoint, gpt_oss.optimizer.name)[:2] == (20, 2)
 
 
 def test_microbatches_are_counted_from_where_each_schedule_repeats(debug_blocks):
@@ -138,4 +137,21 @@ def test_counted_accumulation_over_a_pipeline_equals_the_whole_step(debug_blocks
     counted, every = dry_run(cfg, 4, pp_ranks=[0]), dry_run(cfg, 4, pp_ranks=[0], symmetry=False)
     assert counted.plan.grad_accum == 5
     assert any("accumulated pipeline schedules counted: 2 and 3 of the 5" in n for n in counted.notes)
+    _assert_equal(counted.ranks[0], every.ranks[0])
+
+
+@pytest.mark.slow  # two simulations (forked) of 4 and 6 blocks and one of all 8
+def test_counted_blocks_of_alternating_windows_equal_every_block_simulated(monkeypatch):
+    """GPT-OSS's debug model at 8 blocks (windowed and full alternating, whose attention differs in work) under FSDP
+    2, full AC: simulated with 4 and 6 blocks and counted in runs of 2, every figure equals all 8 simulated."""
+    import dataclasses
+
+    from torchtitan.models.gpt_oss.args import gpt_oss_flavors
+
+    eight = dataclasses.replace(gpt_oss_flavors["debugmodel"], n_layers=8, layer_types=())  # the plan carries them
+    monkeypatch.setitem(gpt_oss_flavors, "debugmodel", eight)
+    cfg = debug_config(*_SMALL, "--parallelism.data_parallel_shard_degree=2", "--activation_checkpoint.mode=full",
+                       config=str(REPO / "train_configs" / "gpt_oss_debug.toml"))
+    counted, every = dry_run(cfg, 2), dry_run(cfg, 2, symmetry=False)
+    assert any("blocks counted: 4 and 6 of the 8" in n for n in counted.notes)
     _assert_equal(counted.ranks[0], every.ranks[0])

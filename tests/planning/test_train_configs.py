@@ -51,10 +51,10 @@ def test_8b_fsdp8_row_stays_in_its_band_against_the_published_run():
     assert e.peak_memory_gib == pytest.approx(77.7, abs=0.05)
 
 
-@pytest.mark.slow  # the dry runs fork: three simulations in one pool, about 45 s of CPU (benchmarks §28, §38)
+@pytest.mark.slow  # the dry runs fork: three simulations in one pool, about 35 s of CPU (benchmarks §28)
 def test_moe_configs_dry_run_and_fit_at_their_world_sizes():
-    """GPT-OSS 20b on 8 H100s and 120b on 64 (FSDP, EP 8): every block simulated (a sliding layer's attention does
-    less work than a full one's), the sink attention priced as FlexAttention. DeepSeek-V3 16B on 64
+    """GPT-OSS 20b on 8 H100s and 120b on 64 (FSDP, EP 8): their blocks counted in pairs (a sliding layer's attention
+    does less work than a full one's), the sink attention priced as FlexAttention. DeepSeek-V3 16B on 64
     (FSDP 64, EP 8): every block simulated (the first is dense), MLA priced. Each fits in 80 GiB and holds more
     than its parameters and optimizer state."""
     jobs = [("gpt_oss_20b", 8), ("gpt_oss_120b", 64), ("deepseek_v3_16b", 64)]

@@ -309,7 +309,7 @@ def count_back(sims: list[RankRun], repeats: Repeats) -> RankRun:
     blocks counted at each micro-batch count, then the micro-batches."""
     if repeats.counts_blocks:
         pairs = zip(sims[::2], sims[1::2], strict=True)
-        sims = [_counted(a, b, repeats.fewer_blocks, counted_memory) for a, b in pairs]
+        sims = [_counted(a, b, repeats.block_runs, counted_memory) for a, b in pairs]
     if repeats.microbatches is not None:
         sims = [_counted(sims[0], sims[1], repeats.microbatch_stretches, counted_peak)]
     (run,) = sims

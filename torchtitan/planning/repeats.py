@@ -5,9 +5,11 @@ alike, and so are the micro-batches of a step. Both are counted the same way: th
 at two small sizes, and every total is carried to the job's size along the line through the two.
 
 **Blocks.** Each stage is simulated with ``fewer`` blocks less than it holds (3 in the smallest stage:
-a first, one middle, a last) and with one more. Work, collectives and the state after the step are
-sums over the blocks: each middle block adds the same. The peak is a maximum, not a sum, so it is
-carried region by region (``MemoryLedger.enter``: each block's forward and backward begins one):
+a first, one middle, a last) and with one more. Where the blocks alternate (GPT-OSS: a windowed layer, then a
+full one, whose attention does more work), they repeat in runs of ``period`` blocks and count as runs: 4 and 6
+blocks are simulated for a period of 2, the last of the job's last block's kind. Work, collectives and the state
+after the step are sums over the blocks: each middle block (run) adds the same. The peak is a maximum, not a
+sum, so it is carried region by region (``MemoryLedger.enter``: each block's forward and backward begins one):
 within the forward or backward of the k-th middle block of a stage, the memory is what it was when
 that stage's middle blocks began, plus k times what one middle block leaves behind, plus that
 block's own profile; and what a stage's earlier micro-batches keep in flight grows by one block's
@@ -42,7 +44,6 @@ from torchtitan.planning.compute import PhaseWork
 from torchtitan.planning.memory import MemoryReport, fold
 from torchtitan.planning.traffic import CollectiveStats, TrafficLedger
 
-FIRST_SIMULATED = 3  # blocks in the smallest stage's first simulation: a first, one middle, a last
 FEWEST_BLOCKS = 8  # below this, two simulations of 3 and 4 blocks cost about as much as one of all of them
 
 
@@ -60,7 +61,8 @@ class Variant:
 class Repeats:
     """How one job's ranks are simulated smaller and counted back; the defaults simulate everything."""
 
-    fewer_blocks: int = 0  # blocks per stage left out of the first simulation (the second has one more)
+    fewer_blocks: int = 0  # blocks per stage left out of the first simulation (the second has one period more)
+    block_period: int = 1  # the blocks repeat in runs of this many (the second simulation's extra blocks)
     microbatches: tuple[int, int] | None = None  # the two micro-batch counts simulated, None: the job's own
     job_microbatches: int = 1  # the job's micro-batches per step (pipeline, else gradient accumulation)
     notes: tuple[str, ...] = ()
@@ -69,11 +71,16 @@ class Repeats:
     def counts_blocks(self) -> bool:
         return self.fewer_blocks > 0
 
+    @property
+    def block_runs(self) -> int:
+        """Runs of ``block_period`` blocks between the first simulation and the job."""
+        return self.fewer_blocks // self.block_period
+
     def variants(self, job: Variant) -> list[Variant]:
         """The sizes to simulate ``job`` at: for each micro-batch count, each block count (blocks vary fastest);
         ``count_back`` in dry_run.py takes their runs in this order."""
         sizes = [None] if self.microbatches is None else list(self.microbatches)
-        fewer = [self.fewer_blocks, self.fewer_blocks - 1] if self.counts_blocks else [0]
+        fewer = [self.fewer_blocks, self.fewer_blocks - self.block_period] if self.counts_blocks else [0]
         out = []
         for m in sizes:
             v = job if m is None else with_microbatches(job, m)
@@ -100,37 +107,61 @@ def stage_blocks(plan: LaunchPlan) -> list[int]:
 
 def blocks_to_count(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str = "AdamW") -> tuple[int, str]:
     """Blocks per stage left out of the first simulation (0: every block simulated), and why."""
+    fewer, _, why = block_counting(plan, ac, optimizer)
+    return fewer, why
+
+
+def block_counting(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str = "AdamW") -> tuple[int, int, str]:
+    """(blocks per stage left out of the first simulation, 0: every block simulated; the blocks' period, which the
+    second simulation adds; why)."""
     counts = stage_blocks(plan)
     fewest = min(counts)
     if fewest < FEWEST_BLOCKS:
-        return 0, ""
+        return 0, 1, ""
     if optimizer in MUON_OPTIMIZERS:
-        return 0, ("every block simulated: Muon balances its owners over all the job's matrices, so a rank's "
-                   "share of the Newton-Schulz work does not grow by the same amount with each block")
+        return 0, 1, ("every block simulated: Muon balances its owners over all the job's matrices, so a rank's "
+                      "share of the Newton-Schulz work does not grow by the same amount with each block")
     if ac.mode == "selective" and not (is_per_op(ac.selective_ac_option) or ac.selective_ac_option == "1"):
-        return 0, (f"every block simulated: selective AC every {ac.selective_ac_option} blocks makes the blocks "
-                   "differ")
-    if not _blocks_alike(plan):
-        return 0, ("every block simulated: the model's blocks differ in their modules, parameter shapes or "
-                   "attention windows")
-    fewer = fewest - FIRST_SIMULATED
+        return 0, 1, (f"every block simulated: selective AC every {ac.selective_ac_option} blocks makes the blocks "
+                      "differ")
+    period = _block_period(plan)
+    if period is None:
+        return 0, 1, ("every block simulated: the model's blocks differ in their modules, parameter shapes or "
+                      "attention windows, in no short repeating pattern")
+    # A first block, at least one run of middle ones, and a last of the job's last block's kind.
+    first = period + 2 + (fewest - period - 2) % period
+    fewer = fewest - first
+    each = ("each middle block does the same work, traffic and memory" if period == 1 else
+            f"the blocks repeat every {period}, and each run of {period} middle blocks does the same work, traffic "
+            "and memory")
     if plan.pipeline is None:
-        return fewer, (f"blocks counted: 3 and 4 of the {fewest} simulated, the middle ones counted {fewest - 2} "
-                       "times (each middle block does the same work, traffic and memory)")
-    return fewer, (f"blocks counted: each stage simulated with {fewer} blocks fewer than it holds and with one "
-                   f"more ({FIRST_SIMULATED} and {FIRST_SIMULATED + 1} in a stage of {fewest}), its middle blocks "
-                   "counted (each does the same work, traffic and memory)")
+        counted = (f"the middle ones counted {fewest - 2} times" if period == 1 else
+                   f"the other {fewer} counted in runs of {period}")
+        return fewer, period, (f"blocks counted: {first} and {first + period} of the {fewest} simulated, {counted} "
+                               f"({each})")
+    more = "one more" if period == 1 else f"{period} more"
+    return fewer, period, (f"blocks counted: each stage simulated with {fewer} blocks fewer than it holds and with "
+                           f"{more} ({first} and {first + period} in a stage of {fewest}), its middle blocks counted "
+                           f"({each})")
 
 
-def _blocks_alike(plan: LaunchPlan) -> bool:
+_LONGEST_PERIOD = 4  # GPT-OSS alternates two kinds of block; past a few, counting would save little
+
+
+def _block_period(plan: LaunchPlan) -> int | None:
+    """The fewest blocks after which the model's blocks repeat (1: every block alike); None: none up to
+    ``_LONGEST_PERIOD`` (DeepSeek-V3's dense first blocks, say)."""
     with torch.device("meta"):
         model = plan.model_spec.build(plan.model_args)
     # A sliding window's block does less attention work than a full one's (GPT-OSS's alternate layers, priced
     # over the pairs each window keeps: sink_attention.py), so the window is part of a block's signature.
-    signatures = {(tuple((type(m).__name__, getattr(m, "window", None)) for m in block.modules()),
+    signatures = [(tuple((type(m).__name__, getattr(m, "window", None)) for m in block.modules()),
                    tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
-                  for block in model.get_submodule("layers").children()}
-    return len(signatures) == 1
+                  for block in model.get_submodule("layers").children()]
+    for period in range(1, _LONGEST_PERIOD + 1):
+        if all(signatures[i] == signatures[i - period] for i in range(period, len(signatures))):
+            return period
+    return None
 
 
 def with_fewer_blocks(plan: LaunchPlan, fewer: int) -> LaunchPlan:
@@ -222,9 +253,9 @@ def with_microbatches(job: Variant, m: int) -> Variant:
 def plan_repeats(plan: LaunchPlan, ac: ActivationCheckpoint, optimizer: str = "AdamW") -> Repeats:
     """What ``plan``'s ranks count rather than simulate (``ac``: the job's activation checkpointing; ``optimizer``:
     its ``--optimizer.name``)."""
-    fewer, why_blocks = blocks_to_count(plan, ac, optimizer)
+    fewer, period, why_blocks = block_counting(plan, ac, optimizer)
     sizes, job, why_microbatches = microbatches_to_count(plan)
-    return Repeats(fewer, sizes, job, tuple(line for line in (why_blocks, why_microbatches) if line))
+    return Repeats(fewer, period, sizes, job, tuple(line for line in (why_blocks, why_microbatches) if line))
 
 
 # ---- counting back -----------------------------------------------------------------------------------------------
