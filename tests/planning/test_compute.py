@@ -61,14 +61,17 @@ def test_in_place_updates_and_out_buffers_count_each_tensor_once_each_way():
     assert counted.bytes["add_"] == 3 * 4 * 100
 
 
-def test_an_in_place_index_add_moves_the_indexed_rows_only():
+def test_an_in_place_index_add_and_a_gather_move_the_indexed_rows_only():
     """The two-hop dispatch's sums add a few rows at a time into a large float32 buffer: priced as the source, the
-    index, and the rows it updates (read and written), not the whole buffer each time."""
+    index, and the rows it updates (read and written), not the whole buffer each time; a gather of a few rows from a
+    large tensor reads those rows."""
     total, rows = torch.zeros(1000, 8), torch.randn(10, 8, dtype=torch.bfloat16)
     index = torch.arange(10) * 7
     with _BytesByOp() as counted:
         total.index_add_(0, index, rows.float())
+        total.index_select(0, index)
     assert counted.bytes["index_add_"] == 10 * 8 + 10 * 8 * 4 + 2 * 10 * 8 * 4
+    assert counted.bytes["index_select"] == 10 * 8 + 2 * 10 * 8 * 4  # a gather reads only the rows it selects
 
 
 class _Ledger(TorchDispatchMode):

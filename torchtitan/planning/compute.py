@@ -128,6 +128,9 @@ def moved_bytes(func, args, kwargs, out) -> int:
         # A GPU's kernel reads the source and the index and updates only the indexed rows, not all of ``self``.
         this, index, source = args[0], args[2], args[3]
         return index.numel() * index.element_size() + source.numel() * (source.element_size() + 2 * this.element_size())
+    if func is torch.ops.aten.index_select.default:
+        # ... and a gather reads only the rows it selects.
+        return args[2].numel() * args[2].element_size() + 2 * out.numel() * out.element_size()
     read: dict[int, torch.Tensor] = {}
     written = {id(t): t for t in _tensors(out)}
     for i, arg in enumerate(op_schema(func).arguments):

@@ -137,7 +137,7 @@ class _GatherInChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         (index,) = ctx.saved_tensors
-        return add_in_chunks(grad, index, ctx.chunks, ctx.rows).to(grad.dtype), None, None
+        return _add_rows(grad, index, ctx.chunks, ctx.rows).to(grad.dtype), None, None
 
 
 def gather_in_chunks(x: torch.Tensor, index: torch.Tensor, chunks: list[int]) -> torch.Tensor:
@@ -145,13 +145,32 @@ def gather_in_chunks(x: torch.Tensor, index: torch.Tensor, chunks: list[int]) ->
     return _GatherInChunks.apply(x, index, chunks)
 
 
-def add_in_chunks(x: torch.Tensor, index: torch.Tensor, chunks: list[int], rows: int) -> torch.Tensor:
-    """``out[index[i]] += x[i]`` into ``rows`` zero rows of float32, chunk by chunk (each chunk's ``index``
-    distinct), in place: a GPU's kernel touches only the indexed rows."""
+def _add_rows(x: torch.Tensor, index: torch.Tensor, chunks: list[int], rows: int) -> torch.Tensor:
     total = x.new_zeros(rows, *x.shape[1:], dtype=torch.float32)
     for part, part_index in zip(x.split(chunks), index.split(chunks), strict=True):
         total.index_add_(0, part_index, part.float())
     return total
+
+
+class _AddInChunks(torch.autograd.Function):
+    """``_add_rows``; backward: one gather of the sum's gradient (its adjoint), in ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, chunks: list[int], rows: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(index)
+        ctx.dtype = x.dtype
+        return _add_rows(x, index, chunks, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index).to(ctx.dtype), None, None, None
+
+
+def add_in_chunks(x: torch.Tensor, index: torch.Tensor, chunks: list[int], rows: int) -> torch.Tensor:
+    """``out[index[i]] += x[i]`` into ``rows`` zero rows of float32, chunk by chunk (each chunk's ``index``
+    distinct, so the order of addition is the chunks'), in place: a GPU's kernel touches only the indexed rows."""
+    return _AddInChunks.apply(x, index, chunks, rows)
 
 
 def nodes_per_token(num_experts: int, top_k: int, nodes: int, num_groups: int, topk_groups: int) -> float:
