@@ -30,12 +30,20 @@ def _digest(t) -> str:  # noqa: ANN001
 
 
 class _CountAllToAlls(TorchDispatchMode):
+    """The expert all-to-alls sent, in all and by group label (the two-hop dispatch's hops; "ep" otherwise)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.by_group: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.calls += func is torch.ops._c10d_functional.all_to_all_single.default
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            from torchtitan.distributed.group_labels import extra_group_labels
+
+            self.calls += 1
+            label = extra_group_labels().get(args[3], "ep")
+            self.by_group[label] = self.by_group.get(label, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -64,7 +72,7 @@ def train(layout: Layout) -> dict:
     moved = _merged({fqn: float((end[fqn].double() - start[fqn].double()).norm()) for fqn in end}, world)
     return {"losses": losses, "grad_norms": grad_norms, "init": init, "final": final, "moved": moved,
             "biases": _biases(trainer), "moe_metrics": _moe_scalars(dump),
-            "all_to_alls": counter.calls}
+            "all_to_alls": counter.calls, "all_to_alls_by_group": counter.by_group}
 
 
 def _full(parts: list) -> dict:  # noqa: ANN001 - the model parts -> {fqn: full tensor}

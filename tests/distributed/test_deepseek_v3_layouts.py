@@ -17,7 +17,8 @@ with transformers trains as ``--model.flavor DIR`` from its weights under EP 2 x
 transformers' own. Selective AC 'moe' under EP 2 x FSDP 4 trains the same model too, and sends as many expert
 all-to-alls as that layout without AC (its recompute reuses the kept outputs). EP 2 x PP 2 trains it under
 DualPipeV too (V-shaped, EP borrowing TP's ranks), and EP 4 x FSDP 4 with the two-hop dispatch over 2 "nodes" of 2
-ranks (its sums grouped by node: within the same tolerances).
+ranks (its sums grouped by node: within the same tolerances), without AC and under selective AC 'exchange', which
+sends the first hop's all-to-alls no more often than without AC.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ MTP = "--model.mtp_layers=1"
 TB = ["--metrics.enable_tensorboard=true", "--metrics.log_freq=1"]
 RELEASE = "transformers release, EP2 x FSDP4"
 SAC_MOE = "EP2 x FSDP4, selective AC moe"
-COUNTED = ("EP2 x FSDP4", SAC_MOE)  # layouts whose all-to-alls are counted (moe_entry.py)
+TWO_HOP = "EP4 x FSDP4, two-hop over 2 nodes"
+TWO_HOP_EXCHANGE = f"{TWO_HOP}, selective AC exchange"
+# layouts whose all-to-alls are counted (moe_entry.py)
+COUNTED = ("EP2 x FSDP4", SAC_MOE, TWO_HOP, TWO_HOP_EXCHANGE)
 COMMON = ["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"), f"--training.steps={STEPS}",
           f"--training.seq_len={SEQ}", "--job.print_args=false", "--metrics.enable_tensorboard=false",
           f"--metrics.log_freq={STEPS}", "--training.deterministic", "--moe.load_balance_coeff=0.001",
@@ -60,7 +64,10 @@ PARITY = {
     SAC_MOE: _dims(4, 1, ep=2) + ["--activation_checkpoint.mode=selective",
                                   "--activation_checkpoint.selective_ac_option=moe"],
     # the two-hop dispatch (docs/moe.md): EP 4 as 2 "nodes" of 2 ranks, the shared expert beside the first hop
-    "EP4 x FSDP4, two-hop over 2 nodes": _dims(4, 1, ep=4) + ["--moe.dispatch_gpus_per_node=2"],
+    TWO_HOP: _dims(4, 1, ep=4) + ["--moe.dispatch_gpus_per_node=2"],
+    # selective AC 'exchange': the first hop's outputs kept (not sent again in the recompute), the rest recomputed
+    TWO_HOP_EXCHANGE: _dims(4, 1, ep=4) + ["--moe.dispatch_gpus_per_node=2", "--activation_checkpoint.mode=selective",
+                                           "--activation_checkpoint.selective_ac_option=exchange"],
     "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
     # EP borrowing TP's ranks: each TP rank routes its own sequence shard to the 4 EP ranks (ParallelDims)
     "EP4 on TP2 x FSDP2": _dims(2, 2, ep=4, tp=2),
@@ -174,8 +181,16 @@ def test_layout_trains_the_one_process_model(name, runs):
 def test_selective_ac_moe_sends_no_all_to_all_again(runs):
     """'moe' keeps every all-to-all's output (tokens and counts): its recompute sends none, so training under it
     sends as many as without AC (the parity test above: and trains the same model)."""
-    plain, kept = (runs[name]["all_to_alls"] for name in COUNTED)
+    plain, kept = (runs[name]["all_to_alls"] for name in COUNTED[:2])
     assert plain > 0 and kept == plain, (plain, kept)
+
+
+def test_selective_ac_exchange_sends_the_first_hop_once(runs):
+    """'exchange' with the two-hop dispatch keeps the first hop's outputs (across nodes): its recompute sends none of
+    them again, and sends the second hop's (within a node) again, as full AC would."""
+    plain, kept = (runs[name]["all_to_alls_by_group"] for name in (TWO_HOP, TWO_HOP_EXCHANGE))
+    assert plain["ep_inter_node"] > 0 and kept["ep_inter_node"] == plain["ep_inter_node"], (plain, kept)
+    assert kept["ep_intra_node"] > plain["ep_intra_node"] > 0, (plain, kept)
 
 
 def test_a_transformers_release_gives_transformers_step1_loss(runs, release):

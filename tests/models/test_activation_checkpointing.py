@@ -44,7 +44,7 @@ def test_checkpointed_blocks_recompute_and_keep_fqns_and_grads(mode, option, exp
 
 
 def test_bad_selective_option_is_rejected():
-    with pytest.raises(ValueError, match="use 'op', 'moe' or a positive integer"):
+    with pytest.raises(ValueError, match="use 'op', 'moe', 'exchange' or a positive integer"):
         apply_activation_checkpointing(Decoder(ARGS), "selective", "zero")
 
 
@@ -107,8 +107,8 @@ def _moe_backward(name: str, option: str | None) -> tuple[torch.Tensor, dict, co
     torch.manual_seed(0)
     model = get_model_spec(name).build(args)
     model.init_weights()
-    if option is not None:
-        apply_activation_checkpointing(model.train(), "selective", option)
+    if option is not None:  # "full", or a selective option
+        apply_activation_checkpointing(model.train(), "full" if option == "full" else "selective", option)
     loss = model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))).square().mean()
     with _CountBackwardProducts() as count:
         loss.backward()
@@ -132,7 +132,21 @@ def test_moe_policy_recomputes_the_router_and_up_projections_only_and_trains_the
     assert extra == {"aten.mm.default": len(marked), "aten._grouped_mm.default": 0}, (extra, marked)
 
 
-@pytest.mark.parametrize("option", ["op", "moe"])
+@pytest.mark.parametrize("name", list(MOE_DEBUG_MODELS))
+def test_exchange_policy_without_expert_parallelism_recomputes_every_product_and_trains_the_same_model(name):
+    """'exchange' keeps only the expert all-to-alls' outputs; with every expert on the rank there are none, so
+    backward reruns every product of the forward, as full AC does, and the model is the same bit for bit."""
+    loss, grads, plain, _ = _moe_backward(name, None)
+    ex_loss, ex_grads, recomputing, _ = _moe_backward(name, "exchange")
+    assert torch.equal(ex_loss, loss)
+    for fqn, grad in grads.items():
+        assert torch.equal(ex_grads[fqn], grad), fqn
+    _, _, full, _ = _moe_backward(name, "full")
+    assert recomputing == full and recomputing["aten._grouped_mm.default"] > plain["aten._grouped_mm.default"], (
+        recomputing, full, plain)
+
+
+@pytest.mark.parametrize("option", ["op", "moe", "exchange"])
 def test_per_op_ac_ignores_profiler_ranges_that_differ_in_the_recompute(option):
     """FSDP's hooks on a unit inside a block (the expert-parallel experts) open more ``record_function`` ranges
     in the recompute than in the forward under a pipeline: the per-op policies still recompute (it failed with
