@@ -149,6 +149,11 @@ def test_search_tries_ep_for_models_with_experts():
     # the per-op 'moe' AC policy is a candidate for a model with experts only
     moe_ac = "--activation_checkpoint.selective_ac_option=moe"
     assert any(moe_ac in layout for layout in moe) and not any(moe_ac in layout for layout in dense)
+    # 'exchange' too, under EP only (without it, it is full AC)
+    exchange = [layout for layout in moe if "--activation_checkpoint.selective_ac_option=exchange" in layout]
+    assert exchange and not any("--parallelism.expert_parallel_degree=1" in layout for layout in exchange)
+    assert {o for layout in exchange for o in layout if "expert_parallel_degree" in o} == {
+        f"--parallelism.expert_parallel_degree={ep}" for ep in (2, 4, 8)}
     ep8 = next(layout for layout in moe if "--parallelism.expert_parallel_degree=8" in layout)
     assert plan_job(_moe_cfg(*ep8), 8).dims.ep == 8  # what it proposes the preflight can take
 

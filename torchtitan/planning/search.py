@@ -63,10 +63,11 @@ _AC = "--activation_checkpoint."
 
 
 def _ac_choices(experts: int) -> list[list[str]]:
-    """Full and selective AC (the config's option); with experts also the per-op 'moe' policy, whose memory and
-    recompute the dry run measures from the ops it keeps, so the ranking prices it like the others."""
-    moe = [[f"{_AC}mode=selective", f"{_AC}selective_ac_option=moe"]] if experts else []
-    return [[f"{_AC}mode=full"], [f"{_AC}mode=selective"], *moe]
+    """Full and selective AC (the config's option); with experts also the per-op 'moe' and 'exchange' policies,
+    whose memory and recompute the dry run measures from the ops they keep, so the ranking prices them like the
+    others ('exchange' only under EP: without it, it is full AC)."""
+    per_op = [[f"{_AC}mode=selective", f"{_AC}selective_ac_option={p}"] for p in ("moe", "exchange")] if experts else []
+    return [[f"{_AC}mode=full"], [f"{_AC}mode=selective"], *per_op]
 
 
 def _ep_fits(ep: int, data: int, tp: int) -> bool:
@@ -92,6 +93,8 @@ def candidate_overrides(job: SearchBasis, world_size: int, gpus_per_node: int) -
         eps = [[f"--parallelism.expert_parallel_degree={ep}"] for ep in EP_DEGREES
                if _ep_fits(ep, dp * cp, tp) and experts % ep == 0] if experts else [[]]
         for (schedule, v), ac, ep in itertools.product(schedules, _ac_choices(experts), eps):
+            if f"{_AC}selective_ac_option=exchange" in ac and ep == ["--parallelism.expert_parallel_degree=1"]:
+                continue  # no expert exchange to keep: full AC, already a candidate
             o = [f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.pipeline_parallel_degree={pp}",
                  f"--parallelism.context_parallel_degree={cp}", "--parallelism.data_parallel_replicate_degree=1",
                  f"--parallelism.data_parallel_shard_degree={dp}", f"--training.batch_size={local}",
