@@ -11,7 +11,7 @@ groups are the nodes, a token crosses to at most 4 nodes instead of sending 7 co
 
 The result is the same sum over the same slots as the one-hop dispatcher, grouped by node: within a node in slot
 order, then over the nodes in node order, in float32 both, the partial sums rounded to the activations' dtype for
-their trip back. So the layouts agree to rounding, not bit for bit (``tests/distributed/test_moe_node_dispatch.py``).
+their trip back. So the layouts agree to rounding, not bit for bit (``tests/distributed/test_moe_expert_parallel.py``).
 No ``index_add`` has a repeated index: each sum adds one slot (or one node) at a time into distinct rows.
 
 The sizes of every exchange are read on the host, as in ``dispatch.py``; the planner's dry run, which has no values,
