@@ -18,7 +18,8 @@ transformers' own. Selective AC 'moe' under EP 2 x FSDP 4 trains the same model 
 all-to-alls as that layout without AC (its recompute reuses the kept outputs). EP 2 x PP 2 trains it under
 DualPipeV too (V-shaped, EP borrowing TP's ranks), and EP 4 x FSDP 4 with the two-hop dispatch over 2 "nodes" of 2
 ranks (its sums grouped by node: within the same tolerances), without AC and under selective AC 'exchange', which
-sends the first hop's all-to-alls no more often than without AC.
+sends the first hop's all-to-alls no more often than without AC; the two-hop dispatch also at EP 4 on TP 2 x FSDP 2
+and at EP 2 x PP 2 x FSDP 2 (Interleaved1F1B, two stages a rank).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ MTP = "--model.mtp_layers=1"
 TB = ["--metrics.enable_tensorboard=true", "--metrics.log_freq=1"]
 RELEASE = "transformers release, EP2 x FSDP4"
 SAC_MOE = "EP2 x FSDP4, selective AC moe"
-TWO_HOP = "EP4 x FSDP4, two-hop over 2 nodes"
+TWO_HOP_NAME = "two-hop over 2 nodes"
+TWO_HOP = f"EP4 x FSDP4, {TWO_HOP_NAME}"
 TWO_HOP_EXCHANGE = f"{TWO_HOP}, selective AC exchange"
 # layouts whose all-to-alls are counted (moe_entry.py)
 COUNTED = ("EP2 x FSDP4", SAC_MOE, TWO_HOP, TWO_HOP_EXCHANGE)
@@ -71,6 +73,12 @@ PARITY = {
     "EP2 x TP2": _dims(2, 2, ep=2, tp=2),
     # EP borrowing TP's ranks: each TP rank routes its own sequence shard to the 4 EP ranks (ParallelDims)
     "EP4 on TP2 x FSDP2": _dims(2, 2, ep=4, tp=2),
+    # the two-hop dispatch where EP borrows TP's ranks, and under a pipeline of two stages a rank (each stage's
+    # layers get their own hop groups): 2 "nodes" of 2 ranks, and 2 of one rank
+    f"EP4 on TP2 x FSDP2, {TWO_HOP_NAME}": _dims(2, 2, ep=4, tp=2) + ["--moe.dispatch_gpus_per_node=2"],
+    f"EP2 x PP2 x FSDP2, Interleaved1F1B, {TWO_HOP_NAME} of 1": _dims(2, 2, ep=2, pp=2) + [
+        "--parallelism.pipeline_parallel_microbatches=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+        "--moe.dispatch_gpus_per_node=1"],
     # multi-token prediction (one depth; its MoE block's experts EP-sharded too), against its own control
     "MTP, EP2 x FSDP4": _dims(4, 1, ep=2) + [MTP, *TB],
     # the MTP module's norms and eh_proj on the sequence shards, its block with a block's plan
