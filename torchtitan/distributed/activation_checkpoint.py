@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from torchtitan.compat.checkpointing import selective_contexts_without_profiler_markers
-from torchtitan.distributed.group_labels import extra_group_labels
+from torchtitan.distributed.group_labels import extra_group_labels, on_way_back
 from torchtitan.ops.cpu_kernels import onednn_available
 
 if TYPE_CHECKING:
@@ -132,14 +132,14 @@ def _mark_recomputed_modules(block: torch.nn.Module) -> int:
     return marked
 
 
-# Selective 'exchange' AC: full AC but for the expert exchanges whose recompute would cross the network again. Kept:
-# every expert all-to-all's output except the two-hop dispatch's second hop (its group labelled ep_intra_node: the
-# node's own ranks, NVLink), i.e. with the two-hop dispatch the first hop's (the tokens and partial sums across
-# nodes, their expert ids and weights, the counts), with one hop every exchange. Everything else is recomputed.
-# About half of full AC's exchanges over the network are then sent once instead of twice, for a fraction of the
-# memory 'moe' keeps (DeepSeek-V3 671B: benchmarks §39).
+# Selective 'exchange' AC: full AC but for the dispatched tokens' exchange across nodes, whose recompute would send
+# them over the network again. Kept: the output of every expert dispatch's all-to-all (tokens, counts, with the
+# two-hop dispatch its first hop's expert ids and weights) but the two-hop dispatch's second hop (its group labelled
+# ep_intra_node: the node's own ranks, NVLink); the ways back (group_labels.way_back) are recomputed, and all the
+# rest. Half of full AC's expert exchanges over the network are then sent once instead of twice, for half the memory
+# of keeping both ways (DeepSeek-V3 671B: benchmarks §39).
 def _exchange_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op is torch.ops._c10d_functional.all_to_all_single.default:
+    if op is torch.ops._c10d_functional.all_to_all_single.default and not on_way_back():
         within_node = extra_group_labels().get(args[3]) == "ep_intra_node"
         return CheckpointPolicy.PREFER_RECOMPUTE if within_node else CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

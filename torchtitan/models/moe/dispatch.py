@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtitan.distributed.group_labels import way_back
+
 
 @dataclass
 class Routing:
@@ -268,4 +270,5 @@ class AllToAllDispatcher:
         back = torch.empty_like(state.to_expert_major)
         back[state.to_expert_major] = torch.arange(back.numel(), device=back.device)
         rank_major = out.index_select(0, back)
-        return all_to_all_rows(rank_major, state.in_splits, state.out_splits, self.group)
+        with way_back():
+            return all_to_all_rows(rank_major, state.in_splits, state.out_splits, self.group)

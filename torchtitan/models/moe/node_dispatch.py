@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from torchtitan.distributed.group_labels import way_back
 from torchtitan.models.moe.dispatch import (
     AllToAllDispatcher,
     Routing,
@@ -74,7 +75,8 @@ class NodeDispatcher:
         shared = beside() if beside is not None else None
         relay_rows = _WaitAllToAll.apply(in_flight, received_per_node, per_node, self.inter, reverse)
         partial = self._relay(relay_rows, relay_experts, relay_weights, run)
-        back = all_to_all_rows(partial, per_node, received_per_node, self.inter)
+        with way_back():
+            back = all_to_all_rows(partial, per_node, received_per_node, self.inter)
         return add_in_chunks(back, pair_tokens, per_node, tokens.shape[0]).to(tokens.dtype), shared
 
     def _exchange_pair_counts(self, per_node: list[int], device: torch.device) -> list[int]:
