@@ -287,8 +287,8 @@ class ActivationCheckpoint:
     selective_ac_option: str = field_with_help(
         "2", "Selective AC: 'op' (keep every second linear output and attention's), 'moe' (keep the all-to-alls, "
         "grouped expert GEMMs, attention and linears; recompute norms, activations, the router and MLA's "
-        "up-projections), 'exchange' (keep only the expert all-to-alls across nodes: with the two-hop dispatch its "
-        "first hop; recompute the rest) or N (every N-th block)")
+        "up-projections), 'exchange' (keep only the expert dispatch's all-to-alls across nodes: with the two-hop "
+        "dispatch its first hop's; recompute the rest) or N (every N-th block)")
 
 
 @dataclass

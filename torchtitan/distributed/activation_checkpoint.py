@@ -184,15 +184,15 @@ def selective_ac_interval(option: str) -> int | None:
     if not (option.isdigit() and int(option) >= 1):
         raise ValueError(f"selective_ac_option={option}: use 'op', 'moe', 'exchange' or a positive integer N ('op' "
                          "keeps every second linear output, 'moe' the all-to-alls, grouped GEMMs and linears but the "
-                         "router's and MLA's up-projections, 'exchange' the expert all-to-alls across nodes only, N "
-                         "checkpoints every N-th block)")
+                         "router's and MLA's up-projections, 'exchange' the expert dispatch's all-to-alls across nodes "
+                         "only, N checkpoints every N-th block)")
     return int(option)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, selective_option: str) -> None:
     """full: recompute every block; selective 'op': keep every second linear output; selective 'moe': keep the
     all-to-alls, grouped GEMMs and linears but the router's and MLA's up-projections; selective 'exchange': keep
-    the expert all-to-alls across nodes only; selective N: every N-th block."""
+    the expert dispatch's all-to-alls across nodes only; selective N: every N-th block."""
     layers = model.layers
     if not isinstance(layers, torch.nn.ModuleDict):  # every family's decoder holds its blocks in one
         raise TypeError(f"activation checkpointing wraps the blocks in {type(model).__name__}.layers, a "
