@@ -239,3 +239,18 @@ def test_two_hop_dispatch_sends_each_token_once_per_node():
                                          bandwidth_only)
                        for row in run.traffic.rows() if row["kind"] == "all_to_all") for run in (r_two, r_one)]
         assert seconds[0] < 0.6 * seconds[1], seconds
+
+
+def test_nodes_per_token_is_the_routings_average_span():
+    """The planner's assumption for the two-hop dispatch: uniform routing over E experts on N nodes reaches
+    N (1 - C(E - E/N, k) / C(E, k)) nodes (Qwen3-235B-A22B on 4 nodes: 3.62); group-limited routing whose groups sit
+    in one node each reaches its topk_groups (DeepSeek-V3 on 8 nodes: 4), spread the same way over groups."""
+    from math import comb
+
+    from torchtitan.models.moe.node_dispatch import nodes_per_token
+
+    uniform = nodes_per_token(128, 8, 4, num_groups=1, topk_groups=1)
+    assert uniform == pytest.approx(4 * (1 - comb(96, 8) / comb(128, 8))) and uniform == pytest.approx(3.62, abs=0.01)
+    assert nodes_per_token(256, 8, 8, num_groups=8, topk_groups=4) == 4
+    assert nodes_per_token(256, 8, 4, num_groups=8, topk_groups=4) == pytest.approx(4 * (1 - comb(6, 4) / comb(8, 4)))
+    assert nodes_per_token(256, 8, 1, num_groups=8, topk_groups=4) == 1  # one node: every token stays
