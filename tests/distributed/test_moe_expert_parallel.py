@@ -319,3 +319,12 @@ def test_two_hop_dispatch_runs_the_shared_experts_while_the_first_hop_travels(wo
         assert torch.equal(on["y"], off["y"]), f"rank {rank}: output differs with the overlap"
         for name, grad in off["grads"].items():
             assert torch.equal(on["grads"][name], grad), f"rank {rank}: {name}.grad differs with the overlap"
+
+
+def test_two_hop_nodes_other_than_the_launchers_are_said():
+    from torchtitan.models.moe.parallel import launcher_node_mismatch
+
+    assert launcher_node_mismatch(8, None) is None and launcher_node_mismatch(8, "8") is None
+    assert launcher_node_mismatch(2, "4") == (
+        "--moe.dispatch_gpus_per_node=2, but the launcher runs 4 ranks per node: the two hops follow the option (the "
+        "same model), not the machines' nodes; set it to the GPUs per node")

@@ -24,6 +24,7 @@ so the experts scale by ``tp / ep``.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch.distributed as dist
 from torch import nn
@@ -90,6 +91,9 @@ def node_hop_groups(ep_group: dist.ProcessGroup,
     label_group(intra, "ep_intra_node")
     logger.info("Two-hop expert dispatch: %d expert-parallel ranks over %d nodes of %d (--moe.dispatch_gpus_per_node"
                 "=%d)", len(ranks), len(nodes), per_node, gpus_per_node)
+    mismatch = launcher_node_mismatch(gpus_per_node, os.environ.get("LOCAL_WORLD_SIZE"))
+    if mismatch:
+        logger.warning(mismatch)
     return inter, intra
 
 
@@ -104,3 +108,12 @@ def split_over_tp(moe: MoE, tp_mesh: DeviceMesh) -> None:
     moe.router.grad_group = group
     if moe.shared_experts is not None:
         moe.shared_experts.grad_group = group
+
+
+def launcher_node_mismatch(gpus_per_node: int, local_world_size: str | None) -> str | None:
+    """The line that says the option's nodes are not the launcher's (torchrun's ranks per node), or None: the model
+    is the same either way, but the first hop then crosses no network, or the second does."""
+    if local_world_size is None or int(local_world_size) == gpus_per_node:
+        return None
+    return (f"--moe.dispatch_gpus_per_node={gpus_per_node}, but the launcher runs {local_world_size} ranks per node: "
+            "the two hops follow the option (the same model), not the machines' nodes; set it to the GPUs per node")
