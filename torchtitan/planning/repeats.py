@@ -25,7 +25,7 @@ micro-batch's activations where every forward runs before the first backward, by
 warm-up sets how many are in flight. ``MICROBATCH_START`` gives, per schedule, the first count from
 which that holds and the size of a stretch; the two simulations are that count and one stretch more.
 Gradient accumulation over a pipeline counts whole schedules instead: each micro-step past the first
-runs the same schedule and adds to the same gradients (DeepSeek-V3 671B accumulates 5, Kimi K2 64).
+runs the same schedule and adds to the same gradients (Kimi K2 accumulates 16 flushes; DeepSeek-V3 671B runs one).
 
 tests/planning/test_repeats.py checks each against the simulation of the whole step.
 """
