@@ -47,10 +47,11 @@ def test_selective_ac_option_is_checked_before_any_process_group(option):
     # It used to be checked only while the model was wrapped, after the process group existed.
     args = ["--activation_checkpoint.mode=selective", f"--activation_checkpoint.selective_ac_option={option}"]
     (line,) = check_config(parse(*args))
-    assert line.startswith(f"--activation_checkpoint.selective_ac_option={option}: use 'op', 'moe' or a positive")
+    assert line.startswith(f"--activation_checkpoint.selective_ac_option={option}: use 'op', 'moe', 'exchange' or a "
+                           "positive")
     assert check_config(parse("--activation_checkpoint.mode=full",
                               "--activation_checkpoint.selective_ac_option=x")) == []
-    for good in ("op", "moe", "1", "3"):
+    for good in ("op", "moe", "exchange", "1", "3"):
         assert check_config(parse("--activation_checkpoint.mode=selective",
                                   f"--activation_checkpoint.selective_ac_option={good}")) == []
 
